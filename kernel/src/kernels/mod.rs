@@ -1,0 +1,50 @@
+//! The selection kernels: pure functions over columns and an eligibility
+//! mask. Each SIMD kernel has a scalar reference beside it (`*_reference`),
+//! written to be obviously correct, with the same signature, the same result
+//! and the same random draws; `tests` compares every pair.
+//!
+//! Kernels never allocate, never lock and never write to the fleet: booking
+//! is `fleet`'s job, filtering is the host's.
+
+mod argmin;
+pub mod device_aware;
+pub mod index;
+pub mod kv_cost;
+pub mod least_loaded;
+pub mod pick;
+
+#[cfg(test)]
+mod tests;
+
+pub use argmin::{argmin, argmin_reference, ArgminKey};
+
+/// Why a kernel refused its input.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KernelError {
+    /// An eligible row's cost is NaN or infinite.
+    NonFiniteCost {
+        /// The first such row, in row order.
+        row: usize,
+    },
+    /// The temperature is negative or not finite.
+    BadTemperature,
+    /// A column is shorter than the number of rows scanned.
+    ColumnTooShort {
+        /// Rows the kernel was asked to scan.
+        rows: usize,
+        /// Length of the short column.
+        len: usize,
+    },
+}
+
+impl core::fmt::Display for KernelError {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        match self {
+            KernelError::NonFiniteCost { row } => write!(f, "row {row} has a non-finite cost"),
+            KernelError::BadTemperature => f.write_str("temperature must be finite and >= 0"),
+            KernelError::ColumnTooShort { rows, len } => {
+                write!(f, "column has {len} rows, scan needs {rows}")
+            }
+        }
+    }
+}

@@ -1,0 +1,38 @@
+//! # selkie-kernel
+//!
+//! The no_std, allocation-free, lock-free core of selkie: the fleet stored as
+//! a structure of arrays (one column per signal, one row per worker slot,
+//! padded to whole SIMD lane groups), the SIMD selection kernels with their
+//! scalar references, and the atomic booking protocol.
+//!
+//! It knows nothing of discovery, plugins, configuration files or I/O: that is
+//! the `selkie` host crate's job.
+//!
+//! * [`kernels`]: least-loaded, power-of-two, random, round-robin, the default
+//!   KV cost, the pick (argmin or softmax) and device-aware weighted.
+//! * [`mask`]: eligibility bitmasks.
+//! * [`Rng`]: the seedable generator every random choice goes through.
+//! * [`lanes`]: the lane width, column access and the SIMD backend choice.
+//!
+//! ```
+//! use selkie_kernel::{kernels::least_loaded::least_loaded, Rng};
+//! let in_flight = [3u32, 0, 2, 0];
+//! let eligible = [0b1101u64]; // row 1 filtered out
+//! assert_eq!(least_loaded(&in_flight[..], &eligible, &mut Rng::new(9)), Some(3));
+//! ```
+#![no_std]
+#![deny(missing_docs)]
+#![warn(clippy::undocumented_unsafe_blocks)]
+
+#[cfg(test)]
+extern crate std;
+
+pub mod kernels;
+pub mod lanes;
+pub mod mask;
+mod rng;
+mod sync;
+
+pub use kernels::KernelError;
+pub use mask::RowMask;
+pub use rng::Rng;
