@@ -43,6 +43,12 @@ pub trait U32Source {
     fn value(&self, row: usize) -> u32;
     /// The `LANES` values of lane group `group` (`(group + 1) * LANES <= rows()`).
     fn group(&self, group: usize) -> u32x8;
+    /// Eight consecutive lane groups (64 rows, one mask word) from
+    /// `first_group`; implementations bounds-check once for the block.
+    #[inline(always)]
+    fn block(&self, first_group: usize) -> [u32x8; 8] {
+        core::array::from_fn(|i| self.group(first_group + i))
+    }
 }
 
 /// A column of `f32` values a kernel can read one lane group at a time.
@@ -53,6 +59,11 @@ pub trait F32Source {
     fn value(&self, row: usize) -> f32;
     /// The `LANES` values of lane group `group` (`(group + 1) * LANES <= rows()`).
     fn group(&self, group: usize) -> f32x8;
+    /// Eight consecutive lane groups (64 rows) from `first_group`.
+    #[inline(always)]
+    fn block(&self, first_group: usize) -> [f32x8; 8] {
+        core::array::from_fn(|i| self.group(first_group + i))
+    }
 }
 
 impl U32Source for [u32] {
@@ -66,7 +77,9 @@ impl U32Source for [u32] {
     }
     #[inline]
     fn group(&self, group: usize) -> u32x8 {
-        let s: &[u32; LANES] = self[group * LANES..][..LANES].try_into().unwrap_or_else(|_| unreachable!());
+        let s: &[u32; LANES] = self[group * LANES..][..LANES]
+            .try_into()
+            .unwrap_or_else(|_| unreachable!());
         u32x8::from(*s)
     }
 }
@@ -82,7 +95,9 @@ impl F32Source for [f32] {
     }
     #[inline]
     fn group(&self, group: usize) -> f32x8 {
-        let s: &[f32; LANES] = self[group * LANES..][..LANES].try_into().unwrap_or_else(|_| unreachable!());
+        let s: &[f32; LANES] = self[group * LANES..][..LANES]
+            .try_into()
+            .unwrap_or_else(|_| unreachable!());
         f32x8::from(*s)
     }
 }
@@ -143,7 +158,9 @@ impl<const GROUPS: usize> Column<GROUPS> {
     /// A column with every row set to `v`.
     #[cfg(selkie_loom)]
     pub(crate) fn new(v: u32) -> Self {
-        Column { groups: core::array::from_fn(|_| AtomicGroup::new(v)) }
+        Column {
+            groups: core::array::from_fn(|_| AtomicGroup::new(v)),
+        }
     }
     /// The atomic of one row.
     #[inline]
@@ -154,7 +171,11 @@ impl<const GROUPS: usize> Column<GROUPS> {
     #[inline]
     pub(crate) fn view(&self, rows: usize, decode: Decode) -> AtomicView<'_> {
         debug_assert!(rows <= GROUPS * LANES);
-        AtomicView { groups: &self.groups, rows, decode }
+        AtomicView {
+            groups: &self.groups,
+            rows,
+            decode,
+        }
     }
 }
 

@@ -27,6 +27,11 @@ pub trait ArgminKey {
     fn key(&self, row: usize) -> Self::Key;
     /// Keys of one lane group.
     fn keys(&self, group: usize) -> Self::Lanes;
+    /// Keys of eight consecutive lane groups (one mask word of rows).
+    #[inline(always)]
+    fn key_block(&self, first_group: usize) -> [Self::Lanes; 8] {
+        core::array::from_fn(|i| self.keys(first_group + i))
+    }
 }
 
 /// Lane operations the argmin needs, for `u32` and `f32` keys.
@@ -54,7 +59,11 @@ impl KeyLanes for u32x8 {
     }
     #[inline(always)]
     fn min_eligible(self, keys: Self, bits: u8) -> Self {
-        self.min(keys | !lane_mask(bits))
+        if bits == 0xFF {
+            self.min(keys)
+        } else {
+            self.min(keys | !lane_mask(bits))
+        }
     }
     #[inline(always)]
     fn eq_bits(self, k: u32) -> u8 {
@@ -75,8 +84,12 @@ impl KeyLanes for f32x8 {
     }
     #[inline(always)]
     fn min_eligible(self, keys: Self, bits: u8) -> Self {
-        let m: f32x8 = bytemuck::cast(lane_mask(bits));
-        self.fast_min(m.blend(keys, f32x8::splat(f32::INFINITY)))
+        if bits == 0xFF {
+            self.fast_min(keys)
+        } else {
+            let m: f32x8 = bytemuck::cast(lane_mask(bits));
+            self.fast_min(m.blend(keys, f32x8::splat(f32::INFINITY)))
+        }
     }
     #[inline(always)]
     fn eq_bits(self, k: f32) -> u8 {
@@ -85,6 +98,40 @@ impl KeyLanes for f32x8 {
     #[inline(always)]
     fn reduce_min(self) -> f32 {
         self.to_array().into_iter().fold(f32::INFINITY, f32::min)
+    }
+}
+
+/// Visits the lane groups `0..groups` that have at least one eligible row,
+/// calling `f(group, bits)`. Whole mask words are handled at once: an all-ones
+/// word (the common case: every live worker eligible) runs eight groups with
+/// no per-group mask work, an all-zeros word is skipped.
+#[inline(always)]
+fn for_each_eligible_group<C: ArgminKey + ?Sized>(
+    col: &C,
+    mask: &[u64],
+    groups: usize,
+    first: usize,
+    mut f: impl FnMut(usize, u8, C::Lanes) -> bool,
+) {
+    let mut g = first;
+    while g < groups {
+        let word = mask.get(g / 8).copied().unwrap_or(0) >> ((g % 8) * 8);
+        let block_end = ((g / 8) + 1) * 8;
+        if block_end <= groups && g % 8 == 0 && word == u64::MAX {
+            for gg in g..block_end {
+                if !f(gg, 0xFF, col.keys(gg)) {
+                    return;
+                }
+            }
+        } else if word != 0 {
+            for gg in g..block_end.min(groups) {
+                let bits = (word >> ((gg - g) * 8)) as u8;
+                if bits != 0 && !f(gg, bits, col.keys(gg)) {
+                    return;
+                }
+            }
+        }
+        g = block_end;
     }
 }
 
@@ -102,71 +149,58 @@ where
     let groups = rows / LANES;
     // Pass 1: minimum.
     let mut acc = <C::Lanes as KeyLanes>::worst();
-    for g in 0..groups {
-        let bits = group_bits(mask, g);
-        if bits != 0 {
-            acc = acc.min_eligible(col.keys(g), bits);
-        }
-    }
+    for_each_eligible_group(col, mask, groups, 0, |_, bits, keys| {
+        acc = acc.min_eligible(keys, bits);
+        true
+    });
     let mut min = acc.reduce_min();
-    let mut any = false;
     for row in groups * LANES..rows {
         if contains(mask, row) {
             let k = col.key(row);
             if k < min {
                 min = k;
             }
-            any = true;
         }
     }
     // Pass 2: ties (and whether anything is eligible at all).
     let mut ties = 0usize;
     let mut first_group = groups;
-    for g in 0..groups {
-        let bits = group_bits(mask, g);
-        if bits != 0 {
-            let t = col.keys(g).eq_bits(min) & bits;
-            if t != 0 && ties == 0 {
-                first_group = g;
-            }
-            ties += t.count_ones() as usize;
+    for_each_eligible_group(col, mask, groups, 0, |g, bits, keys| {
+        let t = keys.eq_bits(min) & bits;
+        if t != 0 && ties == 0 {
+            first_group = g;
         }
-    }
+        ties += t.count_ones() as usize;
+        true
+    });
     for row in groups * LANES..rows {
         if contains(mask, row) && col.key(row) == min {
             ties += 1;
         }
     }
     if ties == 0 {
-        debug_assert!(!any || min == <C::Lanes as KeyLanes>::WORST);
         return None;
     }
     let mut k = if ties > 1 { rng.below(ties as u64) as usize } else { 0 };
-    // Pass 3: the k-th tie in row order.
-    for g in first_group..groups {
-        let bits = group_bits(mask, g);
-        if bits != 0 {
-            let t = col.keys(g).eq_bits(min) & bits;
-            let c = t.count_ones() as usize;
-            if k < c {
-                let mut t = t;
-                for _ in 0..k {
-                    t &= t - 1;
-                }
-                return Some(g * LANES + t.trailing_zeros() as usize);
+    // Pass 3: the k-th tie in row order, from the group of the first tie.
+    let mut found = None;
+    for_each_eligible_group(col, mask, groups, first_group, |g, bits, keys| {
+        let mut t = keys.eq_bits(min) & bits;
+        let c = t.count_ones() as usize;
+        if k < c {
+            for _ in 0..k {
+                t &= t - 1;
             }
-            k -= c;
+            found = Some(g * LANES + t.trailing_zeros() as usize);
+            return false;
         }
+        k -= c;
+        true
+    });
+    if found.is_some() {
+        return found;
     }
-    for row in groups * LANES..rows {
-        if contains(mask, row) && col.key(row) == min {
-            if k == 0 {
-                return Some(row);
-            }
-            k -= 1;
-        }
-    }
-    None
+    (groups * LANES..rows).filter(|&row| contains(mask, row) && col.key(row) == min).nth(k)
 }
 
 /// Scalar reference of [`argmin`]: same result, same draws.
@@ -181,7 +215,11 @@ pub fn argmin_reference<C: ArgminKey + ?Sized>(col: &C, mask: &[u64], rng: &mut 
         }
     }
     let min = min?;
-    let ties = (0..col.rows()).filter(|&r| contains(mask, r) && col.key(r) == min).count();
+    let ties = (0..col.rows())
+        .filter(|&r| contains(mask, r) && col.key(r) == min)
+        .count();
     let k = if ties > 1 { rng.below(ties as u64) as usize } else { 0 };
-    (0..col.rows()).filter(|&r| contains(mask, r) && col.key(r) == min).nth(k)
+    (0..col.rows())
+        .filter(|&r| contains(mask, r) && col.key(r) == min)
+        .nth(k)
 }
