@@ -43,10 +43,10 @@ pub trait U32Source {
     fn value(&self, row: usize) -> u32;
     /// The `LANES` values of lane group `group` (`(group + 1) * LANES <= rows()`).
     fn group(&self, group: usize) -> u32x8;
-    /// Eight consecutive lane groups (64 rows, one mask word) from
-    /// `first_group`; implementations bounds-check once for the block.
+    /// Eight lane groups (64 rows, one mask word) from `first_group`
+    /// (`(first_group + 8) * LANES <= rows()`); one bounds check for all.
     #[inline(always)]
-    fn block(&self, first_group: usize) -> [u32x8; 8] {
+    fn groups8(&self, first_group: usize) -> [u32x8; 8] {
         core::array::from_fn(|i| self.group(first_group + i))
     }
 }
@@ -59,9 +59,9 @@ pub trait F32Source {
     fn value(&self, row: usize) -> f32;
     /// The `LANES` values of lane group `group` (`(group + 1) * LANES <= rows()`).
     fn group(&self, group: usize) -> f32x8;
-    /// Eight consecutive lane groups (64 rows) from `first_group`.
+    /// Eight lane groups (64 rows, one mask word) from `first_group`.
     #[inline(always)]
-    fn block(&self, first_group: usize) -> [f32x8; 8] {
+    fn groups8(&self, first_group: usize) -> [f32x8; 8] {
         core::array::from_fn(|i| self.group(first_group + i))
     }
 }
@@ -77,10 +77,18 @@ impl U32Source for [u32] {
     }
     #[inline]
     fn group(&self, group: usize) -> u32x8 {
-        let s: &[u32; LANES] = self[group * LANES..][..LANES]
-            .try_into()
-            .unwrap_or_else(|_| unreachable!());
-        u32x8::from(*s)
+        // `as_chunks` gives LLVM the chunk count, so loops over `0..rows / LANES`
+        // need no bounds check per group.
+        u32x8::from(self.as_chunks::<LANES>().0[group])
+    }
+    #[inline(always)]
+    fn groups8(&self, first_group: usize) -> [u32x8; 8] {
+        let block: &[u32; 8 * LANES] = self.as_chunks::<{ 8 * LANES }>().0[..]
+            .get(first_group / 8)
+            .filter(|_| first_group % 8 == 0)
+            .unwrap_or_else(|| panic!("groups8({first_group}) out of range or unaligned"));
+        let groups: &[[u32; LANES]; 8] = bytemuck::cast_ref(block);
+        groups.map(u32x8::from)
     }
 }
 
@@ -95,10 +103,16 @@ impl F32Source for [f32] {
     }
     #[inline]
     fn group(&self, group: usize) -> f32x8 {
-        let s: &[f32; LANES] = self[group * LANES..][..LANES]
-            .try_into()
-            .unwrap_or_else(|_| unreachable!());
-        f32x8::from(*s)
+        f32x8::from(self.as_chunks::<LANES>().0[group])
+    }
+    #[inline(always)]
+    fn groups8(&self, first_group: usize) -> [f32x8; 8] {
+        let block: &[f32; 8 * LANES] = self.as_chunks::<{ 8 * LANES }>().0[..]
+            .get(first_group / 8)
+            .filter(|_| first_group % 8 == 0)
+            .unwrap_or_else(|| panic!("groups8({first_group}) out of range or unaligned"));
+        let groups: &[[f32; LANES]; 8] = bytemuck::cast_ref(block);
+        groups.map(f32x8::from)
     }
 }
 

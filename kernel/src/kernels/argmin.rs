@@ -3,17 +3,22 @@
 //!
 //! ```text
 //! pass 1: m     = min over eligible rows of key(row)          (SIMD min)
-//! pass 2: ties  = #{eligible rows with key == m}              (SIMD compare + popcount)
+//! pass 2: ties  = #{eligible rows with key == m}              (SIMD compare, lane counters)
+//!         remembering the tie count of each 64-row mask word
 //!         k     = 0 if ties == 1 else rng.below(ties)         (exactly one draw iff ties > 1)
-//! pass 3: return the k-th tie in row order, starting at the group of the first tie
+//! pass 3: skip whole words by their remembered counts, then find the k-th
+//!         tie inside one word (8 lane groups)
 //! ```
+//!
+//! Mask words that are all ones (every row eligible: the common case) take a
+//! path with no per-group mask work; all-zero words are skipped.
 //!
 //! Keys are compared with `<` / `==`; callers guarantee keys are not NaN.
 
 use crate::lanes::{lane_bits, lane_bits_f32, lane_mask, LANES};
-use crate::mask::{contains, group_bits};
+use crate::mask::contains;
 use crate::Rng;
-use wide::{f32x8, u32x8, CmpEq};
+use wide::{f32x8, i32x8, u32x8, CmpEq};
 
 /// A column of keys that the argmin can read one lane group at a time.
 pub trait ArgminKey {
@@ -27,9 +32,10 @@ pub trait ArgminKey {
     fn key(&self, row: usize) -> Self::Key;
     /// Keys of one lane group.
     fn keys(&self, group: usize) -> Self::Lanes;
-    /// Keys of eight consecutive lane groups (one mask word of rows).
+    /// Keys of the eight lane groups of one full mask word (`first_group`
+    /// is a multiple of 8 and `first_group + 8 <= rows() / LANES`).
     #[inline(always)]
-    fn key_block(&self, first_group: usize) -> [Self::Lanes; 8] {
+    fn keys8(&self, first_group: usize) -> [Self::Lanes; 8] {
         core::array::from_fn(|i| self.keys(first_group + i))
     }
 }
@@ -46,6 +52,8 @@ pub trait KeyLanes: Copy {
     fn min_eligible(self, keys: Self, bits: u8) -> Self;
     /// Bits of lanes equal to `k`.
     fn eq_bits(self, k: Self::Key) -> u8;
+    /// All-ones in lanes equal to `k`, zero elsewhere.
+    fn eq_lanes(self, k: Self::Key) -> u32x8;
     /// Horizontal min.
     fn reduce_min(self) -> Self::Key;
 }
@@ -68,6 +76,10 @@ impl KeyLanes for u32x8 {
     #[inline(always)]
     fn eq_bits(self, k: u32) -> u8 {
         lane_bits(self.cmp_eq(u32x8::splat(k)))
+    }
+    #[inline(always)]
+    fn eq_lanes(self, k: u32) -> u32x8 {
+        self.cmp_eq(u32x8::splat(k))
     }
     #[inline(always)]
     fn reduce_min(self) -> u32 {
@@ -96,43 +108,76 @@ impl KeyLanes for f32x8 {
         lane_bits_f32(self.cmp_eq(f32x8::splat(k)))
     }
     #[inline(always)]
+    fn eq_lanes(self, k: f32) -> u32x8 {
+        bytemuck::cast(self.cmp_eq(f32x8::splat(k)))
+    }
+    #[inline(always)]
     fn reduce_min(self) -> f32 {
         self.to_array().into_iter().fold(f32::INFINITY, f32::min)
     }
 }
 
-/// Visits the lane groups `0..groups` that have at least one eligible row,
-/// calling `f(group, bits)`. Whole mask words are handled at once: an all-ones
-/// word (the common case: every live worker eligible) runs eight groups with
-/// no per-group mask work, an all-zeros word is skipped.
+/// Mask words (64 rows each) whose tie counts pass 2 remembers on the stack
+/// so pass 3 can jump to the word holding the chosen tie: 16,384 rows in 256
+/// bytes. Words past it are recounted in pass 3.
+const REMEMBERED_WORDS: usize = 256;
+
+/// Lane groups `[first, end)` covered by mask word `w`, and the word.
 #[inline(always)]
-fn for_each_eligible_group<C: ArgminKey + ?Sized>(
-    col: &C,
-    mask: &[u64],
-    groups: usize,
-    first: usize,
-    mut f: impl FnMut(usize, u8, C::Lanes) -> bool,
-) {
-    let mut g = first;
-    while g < groups {
-        let word = mask.get(g / 8).copied().unwrap_or(0) >> ((g % 8) * 8);
-        let block_end = ((g / 8) + 1) * 8;
-        if block_end <= groups && g % 8 == 0 && word == u64::MAX {
-            for gg in g..block_end {
-                if !f(gg, 0xFF, col.keys(gg)) {
-                    return;
-                }
-            }
-        } else if word != 0 {
-            for gg in g..block_end.min(groups) {
-                let bits = (word >> ((gg - g) * 8)) as u8;
-                if bits != 0 && !f(gg, bits, col.keys(gg)) {
-                    return;
-                }
+fn word_span(mask: &[u64], w: usize, groups: usize) -> (usize, usize, u64) {
+    let first = w * 8;
+    (first, (first + 8).min(groups), mask.get(w).copied().unwrap_or(0))
+}
+
+/// Pass 1 over one mask word: folds its eligible keys into `acc`.
+#[inline(always)]
+fn min_of_word<C>(col: &C, mask: &[u64], w: usize, groups: usize, mut acc: C::Lanes) -> C::Lanes
+where
+    C: ArgminKey + ?Sized,
+    C::Lanes: KeyLanes<Key = C::Key>,
+{
+    let (first, end, word) = word_span(mask, w, groups);
+    if word == u64::MAX && end - first == 8 {
+        // Constant trip count: unrolled, no mask work.
+        for keys in col.keys8(first) {
+            acc = acc.min_eligible(keys, 0xFF);
+        }
+    } else if word != 0 {
+        for g in first..end {
+            let bits = (word >> ((g - first) * 8)) as u8;
+            if bits != 0 {
+                acc = acc.min_eligible(col.keys(g), bits);
             }
         }
-        g = block_end;
     }
+    acc
+}
+
+/// Number of eligible rows of mask word `w` whose key equals `min`.
+#[inline(always)]
+fn ties_in_word<C>(col: &C, mask: &[u64], w: usize, groups: usize, min: C::Key) -> usize
+where
+    C: ArgminKey + ?Sized,
+    C::Lanes: KeyLanes<Key = C::Key>,
+{
+    let (first, end, word) = word_span(mask, w, groups);
+    // Lane counters: an all-ones (equal) lane is -1, so subtracting adds one.
+    let mut lane_ties = u32x8::ZERO;
+    if word == u64::MAX && end - first == 8 {
+        for keys in col.keys8(first) {
+            lane_ties -= keys.eq_lanes(min);
+        }
+    } else if word != 0 {
+        for g in first..end {
+            let bits = (word >> ((g - first) * 8)) as u8;
+            if bits != 0 {
+                lane_ties -= col.keys(g).eq_lanes(min) & lane_mask(bits);
+            }
+        }
+    } else {
+        return 0;
+    }
+    bytemuck::cast::<u32x8, i32x8>(lane_ties).reduce_add() as usize
 }
 
 /// SIMD argmin with uniform random ties. See the module docs.
@@ -147,14 +192,15 @@ where
 {
     let rows = col.rows();
     let groups = rows / LANES;
+    let words = groups.div_ceil(8);
+    let tail = groups * LANES..rows;
     // Pass 1: minimum.
     let mut acc = <C::Lanes as KeyLanes>::worst();
-    for_each_eligible_group(col, mask, groups, 0, |_, bits, keys| {
-        acc = acc.min_eligible(keys, bits);
-        true
-    });
+    for w in 0..words {
+        acc = min_of_word(col, mask, w, groups, acc);
+    }
     let mut min = acc.reduce_min();
-    for row in groups * LANES..rows {
+    for row in tail.clone() {
         if contains(mask, row) {
             let k = col.key(row);
             if k < min {
@@ -162,45 +208,48 @@ where
             }
         }
     }
-    // Pass 2: ties (and whether anything is eligible at all).
+    // Pass 2: ties, remembering each word's count.
+    let mut word_ties = [0u8; REMEMBERED_WORDS];
     let mut ties = 0usize;
-    let mut first_group = groups;
-    for_each_eligible_group(col, mask, groups, 0, |g, bits, keys| {
-        let t = keys.eq_bits(min) & bits;
-        if t != 0 && ties == 0 {
-            first_group = g;
+    for w in 0..words {
+        let c = ties_in_word(col, mask, w, groups, min);
+        if let Some(slot) = word_ties.get_mut(w) {
+            *slot = c as u8; // at most 64
         }
-        ties += t.count_ones() as usize;
-        true
-    });
-    for row in groups * LANES..rows {
-        if contains(mask, row) && col.key(row) == min {
-            ties += 1;
-        }
+        ties += c;
     }
+    let tail_ties = tail.clone().filter(|&row| contains(mask, row) && col.key(row) == min).count();
+    ties += tail_ties;
     if ties == 0 {
         return None;
     }
     let mut k = if ties > 1 { rng.below(ties as u64) as usize } else { 0 };
-    // Pass 3: the k-th tie in row order, from the group of the first tie.
-    let mut found = None;
-    for_each_eligible_group(col, mask, groups, first_group, |g, bits, keys| {
-        let mut t = keys.eq_bits(min) & bits;
-        let c = t.count_ones() as usize;
-        if k < c {
-            for _ in 0..k {
-                t &= t - 1;
-            }
-            found = Some(g * LANES + t.trailing_zeros() as usize);
-            return false;
+    // Pass 3: skip whole words, then the k-th tie inside one word.
+    for w in 0..words {
+        let c = match word_ties.get(w) {
+            Some(&c) => c as usize,
+            None => ties_in_word(col, mask, w, groups, min),
+        };
+        if k >= c {
+            k -= c;
+            continue;
         }
-        k -= c;
-        true
-    });
-    if found.is_some() {
-        return found;
+        let (first, end, word) = word_span(mask, w, groups);
+        for g in first..end {
+            let bits = (word >> ((g - first) * 8)) as u8;
+            let mut t = col.keys(g).eq_bits(min) & bits;
+            let c = t.count_ones() as usize;
+            if k < c {
+                for _ in 0..k {
+                    t &= t - 1;
+                }
+                return Some(g * LANES + t.trailing_zeros() as usize);
+            }
+            k -= c;
+        }
+        unreachable!("word {w} counted more ties than it holds");
     }
-    (groups * LANES..rows).filter(|&row| contains(mask, row) && col.key(row) == min).nth(k)
+    tail.filter(|&row| contains(mask, row) && col.key(row) == min).nth(k)
 }
 
 /// Scalar reference of [`argmin`]: same result, same draws.
@@ -222,4 +271,32 @@ pub fn argmin_reference<C: ArgminKey + ?Sized>(col: &C, mask: &[u64], rng: &mut 
     (0..col.rows())
         .filter(|&r| contains(mask, r) && col.key(r) == min)
         .nth(k)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::least_loaded::{least_loaded, least_loaded_reference};
+    use std::vec::Vec;
+
+    /// Past `REMEMBERED_WORDS` words pass 3 recounts instead of reading the
+    /// stack counts; ties placed on both sides of that boundary, with a
+    /// partial mask word and a tail, must still match the reference for every
+    /// draw.
+    #[test]
+    fn ties_beyond_remembered_words_match_reference() {
+        let rows = REMEMBERED_WORDS * 64 + 3 * 64 + 8 * 3 + 5;
+        let mut active: Vec<u32> = (0..rows as u32).map(|r| 5 + r % 7).collect();
+        for &r in &[3, 100, REMEMBERED_WORDS * 64 - 1, REMEMBERED_WORDS * 64 + 70, rows - 2] {
+            active[r] = 1;
+        }
+        let mut mask: Vec<u64> = std::vec![u64::MAX; rows.div_ceil(64)];
+        mask[2] = 0xF0F0_F0F0_F0F0_F0F0; // a partial word
+        for seed in 0..200 {
+            let (mut a, mut b) = (Rng::new(seed), Rng::new(seed));
+            let simd = least_loaded(&active[..], &mask, &mut a);
+            assert_eq!(simd, least_loaded_reference(&active[..], &mask, &mut b), "seed {seed}");
+            assert_eq!(a, b);
+        }
+    }
 }

@@ -32,8 +32,8 @@ impl<A: U32Source + ?Sized> ArgminKey for Active<'_, A> {
         self.0.group(group)
     }
     #[inline(always)]
-    fn key_block(&self, first_group: usize) -> [u32x8; 8] {
-        self.0.block(first_group)
+    fn keys8(&self, first_group: usize) -> [u32x8; 8] {
+        self.0.groups8(first_group)
     }
 }
 
@@ -53,11 +53,6 @@ impl<A: U32Source + ?Sized, W: F32Source + ?Sized> ArgminKey for Weighted<'_, A,
     #[inline(always)]
     fn keys(&self, group: usize) -> f32x8 {
         u32_to_f32(self.0.group(group)) * self.1.group(group)
-    }
-    #[inline(always)]
-    fn key_block(&self, first_group: usize) -> [f32x8; 8] {
-        let (a, w) = (self.0.block(first_group), self.1.block(first_group));
-        core::array::from_fn(|i| u32_to_f32(a[i]) * w[i])
     }
 }
 
