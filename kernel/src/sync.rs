@@ -70,7 +70,8 @@ pub(crate) fn atomic_u32(v: u32) -> AtomicU32 {
 /// data-race free in Rust's memory model by definition.
 ///
 /// On x86-64 the fast path reads the same bytes with aligned 16-byte vector
-/// loads (`movdqa`) in inline assembly. Inline assembly may do anything that
+/// loads (`vmovdqa` when AVX is enabled, `movdqa` otherwise) in inline
+/// assembly. Inline assembly may do anything that
 /// Rust code could do, so the question is which Rust operations it is
 /// equivalent to. Intel SDM vol. 3A §9.1.1 guarantees that an aligned
 /// doubleword access is atomic, and that on processors with AVX an aligned
@@ -96,6 +97,21 @@ pub(crate) fn load_lanes(group: &[AtomicU32; LANES]) -> [u32; LANES] {
         // function docs), which is what `AtomicU32::load(Relaxed)` does; the
         // asm writes no memory and does not touch the stack or flags.
         unsafe {
+            // With AVX enabled the rest of the scan uses VEX-encoded
+            // instructions; a legacy-SSE `movdqa` among them forces an
+            // AVX-SSE state transition that costs ~70x the load itself, so
+            // the VEX.128 form is used there (same atomicity guarantee: SDM
+            // §9.1.1 names VMOVDQA).
+            #[cfg(target_feature = "avx")]
+            core::arch::asm!(
+                "vmovdqa {lo}, xmmword ptr [{p}]",
+                "vmovdqa {hi}, xmmword ptr [{p} + 16]",
+                p = in(reg) p,
+                lo = out(xmm_reg) lo,
+                hi = out(xmm_reg) hi,
+                options(readonly, nostack, preserves_flags),
+            );
+            #[cfg(not(target_feature = "avx"))]
             core::arch::asm!(
                 "movdqa {lo}, xmmword ptr [{p}]",
                 "movdqa {hi}, xmmword ptr [{p} + 16]",
