@@ -1,1 +1,45 @@
-//! x
+#![doc = include_str!("../README.md")]
+#![deny(missing_docs)]
+
+mod config;
+mod discovery;
+mod error;
+mod explain;
+mod filter;
+mod fleet;
+mod plugin;
+mod policy;
+mod registry;
+mod request;
+mod service;
+mod types;
+
+pub use config::{WorkerSelectionConfig, WorkerSelectionInstance};
+pub use discovery::{
+    BusyThresholds, DeviceKind, Discovery, DiscoveryPoller, FileDiscovery, InMemoryDiscovery, SyncReport, WorkerRecord,
+    WorkerState,
+};
+pub use error::{
+    BookingError, ConfigError, DiscoveryError, PluginKind, RegistryError, SelectionError, UnavailableReason,
+    WorkerSelectionPolicyError,
+};
+pub use explain::{Branch, Explanation, Route};
+pub use fleet::{KernelFleet, FLEET_GROUPS};
+pub use plugin::{
+    ScoredWorkerCandidate, WorkerCacheInput, WorkerCandidate, WorkerCandidates, WorkerFilter, WorkerInputView,
+    WorkerInputs, WorkerLoadInput, WorkerOccupancy, WorkerPicker, WorkerScorer, WorkerSelectionContext,
+};
+pub use policy::{DeviceAwareConfig, KvRouterConfig, WorkerSelectionPolicy};
+pub use registry::{
+    WorkerSelectionPolicyFactory, WorkerSelectionPolicyParameters, WorkerSelectionPolicyProvider,
+    WorkerSelectionPolicyProviderError, WorkerSelectionPolicyRegistry, BUILTIN_ALIASES, BUILTIN_POLICIES,
+};
+pub use request::{AffinityMode, KvCostOverrides, Pin, SelectionRequest, SessionAffinity, WorkerOverlap};
+pub use service::{
+    Booked, FleetHandle, OwnedSelection, Preview, RankStatus, Selection, ServiceConfig, WorkerSelectionService,
+    WorkerStatus,
+};
+pub use types::{DpRank, RoutingPartitionRef, WorkerId, WorkerType, WorkerWithDpRank};
+
+#[cfg(feature = "sim")]
+pub mod sim;

@@ -1,0 +1,219 @@
+//! The worker-selection config file: which policy, with which parameters,
+//! for each role (aggregated, prefill, decode). YAML or TOML.
+//!
+//! ```yaml
+//! aggregated: cache-heavy        # an instance name, or "default" (the kv policy)
+//! decode: balanced
+//! instances:
+//!   - name: cache-heavy
+//!     type: kv
+//!     parameters: { overlap_score_credit: 2.0, router_temperature: 0.3 }
+//!   - name: balanced
+//!     type: least-loaded
+//! ```
+//!
+//! The same in TOML:
+//!
+//! ```toml
+//! aggregated = "cache-heavy"
+//! decode = "balanced"
+//! [[instances]]
+//! name = "cache-heavy"
+//! type = "kv"
+//! parameters = { overlap_score_credit = 2.0, router_temperature = 0.3 }
+//! [[instances]]
+//! name = "balanced"
+//! type = "least-loaded"
+//! ```
+//!
+//! Parsing checks the shape (unknown fields, duplicate or reserved instance
+//! names, roles naming undefined instances); [`WorkerSelectionConfig::resolve`]
+//! builds the factory through a [`WorkerSelectionPolicyRegistry`], which checks
+//! the type names and parameters. This module does no selection.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use serde::Deserialize;
+
+use crate::error::ConfigError;
+use crate::registry::{WorkerSelectionPolicyFactory, WorkerSelectionPolicyParameters, WorkerSelectionPolicyRegistry};
+use crate::types::WorkerType;
+
+/// One named policy instance: a type and its parameters.
+#[derive(Clone, Debug, PartialEq)]
+pub struct WorkerSelectionInstance {
+    policy_type: String,
+    parameters: WorkerSelectionPolicyParameters,
+}
+
+impl WorkerSelectionInstance {
+    /// The policy type name.
+    pub fn policy_type(&self) -> &str {
+        &self.policy_type
+    }
+    /// The parameters.
+    pub fn parameters(&self) -> &WorkerSelectionPolicyParameters {
+        &self.parameters
+    }
+}
+
+/// A parsed worker-selection config (see the module docs).
+///
+/// ```
+/// use selkie::*;
+/// let yaml = "decode: balanced\ninstances:\n  - { name: balanced, type: least-loaded }\n";
+/// let config = WorkerSelectionConfig::from_yaml_str(yaml)?;
+/// let registry = WorkerSelectionPolicyRegistry::new();
+/// let factory = config.resolve(&registry, WorkerType::Decode)?;
+/// let policy = factory(&KvRouterConfig::default(), WorkerType::Decode, RoutingPartitionRef::model("llama"));
+/// assert_eq!(policy.name(), "least-loaded");
+/// // Roles the file does not mention get the kv policy.
+/// let prefill = config.resolve(&registry, WorkerType::Prefill)?;
+/// assert_eq!(prefill(&KvRouterConfig::default(), WorkerType::Prefill, RoutingPartitionRef::model("llama")).name(), "kv");
+/// # Ok::<(), selkie::ConfigError>(())
+/// ```
+#[derive(Clone, Debug, PartialEq, Default)]
+pub struct WorkerSelectionConfig {
+    aggregated: Option<String>,
+    prefill: Option<String>,
+    decode: Option<String>,
+    instances: BTreeMap<String, WorkerSelectionInstance>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawConfig {
+    aggregated: Option<String>,
+    prefill: Option<String>,
+    decode: Option<String>,
+    #[serde(default)]
+    instances: Vec<RawInstance>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawInstance {
+    name: String,
+    #[serde(rename = "type")]
+    policy_type: String,
+    #[serde(default)]
+    parameters: serde_yaml::Value,
+}
+
+impl WorkerSelectionConfig {
+    /// Parses YAML.
+    pub fn from_yaml_str(text: &str) -> Result<Self, ConfigError> {
+        let raw: RawConfig = serde_yaml::from_str(text).map_err(|e| ConfigError::Parse(e.to_string()))?;
+        Self::resolve_raw(raw)
+    }
+
+    /// Parses TOML.
+    pub fn from_toml_str(text: &str) -> Result<Self, ConfigError> {
+        let value: toml::Value = toml::from_str(text).map_err(|e| ConfigError::Parse(e.to_string()))?;
+        let yaml = serde_yaml::to_value(value).map_err(|e| ConfigError::Parse(e.to_string()))?;
+        let raw: RawConfig = serde_yaml::from_value(yaml).map_err(|e| ConfigError::Parse(e.to_string()))?;
+        Self::resolve_raw(raw)
+    }
+
+    /// Reads a file: `.toml` is TOML, anything else YAML.
+    pub fn from_path(path: impl AsRef<Path>) -> Result<Self, ConfigError> {
+        let path = path.as_ref();
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Io {
+            path: path.to_owned(),
+            source,
+        })?;
+        if path.extension().is_some_and(|e| e.eq_ignore_ascii_case("toml")) {
+            Self::from_toml_str(&text)
+        } else {
+            Self::from_yaml_str(&text)
+        }
+    }
+
+    fn resolve_raw(raw: RawConfig) -> Result<Self, ConfigError> {
+        let mut instances = BTreeMap::new();
+        for i in raw.instances {
+            if i.name.is_empty() || i.policy_type.is_empty() {
+                return Err(ConfigError::Validation(
+                    "instance name and type must not be empty".into(),
+                ));
+            }
+            if i.name == "default" {
+                return Err(ConfigError::Validation(
+                    "instance name \"default\" is reserved for the kv policy".into(),
+                ));
+            }
+            if !matches!(i.parameters, serde_yaml::Value::Null | serde_yaml::Value::Mapping(_)) {
+                return Err(ConfigError::Validation(format!(
+                    "parameters of instance {:?} must be a mapping",
+                    i.name
+                )));
+            }
+            let inst = WorkerSelectionInstance {
+                policy_type: i.policy_type,
+                parameters: WorkerSelectionPolicyParameters::new(i.parameters),
+            };
+            if instances.insert(i.name.clone(), inst).is_some() {
+                return Err(ConfigError::Validation(format!(
+                    "instance {:?} is defined twice",
+                    i.name
+                )));
+            }
+        }
+        let config = WorkerSelectionConfig {
+            aggregated: raw.aggregated,
+            prefill: raw.prefill,
+            decode: raw.decode,
+            instances,
+        };
+        for role in [WorkerType::Aggregated, WorkerType::Prefill, WorkerType::Decode] {
+            if let Some(name) = config.selected(role) {
+                if name != "default" && !config.instances.contains_key(name) {
+                    return Err(ConfigError::UnknownInstance {
+                        role: role.as_str(),
+                        name: name.to_owned(),
+                        available: config.instance_names().join(", "),
+                    });
+                }
+            }
+        }
+        Ok(config)
+    }
+
+    /// The instance name selected for `role`, if the file selects one.
+    pub fn selected(&self, role: WorkerType) -> Option<&str> {
+        match role {
+            WorkerType::Aggregated => self.aggregated.as_deref(),
+            WorkerType::Prefill => self.prefill.as_deref(),
+            WorkerType::Decode => self.decode.as_deref(),
+        }
+    }
+
+    /// One instance.
+    pub fn instance(&self, name: &str) -> Option<&WorkerSelectionInstance> {
+        self.instances.get(name)
+    }
+
+    /// Instance names, sorted.
+    pub fn instance_names(&self) -> Vec<String> {
+        self.instances.keys().cloned().collect()
+    }
+
+    /// The policy factory for `role`: the selected instance's type and
+    /// parameters, or the `kv` policy when the file selects nothing (or
+    /// `default`) for the role.
+    pub fn resolve(
+        &self,
+        registry: &WorkerSelectionPolicyRegistry,
+        role: WorkerType,
+    ) -> Result<WorkerSelectionPolicyFactory, ConfigError> {
+        match self
+            .selected(role)
+            .filter(|n| *n != "default")
+            .and_then(|n| self.instances.get(n))
+        {
+            Some(i) => Ok(registry.factory(&i.policy_type, &i.parameters)?),
+            None => Ok(registry.factory("kv", &WorkerSelectionPolicyParameters::default())?),
+        }
+    }
+}

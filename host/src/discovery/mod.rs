@@ -1,0 +1,21 @@
+//! Discovery: which workers exist, and what they are.
+//!
+//! * [`record`](self): [`WorkerRecord`], the serialisable description of one
+//!   worker (ranks, capacity weight, taints, labels, LoRA adapters, busy
+//!   thresholds, device kind, state).
+//! * [`Discovery`], with [`InMemoryDiscovery`] and [`FileDiscovery`].
+//! * The registry that turns records into kernel fleet rows (crate-private;
+//!   reached through [`crate::WorkerSelectionService`]).
+//! * [`DiscoveryPoller`]: a thread that polls a source and applies changes.
+//!
+//! Nothing here reads or writes load.
+
+mod poller;
+mod record;
+pub(crate) mod registry;
+mod source;
+
+pub use poller::DiscoveryPoller;
+pub use record::{BusyThresholds, DeviceKind, WorkerRecord, WorkerState};
+pub use registry::SyncReport;
+pub use source::{Discovery, FileDiscovery, InMemoryDiscovery};

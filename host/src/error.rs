@@ -1,0 +1,379 @@
+//! The host's error types, one enum per concern.
+//!
+//! * [`SelectionError`]: why one request got no worker. Every variant is a
+//!   distinct, matchable case (SPEC §3): no endpoints, every eligible worker
+//!   overloaded, every eligible worker removed by the policy's filters, a pin
+//!   that is not allowed, overloaded or absent, a data-parallel rank that does
+//!   not exist, and a broken plugin.
+//! * [`WorkerSelectionPolicyError`]: a policy broke its contract (non-finite
+//!   cost, out-of-range pick, panic) or reported its own failure.
+//! * [`DiscoveryError`]: a worker table change was refused.
+//! * [`RegistryError`] and [`ConfigError`]: start-up problems.
+//!
+//! Errors name the worker, row, scorer or limit involved. This module must not
+//! contain logic beyond formatting.
+
+use std::path::PathBuf;
+
+use thiserror::Error;
+
+use crate::types::{DpRank, WorkerId};
+
+/// Why a pinned worker (or a session's hard-affinity worker) cannot take the request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum UnavailableReason {
+    /// No worker with this id is registered.
+    Unknown,
+    /// The worker is draining: it finishes its requests and takes no new ones.
+    Draining,
+    /// The worker is cordoned: it takes no new requests.
+    Cordoned,
+    /// The worker lacks a taint the request requires.
+    MissingRequiredTaint,
+}
+
+impl UnavailableReason {
+    /// A short lowercase label, as used in metrics.
+    pub const fn as_str(&self) -> &'static str {
+        match self {
+            UnavailableReason::Unknown => "unknown",
+            UnavailableReason::Draining => "draining",
+            UnavailableReason::Cordoned => "cordoned",
+            UnavailableReason::MissingRequiredTaint => "missing_required_taint",
+        }
+    }
+}
+
+/// Why a request got no worker.
+#[derive(Debug, Error, Clone, PartialEq)]
+#[non_exhaustive]
+pub enum SelectionError {
+    /// The worker table has no live row at all.
+    #[error("no endpoints available to route work")]
+    NoEndpoints,
+    /// Workers are live, but the request's allowlist, required taints or LoRA
+    /// requirement exclude every one of them.
+    #[error("no live worker satisfies the request's allowlist, taints or adapter ({rejected} rows rejected)")]
+    NoEligibleWorkers {
+        /// Rows the hard filters rejected.
+        rejected: usize,
+    },
+    /// Every worker that passed the other hard filters is over a busy
+    /// threshold, marked overloaded, or at its admission limit.
+    #[error("all eligible workers are overloaded")]
+    AllEligibleWorkersOverloaded,
+    /// The policy's own filters removed every eligible worker.
+    #[error("all eligible workers were rejected by policy filters")]
+    AllEligibleWorkersFiltered,
+    /// The request pins a worker outside its own allowlist.
+    #[error("pinned worker {worker_id} is not in allowed worker set")]
+    PinnedWorkerNotAllowed {
+        /// The pinned worker.
+        worker_id: WorkerId,
+    },
+    /// The pinned worker is over a busy threshold or at its admission limit.
+    #[error("pinned worker {worker_id} is overloaded")]
+    PinnedWorkerOverloaded {
+        /// The pinned worker.
+        worker_id: WorkerId,
+    },
+    /// The pinned worker is absent, draining, cordoned or lacks a required taint.
+    #[error("pinned worker {worker_id} is unavailable ({})", reason.as_str())]
+    PinnedWorkerUnavailable {
+        /// The pinned worker.
+        worker_id: WorkerId,
+        /// Why.
+        reason: UnavailableReason,
+    },
+    /// The pinned data-parallel rank is outside the worker's ranks.
+    #[error("worker {worker_id} dp_rank {dp_rank} is outside [{start}, {end})")]
+    DpRankUnavailable {
+        /// The pinned worker.
+        worker_id: WorkerId,
+        /// The requested rank.
+        dp_rank: DpRank,
+        /// The worker's first rank.
+        start: DpRank,
+        /// One past the worker's last rank.
+        end: DpRank,
+    },
+    /// The `direct` policy needs the request to name its worker.
+    #[error("the direct policy needs a request that names its worker")]
+    DirectWorkerMissing,
+    /// A request field is out of range (negative temperature, zero block size, ...).
+    #[error("invalid request: {0}")]
+    InvalidRequest(&'static str),
+    /// The policy broke its contract or failed.
+    #[error(transparent)]
+    Policy(#[from] WorkerSelectionPolicyError),
+}
+
+impl SelectionError {
+    /// Whether the request failed because workers are overloaded (a caller may
+    /// queue and retry).
+    pub fn is_overload(&self) -> bool {
+        matches!(
+            self,
+            Self::AllEligibleWorkersOverloaded | Self::PinnedWorkerOverloaded { .. }
+        )
+    }
+
+    /// A short lowercase label for metrics and logs.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            Self::NoEndpoints => "no_endpoints",
+            Self::NoEligibleWorkers { .. } => "no_eligible_workers",
+            Self::AllEligibleWorkersOverloaded => "all_overloaded",
+            Self::AllEligibleWorkersFiltered => "all_filtered",
+            Self::PinnedWorkerNotAllowed { .. } => "pinned_not_allowed",
+            Self::PinnedWorkerOverloaded { .. } => "pinned_overloaded",
+            Self::PinnedWorkerUnavailable { .. } => "pinned_unavailable",
+            Self::DpRankUnavailable { .. } => "dp_rank_unavailable",
+            Self::DirectWorkerMissing => "direct_worker_missing",
+            Self::InvalidRequest(_) => "invalid_request",
+            Self::Policy(p) => p.reason(),
+        }
+    }
+}
+
+/// Which kind of plugin misbehaved.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PluginKind {
+    /// A [`crate::WorkerFilter`].
+    Filter,
+    /// A [`crate::WorkerScorer`].
+    Scorer,
+    /// A [`crate::WorkerPicker`].
+    Picker,
+}
+
+impl PluginKind {
+    /// Lowercase name.
+    pub const fn as_str(&self) -> &'static str {
+        match self {
+            PluginKind::Filter => "filter",
+            PluginKind::Scorer => "scorer",
+            PluginKind::Picker => "picker",
+        }
+    }
+}
+
+/// A policy broke the contract of SPEC §3, or reported its own failure.
+///
+/// Each is an error for the one request; the service keeps serving.
+#[derive(Debug, Error, Clone, PartialEq)]
+#[non_exhaustive]
+pub enum WorkerSelectionPolicyError {
+    /// A plugin reported a failure of its own.
+    #[error("worker selection policy failed: {0}")]
+    Failed(String),
+    /// A scorer wrote a NaN or infinite contribution, or the running total
+    /// became non-finite.
+    #[error("scorer {scorer_index} ({scorer}) produced a non-finite cost for candidate row {row}")]
+    NonFiniteCost {
+        /// Position of the scorer in the policy.
+        scorer_index: usize,
+        /// The scorer's [`name`](crate::WorkerScorer::name).
+        scorer: &'static str,
+        /// The candidate row.
+        row: usize,
+    },
+    /// The picker returned a row past the end of the candidate table.
+    #[error("picker returned candidate row {row}, but the candidate table contains {candidate_count} rows")]
+    InvalidPickerRow {
+        /// The row returned.
+        row: usize,
+        /// The number of candidates.
+        candidate_count: usize,
+    },
+    /// A plugin panicked; the panic was caught and the service kept serving.
+    #[error("{} {name} panicked: {message}", kind.as_str())]
+    PluginPanicked {
+        /// Filter, scorer or picker.
+        kind: PluginKind,
+        /// The plugin's name.
+        name: &'static str,
+        /// The panic payload, if it was a string.
+        message: String,
+    },
+}
+
+impl WorkerSelectionPolicyError {
+    /// A plugin-reported failure.
+    pub fn failed(message: impl Into<String>) -> Self {
+        Self::Failed(message.into())
+    }
+
+    /// A short lowercase label for metrics and logs.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            Self::Failed(_) => "policy_failed",
+            Self::NonFiniteCost { .. } => "non_finite_cost",
+            Self::InvalidPickerRow { .. } => "invalid_picker_row",
+            Self::PluginPanicked { .. } => "plugin_panicked",
+        }
+    }
+}
+
+/// A worker table change was refused.
+#[derive(Debug, Error)]
+#[non_exhaustive]
+pub enum DiscoveryError {
+    /// `add` for a worker id already registered.
+    #[error("worker {worker_id} is already registered")]
+    DuplicateWorker {
+        /// The worker.
+        worker_id: WorkerId,
+    },
+    /// `update`, `remove` or a state change for an unknown worker id.
+    #[error("worker {worker_id} is not registered")]
+    UnknownWorker {
+        /// The worker.
+        worker_id: WorkerId,
+    },
+    /// The fleet has no free row for another data-parallel rank.
+    #[error("worker table is full: {capacity} rows, worker {worker_id} needs {needed} more")]
+    FleetFull {
+        /// The worker being added.
+        worker_id: WorkerId,
+        /// Rows it needs.
+        needed: usize,
+        /// Rows the fleet holds.
+        capacity: usize,
+    },
+    /// A record field is out of range.
+    #[error("worker {worker_id}: {reason}")]
+    InvalidWorker {
+        /// The worker.
+        worker_id: WorkerId,
+        /// What is wrong.
+        reason: &'static str,
+    },
+    /// The same worker id appears twice in one snapshot.
+    #[error("worker {worker_id} appears twice in the discovery snapshot")]
+    DuplicateInSnapshot {
+        /// The worker.
+        worker_id: WorkerId,
+    },
+    /// The discovery file could not be read.
+    #[error("cannot read discovery file {path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The I/O error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The discovery file could not be parsed.
+    #[error("cannot parse discovery file {path}: {message}")]
+    Parse {
+        /// The file.
+        path: PathBuf,
+        /// The parser's message.
+        message: String,
+    },
+}
+
+/// A policy registry operation failed.
+#[derive(Debug, Error)]
+#[non_exhaustive]
+pub enum RegistryError {
+    /// Policy type names may not be empty.
+    #[error("worker-selection policy type must not be empty")]
+    EmptyName,
+    /// A custom provider tried to take a built-in policy's name.
+    #[error("worker-selection policy type {name:?} is built in and cannot be replaced")]
+    BuiltinName {
+        /// The name.
+        name: String,
+    },
+    /// The name is already registered.
+    #[error("worker-selection policy type {name:?} is already registered")]
+    Duplicate {
+        /// The name.
+        name: String,
+    },
+    /// No policy type of this name.
+    #[error("unknown worker-selection policy type {name:?}; available policy types: {available}")]
+    UnknownType {
+        /// The name asked for.
+        name: String,
+        /// Every registered name, sorted, comma separated.
+        available: String,
+    },
+    /// The provider rejected the instance's parameters.
+    #[error("invalid parameters for worker-selection policy type {policy_type:?}: {source}")]
+    Provider {
+        /// The policy type.
+        policy_type: String,
+        /// The provider's error.
+        #[source]
+        source: crate::registry::WorkerSelectionPolicyProviderError,
+    },
+}
+
+/// A worker-selection configuration file was refused.
+#[derive(Debug, Error)]
+#[non_exhaustive]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("cannot read config file {path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The I/O error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The text is not valid YAML / TOML for the schema.
+    #[error("cannot parse worker-selection config: {0}")]
+    Parse(String),
+    /// The config is well formed but inconsistent.
+    #[error("invalid worker-selection config: {0}")]
+    Validation(String),
+    /// A role names an instance that is not defined.
+    #[error("{role} selects instance {name:?}, which is not defined; instances: {available}")]
+    UnknownInstance {
+        /// The role.
+        role: &'static str,
+        /// The name.
+        name: String,
+        /// Defined instance names.
+        available: String,
+    },
+    /// Building the instance's policy failed.
+    #[error(transparent)]
+    Registry(#[from] RegistryError),
+}
+
+/// A change to a live booking was refused.
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum BookingError {
+    /// The booked worker was removed (or replaced) since the booking.
+    #[error("worker {worker} was removed; the booking no longer holds load")]
+    WorkerGone {
+        /// The booked worker rank.
+        worker: crate::types::WorkerWithDpRank,
+    },
+    /// The retarget destination is not registered.
+    #[error("worker {worker} is not registered")]
+    UnknownWorker {
+        /// The destination.
+        worker: crate::types::WorkerWithDpRank,
+    },
+    /// The retarget destination does not take new requests (draining, cordoned).
+    #[error("worker {worker} does not take new requests")]
+    NotLive {
+        /// The destination.
+        worker: crate::types::WorkerWithDpRank,
+    },
+    /// The retarget destination is at its admission limit.
+    #[error("worker {worker} is at its admission limit of {limit}")]
+    Overloaded {
+        /// The destination.
+        worker: crate::types::WorkerWithDpRank,
+        /// Its limit.
+        limit: u32,
+    },
+}

@@ -1,0 +1,131 @@
+//! Why a worker was chosen: [`Explanation`], small, `Copy`, printable.
+//!
+//! Every selection carries one. The chosen cost and the branch are always
+//! filled; the runner-up (and so the margin) only when the request asked
+//! for it ([`crate::SelectionRequest::explained`]) or for a
+//! [`peek`](crate::WorkerSelectionService::peek), because it costs one more
+//! pass over the rows.
+
+use std::fmt;
+
+use crate::types::WorkerWithDpRank;
+
+/// Which path of the selection produced the row.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Branch {
+    /// KV policy, temperature 0: the minimum cost.
+    KvMinimum,
+    /// KV policy, temperature > 0: softmax sampling.
+    KvSoftmax,
+    /// Fewest in-flight requests (per unit of capacity weight).
+    LeastLoaded,
+    /// Data-parallel fleet: the worker with the fewest in-flight requests
+    /// summed over its ranks, then its least-loaded rank.
+    LeastLoadedWorkerThenRank,
+    /// Power of two choices.
+    PowerOfTwo,
+    /// Data-parallel fleet: power of two choices among workers by summed
+    /// load, then the worker's least-loaded rank.
+    PowerOfTwoWorkerThenRank,
+    /// Uniformly random.
+    Random,
+    /// Round robin.
+    RoundRobin,
+    /// Device-aware: a row with the required cache hits.
+    DeviceAwareCacheHit,
+    /// Device-aware: a CPU row (the CPU group is under its share).
+    DeviceAwareCpu,
+    /// Device-aware: an accelerator row.
+    DeviceAwareAccelerator,
+    /// Direct routing: the worker the request named.
+    Direct,
+    /// A custom policy's picker.
+    CustomPicker,
+}
+
+impl Branch {
+    /// Lowercase name for logs.
+    pub const fn as_str(&self) -> &'static str {
+        match self {
+            Branch::KvMinimum => "kv-minimum",
+            Branch::KvSoftmax => "kv-softmax",
+            Branch::LeastLoaded => "least-loaded",
+            Branch::LeastLoadedWorkerThenRank => "least-loaded-worker-then-rank",
+            Branch::PowerOfTwo => "power-of-two",
+            Branch::PowerOfTwoWorkerThenRank => "power-of-two-worker-then-rank",
+            Branch::Random => "random",
+            Branch::RoundRobin => "round-robin",
+            Branch::DeviceAwareCacheHit => "device-aware-cache-hit",
+            Branch::DeviceAwareCpu => "device-aware-cpu",
+            Branch::DeviceAwareAccelerator => "device-aware-accelerator",
+            Branch::Direct => "direct",
+            Branch::CustomPicker => "custom-picker",
+        }
+    }
+}
+
+/// How the request reached the policy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Route {
+    /// The policy chose among all eligible rows.
+    Policy,
+    /// The request was pinned (explicit pin or direct routing).
+    Pinned,
+    /// Hard session affinity pinned the request.
+    SessionHard,
+    /// Soft session affinity narrowed the rows to the session's worker.
+    SessionSoft,
+}
+
+/// Why a worker was chosen.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Explanation {
+    /// The policy's name.
+    pub policy: &'static str,
+    /// How the request reached the policy.
+    pub route: Route,
+    /// The branch that chose the row.
+    pub branch: Branch,
+    /// The chosen worker rank.
+    pub chosen: WorkerWithDpRank,
+    /// The chosen row's cost (the KV cost, a custom policy's summed cost, or
+    /// the load for the load modes: in-flight requests per unit of weight).
+    pub cost: f64,
+    /// The cheapest other eligible row and its cost, when computed.
+    pub runner_up: Option<(WorkerWithDpRank, f64)>,
+    /// Rows the policy chose from.
+    pub candidates: usize,
+    /// The temperature used (KV policy), else 0.
+    pub temperature: f64,
+}
+
+impl Explanation {
+    /// Runner-up cost minus chosen cost (negative when sampling took a
+    /// costlier row); `None` without a runner-up.
+    pub fn margin(&self) -> Option<f64> {
+        self.runner_up.map(|(_, c)| c - self.cost)
+    }
+}
+
+impl fmt::Display for Explanation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} chose {} via {} ({:?}) at cost {:.4} among {} candidates",
+            self.policy,
+            self.chosen,
+            self.branch.as_str(),
+            self.route,
+            self.cost,
+            self.candidates
+        )?;
+        if self.temperature > 0.0 {
+            write!(f, ", temperature {}", self.temperature)?;
+        }
+        match (self.runner_up, self.margin()) {
+            (Some((w, c)), Some(m)) => write!(f, "; runner-up {w} at {c:.4}, margin {m:.4}"),
+            _ => Ok(()),
+        }
+    }
+}

@@ -1,0 +1,231 @@
+//! The built-in load modes (SPEC §5) on the kernel's kernels: random,
+//! round-robin, least-loaded, power-of-two, device-aware weighted, direct.
+//!
+//! With data-parallel workers, least-loaded and power-of-two first choose a
+//! worker by the sum of its eligible ranks' in-flight requests, then the
+//! least-loaded rank inside it, so a worker with eight ranks is not treated
+//! as eight idle machines. This module must not book.
+
+use selkie_kernel::kernels::device_aware::{
+    device_aware as kernel_device_aware, DeviceAwareConfig as KernelDeviceAware, DeviceGroup,
+};
+use selkie_kernel::kernels::index;
+use selkie_kernel::kernels::least_loaded::{least_loaded as ll, least_loaded_weighted as llw};
+use selkie_kernel::lanes::{F32Source, U32Source};
+use selkie_kernel::mask;
+use selkie_kernel::Rng;
+
+use super::{Choice, DeviceAwareConfig, Env};
+use crate::error::SelectionError;
+use crate::explain::Branch;
+use crate::filter::for_each_row;
+use crate::service::scratch::Scratch;
+
+fn choice(row: usize, cost: f64, branch: Branch, candidates: usize) -> Choice {
+    Choice {
+        row,
+        cost,
+        runner_up: None,
+        branch,
+        candidates,
+        temperature: 0.0,
+    }
+}
+
+/// In-flight requests per unit of weight of `row`.
+fn load_of(env: &Env<'_>, row: usize) -> f64 {
+    let a = U32Source::value(&env.fleet.active_requests(), row) as f64;
+    if env.reg.traits().weighted {
+        a * F32Source::value(&env.fleet.inv_capacity_weight(), row) as f64
+    } else {
+        a
+    }
+}
+
+/// The cheapest eligible row other than `chosen`, by load.
+fn load_runner_up(env: &Env<'_>, words: &[u64], chosen: usize) -> Option<(usize, f64)> {
+    let mut best: Option<(usize, f64)> = None;
+    for_each_row(words, env.rows, |r| {
+        if r != chosen {
+            let c = load_of(env, r);
+            if best.is_none_or(|(_, b)| c < b) {
+                best = Some((r, c));
+            }
+        }
+    });
+    best
+}
+
+fn finish(env: &Env<'_>, s: &Scratch, mut c: Choice) -> Choice {
+    if env.explain {
+        c.runner_up = load_runner_up(env, &s.mask, c.row);
+    }
+    c
+}
+
+fn none() -> SelectionError {
+    SelectionError::AllEligibleWorkersOverloaded
+}
+
+pub(crate) fn random(env: &Env<'_>, s: &mut Scratch, rng: &mut Rng) -> Result<Choice, SelectionError> {
+    let n = mask::count(&s.mask, env.rows);
+    let row = index::random(env.rows, &s.mask, rng).ok_or_else(none)?;
+    Ok(finish(env, s, choice(row, load_of(env, row), Branch::Random, n)))
+}
+
+pub(crate) fn round_robin(env: &Env<'_>, s: &mut Scratch) -> Result<Choice, SelectionError> {
+    let n = mask::count(&s.mask, env.rows);
+    let ticket = u64::from(if env.ctx.is_preview() {
+        env.fleet.peek_ticket()
+    } else {
+        env.fleet.next_ticket()
+    });
+    let row = index::round_robin(env.rows, &s.mask, ticket).ok_or_else(none)?;
+    Ok(finish(env, s, choice(row, load_of(env, row), Branch::RoundRobin, n)))
+}
+
+/// Least-loaded row among `words` (weighted when the fleet has weights).
+fn least_loaded_rows(env: &Env<'_>, words: &[u64], rng: &mut Rng) -> Option<usize> {
+    let active = env.fleet.active_requests();
+    if env.reg.traits().weighted {
+        llw(&active, &env.fleet.inv_capacity_weight(), words, rng)
+    } else {
+        ll(&active, words, rng)
+    }
+}
+
+/// Fills `s.sums` with each worker's summed in-flight requests at its first
+/// rank's row ("leader"), and `s.aux` with the leaders that have an eligible
+/// rank. Returns the number of such workers.
+fn sum_by_worker(env: &Env<'_>, s: &mut Scratch) -> usize {
+    let rows = env.rows;
+    let active = env.fleet.active_requests();
+    s.sums[..rows].fill(0);
+    let nw = mask::words_for(rows);
+    s.aux[..nw].fill(0);
+    let (sums, aux) = (&mut s.sums, &mut s.aux);
+    let mut workers = 0;
+    for_each_row(&s.mask[..nw], rows, |row| {
+        if let Some(leader) = env.reg.leader(row) {
+            sums[leader] = sums[leader].saturating_add(U32Source::value(&active, row));
+            if !mask::contains(aux, leader) {
+                aux[leader / 64] |= 1 << (leader % 64);
+                workers += 1;
+            }
+        }
+    });
+    workers
+}
+
+/// The least-loaded eligible rank of the worker whose leader row is `leader`.
+fn rank_within(env: &Env<'_>, s: &mut Scratch, leader: usize, rng: &mut Rng) -> Option<usize> {
+    let nw = mask::words_for(env.rows);
+    s.aux2[..nw].fill(0);
+    let m = env.reg.row(leader)?;
+    for &(_, h) in &m.entry.rows {
+        if mask::contains(&s.mask, h.row) {
+            s.aux2[h.row / 64] |= 1 << (h.row % 64);
+        }
+    }
+    ll(&env.fleet.active_requests(), &s.aux2[..nw], rng)
+}
+
+fn by_worker(env: &Env<'_>) -> bool {
+    env.reg.traits().multi_rank
+}
+
+fn pick_leader_least_loaded(env: &Env<'_>, s: &Scratch, rng: &mut Rng) -> Option<usize> {
+    let sums = &s.sums[..env.rows];
+    if env.reg.traits().weighted {
+        llw(sums, &env.fleet.inv_capacity_weight(), &s.aux, rng)
+    } else {
+        ll(sums, &s.aux, rng)
+    }
+}
+
+pub(crate) fn least_loaded(env: &Env<'_>, s: &mut Scratch, rng: &mut Rng) -> Result<Choice, SelectionError> {
+    let n = mask::count(&s.mask, env.rows);
+    if by_worker(env) {
+        sum_by_worker(env, s);
+        let leader = pick_leader_least_loaded(env, s, rng).ok_or_else(none)?;
+        let row = rank_within(env, s, leader, rng).ok_or_else(none)?;
+        return Ok(finish(
+            env,
+            s,
+            choice(row, load_of(env, row), Branch::LeastLoadedWorkerThenRank, n),
+        ));
+    }
+    let row = least_loaded_rows(env, &s.mask, rng).ok_or_else(none)?;
+    Ok(finish(env, s, choice(row, load_of(env, row), Branch::LeastLoaded, n)))
+}
+
+pub(crate) fn power_of_two(env: &Env<'_>, s: &mut Scratch, rng: &mut Rng) -> Result<Choice, SelectionError> {
+    let n = mask::count(&s.mask, env.rows);
+    if by_worker(env) {
+        sum_by_worker(env, s);
+        let leader = index::power_of_two(&s.sums[..env.rows], &s.aux, rng).ok_or_else(none)?;
+        let row = rank_within(env, s, leader, rng).ok_or_else(none)?;
+        return Ok(finish(
+            env,
+            s,
+            choice(row, load_of(env, row), Branch::PowerOfTwoWorkerThenRank, n),
+        ));
+    }
+    let row = index::power_of_two(&env.fleet.active_requests(), &s.mask, rng).ok_or_else(none)?;
+    Ok(finish(env, s, choice(row, load_of(env, row), Branch::PowerOfTwo, n)))
+}
+
+pub(crate) fn direct(env: &Env<'_>, s: &mut Scratch, rng: &mut Rng) -> Result<Choice, SelectionError> {
+    if !env.pinned {
+        return Err(SelectionError::DirectWorkerMissing);
+    }
+    let n = mask::count(&s.mask, env.rows);
+    let row = ll(&env.fleet.active_requests(), &s.mask, rng).ok_or_else(none)?;
+    Ok(finish(env, s, choice(row, load_of(env, row), Branch::Direct, n)))
+}
+
+/// Device-aware weighted (SPEC §5) on the kernel's `device_aware`: a row
+/// with the required cache hits if any (least-loaded among them); else CPU
+/// rows while the CPU group's total load is below
+/// `accel_total * cpu_count / (ratio * accel_count)`, else accelerator rows;
+/// least-loaded within the group. A row's cache hits are its overlap's
+/// `device_blocks`. Unlike Dynamo, a full-cache choice is booked too (the
+/// service books every selection).
+pub(crate) fn device_aware(
+    env: &Env<'_>,
+    s: &mut Scratch,
+    rng: &mut Rng,
+    cfg: &DeviceAwareConfig,
+) -> Result<Choice, SelectionError> {
+    let rows = env.rows;
+    let n = mask::count(&s.mask, rows);
+    let hits = &mut s.sums[..rows];
+    hits.fill(0);
+    if env.req.required_cache_hits > 0 {
+        for o in env.req.overlaps {
+            if let Some(row) = env.reg.row_of(o.worker).filter(|&r| r < rows) {
+                hits[row] = o.device_blocks;
+            }
+        }
+    }
+    let kcfg = KernelDeviceAware {
+        required_cache_hits: env.req.required_cache_hits,
+        non_cpu_to_cpu_ratio: cfg.non_cpu_to_cpu_ratio,
+    };
+    let picked = kernel_device_aware(
+        &env.fleet.active_requests(),
+        &*hits,
+        env.reg.cpu_rows(),
+        &s.mask,
+        &kcfg,
+        rng,
+    )
+    .map_err(|_| none())?
+    .ok_or_else(none)?;
+    let branch = match picked.group {
+        DeviceGroup::FullCache => Branch::DeviceAwareCacheHit,
+        DeviceGroup::Cpu => Branch::DeviceAwareCpu,
+        DeviceGroup::Accelerator => Branch::DeviceAwareAccelerator,
+    };
+    Ok(finish(env, s, choice(picked.row, load_of(env, picked.row), branch, n)))
+}

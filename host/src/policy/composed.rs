@@ -1,0 +1,241 @@
+//! Custom policies: run the filters, scorers and picker of a
+//! [`WorkerSelectionPolicy`](super::WorkerSelectionPolicy) and enforce the
+//! contract of SPEC §3.
+//!
+//! 1. Materialise one [`CandidateData`] per eligible row, computing only the
+//!    union of the declared input groups.
+//! 2. Filters, in declaration order per candidate; none left is
+//!    [`SelectionError::AllEligibleWorkersFiltered`].
+//! 3. Scorers, each writing into a NaN-filled buffer; every contribution and
+//!    running total must be finite ([`WorkerSelectionPolicyError::NonFiniteCost`]
+//!    names the scorer and the row).
+//! 4. The picker; a row past the table is
+//!    [`WorkerSelectionPolicyError::InvalidPickerRow`].
+//!
+//! Every plugin call runs under `catch_unwind`: a panic becomes
+//! [`WorkerSelectionPolicyError::PluginPanicked`] for this request only.
+//! Buffers come from the thread's scratch; nothing is allocated once warm.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+use selkie_kernel::lanes::{F32Source, U32Source};
+
+use super::{Choice, Composed, Env};
+use crate::error::{PluginKind, SelectionError, WorkerSelectionPolicyError};
+use crate::explain::Branch;
+use crate::filter::for_each_row;
+use crate::plugin::{
+    CandidateData, PickerColumns, ScoredWorkerCandidate, WorkerCacheInput, WorkerCandidate, WorkerCandidates,
+    WorkerInputView, WorkerInputs, WorkerLoadInput, WorkerOccupancy,
+};
+use crate::service::scratch::Scratch;
+
+/// Runs one plugin call, turning a panic into an error.
+pub(crate) fn guarded<T>(
+    kind: PluginKind,
+    name: &'static str,
+    f: impl FnOnce() -> Result<T, WorkerSelectionPolicyError>,
+) -> Result<T, WorkerSelectionPolicyError> {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(r) => r,
+        Err(payload) => {
+            let message = payload
+                .downcast_ref::<&str>()
+                .map(|s| (*s).to_owned())
+                .or_else(|| payload.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "non-string panic payload".to_owned());
+            tracing::error!(plugin = name, kind = kind.as_str(), %message, "plugin panicked");
+            Err(WorkerSelectionPolicyError::PluginPanicked { kind, name, message })
+        }
+    }
+}
+
+/// Fills `s.candidates` with the eligible rows' declared signals.
+pub(crate) fn materialize(env: &Env<'_>, s: &mut Scratch, inputs: WorkerInputs) {
+    let want_cache = inputs.contains(WorkerInputs::CACHE);
+    let want_taint =
+        inputs.contains(WorkerInputs::PREFERRED_TAINT) && !env.pinned && !env.req.preferred_taints.is_empty();
+    if want_cache {
+        super::kv::scatter_overlaps(env, s);
+    }
+    let want_load = inputs.contains(WorkerInputs::LOAD);
+    let want_occ = inputs.contains(WorkerInputs::OCCUPANCY);
+    let request_blocks = env.ctx.request_blocks() as f64;
+    let fleet = env.fleet;
+    let (active, prefill, decode, weight) = (
+        fleet.active_requests(),
+        fleet.active_prefill_tokens(),
+        fleet.active_decode_blocks(),
+        fleet.capacity_weight(),
+    );
+    let Scratch {
+        mask,
+        candidates,
+        overlap,
+        ..
+    } = s;
+    candidates.clear();
+    for_each_row(mask, env.rows, |row| {
+        let Some(meta) = env.reg.row(row) else { return };
+        let mut c = CandidateData {
+            worker: meta.worker(),
+            row,
+            device: meta.entry.record.device,
+            ..Default::default()
+        };
+        if want_load {
+            c.load = WorkerLoadInput {
+                available: true,
+                active_prefill_tokens: U32Source::value(&prefill, row) as usize,
+                decode_cost_blocks: U32Source::value(&decode, row) as f64 + request_blocks,
+                active_requests: U32Source::value(&active, row) as usize,
+            };
+        }
+        if want_occ {
+            c.occupancy = WorkerOccupancy {
+                active_requests: U32Source::value(&active, row),
+                capacity_weight: F32Source::value(&weight, row),
+            };
+        }
+        if want_cache {
+            c.cache = WorkerCacheInput {
+                device_blocks: overlap.device[row] as f64,
+                host_blocks: overlap.host[row] as f64,
+                disk_blocks: overlap.disk[row] as f64,
+                shared_blocks: overlap.shared[row] as f64,
+                cached_tokens: overlap.cached_tokens[row] as usize,
+            };
+        }
+        if want_taint {
+            c.preferred_taint_multiplier = Some(super::kv::preferred_taint_multiplier(
+                env.req.preferred_taints,
+                &meta.entry.record.taints,
+            ));
+        }
+        candidates.push(c);
+    });
+    if want_cache {
+        s.overlap.reset();
+    }
+}
+
+/// Materialises, filters and scores: leaves the surviving candidates in
+/// `s.candidates` and their summed costs in `s.total`.
+pub(crate) fn score(env: &Env<'_>, s: &mut Scratch, c: &Composed) -> Result<(), SelectionError> {
+    materialize(env, s, c.inputs);
+    let ctx = env.ctx;
+    let Scratch {
+        candidates,
+        filtered,
+        total,
+        contrib,
+        ..
+    } = s;
+    if !c.filters.is_empty() {
+        filtered.clear();
+        'rows: for cand in candidates.iter() {
+            for (inputs, f) in &c.filters {
+                let keep = guarded(PluginKind::Filter, f.name(), || {
+                    f.keep(ctx, WorkerCandidate::new(cand, *inputs))
+                })?;
+                if !keep {
+                    continue 'rows;
+                }
+            }
+            filtered.push(*cand);
+        }
+        std::mem::swap(candidates, filtered);
+    }
+    let cands: &[CandidateData] = candidates;
+    let n = cands.len();
+    if n == 0 {
+        return Err(if c.filters.is_empty() {
+            SelectionError::AllEligibleWorkersOverloaded
+        } else {
+            SelectionError::AllEligibleWorkersFiltered
+        });
+    }
+    total.clear();
+    total.resize(n, 0.0);
+    for (scorer_index, (inputs, scorer)) in c.scorers.iter().enumerate() {
+        contrib.clear();
+        contrib.resize(n, f64::NAN);
+        guarded(PluginKind::Scorer, scorer.name(), || {
+            scorer.score(ctx, WorkerCandidates::new(cands, *inputs), contrib)
+        })?;
+        for (row, (t, &x)) in total.iter_mut().zip(contrib.iter()).enumerate() {
+            let sum = *t + x;
+            if !x.is_finite() || !sum.is_finite() {
+                return Err(WorkerSelectionPolicyError::NonFiniteCost {
+                    scorer_index,
+                    scorer: scorer.name(),
+                    row,
+                }
+                .into());
+            }
+            *t = sum;
+        }
+    }
+    Ok(())
+}
+
+pub(crate) fn choose(env: &Env<'_>, s: &mut Scratch, c: &Composed) -> Result<Choice, SelectionError> {
+    score(env, s, c)?;
+    let (p_inputs, picker) = &c.picker;
+    let Scratch {
+        candidates: cands,
+        total,
+        scored,
+        loads,
+        caches,
+        ..
+    } = s;
+    let n = cands.len();
+    let taint = p_inputs.contains(WorkerInputs::PREFERRED_TAINT);
+    scored.clear();
+    scored.extend(cands.iter().zip(total.iter()).map(|(c, &cost)| ScoredWorkerCandidate {
+        worker: c.worker,
+        cost,
+        preferred_taint_multiplier: if taint { c.preferred_taint_multiplier } else { None },
+    }));
+    let want_load = p_inputs.contains(WorkerInputs::LOAD);
+    let want_cache = p_inputs.contains(WorkerInputs::CACHE);
+    loads.clear();
+    caches.clear();
+    if want_load {
+        loads.extend(cands.iter().map(|c| c.load));
+    }
+    if want_cache {
+        caches.extend(cands.iter().map(|c| c.cache));
+    }
+    let columns = PickerColumns {
+        scored,
+        load: want_load.then_some(&loads[..]),
+        cache: want_cache.then_some(&caches[..]),
+    };
+    let view = WorkerInputView::new(cands, total, columns, *p_inputs);
+    let pick = guarded(PluginKind::Picker, picker.name(), || picker.pick(env.ctx, view))?;
+    if pick >= n {
+        return Err(WorkerSelectionPolicyError::InvalidPickerRow {
+            row: pick,
+            candidate_count: n,
+        }
+        .into());
+    }
+    let runner_up = if env.explain {
+        (0..n)
+            .filter(|&i| i != pick)
+            .min_by(|&a, &b| total[a].total_cmp(&total[b]))
+            .map(|i| (cands[i].row, total[i]))
+    } else {
+        None
+    };
+    Ok(Choice {
+        row: cands[pick].row,
+        cost: total[pick],
+        runner_up,
+        branch: Branch::CustomPicker,
+        candidates: n,
+        temperature: 0.0,
+    })
+}

@@ -1,0 +1,330 @@
+//! Worker-selection policies: [`WorkerSelectionPolicy`], the built-in modes
+//! and the composition of custom filters, scorers and a picker.
+//!
+//! * `builtin`: random, round-robin, least-loaded, power-of-two,
+//!   device-aware weighted and direct, on the kernel's SIMD kernels.
+//! * `kv`: the default KV cost policy (SPEC §4) on the kernel's `kv_cost`
+//!   and `pick`.
+//! * `composed`: custom policies, with the contract enforced (finite costs,
+//!   in-range picks, caught panics).
+//!
+//! A policy is built once per routing partition and shared by every thread
+//! of the service; it holds no per-request state.
+
+pub(crate) mod builtin;
+pub(crate) mod composed;
+pub(crate) mod kv;
+
+use serde::{Deserialize, Serialize};
+
+use crate::plugin::{WorkerFilter, WorkerInputs, WorkerPicker, WorkerScorer};
+use crate::types::WorkerType;
+
+/// The KV policy's configuration (SPEC §4), with Dynamo's names and defaults.
+///
+/// ```
+/// let c = selkie::KvRouterConfig::default();
+/// assert_eq!((c.overlap_score_credit, c.host_cache_hit_weight), (1.0, 0.75));
+/// assert!(c.validate().is_ok());
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct KvRouterConfig {
+    /// Credit per device-cached block.
+    pub overlap_score_credit: f64,
+    /// Decay of the device credit with a worker's excess prefill load.
+    pub overlap_score_credit_decay: f64,
+    /// Weight of the prefill term.
+    pub prefill_load_scale: f64,
+    /// Cost per active request.
+    pub decode_active_request_weight: f64,
+    /// Credit per host-tier block.
+    pub host_cache_hit_weight: f64,
+    /// Credit per disk-tier block.
+    pub disk_cache_hit_weight: f64,
+    /// Credit per shared-cache block beyond the device overlap (in `[0, 1]`).
+    pub shared_cache_multiplier: f64,
+    /// Softmax temperature (0: always the minimum cost).
+    pub router_temperature: f64,
+}
+
+impl Default for KvRouterConfig {
+    fn default() -> Self {
+        KvRouterConfig {
+            overlap_score_credit: 1.0,
+            overlap_score_credit_decay: 0.0,
+            prefill_load_scale: 1.0,
+            decode_active_request_weight: 0.0,
+            host_cache_hit_weight: 0.75,
+            disk_cache_hit_weight: 0.25,
+            shared_cache_multiplier: 0.0,
+            router_temperature: 0.0,
+        }
+    }
+}
+
+impl KvRouterConfig {
+    /// Checks every weight is finite and non-negative, and the host, disk
+    /// and shared weights at most 1 (as Dynamo does); names the first bad
+    /// field.
+    pub fn validate(&self) -> Result<(), String> {
+        let fields = [
+            ("overlap_score_credit", self.overlap_score_credit),
+            ("overlap_score_credit_decay", self.overlap_score_credit_decay),
+            ("prefill_load_scale", self.prefill_load_scale),
+            ("decode_active_request_weight", self.decode_active_request_weight),
+            ("host_cache_hit_weight", self.host_cache_hit_weight),
+            ("disk_cache_hit_weight", self.disk_cache_hit_weight),
+            ("shared_cache_multiplier", self.shared_cache_multiplier),
+            ("router_temperature", self.router_temperature),
+        ];
+        for (name, v) in fields {
+            if !(v.is_finite() && v >= 0.0) {
+                return Err(format!("{name} must be finite and >= 0, got {v}"));
+            }
+        }
+        for (name, v) in [
+            ("host_cache_hit_weight", self.host_cache_hit_weight),
+            ("disk_cache_hit_weight", self.disk_cache_hit_weight),
+            ("shared_cache_multiplier", self.shared_cache_multiplier),
+        ] {
+            if v > 1.0 {
+                return Err(format!("{name} must be at most 1, got {v}"));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Parameters of the device-aware weighted policy (SPEC §5).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DeviceAwareConfig {
+    /// Accelerator-to-CPU capacity ratio (values below 1 count as 1).
+    pub non_cpu_to_cpu_ratio: u32,
+}
+
+impl Default for DeviceAwareConfig {
+    fn default() -> Self {
+        DeviceAwareConfig {
+            non_cpu_to_cpu_ratio: 8,
+        }
+    }
+}
+
+pub(crate) struct Composed {
+    pub(crate) filters: Vec<(WorkerInputs, Box<dyn WorkerFilter>)>,
+    pub(crate) scorers: Vec<(WorkerInputs, Box<dyn WorkerScorer>)>,
+    pub(crate) picker: (WorkerInputs, Box<dyn WorkerPicker>),
+    /// Union of every component's inputs: what the host materialises.
+    pub(crate) inputs: WorkerInputs,
+}
+
+pub(crate) enum PolicyKind {
+    Random,
+    RoundRobin,
+    LeastLoaded,
+    PowerOfTwo,
+    DeviceAware(DeviceAwareConfig),
+    Direct,
+    Kv(KvRouterConfig),
+    Composed(Composed),
+}
+
+/// One worker-selection policy: a built-in mode, or custom filters, scorers
+/// and a picker. Built once per routing partition; `Send + Sync`.
+pub struct WorkerSelectionPolicy {
+    pub(crate) kind: PolicyKind,
+    pub(crate) worker_type: WorkerType,
+    pub(crate) name: &'static str,
+    pub(crate) config: KvRouterConfig,
+}
+
+impl WorkerSelectionPolicy {
+    /// A custom policy from additive scorers and a picker (Dynamo's
+    /// `WorkerSelectionPolicy::new`). `config` is kept for the context (its
+    /// temperature is the default a picker may read); `worker_type` is the
+    /// pool's role.
+    pub fn new(
+        config: KvRouterConfig,
+        worker_type: WorkerType,
+        scorers: Vec<Box<dyn WorkerScorer>>,
+        picker: Box<dyn WorkerPicker>,
+    ) -> Self {
+        Self::new_with_filters(config, worker_type, Vec::new(), scorers, picker)
+    }
+
+    /// A custom policy from ordered filters, additive scorers and a picker.
+    pub fn new_with_filters(
+        config: KvRouterConfig,
+        worker_type: WorkerType,
+        filters: Vec<Box<dyn WorkerFilter>>,
+        scorers: Vec<Box<dyn WorkerScorer>>,
+        picker: Box<dyn WorkerPicker>,
+    ) -> Self {
+        let filters: Vec<_> = filters.into_iter().map(|f| (f.required_worker_inputs(), f)).collect();
+        let scorers: Vec<_> = scorers.into_iter().map(|s| (s.required_worker_inputs(), s)).collect();
+        let picker = (picker.required_worker_inputs(), picker);
+        let inputs = filters
+            .iter()
+            .map(|f| f.0)
+            .chain(scorers.iter().map(|s| s.0))
+            .fold(picker.0, |a, b| a | b);
+        WorkerSelectionPolicy {
+            kind: PolicyKind::Composed(Composed {
+                filters,
+                scorers,
+                picker,
+                inputs,
+            }),
+            worker_type,
+            name: "custom",
+            config,
+        }
+    }
+
+    fn builtin(kind: PolicyKind, name: &'static str, worker_type: WorkerType) -> Self {
+        WorkerSelectionPolicy {
+            kind,
+            worker_type,
+            name,
+            config: KvRouterConfig::default(),
+        }
+    }
+
+    /// The default KV cost policy (SPEC §4).
+    pub fn kv(config: KvRouterConfig, worker_type: WorkerType) -> Self {
+        WorkerSelectionPolicy {
+            kind: PolicyKind::Kv(config),
+            worker_type,
+            name: "kv",
+            config,
+        }
+    }
+    /// Uniformly random over eligible rows.
+    pub fn random() -> Self {
+        Self::builtin(PolicyKind::Random, "random", WorkerType::Aggregated)
+    }
+    /// Round robin over eligible rows; `peek` does not advance the cursor.
+    pub fn round_robin() -> Self {
+        Self::builtin(PolicyKind::RoundRobin, "round-robin", WorkerType::Aggregated)
+    }
+    /// Fewest in-flight requests (per unit of capacity weight).
+    pub fn least_loaded() -> Self {
+        Self::builtin(PolicyKind::LeastLoaded, "least-loaded", WorkerType::Aggregated)
+    }
+    /// Power of two choices by in-flight requests.
+    pub fn power_of_two() -> Self {
+        Self::builtin(PolicyKind::PowerOfTwo, "power-of-two", WorkerType::Aggregated)
+    }
+    /// Device-aware weighted (CPU and accelerator workers).
+    pub fn device_aware_weighted(config: DeviceAwareConfig) -> Self {
+        Self::builtin(
+            PolicyKind::DeviceAware(config),
+            "device-aware-weighted",
+            WorkerType::Aggregated,
+        )
+    }
+    /// Direct routing: the request names its worker; no fallback.
+    pub fn direct() -> Self {
+        Self::builtin(PolicyKind::Direct, "direct", WorkerType::Aggregated)
+    }
+
+    /// Sets the role (for a built-in constructed without one).
+    pub fn with_worker_type(mut self, worker_type: WorkerType) -> Self {
+        self.worker_type = worker_type;
+        self
+    }
+
+    /// Sets the name used in metrics, logs and explanations.
+    pub fn with_name(mut self, name: &'static str) -> Self {
+        self.name = name;
+        self
+    }
+
+    /// The policy's name.
+    pub fn name(&self) -> &'static str {
+        self.name
+    }
+
+    /// The pool's role.
+    pub fn worker_type(&self) -> WorkerType {
+        self.worker_type
+    }
+
+    /// The KV configuration the policy was built with.
+    pub fn kv_router_config(&self) -> &KvRouterConfig {
+        &self.config
+    }
+
+    /// The signal groups this policy makes the host compute.
+    pub fn required_worker_inputs(&self) -> WorkerInputs {
+        match &self.kind {
+            PolicyKind::Random | PolicyKind::RoundRobin | PolicyKind::Direct => WorkerInputs::NONE,
+            PolicyKind::LeastLoaded | PolicyKind::PowerOfTwo => WorkerInputs::OCCUPANCY,
+            PolicyKind::DeviceAware(_) => WorkerInputs::OCCUPANCY | WorkerInputs::DEVICE_AWARE | WorkerInputs::CACHE,
+            PolicyKind::Kv(_) => WorkerInputs::LOAD | WorkerInputs::CACHE | WorkerInputs::PREFERRED_TAINT,
+            PolicyKind::Composed(c) => c.inputs,
+        }
+    }
+}
+
+impl std::fmt::Debug for WorkerSelectionPolicy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WorkerSelectionPolicy")
+            .field("name", &self.name)
+            .field("worker_type", &self.worker_type)
+            .field("inputs", &self.required_worker_inputs())
+            .finish()
+    }
+}
+
+use crate::discovery::registry::WorkerRegistry;
+use crate::error::SelectionError;
+use crate::explain::Branch;
+use crate::fleet::HostFleet;
+use crate::plugin::WorkerSelectionContext;
+use crate::request::SelectionRequest;
+use crate::service::scratch::Scratch;
+use selkie_kernel::Rng;
+
+/// Everything a policy reads for one request.
+pub(crate) struct Env<'a> {
+    pub(crate) reg: &'a WorkerRegistry,
+    pub(crate) fleet: &'a HostFleet,
+    pub(crate) req: &'a SelectionRequest<'a>,
+    pub(crate) ctx: &'a WorkerSelectionContext<'a>,
+    /// Rows to scan (the fleet's scan rows).
+    pub(crate) rows: usize,
+    /// The hard filters pinned the request to one worker.
+    pub(crate) pinned: bool,
+    /// Compute the runner-up.
+    pub(crate) explain: bool,
+}
+
+/// What a policy chose.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Choice {
+    pub(crate) row: usize,
+    pub(crate) cost: f64,
+    pub(crate) runner_up: Option<(usize, f64)>,
+    pub(crate) branch: Branch,
+    pub(crate) candidates: usize,
+    pub(crate) temperature: f64,
+}
+
+impl WorkerSelectionPolicy {
+    /// Chooses one row among the set bits of `s.mask`.
+    pub(crate) fn choose(&self, env: &Env<'_>, s: &mut Scratch, rng: &mut Rng) -> Result<Choice, SelectionError> {
+        match &self.kind {
+            PolicyKind::Random => builtin::random(env, s, rng),
+            PolicyKind::RoundRobin => builtin::round_robin(env, s),
+            PolicyKind::LeastLoaded => builtin::least_loaded(env, s, rng),
+            PolicyKind::PowerOfTwo => builtin::power_of_two(env, s, rng),
+            PolicyKind::DeviceAware(c) => builtin::device_aware(env, s, rng, c),
+            PolicyKind::Direct => builtin::direct(env, s, rng),
+            PolicyKind::Kv(c) => kv::choose(env, s, rng, c, self.worker_type),
+            PolicyKind::Composed(c) => composed::choose(env, s, c),
+        }
+    }
+}

@@ -1,0 +1,253 @@
+//! What a router hands selkie for one request: [`SelectionRequest`] and the
+//! per-worker cache overlaps it may carry.
+//!
+//! Everything is borrowed, so building a request allocates nothing.
+
+use crate::types::{WorkerId, WorkerWithDpRank};
+
+/// Cache overlap between the request's prompt and one worker rank.
+///
+/// Rows without an entry have no overlap.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct WorkerOverlap {
+    /// The worker rank.
+    pub worker: WorkerWithDpRank,
+    /// Prompt blocks resident on the device (or the effective overlap
+    /// estimate when the request carries no per-tier overlaps).
+    pub device_blocks: u32,
+    /// Prompt blocks in the host (CPU-pinned) tier.
+    pub host_blocks: u32,
+    /// Prompt blocks in the disk tier.
+    pub disk_blocks: u32,
+    /// Shared-cache blocks beyond the device overlap.
+    pub shared_blocks: u32,
+    /// Estimated prompt tokens already cached on this worker.
+    pub cached_tokens: u32,
+}
+
+impl WorkerOverlap {
+    /// `device_blocks` of overlap on `worker`, `cached_tokens = blocks * block_size`.
+    pub fn device(worker: WorkerWithDpRank, device_blocks: u32, block_size: u32) -> Self {
+        WorkerOverlap {
+            worker,
+            device_blocks,
+            cached_tokens: device_blocks.saturating_mul(block_size),
+            ..Default::default()
+        }
+    }
+}
+
+/// A hard constraint on where a request may go.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Pin {
+    /// Any rank of this worker.
+    Worker(WorkerId),
+    /// Exactly this rank of this worker.
+    Rank(WorkerWithDpRank),
+}
+
+impl Pin {
+    /// The pinned worker.
+    pub fn worker_id(&self) -> WorkerId {
+        match self {
+            Pin::Worker(w) => *w,
+            Pin::Rank(r) => r.worker_id,
+        }
+    }
+}
+
+/// How strongly a session sticks to its worker.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AffinityMode {
+    /// Always the session's worker while it is registered and live (if it
+    /// is overloaded the request fails with
+    /// [`crate::SelectionError::PinnedWorkerOverloaded`]); once it is
+    /// removed, draining or cordoned, the next request is routed normally
+    /// and rebinds the session.
+    Hard,
+    /// The session's worker when it is eligible and not overloaded; otherwise
+    /// a normal selection, which rebinds the session.
+    Soft,
+}
+
+/// A request's session, for session affinity.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SessionAffinity<'a> {
+    /// Session id.
+    pub id: &'a str,
+    /// Hard or soft affinity.
+    pub mode: AffinityMode,
+}
+
+/// Per-request overrides of the KV cost weights (SPEC §4); `None` keeps the
+/// policy's value.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct KvCostOverrides {
+    /// `overlap_score_credit`.
+    pub overlap_score_credit: Option<f64>,
+    /// `prefill_load_scale`.
+    pub prefill_load_scale: Option<f64>,
+    /// `decode_active_request_weight`.
+    pub decode_active_request_weight: Option<f64>,
+    /// `host_cache_hit_weight`.
+    pub host_cache_hit_weight: Option<f64>,
+    /// `disk_cache_hit_weight`.
+    pub disk_cache_hit_weight: Option<f64>,
+}
+
+/// One request to route.
+///
+/// ```
+/// use selkie::{SelectionRequest, WorkerOverlap, WorkerWithDpRank};
+/// let overlaps = [WorkerOverlap::device(WorkerWithDpRank::new(3, 0), 8, 16)];
+/// let req = SelectionRequest::new(2048).with_overlaps(&overlaps).with_temperature(0.5);
+/// assert_eq!(req.isl_tokens, 2048);
+/// ```
+#[derive(Clone, Copy, Debug)]
+#[non_exhaustive]
+pub struct SelectionRequest<'a> {
+    /// Prompt length in tokens.
+    pub isl_tokens: usize,
+    /// Cache overlaps, for the workers that have any. Any order is
+    /// accepted; sorted by worker rank is fastest (merged with the
+    /// registry's index instead of one hash lookup per entry).
+    pub overlaps: &'a [WorkerOverlap],
+    /// Only these workers may serve the request (`None`: any).
+    pub allowed_worker_ids: Option<&'a [WorkerId]>,
+    /// A worker or rank the request must go to.
+    pub pin: Option<Pin>,
+    /// Taints the worker must all carry.
+    pub required_taints: &'a [&'a str],
+    /// Taints that make a worker cheaper (positive weight) or dearer
+    /// (negative weight) under the KV policy.
+    pub preferred_taints: &'a [(&'a str, f32)],
+    /// LoRA adapter the request needs.
+    pub lora: Option<&'a str>,
+    /// Session affinity.
+    pub session: Option<SessionAffinity<'a>>,
+    /// Whether the request's prompt tokens count as prefill load.
+    pub track_prefill_tokens: bool,
+    /// Router temperature override.
+    pub temperature: Option<f64>,
+    /// KV cost weight overrides.
+    pub kv_overrides: Option<KvCostOverrides>,
+    /// Expected output length, if known (passed to plugins).
+    pub expected_output_tokens: Option<u32>,
+    /// Cache hits a row needs to count as a full hit under the device-aware
+    /// policy (0: no cache preference). A row's hits are its overlap's
+    /// `device_blocks`.
+    pub required_cache_hits: u32,
+    /// Fill in the runner-up in the selection's explanation (one more pass).
+    pub explain: bool,
+}
+
+impl<'a> SelectionRequest<'a> {
+    /// A request of `isl_tokens` prompt tokens and nothing else.
+    pub const fn new(isl_tokens: usize) -> Self {
+        SelectionRequest {
+            isl_tokens,
+            overlaps: &[],
+            allowed_worker_ids: None,
+            pin: None,
+            required_taints: &[],
+            preferred_taints: &[],
+            lora: None,
+            session: None,
+            track_prefill_tokens: true,
+            temperature: None,
+            kv_overrides: None,
+            expected_output_tokens: None,
+            required_cache_hits: 0,
+            explain: false,
+        }
+    }
+
+    /// Sets the cache overlaps.
+    pub fn with_overlaps(mut self, overlaps: &'a [WorkerOverlap]) -> Self {
+        self.overlaps = overlaps;
+        self
+    }
+
+    /// Restricts the request to `ids`.
+    pub fn with_allowed_workers(mut self, ids: &'a [WorkerId]) -> Self {
+        self.allowed_worker_ids = Some(ids);
+        self
+    }
+
+    /// Pins the request to any rank of `worker_id` (direct routing).
+    pub fn pinned_to_worker(mut self, worker_id: WorkerId) -> Self {
+        self.pin = Some(Pin::Worker(worker_id));
+        self
+    }
+
+    /// Pins the request to one rank.
+    pub fn pinned_to_rank(mut self, worker: WorkerWithDpRank) -> Self {
+        self.pin = Some(Pin::Rank(worker));
+        self
+    }
+
+    /// Requires taints.
+    pub fn with_required_taints(mut self, taints: &'a [&'a str]) -> Self {
+        self.required_taints = taints;
+        self
+    }
+
+    /// Prefers taints.
+    pub fn with_preferred_taints(mut self, taints: &'a [(&'a str, f32)]) -> Self {
+        self.preferred_taints = taints;
+        self
+    }
+
+    /// Requires a LoRA adapter.
+    pub fn with_lora(mut self, adapter: &'a str) -> Self {
+        self.lora = Some(adapter);
+        self
+    }
+
+    /// Sets the session.
+    pub fn with_session(mut self, id: &'a str, mode: AffinityMode) -> Self {
+        self.session = Some(SessionAffinity { id, mode });
+        self
+    }
+
+    /// Sets whether prefill tokens are tracked.
+    pub fn with_track_prefill_tokens(mut self, track: bool) -> Self {
+        self.track_prefill_tokens = track;
+        self
+    }
+
+    /// Overrides the router temperature.
+    pub fn with_temperature(mut self, t: f64) -> Self {
+        self.temperature = Some(t);
+        self
+    }
+
+    /// Overrides KV cost weights.
+    pub fn with_kv_overrides(mut self, o: KvCostOverrides) -> Self {
+        self.kv_overrides = Some(o);
+        self
+    }
+
+    /// Sets the expected output length.
+    pub fn with_expected_output_tokens(mut self, n: u32) -> Self {
+        self.expected_output_tokens = Some(n);
+        self
+    }
+
+    /// Sets the cache hits the device-aware policy requires.
+    pub fn with_required_cache_hits(mut self, n: u32) -> Self {
+        self.required_cache_hits = n;
+        self
+    }
+
+    /// Asks for the runner-up in the explanation.
+    pub fn explained(mut self) -> Self {
+        self.explain = true;
+        self
+    }
+
+    /// `ceil(isl_tokens / block_size)`.
+    pub fn request_blocks(&self, block_size: u32) -> u64 {
+        (self.isl_tokens as u64).div_ceil(block_size.max(1) as u64)
+    }
+}

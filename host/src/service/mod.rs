@@ -1,0 +1,369 @@
+//! The selection service: the object a router holds, one per routing
+//! partition. It owns the kernel fleet, the worker registry, the policy and
+//! the session table, and runs every request through
+//! hard filters → policy → booking.
+//!
+//! # Concurrency
+//!
+//! Discovery changes go to a master registry under a mutex and bump a
+//! version number. Selection never takes that lock on its fast path: each
+//! thread keeps an immutable snapshot (`Arc<WorkerRegistry>`) of the master
+//! per service, and only reloads it (under the mutex, once per change) when
+//! the version moved. A stale snapshot is harmless: the rows it may name
+//! are intersected with the fleet's live rows, and every booking names the
+//! row's `SlotId`, so a row that was reused since refuses the booking and
+//! the selection rescans. Booking is the kernel's lock-free protocol. With
+//! the built-in policies a warm thread allocates nothing per request.
+
+mod run;
+pub(crate) mod scratch;
+mod selection;
+mod session;
+mod snapshot;
+#[cfg(test)]
+mod tests;
+
+use run::Outcome;
+use snapshot::SERVICE_IDS;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+use metrics::Counter;
+use selkie_kernel::lanes::U32Source;
+
+use crate::discovery::registry::{SyncReport, WorkerRegistry};
+use crate::discovery::{BusyThresholds, Discovery, WorkerRecord, WorkerState};
+use crate::error::{DiscoveryError, SelectionError};
+use crate::filter::{eligible_rows, is_busy};
+use crate::fleet::HostFleet;
+use crate::plugin::WorkerSelectionContext;
+use crate::policy::{Env, PolicyKind, WorkerSelectionPolicy};
+use crate::request::SelectionRequest;
+use crate::types::{WorkerId, WorkerWithDpRank};
+use scratch::{with_scratch, Scratch};
+use session::SessionTable;
+
+pub use selection::{Booked, FleetHandle, OwnedSelection, Preview, RankStatus, Selection, WorkerStatus};
+
+/// Settings of a [`WorkerSelectionService`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct ServiceConfig {
+    /// Tokens per KV block (default 16).
+    pub block_size: u32,
+    /// Busy thresholds for workers whose record has none.
+    pub default_busy_thresholds: BusyThresholds,
+    /// A request's LoRA adapter must be loaded on the worker (default
+    /// `false`: as Dynamo, prefer workers that have it, else any worker,
+    /// which loads it lazily).
+    pub lora_required: bool,
+    /// Sessions idle longer than this forget their worker (default 10 min).
+    pub session_idle_timeout: Duration,
+    /// Seed for every random choice (`None`: seeded per thread from the
+    /// clock). With a seed, single-threaded runs replay exactly.
+    pub seed: Option<u64>,
+    /// Bookings tried (each after a rescan without the refused row) before
+    /// reporting overload (default 4).
+    pub max_booking_attempts: u32,
+}
+
+impl Default for ServiceConfig {
+    fn default() -> Self {
+        ServiceConfig {
+            block_size: 16,
+            default_busy_thresholds: BusyThresholds::NONE,
+            lora_required: false,
+            session_idle_timeout: Duration::from_secs(600),
+            seed: None,
+            max_booking_attempts: 4,
+        }
+    }
+}
+
+/// Worker selection for one routing partition. See the crate docs for a
+/// walk-through.
+pub struct WorkerSelectionService {
+    fleet: HostFleet,
+    /// The master registry; changes happen here.
+    master: Mutex<WorkerRegistry>,
+    /// Bumped (under `master`) by every change.
+    version: crossbeam_utils::CachePadded<AtomicU64>,
+    /// The last snapshot built, and the version it reflects.
+    published: Mutex<(u64, Arc<WorkerRegistry>)>,
+    /// Identifies this service in the per-thread snapshot caches.
+    id: u64,
+    policy: WorkerSelectionPolicy,
+    config: ServiceConfig,
+    sessions: SessionTable,
+    seed_counter: AtomicU64,
+    selections: Counter,
+}
+
+impl WorkerSelectionService {
+    /// A service with no workers, running `policy`.
+    pub fn new(policy: WorkerSelectionPolicy, config: ServiceConfig) -> Self {
+        WorkerSelectionService {
+            fleet: HostFleet::new(),
+            master: Mutex::new(WorkerRegistry::new(config.default_busy_thresholds)),
+            version: crossbeam_utils::CachePadded::new(AtomicU64::new(1)),
+            published: Mutex::new((0, Arc::new(WorkerRegistry::new(config.default_busy_thresholds)))),
+            id: SERVICE_IDS.fetch_add(1, Ordering::Relaxed),
+            selections: metrics::counter!("selkie_selections_total", "policy" => policy.name()),
+            sessions: SessionTable::new(config.session_idle_timeout),
+            seed_counter: AtomicU64::new(0),
+            policy,
+            config,
+        }
+    }
+
+    /// The policy.
+    pub fn policy(&self) -> &WorkerSelectionPolicy {
+        &self.policy
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &ServiceConfig {
+        &self.config
+    }
+
+    /// The master registry (slow paths only: status, retarget, costs).
+    pub(crate) fn read_registry(&self) -> MutexGuard<'_, WorkerRegistry> {
+        self.master.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    // ---- discovery ---------------------------------------------------
+
+    /// Adds a worker (one fleet row per data-parallel rank).
+    pub fn add_worker(&self, record: WorkerRecord) -> Result<(), DiscoveryError> {
+        self.change(|reg, fleet| reg.add(fleet, record))
+    }
+
+    /// Replaces a worker's record (in-flight load is kept when its ranks are
+    /// unchanged).
+    pub fn update_worker(&self, record: WorkerRecord) -> Result<(), DiscoveryError> {
+        self.change(|reg, fleet| reg.update(fleet, record))
+    }
+
+    /// Removes a worker. Its outstanding [`Selection`]s stay valid and
+    /// release nothing into the row's next occupant.
+    pub fn remove_worker(&self, worker_id: WorkerId) -> Result<(), DiscoveryError> {
+        self.change(|reg, fleet| reg.remove(fleet, worker_id))
+    }
+
+    /// Makes a worker live, draining or cordoned.
+    pub fn set_worker_state(&self, worker_id: WorkerId, state: WorkerState) -> Result<(), DiscoveryError> {
+        self.change(|reg, fleet| reg.set_state(fleet, worker_id, state))
+    }
+
+    /// Marks a worker overloaded (skipped as overloaded by the hard
+    /// filters) or clears the mark, e.g. from an external load monitor.
+    pub fn set_overloaded(&self, worker_id: WorkerId, overloaded: bool) -> Result<(), DiscoveryError> {
+        self.change(|reg, _| reg.set_overloaded(worker_id, overloaded))
+    }
+
+    /// Makes the worker table equal `snapshot` (adds, updates, removes).
+    pub fn sync(&self, snapshot: Vec<WorkerRecord>) -> Result<SyncReport, DiscoveryError> {
+        self.change(|reg, fleet| reg.sync(fleet, snapshot))
+    }
+
+    /// Polls `source` once and applies its snapshot if it changed.
+    pub fn refresh(&self, source: &mut dyn Discovery) -> Result<Option<SyncReport>, DiscoveryError> {
+        match source.poll()? {
+            Some(snapshot) => self.sync(snapshot).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    /// Registered workers, by id.
+    pub fn workers(&self) -> Vec<WorkerRecord> {
+        let reg = self.read_registry();
+        let mut v: Vec<_> = reg.workers().map(|e| e.record.clone()).collect();
+        v.sort_by_key(|r| r.worker_id);
+        v
+    }
+
+    /// A worker's record, per-rank load and overload state.
+    pub fn worker_status(&self, worker_id: WorkerId) -> Option<WorkerStatus> {
+        let reg = self.read_registry();
+        let e = reg.get(worker_id)?;
+        let f = &self.fleet;
+        let ranks: Vec<RankStatus> = e
+            .rows
+            .iter()
+            .map(|&(dp_rank, h)| RankStatus {
+                dp_rank,
+                active_requests: f.active_requests().value(h.row),
+                active_prefill_tokens: f.active_prefill_tokens().value(h.row),
+                active_decode_blocks: f.active_decode_blocks().value(h.row),
+                busy: reg.row(h.row).is_some_and(|m| is_busy(m, f, h.row)),
+            })
+            .collect();
+        let overloaded = e.overloaded.load(Ordering::Relaxed) || (!ranks.is_empty() && ranks.iter().all(|r| r.busy));
+        Some(WorkerStatus {
+            record: e.record.clone(),
+            ranks,
+            overloaded,
+        })
+    }
+
+    /// A service for one routing partition from a policy factory (as
+    /// [`WorkerSelectionConfig::resolve`](crate::WorkerSelectionConfig::resolve)
+    /// returns): calls the factory once.
+    ///
+    /// ```
+    /// use selkie::*;
+    /// let config = WorkerSelectionConfig::from_yaml_str("prefill: p\ninstances:\n  - { name: p, type: power-of-two }")?;
+    /// let factory = config.resolve(&WorkerSelectionPolicyRegistry::new(), WorkerType::Prefill)?;
+    /// let service = WorkerSelectionService::from_factory(
+    ///     &factory,
+    ///     &KvRouterConfig::default(),
+    ///     WorkerType::Prefill,
+    ///     RoutingPartitionRef::model("llama"),
+    ///     ServiceConfig::default(),
+    /// );
+    /// assert_eq!(service.policy().name(), "power-of-two");
+    /// # Ok::<(), selkie::ConfigError>(())
+    /// ```
+    pub fn from_factory(
+        factory: &crate::WorkerSelectionPolicyFactory,
+        kv_config: &crate::KvRouterConfig,
+        worker_type: crate::WorkerType,
+        partition: crate::RoutingPartitionRef<'_>,
+        config: ServiceConfig,
+    ) -> Self {
+        Self::new(factory(kv_config, worker_type, partition), config)
+    }
+
+    // ---- sessions ----------------------------------------------------
+
+    /// Forgets a session's worker; returns whether it was bound.
+    pub fn end_session(&self, session_id: &str) -> bool {
+        self.sessions.end(session_id)
+    }
+
+    /// The worker a session is bound to, if any and not idle past the timeout.
+    pub fn session_worker(&self, session_id: &str) -> Option<WorkerWithDpRank> {
+        self.sessions.get(session_id, Instant::now())
+    }
+
+    /// Drops idle sessions now; returns how many remain.
+    pub fn expire_sessions(&self) -> usize {
+        self.sessions.expire(Instant::now())
+    }
+
+    // ---- selection ---------------------------------------------------
+
+    /// Chooses a worker for `req` and books the request on it.
+    ///
+    /// The booking (request, prefill tokens, decode blocks) is released when
+    /// the returned [`Selection`] is dropped.
+    pub fn select<'s>(&'s self, req: &SelectionRequest<'_>) -> Result<Selection<'s>, SelectionError> {
+        self.run(req, false, || self).map(|o| match o {
+            Outcome::Booked(s) => s,
+            Outcome::Previewed(_) => unreachable!("select books"),
+        })
+    }
+
+    /// As [`select`](Self::select), for a booking that must outlive the
+    /// borrow (moved into an async task or another thread). Costs one
+    /// reference-count increment on the service's `Arc`.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use selkie::*;
+    /// let service = Arc::new(WorkerSelectionService::new(WorkerSelectionPolicy::least_loaded(), ServiceConfig::default()));
+    /// service.add_worker(WorkerRecord::new(1))?;
+    /// let booking: OwnedSelection = service.select_owned(&SelectionRequest::new(32))?;
+    /// std::thread::spawn(move || {
+    ///     // ... stream the response ...
+    ///     booking.finish();
+    /// })
+    /// .join()
+    /// .unwrap();
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn select_owned(self: &Arc<Self>, req: &SelectionRequest<'_>) -> Result<OwnedSelection, SelectionError> {
+        self.run(req, false, || Arc::clone(self)).map(|o| match o {
+            Outcome::Booked(s) => s,
+            Outcome::Previewed(_) => unreachable!("select books"),
+        })
+    }
+
+    /// The worker [`select`](Self::select) would choose now, booking nothing
+    /// and advancing no cursor (plugins see
+    /// [`WorkerSelectionContext::is_preview`]). Always explained.
+    pub fn peek(&self, req: &SelectionRequest<'_>) -> Result<Preview, SelectionError> {
+        self.run(req, true, || self).map(|o| match o {
+            Outcome::Previewed(p) => p,
+            Outcome::Booked(_) => unreachable!("peek books nothing"),
+        })
+    }
+
+    /// Every eligible row's cost as the policy sees it now, in worker
+    /// order, booking nothing: the KV cost for the `kv` policy, the summed
+    /// scorer costs for a custom policy (after its filters), in-flight
+    /// requests per unit of weight for the load modes. Hard filters and pins
+    /// apply; session affinity does not. For debugging and tests: it
+    /// allocates the result.
+    pub fn costs(&self, req: &SelectionRequest<'_>) -> Result<Vec<(WorkerWithDpRank, f64)>, SelectionError> {
+        self.with_snapshot(|reg| self.costs_with(reg, req))
+    }
+
+    fn costs_with(
+        &self,
+        reg: &WorkerRegistry,
+        req: &SelectionRequest<'_>,
+    ) -> Result<Vec<(WorkerWithDpRank, f64)>, SelectionError> {
+        with_scratch(|s| {
+            let rows = self.fleet.scan_rows();
+            s.prepare(rows);
+            let outcome = {
+                let Scratch { mask: words, aux, .. } = &mut *s;
+                eligible_rows(reg, &self.fleet, req, req.pin, self.config.lora_required, words, aux)?
+            };
+            let ctx = WorkerSelectionContext {
+                request: req,
+                block_size: self.config.block_size,
+                worker_type: self.policy.worker_type,
+                preview: true,
+            };
+            let env = Env {
+                reg,
+                fleet: &self.fleet,
+                req,
+                ctx: &ctx,
+                rows,
+                pinned: outcome.pinned,
+                explain: false,
+            };
+            let mut out = Vec::new();
+            match &self.policy.kind {
+                PolicyKind::Kv(c) => {
+                    let (_, rows) = crate::policy::kv::fill_costs(&env, s, c, self.policy.worker_type)?;
+                    crate::filter::for_each_row(&s.mask, rows, |r| {
+                        if let Some(m) = reg.row(r) {
+                            out.push((m.worker(), f64::from(s.costs[r])));
+                        }
+                    });
+                }
+                PolicyKind::Composed(c) => {
+                    crate::policy::composed::score(&env, s, c)?;
+                    out.extend(s.candidates.iter().zip(&s.total).map(|(c, &t)| (c.worker, t)));
+                }
+                _ => {
+                    let weighted = reg.traits().weighted;
+                    crate::filter::for_each_row(&s.mask, rows, |r| {
+                        if let Some(m) = reg.row(r) {
+                            let a = f64::from(self.fleet.active_requests().value(r));
+                            let w = f64::from(m.entry.record.capacity_weight);
+                            out.push((m.worker(), if weighted { a / w } else { a }));
+                        }
+                    });
+                }
+            }
+            out.sort_by_key(|(w, _)| *w);
+            Ok(out)
+        })
+    }
+}

@@ -1,0 +1,235 @@
+//! One selection, start to finish: session affinity, hard filters, the
+//! policy, and booking with bounded rescans.
+//!
+//! Runs on the thread's registry snapshot and scratch; allocates nothing
+//! with the built-in policies once the thread is warm.
+
+use std::ops::Deref;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+use selkie_kernel::fleet::{BookLoad, Booking};
+use selkie_kernel::{mask, Rng};
+
+use super::scratch::{with_scratch, Scratch};
+use super::selection::{Booked, FleetHandle, Preview};
+use super::WorkerSelectionService;
+use crate::discovery::registry::WorkerRegistry;
+use crate::discovery::WorkerState;
+use crate::error::SelectionError;
+use crate::explain::{Explanation, Route};
+use crate::filter::eligible_rows;
+use crate::plugin::WorkerSelectionContext;
+use crate::policy::{Env, PolicyKind};
+use crate::request::{AffinityMode, Pin, SelectionRequest};
+use crate::types::WorkerWithDpRank;
+
+static THREAD_SEEDS: AtomicU64 = AtomicU64::new(0);
+
+fn mix(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+impl WorkerSelectionService {
+    pub(super) fn take_rng(&self, s: &mut Scratch) -> Rng {
+        match self.config.seed {
+            Some(seed) => {
+                let n = self.seed_counter.fetch_add(1, Ordering::Relaxed);
+                Rng::new(mix(seed ^ n.wrapping_mul(0x9E37_79B9_7F4A_7C15)))
+            }
+            None => s.rng.take().unwrap_or_else(|| {
+                let t = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_nanos() as u64);
+                Rng::new(mix(t ^ THREAD_SEEDS.fetch_add(0x9E37_79B9_7F4A_7C15, Ordering::Relaxed)))
+            }),
+        }
+    }
+
+    pub(super) fn run<H: Deref<Target = Self>>(
+        &self,
+        req: &SelectionRequest<'_>,
+        preview: bool,
+        handle: impl Fn() -> H,
+    ) -> Result<Outcome<H>, SelectionError> {
+        let _span = tracing::debug_span!("selkie.select", policy = self.policy.name(), preview).entered();
+        let result = self.with_snapshot(|reg| {
+            with_scratch(|s| {
+                let mut rng = self.take_rng(s);
+                let r = self.run_with(reg, req, preview, s, &mut rng, &handle);
+                if self.config.seed.is_none() {
+                    s.rng = Some(rng);
+                }
+                r
+            })
+        });
+        if let Err(e) = &result {
+            tracing::debug!(error = %e, "selection failed");
+            metrics::counter!("selkie_selection_errors_total", "reason" => e.reason()).increment(1);
+        }
+        result
+    }
+
+    fn run_with<H: Deref<Target = Self>>(
+        &self,
+        reg: &WorkerRegistry,
+        req: &SelectionRequest<'_>,
+        preview: bool,
+        s: &mut Scratch,
+        rng: &mut Rng,
+        handle: &impl Fn() -> H,
+    ) -> Result<Outcome<H>, SelectionError> {
+        if req.temperature.is_some_and(|t| !(t.is_finite() && t >= 0.0)) {
+            return Err(SelectionError::InvalidRequest("temperature must be finite and >= 0"));
+        }
+        if self.config.block_size == 0 {
+            return Err(SelectionError::InvalidRequest("block_size is 0"));
+        }
+        let now = Instant::now();
+        // Session affinity.
+        let mut pin = req.pin;
+        let mut route = if pin.is_some() { Route::Pinned } else { Route::Policy };
+        let mut soft: Option<WorkerWithDpRank> = None;
+        if let (None, Some(sess)) = (pin, req.session) {
+            if let Some(w) = self
+                .sessions
+                .get(sess.id, now)
+                // A session whose worker left, or is draining or cordoned,
+                // moves on (and rebinds) instead of failing.
+                .filter(|w| {
+                    reg.get(w.worker_id)
+                        .is_some_and(|e| e.record.state == WorkerState::Live)
+                })
+            {
+                match sess.mode {
+                    AffinityMode::Hard => {
+                        pin = Some(if reg.row_of(w).is_some() {
+                            Pin::Rank(w)
+                        } else {
+                            Pin::Worker(w.worker_id)
+                        });
+                        route = Route::SessionHard;
+                    }
+                    AffinityMode::Soft => soft = Some(w),
+                }
+            }
+        }
+        if matches!(self.policy.kind, PolicyKind::Direct) && pin.is_none() {
+            return Err(SelectionError::DirectWorkerMissing);
+        }
+        let rows = self.fleet.scan_rows();
+        s.prepare(rows);
+        let outcome = {
+            let Scratch { mask: words, aux, .. } = &mut *s;
+            eligible_rows(reg, &self.fleet, req, pin, self.config.lora_required, words, aux)?
+        };
+        if let Some(w) = soft {
+            if let Some(row) = reg.row_of(w).filter(|&r| mask::contains(&s.mask, r)) {
+                let nw = mask::words_for(rows);
+                s.mask[..nw].fill(0);
+                s.mask[row / 64] |= 1 << (row % 64);
+                route = Route::SessionSoft;
+            }
+        }
+        let ctx = WorkerSelectionContext {
+            request: req,
+            block_size: self.config.block_size,
+            worker_type: self.policy.worker_type,
+            preview,
+        };
+        let env = Env {
+            reg,
+            fleet: &self.fleet,
+            req,
+            ctx: &ctx,
+            rows,
+            pinned: outcome.pinned,
+            explain: req.explain || preview,
+        };
+        let request_blocks = req.request_blocks(self.config.block_size);
+        let attempts = self.config.max_booking_attempts.max(1);
+        for _ in 0..attempts {
+            let choice = self.policy.choose(&env, s, rng)?;
+            let meta = reg
+                .row(choice.row)
+                .ok_or(SelectionError::AllEligibleWorkersOverloaded)?;
+            let worker = meta.worker();
+            let explanation = Explanation {
+                policy: self.policy.name(),
+                route,
+                branch: choice.branch,
+                chosen: worker,
+                cost: choice.cost,
+                runner_up: choice.runner_up.and_then(|(r, c)| reg.row(r).map(|m| (m.worker(), c))),
+                candidates: choice.candidates,
+                temperature: choice.temperature,
+            };
+            if preview {
+                tracing::debug!(worker = %worker, branch = choice.branch.as_str(), "previewed");
+                return Ok(Outcome::Previewed(Preview { worker, explanation }));
+            }
+            let cached = cached_tokens(req.overlaps, worker);
+            let prefill = if req.track_prefill_tokens {
+                req.isl_tokens.saturating_sub(cached)
+            } else {
+                0
+            };
+            let load = BookLoad {
+                prefill_tokens: u32::try_from(prefill).unwrap_or(u32::MAX),
+                decode_blocks: u32::try_from(request_blocks).unwrap_or(u32::MAX),
+            };
+            match Booking::new_for_slot(FleetHandle(handle()), meta.handle.slot, load) {
+                Ok(booking) => {
+                    meta.entry.selections.increment(1);
+                    self.selections.increment(1);
+                    if let Some(sess) = req.session {
+                        self.sessions.bind(sess.id, worker, now);
+                    }
+                    tracing::debug!(
+                        worker = %worker,
+                        cost = choice.cost,
+                        branch = choice.branch.as_str(),
+                        "selected"
+                    );
+                    return Ok(Outcome::Booked(Booked {
+                        booking,
+                        worker,
+                        explanation,
+                    }));
+                }
+                Err(e) => {
+                    tracing::debug!(worker = %worker, error = %e, "booking refused; rescanning");
+                    metrics::counter!("selkie_rejections_total", "reason" => "booking_refused").increment(1);
+                    s.mask[choice.row / 64] &= !(1u64 << (choice.row % 64));
+                    if mask::count(&s.mask, rows) == 0 {
+                        break;
+                    }
+                }
+            }
+        }
+        Err(match pin {
+            Some(p) => SelectionError::PinnedWorkerOverloaded {
+                worker_id: p.worker_id(),
+            },
+            None => SelectionError::AllEligibleWorkersOverloaded,
+        })
+    }
+}
+
+/// The request's cached tokens on `worker`: a binary search (overlaps are
+/// usually sorted by worker), confirmed, else a linear scan.
+fn cached_tokens(overlaps: &[crate::WorkerOverlap], worker: WorkerWithDpRank) -> usize {
+    let i = overlaps.partition_point(|o| o.worker < worker);
+    let hit = overlaps
+        .get(i)
+        .filter(|o| o.worker == worker)
+        .or_else(|| overlaps.iter().find(|o| o.worker == worker));
+    hit.map_or(0, |o| o.cached_tokens as usize)
+}
+
+pub(super) enum Outcome<H: Deref<Target = WorkerSelectionService>> {
+    Booked(Booked<H>),
+    Previewed(Preview),
+}

@@ -1,0 +1,122 @@
+//! Per-thread scratch memory for the selection path, so a selection
+//! allocates nothing once a thread has served its first request.
+//!
+//! Each thread keeps one [`Scratch`]: the eligibility mask, helper masks and
+//! every per-row column a policy fills (costs, overlaps, taint multipliers,
+//! per-worker load sums, custom-policy candidate tables). Buffers only grow.
+//! A re-entrant selection (a plugin that calls the service) gets a fresh,
+//! temporary scratch instead of a panic.
+
+use std::cell::RefCell;
+
+use selkie_kernel::mask::words_for;
+use selkie_kernel::Rng;
+
+use crate::plugin::{CandidateData, ScoredWorkerCandidate, WorkerCacheInput, WorkerLoadInput};
+
+/// Per-row overlap columns for one request, zero except at `touched` rows.
+#[derive(Default)]
+pub(crate) struct OverlapColumns {
+    pub(crate) device: Vec<f32>,
+    pub(crate) host: Vec<f32>,
+    pub(crate) disk: Vec<f32>,
+    pub(crate) shared: Vec<f32>,
+    pub(crate) cached_tokens: Vec<f32>,
+    pub(crate) touched: Vec<u32>,
+    /// Whether any row got a non-zero host / disk / shared value (the
+    /// other columns are then all zero and skipped).
+    pub(crate) any_host: bool,
+    pub(crate) any_disk: bool,
+    pub(crate) any_shared: bool,
+}
+
+impl OverlapColumns {
+    fn grow(&mut self, rows: usize) {
+        for c in [
+            &mut self.device,
+            &mut self.host,
+            &mut self.disk,
+            &mut self.shared,
+            &mut self.cached_tokens,
+        ] {
+            if c.len() < rows {
+                c.resize(rows, 0.0);
+            }
+        }
+    }
+
+    /// Zeroes the rows the last request wrote.
+    pub(crate) fn reset(&mut self) {
+        for &r in &self.touched {
+            let r = r as usize;
+            self.device[r] = 0.0;
+            self.cached_tokens[r] = 0.0;
+        }
+        for (any, col) in [
+            (self.any_host, &mut self.host),
+            (self.any_disk, &mut self.disk),
+            (self.any_shared, &mut self.shared),
+        ] {
+            if any {
+                for &r in &self.touched {
+                    col[r as usize] = 0.0;
+                }
+            }
+        }
+        self.touched.clear();
+        (self.any_host, self.any_disk, self.any_shared) = (false, false, false);
+    }
+}
+
+/// Reusable buffers for one thread's selections.
+#[derive(Default)]
+pub(crate) struct Scratch {
+    pub(crate) mask: Vec<u64>,
+    pub(crate) aux: Vec<u64>,
+    pub(crate) aux2: Vec<u64>,
+    pub(crate) costs: Vec<f32>,
+    pub(crate) taint: Vec<f32>,
+    pub(crate) sums: Vec<u32>,
+    pub(crate) overlap: OverlapColumns,
+    pub(crate) candidates: Vec<CandidateData>,
+    pub(crate) filtered: Vec<CandidateData>,
+    pub(crate) total: Vec<f64>,
+    pub(crate) contrib: Vec<f64>,
+    pub(crate) scored: Vec<ScoredWorkerCandidate>,
+    pub(crate) loads: Vec<WorkerLoadInput>,
+    pub(crate) caches: Vec<WorkerCacheInput>,
+    pub(crate) rng: Option<Rng>,
+}
+
+impl Scratch {
+    /// Makes every buffer cover `rows` rows.
+    pub(crate) fn prepare(&mut self, rows: usize) {
+        let words = words_for(rows);
+        for m in [&mut self.mask, &mut self.aux, &mut self.aux2] {
+            if m.len() < words {
+                m.resize(words, 0);
+            }
+        }
+        for c in [&mut self.costs, &mut self.taint] {
+            if c.len() < rows {
+                c.resize(rows, 0.0);
+            }
+        }
+        if self.sums.len() < rows {
+            self.sums.resize(rows, 0);
+        }
+        self.overlap.grow(rows);
+    }
+}
+
+thread_local! {
+    static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
+}
+
+/// Runs `f` with this thread's scratch (a temporary one if it is in use).
+pub(crate) fn with_scratch<R>(f: impl FnOnce(&mut Scratch) -> R) -> R {
+    SCRATCH.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut s) => f(&mut s),
+        Err(_) => f(&mut Scratch::default()),
+    })
+}

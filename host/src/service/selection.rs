@@ -1,0 +1,148 @@
+//! What a selection hands back: [`Selection`] (a booked request, released
+//! on drop), [`Preview`] (a peek: nothing booked) and [`WorkerStatus`].
+
+use std::ops::Deref;
+use std::sync::Arc;
+
+use selkie_kernel::fleet::{BookError, Booking};
+
+use super::WorkerSelectionService;
+use crate::discovery::WorkerRecord;
+use crate::error::BookingError;
+use crate::explain::Explanation;
+use crate::fleet::{KernelFleet, FLEET_GROUPS};
+use crate::types::{DpRank, WorkerWithDpRank};
+
+/// A handle to a service that derefs to its fleet, so a kernel booking can
+/// hold it (a borrow, or an `Arc` for bookings that outlive a scope).
+#[doc(hidden)]
+pub struct FleetHandle<H>(pub(crate) H);
+
+impl<H: Deref<Target = WorkerSelectionService>> Deref for FleetHandle<H> {
+    type Target = KernelFleet;
+    fn deref(&self) -> &KernelFleet {
+        &self.0.fleet
+    }
+}
+
+/// A request booked on a worker rank: its in-flight request, prefill tokens
+/// and decode blocks count against the worker until this is dropped (or
+/// [`finish`](Self::finish)ed). Exactly one release, even if the worker was
+/// removed meanwhile.
+///
+/// `H` is how the booking holds the service: [`Selection`] borrows it,
+/// [`OwnedSelection`] holds an `Arc` (for bookings moved into tasks).
+pub struct Booked<H: Deref<Target = WorkerSelectionService>> {
+    pub(crate) booking: Booking<FleetHandle<H>, FLEET_GROUPS>,
+    pub(crate) worker: WorkerWithDpRank,
+    pub(crate) explanation: Explanation,
+}
+
+/// A booking that borrows the service ([`WorkerSelectionService::select`]).
+pub type Selection<'s> = Booked<&'s WorkerSelectionService>;
+
+/// A booking that owns an `Arc` of the service
+/// ([`WorkerSelectionService::select_owned`]): `'static`, `Send`, for a
+/// request served on another task or thread.
+pub type OwnedSelection = Booked<Arc<WorkerSelectionService>>;
+
+impl<H: Deref<Target = WorkerSelectionService>> Booked<H> {
+    /// The worker rank the request goes to.
+    pub fn worker(&self) -> WorkerWithDpRank {
+        self.worker
+    }
+
+    /// Why this worker was chosen.
+    pub fn explanation(&self) -> &Explanation {
+        &self.explanation
+    }
+
+    /// Prefill tokens still booked.
+    pub fn prefill_tokens(&self) -> u32 {
+        self.booking.prefill_tokens()
+    }
+
+    /// Decode blocks booked.
+    pub fn decode_blocks(&self) -> u32 {
+        self.booking.decode_blocks()
+    }
+
+    /// The prompt is prefilled: release its prefill tokens (the request and
+    /// its decode blocks stay booked).
+    pub fn prefill_complete(&mut self) {
+        self.booking.prefill_complete();
+    }
+
+    /// The request produced another KV block.
+    pub fn add_output_block(&mut self) -> Result<(), BookingError> {
+        self.booking
+            .add_output_block()
+            .map_err(|_| BookingError::WorkerGone { worker: self.worker })
+    }
+
+    /// Moves the booking to another worker rank (transport fallback): books
+    /// the same load there first, then releases it here. On error the
+    /// booking stays where it was.
+    pub fn retarget(&mut self, to: WorkerWithDpRank) -> Result<(), BookingError> {
+        let row = {
+            let reg = self.booking.fleet().0.read_registry();
+            reg.row_of(to).ok_or(BookingError::UnknownWorker { worker: to })?
+        };
+        self.booking.retarget(row).map_err(|e| match e {
+            BookError::Overloaded { limit, .. } => BookingError::Overloaded { worker: to, limit },
+            BookError::NotLive { .. } => BookingError::NotLive { worker: to },
+            _ => BookingError::UnknownWorker { worker: to },
+        })?;
+        tracing::debug!(from = %self.worker, %to, "booking retargeted");
+        self.worker = to;
+        Ok(())
+    }
+
+    /// The request is finished: release everything now.
+    pub fn finish(self) {}
+}
+
+impl<H: Deref<Target = WorkerSelectionService>> std::fmt::Debug for Booked<H> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Selection")
+            .field("worker", &self.worker)
+            .field("booking", &self.booking)
+            .finish()
+    }
+}
+
+/// The result of a [`peek`](WorkerSelectionService::peek): the worker a
+/// selection would choose now. Nothing is booked.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Preview {
+    /// The worker rank.
+    pub worker: WorkerWithDpRank,
+    /// Why (with the runner-up).
+    pub explanation: Explanation,
+}
+
+/// One rank's load as the fleet holds it now.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RankStatus {
+    /// The rank.
+    pub dp_rank: DpRank,
+    /// Requests in flight (booked included).
+    pub active_requests: u32,
+    /// Prefill tokens booked and not yet prefilled.
+    pub active_prefill_tokens: u32,
+    /// Decode blocks booked.
+    pub active_decode_blocks: u32,
+    /// Over a busy threshold.
+    pub busy: bool,
+}
+
+/// A worker's record, per-rank load and overload state.
+#[derive(Clone, Debug, PartialEq)]
+pub struct WorkerStatus {
+    /// What discovery said.
+    pub record: WorkerRecord,
+    /// Per-rank load, in rank order.
+    pub ranks: Vec<RankStatus>,
+    /// Marked overloaded, or every rank over a busy threshold.
+    pub overloaded: bool,
+}

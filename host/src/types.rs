@@ -1,0 +1,96 @@
+//! Identities shared by every part of the host: worker ids, data-parallel
+//! ranks, worker roles and routing partitions.
+//!
+//! The names are Dynamo's (`WorkerWithDpRank`, `WorkerType`,
+//! `RoutingPartitionRef`) so a router that used Dynamo's custom worker
+//! selection finds the same concepts here. This module holds plain data only.
+
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+/// A worker's identity as discovery reports it (Dynamo's instance id).
+pub type WorkerId = u64;
+
+/// A data-parallel rank inside one worker.
+pub type DpRank = u32;
+
+/// One routable row: a worker and one of its data-parallel ranks.
+///
+/// Each rank of a worker is a separate row of the fleet and can be chosen on
+/// its own.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct WorkerWithDpRank {
+    /// The worker.
+    pub worker_id: WorkerId,
+    /// The data-parallel rank within it.
+    pub dp_rank: DpRank,
+}
+
+impl WorkerWithDpRank {
+    /// A worker and rank.
+    pub const fn new(worker_id: WorkerId, dp_rank: DpRank) -> Self {
+        WorkerWithDpRank { worker_id, dp_rank }
+    }
+
+    /// Rank 0 of `worker_id` (workers without data parallelism).
+    pub const fn from_worker_id(worker_id: WorkerId) -> Self {
+        WorkerWithDpRank { worker_id, dp_rank: 0 }
+    }
+}
+
+impl fmt::Display for WorkerWithDpRank {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/dp{}", self.worker_id, self.dp_rank)
+    }
+}
+
+/// The role of the worker pool a policy selects from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum WorkerType {
+    /// Workers that run a whole request (prefill and decode).
+    #[default]
+    Aggregated,
+    /// Prefill workers of a disaggregated deployment.
+    Prefill,
+    /// Decode workers of a disaggregated deployment.
+    Decode,
+}
+
+impl WorkerType {
+    /// The lowercase name used in configuration files, logs and metric labels.
+    pub const fn as_str(&self) -> &'static str {
+        match self {
+            WorkerType::Aggregated => "aggregated",
+            WorkerType::Prefill => "prefill",
+            WorkerType::Decode => "decode",
+        }
+    }
+}
+
+impl fmt::Display for WorkerType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// The routing partition a policy instance serves: one model, optionally
+/// one routing group of it. A policy factory is called once per partition.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct RoutingPartitionRef<'a> {
+    /// Model name.
+    pub model: &'a str,
+    /// Routing group inside the model, if the deployment has several.
+    pub routing_group: Option<&'a str>,
+}
+
+impl<'a> RoutingPartitionRef<'a> {
+    /// A partition for `model` without a routing group.
+    pub const fn model(model: &'a str) -> Self {
+        RoutingPartitionRef {
+            model,
+            routing_group: None,
+        }
+    }
+}

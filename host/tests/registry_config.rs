@@ -1,0 +1,229 @@
+//! The policy registry rules and the per-role config file.
+
+use std::sync::Arc;
+
+use selkie::*;
+
+fn custom_provider() -> WorkerSelectionPolicyProvider {
+    #[derive(serde::Deserialize)]
+    struct Params {
+        #[serde(default)]
+        pick: usize,
+    }
+    struct Fixed(usize);
+    impl WorkerPicker for Fixed {
+        fn pick(
+            &self,
+            _: &WorkerSelectionContext<'_>,
+            v: WorkerInputView<'_>,
+        ) -> Result<usize, WorkerSelectionPolicyError> {
+            Ok(self.0.min(v.len() - 1))
+        }
+    }
+    Arc::new(|p: &WorkerSelectionPolicyParameters| {
+        let params: Params = p.deserialize()?;
+        let pick = params.pick;
+        Ok(
+            Arc::new(move |cfg: &KvRouterConfig, t: WorkerType, _: RoutingPartitionRef<'_>| {
+                WorkerSelectionPolicy::new(*cfg, t, vec![], Box::new(Fixed(pick))).with_name("fixed")
+            }) as WorkerSelectionPolicyFactory,
+        )
+    })
+}
+
+#[test]
+fn builtins_are_always_present_and_cannot_be_taken() {
+    let mut r = WorkerSelectionPolicyRegistry::with_providers([("fixed".to_string(), custom_provider())]).unwrap();
+    for name in BUILTIN_POLICIES {
+        assert!(r.names().contains(&name.to_string()), "{name}");
+        assert!(matches!(
+            r.register(name, custom_provider()),
+            Err(RegistryError::BuiltinName { name: n }) if n == name
+        ));
+        let p = r.build(
+            name,
+            &Default::default(),
+            &KvRouterConfig::default(),
+            WorkerType::Decode,
+            RoutingPartitionRef::model("m"),
+        );
+        let p = p.unwrap();
+        assert_eq!(p.name(), name);
+        assert_eq!(p.worker_type(), WorkerType::Decode);
+    }
+    assert!(matches!(
+        r.register("default", custom_provider()),
+        Err(RegistryError::BuiltinName { .. })
+    ));
+    assert!(matches!(
+        r.register("", custom_provider()),
+        Err(RegistryError::EmptyName)
+    ));
+    assert!(matches!(
+        r.register("fixed", custom_provider()),
+        Err(RegistryError::Duplicate { .. })
+    ));
+    assert!(matches!(
+        WorkerSelectionPolicyRegistry::with_providers([("kv".to_string(), custom_provider())]),
+        Err(RegistryError::BuiltinName { .. })
+    ));
+    assert!(r.provider("default").is_ok(), "default is kv");
+    assert!(matches!(
+        r.register("power-of-two-choices", custom_provider()),
+        Err(RegistryError::BuiltinName { .. })
+    ));
+    let p2c = r.build(
+        "power-of-two-choices",
+        &Default::default(),
+        &KvRouterConfig::default(),
+        WorkerType::Aggregated,
+        RoutingPartitionRef::model("m"),
+    );
+    assert_eq!(p2c.unwrap().name(), "power-of-two", "Dynamo's router-mode label works");
+}
+
+#[test]
+fn unknown_names_list_the_available_ones() {
+    let r = WorkerSelectionPolicyRegistry::with_providers([("fixed".to_string(), custom_provider())]).unwrap();
+    let e = r.provider("fastest").err().unwrap();
+    match &e {
+        RegistryError::UnknownType { name, available } => {
+            assert_eq!(name, "fastest");
+            assert_eq!(
+                available,
+                "device-aware-weighted, direct, fixed, kv, least-loaded, power-of-two, random, round-robin"
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(e.to_string().contains("least-loaded"));
+}
+
+#[test]
+fn bad_parameters_are_provider_errors() {
+    let r = WorkerSelectionPolicyRegistry::new();
+    let bad = WorkerSelectionPolicyParameters::new(serde_yaml::from_str("{ overlap_score_credit: -1 }").unwrap());
+    assert!(matches!(r.factory("kv", &bad), Err(RegistryError::Provider { policy_type, .. }) if policy_type == "kv"));
+    let unknown = WorkerSelectionPolicyParameters::new(serde_yaml::from_str("{ credit: 1 }").unwrap());
+    assert!(matches!(r.factory("kv", &unknown), Err(RegistryError::Provider { .. })));
+    let extra = WorkerSelectionPolicyParameters::new(serde_yaml::from_str("{ x: 1 }").unwrap());
+    assert!(matches!(
+        r.factory("random", &extra),
+        Err(RegistryError::Provider { .. })
+    ));
+}
+
+const YAML: &str = r#"
+aggregated: cache-heavy
+prefill: default
+decode: pinned
+instances:
+  - name: cache-heavy
+    type: kv
+    parameters: { overlap_score_credit: 2.0, router_temperature: 0.25 }
+  - name: pinned
+    type: fixed
+    parameters: { pick: 1 }
+"#;
+
+const TOML: &str = r#"
+aggregated = "cache-heavy"
+prefill = "default"
+decode = "pinned"
+[[instances]]
+name = "cache-heavy"
+type = "kv"
+parameters = { overlap_score_credit = 2.0, router_temperature = 0.25 }
+[[instances]]
+name = "pinned"
+type = "fixed"
+parameters = { pick = 1 }
+"#;
+
+#[test]
+fn config_file_chooses_a_policy_per_role_in_yaml_and_toml() {
+    let registry = WorkerSelectionPolicyRegistry::with_providers([("fixed".to_string(), custom_provider())]).unwrap();
+    let base = KvRouterConfig {
+        overlap_score_credit: 0.5,
+        ..KvRouterConfig::default()
+    };
+    for cfg in [
+        WorkerSelectionConfig::from_yaml_str(YAML).unwrap(),
+        WorkerSelectionConfig::from_toml_str(TOML).unwrap(),
+    ] {
+        assert_eq!(cfg.instance_names(), vec!["cache-heavy", "pinned"]);
+        let part = RoutingPartitionRef {
+            model: "llama",
+            routing_group: Some("a"),
+        };
+        let agg = cfg.resolve(&registry, WorkerType::Aggregated).unwrap()(&base, WorkerType::Aggregated, part);
+        assert_eq!(agg.name(), "kv");
+        assert_eq!(agg.kv_router_config().overlap_score_credit, 2.0);
+        assert_eq!(agg.kv_router_config().router_temperature, 0.25);
+        let pre = cfg.resolve(&registry, WorkerType::Prefill).unwrap()(&base, WorkerType::Prefill, part);
+        assert_eq!(
+            (pre.name(), pre.kv_router_config().overlap_score_credit),
+            ("kv", 0.5),
+            "default: the router's config"
+        );
+        let dec = cfg.resolve(&registry, WorkerType::Decode).unwrap()(&base, WorkerType::Decode, part);
+        assert_eq!(dec.name(), "fixed");
+        // The factory's policy really runs.
+        let s = WorkerSelectionService::new(dec, ServiceConfig::default());
+        s.add_worker(WorkerRecord::new(1)).unwrap();
+        s.add_worker(WorkerRecord::new(2)).unwrap();
+        assert!(s.select(&SelectionRequest::new(1)).is_ok());
+    }
+}
+
+#[test]
+fn config_files_on_disk() {
+    let dir = std::env::temp_dir().join(format!("selkie-cfg-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("p.yaml"), YAML).unwrap();
+    std::fs::write(dir.join("p.toml"), TOML).unwrap();
+    assert_eq!(
+        WorkerSelectionConfig::from_path(dir.join("p.yaml")).unwrap(),
+        WorkerSelectionConfig::from_path(dir.join("p.toml")).unwrap()
+    );
+    assert!(matches!(
+        WorkerSelectionConfig::from_path(dir.join("none.yaml")),
+        Err(ConfigError::Io { .. })
+    ));
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn malformed_configs_are_refused() {
+    let cases = [
+        ("aggregated: [1, 2]", "parse"),
+        ("aggregated: x\nfoo: 1", "parse"),
+        ("aggregated: nowhere", "unknown"),
+        (
+            "instances:\n  - { name: a, type: kv }\n  - { name: a, type: random }",
+            "validation",
+        ),
+        ("instances:\n  - { name: default, type: kv }", "validation"),
+        ("instances:\n  - { name: a, type: kv, parameters: [1] }", "validation"),
+        ("instances:\n  - { name: a }", "parse"),
+    ];
+    for (text, kind) in cases {
+        let e = WorkerSelectionConfig::from_yaml_str(text).unwrap_err();
+        let ok = match kind {
+            "parse" => matches!(e, ConfigError::Parse(_)),
+            "unknown" => matches!(e, ConfigError::UnknownInstance { role: "aggregated", .. }),
+            _ => matches!(e, ConfigError::Validation(_)),
+        };
+        assert!(ok, "{text:?}: {e:?}");
+    }
+    assert!(matches!(
+        WorkerSelectionConfig::from_toml_str("aggregated = "),
+        Err(ConfigError::Parse(_))
+    ));
+    let cfg =
+        WorkerSelectionConfig::from_yaml_str("aggregated: a\ninstances:\n  - { name: a, type: fastest }").unwrap();
+    assert!(matches!(
+        cfg.resolve(&WorkerSelectionPolicyRegistry::new(), WorkerType::Aggregated),
+        Err(ConfigError::Registry(RegistryError::UnknownType { .. }))
+    ));
+}

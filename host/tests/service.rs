@@ -1,0 +1,362 @@
+//! The selection service: booking lifecycle, peek, retarget, sessions,
+//! explanations, metrics and tracing.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use selkie::*;
+
+fn svc(policy: WorkerSelectionPolicy) -> WorkerSelectionService {
+    WorkerSelectionService::new(
+        policy,
+        ServiceConfig {
+            seed: Some(2),
+            ..ServiceConfig::default()
+        },
+    )
+}
+
+fn load(s: &WorkerSelectionService, id: u64) -> (u32, u32, u32) {
+    let r = s.worker_status(id).unwrap().ranks[0];
+    (r.active_requests, r.active_prefill_tokens, r.active_decode_blocks)
+}
+
+#[test]
+fn booking_lifecycle_prefill_output_finish() {
+    let s = svc(WorkerSelectionPolicy::least_loaded());
+    s.add_worker(WorkerRecord::new(1)).unwrap();
+    // 100 tokens, 32 of them cached: 68 prefill tokens, ceil(100/16) = 7 blocks.
+    let ov = [WorkerOverlap {
+        worker: WorkerWithDpRank::new(1, 0),
+        device_blocks: 2,
+        cached_tokens: 32,
+        ..Default::default()
+    }];
+    let mut a = s.select(&SelectionRequest::new(100).with_overlaps(&ov)).unwrap();
+    assert_eq!((a.prefill_tokens(), a.decode_blocks()), (68, 7));
+    assert_eq!(load(&s, 1), (1, 68, 7));
+    a.prefill_complete();
+    assert_eq!(load(&s, 1), (1, 0, 7));
+    a.prefill_complete(); // idempotent
+    a.add_output_block().unwrap();
+    a.add_output_block().unwrap();
+    assert_eq!(load(&s, 1), (1, 0, 9));
+    let b = s
+        .select(&SelectionRequest::new(16).with_track_prefill_tokens(false))
+        .unwrap();
+    assert_eq!(load(&s, 1), (2, 0, 10));
+    a.finish();
+    assert_eq!(load(&s, 1), (1, 0, 1));
+    drop(b);
+    assert_eq!(load(&s, 1), (0, 0, 0));
+}
+
+#[test]
+fn output_blocks_after_removal_report_the_worker_gone() {
+    let s = svc(WorkerSelectionPolicy::random());
+    s.add_worker(WorkerRecord::new(1)).unwrap();
+    let mut a = s.select(&SelectionRequest::new(16)).unwrap();
+    s.remove_worker(1).unwrap();
+    s.add_worker(WorkerRecord::new(2)).unwrap(); // takes the freed row
+    assert_eq!(
+        a.add_output_block().unwrap_err(),
+        BookingError::WorkerGone {
+            worker: WorkerWithDpRank::new(1, 0)
+        }
+    );
+    assert_eq!(load(&s, 2), (0, 0, 0), "the new occupant is untouched");
+    drop(a);
+    assert_eq!(load(&s, 2), (0, 0, 0));
+}
+
+#[test]
+fn peek_books_nothing() {
+    for policy in [
+        WorkerSelectionPolicy::kv(KvRouterConfig::default(), WorkerType::Aggregated),
+        WorkerSelectionPolicy::least_loaded(),
+        WorkerSelectionPolicy::round_robin(),
+    ] {
+        let s = svc(policy);
+        s.add_worker(WorkerRecord::new(1)).unwrap();
+        s.add_worker(WorkerRecord::new(2)).unwrap();
+        let p = s.peek(&SelectionRequest::new(64)).unwrap();
+        assert_eq!(load(&s, 1).0 + load(&s, 2).0, 0);
+        assert!(p.explanation.runner_up.is_some(), "peek is explained");
+        assert_eq!(s.select(&SelectionRequest::new(64)).unwrap().worker(), p.worker);
+    }
+}
+
+#[test]
+fn retarget_moves_the_load() {
+    let s = svc(WorkerSelectionPolicy::least_loaded());
+    s.add_worker(WorkerRecord::new(1)).unwrap();
+    s.add_worker(WorkerRecord::new(2).with_max_active_requests(1)).unwrap();
+    s.add_worker(WorkerRecord::new(3).with_state(WorkerState::Cordoned))
+        .unwrap();
+    let mut a = s.select(&SelectionRequest::new(48).pinned_to_worker(1)).unwrap();
+    a.retarget(WorkerWithDpRank::new(2, 0)).unwrap();
+    assert_eq!(a.worker(), WorkerWithDpRank::new(2, 0));
+    assert_eq!((load(&s, 1), load(&s, 2)), ((0, 0, 0), (1, 48, 3)));
+    let _b = s.select(&SelectionRequest::new(16).pinned_to_worker(1)).unwrap();
+    let mut c = s.select(&SelectionRequest::new(16).pinned_to_worker(1)).unwrap();
+    assert_eq!(
+        c.retarget(WorkerWithDpRank::new(2, 0)).unwrap_err(),
+        BookingError::Overloaded {
+            worker: WorkerWithDpRank::new(2, 0),
+            limit: 1
+        }
+    );
+    assert_eq!(
+        c.retarget(WorkerWithDpRank::new(3, 0)).unwrap_err(),
+        BookingError::NotLive {
+            worker: WorkerWithDpRank::new(3, 0)
+        }
+    );
+    assert_eq!(
+        c.retarget(WorkerWithDpRank::new(9, 0)).unwrap_err(),
+        BookingError::UnknownWorker {
+            worker: WorkerWithDpRank::new(9, 0)
+        }
+    );
+    assert_eq!(c.worker().worker_id, 1, "a failed retarget leaves the booking in place");
+    assert_eq!(load(&s, 1).0, 2);
+    drop((a, c));
+    assert_eq!((load(&s, 1).0, load(&s, 2)), (1, (0, 0, 0)));
+}
+
+#[test]
+fn hard_session_affinity_always_returns_to_its_worker() {
+    let s = svc(WorkerSelectionPolicy::least_loaded());
+    s.add_worker(WorkerRecord::new(1).with_max_active_requests(2)).unwrap();
+    s.add_worker(WorkerRecord::new(2)).unwrap();
+    let req = SelectionRequest::new(16).with_session("chat-1", AffinityMode::Hard);
+    let first = s.select(&req).unwrap();
+    let w = first.worker();
+    assert_eq!(s.session_worker("chat-1"), Some(w));
+    let mut held = vec![first];
+    // Even though the other worker is idle, the session stays.
+    let second = s.select(&req).unwrap();
+    assert_eq!((second.worker(), second.explanation().route), (w, Route::SessionHard));
+    held.push(second);
+    if w.worker_id == 1 {
+        assert_eq!(
+            s.select(&req).unwrap_err(),
+            SelectionError::PinnedWorkerOverloaded { worker_id: 1 }
+        );
+    }
+    // The worker drains: the session moves on instead of failing.
+    drop(held);
+    s.set_worker_state(w.worker_id, WorkerState::Draining).unwrap();
+    let moved = s.select(&req).unwrap();
+    assert_ne!(moved.worker(), w);
+    drop(moved);
+    s.set_worker_state(w.worker_id, WorkerState::Live).unwrap();
+    s.select(&req.pinned_to_worker(w.worker_id)).unwrap(); // explicit pins are untouched
+    let held: Vec<Selection<'_>> = Vec::new();
+    // The worker leaves: the session rebinds.
+    drop(held);
+    s.remove_worker(w.worker_id).unwrap();
+    let third = s.select(&req).unwrap();
+    assert_ne!(third.worker(), w);
+    assert_eq!(s.session_worker("chat-1"), Some(third.worker()));
+    assert!(s.end_session("chat-1"));
+    assert_eq!(s.session_worker("chat-1"), None);
+}
+
+#[test]
+fn soft_session_affinity_prefers_but_does_not_insist() {
+    let s = svc(WorkerSelectionPolicy::least_loaded());
+    let t = BusyThresholds {
+        active_prefill_tokens: Some(20),
+        ..BusyThresholds::NONE
+    };
+    s.add_worker(WorkerRecord::new(1).with_busy_thresholds(t)).unwrap();
+    s.add_worker(WorkerRecord::new(2).with_busy_thresholds(t)).unwrap();
+    let req = SelectionRequest::new(12).with_session("s", AffinityMode::Soft);
+    let a = s.select(&req).unwrap();
+    let w = a.worker();
+    let b = s.select(&req).unwrap(); // least-loaded alone would pick the other worker
+    assert_eq!((b.worker(), b.explanation().route), (w, Route::SessionSoft));
+    let c = s.select(&req).unwrap(); // 24 > 20 prefill tokens now: busy
+    assert_ne!(c.worker(), w, "busy session worker is not insisted on");
+    assert_eq!(c.explanation().route, Route::Policy);
+    assert_eq!(s.session_worker("s"), Some(c.worker()), "rebound");
+    drop((a, b, c));
+}
+
+#[test]
+fn sessions_expire_after_the_idle_timeout() {
+    let s = WorkerSelectionService::new(
+        WorkerSelectionPolicy::round_robin(),
+        ServiceConfig {
+            session_idle_timeout: Duration::from_millis(30),
+            ..ServiceConfig::default()
+        },
+    );
+    s.add_worker(WorkerRecord::new(1)).unwrap();
+    s.add_worker(WorkerRecord::new(2)).unwrap();
+    let req = SelectionRequest::new(1).with_session("x", AffinityMode::Hard);
+    let w = s.select(&req).unwrap().worker();
+    assert_eq!(s.select(&req).unwrap().worker(), w);
+    std::thread::sleep(Duration::from_millis(60));
+    assert_eq!(s.session_worker("x"), None);
+    assert_eq!(s.expire_sessions(), 0);
+    // Peek does not bind a session.
+    s.peek(&req).unwrap();
+    assert_eq!(s.session_worker("x"), None);
+}
+
+#[test]
+fn explanation_prints_cost_runner_up_margin_and_branch() {
+    let s = svc(WorkerSelectionPolicy::kv(
+        KvRouterConfig::default(),
+        WorkerType::Prefill,
+    ));
+    s.add_worker(WorkerRecord::new(1)).unwrap();
+    s.add_worker(WorkerRecord::new(2)).unwrap();
+    let ov = [WorkerOverlap::device(WorkerWithDpRank::new(2, 0), 4, 16)];
+    let sel = s
+        .select(&SelectionRequest::new(128).with_overlaps(&ov).explained())
+        .unwrap();
+    let e = *sel.explanation();
+    assert_eq!(
+        (e.chosen, e.cost, e.branch, e.route),
+        (WorkerWithDpRank::new(2, 0), 12.0, Branch::KvMinimum, Route::Policy)
+    );
+    assert_eq!(e.runner_up, Some((WorkerWithDpRank::new(1, 0), 16.0)));
+    assert_eq!(e.margin(), Some(4.0));
+    assert_eq!(
+        e.to_string(),
+        "kv chose 2/dp0 via kv-minimum (Policy) at cost 12.0000 among 2 candidates; runner-up 1/dp0 at 16.0000, margin 4.0000"
+    );
+    // Without `explained`, no runner-up (no extra pass).
+    assert_eq!(
+        s.select(&SelectionRequest::new(128).with_overlaps(&ov))
+            .unwrap()
+            .explanation()
+            .runner_up,
+        None
+    );
+}
+
+// ---- metrics ------------------------------------------------------------
+
+#[derive(Default)]
+struct TestRecorder {
+    counters: Mutex<BTreeMap<String, Arc<AtomicU64>>>,
+}
+
+impl TestRecorder {
+    fn get(&self, key: &str) -> u64 {
+        self.counters
+            .lock()
+            .unwrap()
+            .get(key)
+            .map_or(0, |c| c.load(Ordering::Relaxed))
+    }
+}
+
+impl metrics::Recorder for TestRecorder {
+    fn describe_counter(&self, _: metrics::KeyName, _: Option<metrics::Unit>, _: metrics::SharedString) {}
+    fn describe_gauge(&self, _: metrics::KeyName, _: Option<metrics::Unit>, _: metrics::SharedString) {}
+    fn describe_histogram(&self, _: metrics::KeyName, _: Option<metrics::Unit>, _: metrics::SharedString) {}
+    fn register_counter(&self, key: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Counter {
+        let labels: Vec<String> = key.labels().map(|l| format!("{}={}", l.key(), l.value())).collect();
+        let name = format!("{}{{{}}}", key.name(), labels.join(","));
+        let c = self.counters.lock().unwrap().entry(name).or_default().clone();
+        metrics::Counter::from_arc(c)
+    }
+    fn register_gauge(&self, _: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Gauge {
+        metrics::Gauge::noop()
+    }
+    fn register_histogram(&self, _: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Histogram {
+        metrics::Histogram::noop()
+    }
+}
+
+#[test]
+fn metrics_count_selections_per_worker_and_rejection_reasons() {
+    let rec = TestRecorder::default();
+    metrics::with_local_recorder(&rec, || {
+        let s = svc(WorkerSelectionPolicy::round_robin());
+        s.add_worker(WorkerRecord::new(1)).unwrap();
+        s.add_worker(WorkerRecord::new(2).with_state(WorkerState::Draining))
+            .unwrap();
+        s.add_worker(WorkerRecord::new(3).with_busy_thresholds(BusyThresholds {
+            active_prefill_tokens: Some(0),
+            ..BusyThresholds::NONE
+        }))
+        .unwrap();
+        let _held = s.select(&SelectionRequest::new(5).pinned_to_worker(3)).unwrap();
+        for _ in 0..4 {
+            s.select(&SelectionRequest::new(1)).unwrap();
+        }
+        let _ = s.select(&SelectionRequest::new(1).pinned_to_worker(2));
+        let _ = s.select(&SelectionRequest::new(1).pinned_to_worker(3));
+    });
+    assert_eq!(rec.get("selkie_worker_selections_total{worker=1}"), 4);
+    assert_eq!(rec.get("selkie_worker_selections_total{worker=3}"), 1);
+    assert_eq!(rec.get("selkie_selections_total{policy=round-robin}"), 5);
+    assert_eq!(
+        rec.get("selkie_rejections_total{reason=busy}"),
+        4,
+        "worker 3 skipped as busy four times"
+    );
+    assert_eq!(rec.get("selkie_rejections_total{reason=draining}"), 1);
+    assert_eq!(rec.get("selkie_selection_errors_total{reason=pinned_unavailable}"), 1);
+    assert_eq!(rec.get("selkie_selection_errors_total{reason=pinned_overloaded}"), 1);
+}
+
+// ---- tracing ------------------------------------------------------------
+
+#[derive(Clone, Default)]
+struct Events(Arc<Mutex<Vec<String>>>);
+
+impl tracing::Subscriber for Events {
+    fn enabled(&self, _: &tracing::Metadata<'_>) -> bool {
+        true
+    }
+    fn new_span(&self, span: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+        self.0.lock().unwrap().push(format!("span {}", span.metadata().name()));
+        tracing::span::Id::from_u64(1)
+    }
+    fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
+    fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
+    fn event(&self, event: &tracing::Event<'_>) {
+        struct Msg(String);
+        impl tracing::field::Visit for Msg {
+            fn record_debug(&mut self, f: &tracing::field::Field, v: &dyn std::fmt::Debug) {
+                if f.name() == "message" {
+                    self.0 = format!("{v:?}");
+                }
+            }
+        }
+        let mut m = Msg(String::new());
+        event.record(&mut m);
+        self.0.lock().unwrap().push(format!("event {}", m.0));
+    }
+    fn enter(&self, _: &tracing::span::Id) {}
+    fn exit(&self, _: &tracing::span::Id) {}
+}
+
+#[test]
+fn tracing_spans_and_events() {
+    let ev = Events::default();
+    tracing::subscriber::with_default(ev.clone(), || {
+        let s = svc(WorkerSelectionPolicy::random());
+        s.add_worker(WorkerRecord::new(1)).unwrap();
+        drop(s.select(&SelectionRequest::new(1)).unwrap());
+        let _ = s.select(&SelectionRequest::new(1).pinned_to_worker(5));
+    });
+    let log = ev.0.lock().unwrap().clone();
+    for want in [
+        "event worker added",
+        "span selkie.select",
+        "event selected",
+        "event selection failed",
+    ] {
+        assert!(log.iter().any(|l| l == want), "{want:?} not in {log:?}");
+    }
+}
