@@ -85,7 +85,7 @@ impl U32Source for [u32] {
     fn groups8(&self, first_group: usize) -> [u32x8; 8] {
         let block: &[u32; 8 * LANES] = self.as_chunks::<{ 8 * LANES }>().0[..]
             .get(first_group / 8)
-            .filter(|_| first_group % 8 == 0)
+            .filter(|_| first_group.is_multiple_of(8))
             .unwrap_or_else(|| panic!("groups8({first_group}) out of range or unaligned"));
         let groups: &[[u32; LANES]; 8] = bytemuck::cast_ref(block);
         groups.map(u32x8::from)
@@ -109,7 +109,7 @@ impl F32Source for [f32] {
     fn groups8(&self, first_group: usize) -> [f32x8; 8] {
         let block: &[f32; 8 * LANES] = self.as_chunks::<{ 8 * LANES }>().0[..]
             .get(first_group / 8)
-            .filter(|_| first_group % 8 == 0)
+            .filter(|_| first_group.is_multiple_of(8))
             .unwrap_or_else(|| panic!("groups8({first_group}) out of range or unaligned"));
         let groups: &[[f32; LANES]; 8] = bytemuck::cast_ref(block);
         groups.map(f32x8::from)

@@ -8,6 +8,8 @@
 //! It knows nothing of discovery, plugins, configuration files or I/O: that is
 //! the `selkie` host crate's job.
 //!
+//! * [`fleet`]: the lock-free worker table (atomic columns), booking with
+//!   RAII guards, select-and-book, the round-robin cursor.
 //! * [`kernels`]: least-loaded, power-of-two, random, round-robin, the default
 //!   KV cost, the pick (argmin or softmax) and device-aware weighted.
 //! * [`mask`]: eligibility bitmasks.
@@ -27,12 +29,16 @@
 #[cfg(test)]
 extern crate std;
 
+pub mod fleet;
 pub mod kernels;
 pub mod lanes;
 pub mod mask;
 mod rng;
 mod sync;
 
+pub use fleet::{
+    BookError, BookLoad, Booking, Fleet, FleetError, SelectError, SlotId, SlotState, WorkerSpec, WorkerState,
+};
 pub use kernels::KernelError;
 pub use mask::RowMask;
 pub use rng::Rng;

@@ -51,7 +51,11 @@ pub fn nth(mask: &[u64], rows: usize, mut n: usize) -> Option<usize> {
         if base >= rows {
             return None;
         }
-        let w = if rows - base < 64 { w & ((1u64 << (rows - base)) - 1) } else { w };
+        let w = if rows - base < 64 {
+            w & ((1u64 << (rows - base)) - 1)
+        } else {
+            w
+        };
         let c = w.count_ones() as usize;
         if n < c {
             return Some(base + select_in_word(w, n as u32) as usize);

@@ -1,1 +1,364 @@
-//! (being written)
+//! Device-aware weighted selection (SPEC section 5, parity with Dynamo's
+//! `device-aware-weighted` router mode in `dynamo-runtime` 1.6.1): rows are
+//! CPU or accelerator workers, each with a count of cache hits for the
+//! request, and CPU workers take a share of the load proportional to their
+//! number, discounted by a ratio.
+//!
+//! ```text
+//! pass 1 (SIMD, one read of each column):
+//!   per group G in {full-cache, CPU, accelerator}: count, total load (u64), minimum load
+//!   full-cache = eligible rows with cache_hits >= required_cache_hits, only if required > 0
+//!   CPU        = eligible rows set in `is_cpu`; accelerator = the other eligible rows
+//! decide:
+//!   full-cache non-empty                      -> full-cache
+//!   neither CPU nor accelerator rows          -> None
+//!   only one kind                             -> that kind
+//!   both: ratio   = max(non_cpu_to_cpu_ratio, 1)
+//!         allowed = accel_total * cpu_count / (ratio * accel_count)   (u64, saturating *, floor /)
+//!         CPU if cpu_total < allowed (strict), else accelerator
+//! passes 2, 3: the least-loaded row of the chosen group, ties uniformly at random
+//!   (count the rows at the group's minimum, one rng.below draw iff more than one, select)
+//! ```
+//!
+//! The comparisons and integer arithmetic are Dynamo's exactly: `>=` for the
+//! cache-hit threshold (which is off at 0), saturating `u64` products, floor
+//! division, strict `<`, and all-zero loads (`allowed = 0`) going to the
+//! accelerators. Dynamo breaks ties by reservoir sampling in all three groups
+//! during its single pass; selkie draws only for the group it returns, which
+//! gives the same distribution with at most one draw. A full-cache choice is
+//! made without occupancy admission in Dynamo
+//! ([`DeviceGroup::books_occupancy`] says so to the host).
+//!
+//! The load sums are word-parallel: each lane accumulates the low and high 16
+//! bits of its loads separately in `u32`, which cannot overflow for 65,536
+//! lane groups, and is flushed to `u64` after that many.
+//!
+//! This module must not book or decide which rows are CPUs: `is_cpu` is the
+//! host's (rows past its end are accelerators, as Dynamo's default device).
+
+use super::KernelError;
+use crate::lanes::{lane_bits, lane_mask, U32Source, LANES};
+use crate::mask::{contains, group_bits};
+use crate::Rng;
+use wide::u32x8;
+
+/// The request's and the deployment's parameters.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeviceAwareConfig {
+    /// Cache hits a row needs to be taken outright (Dynamo: the number of
+    /// distinct multimodal cache keys of the request); 0 disables the rule.
+    pub required_cache_hits: u32,
+    /// Accelerator-to-CPU load ratio (values below 1 count as 1; default 8,
+    /// Dynamo's `DYN_ENCODER_CUDA_TO_CPU_RATIO`).
+    pub non_cpu_to_cpu_ratio: u32,
+}
+
+impl Default for DeviceAwareConfig {
+    fn default() -> Self {
+        DeviceAwareConfig {
+            required_cache_hits: 0,
+            non_cpu_to_cpu_ratio: 8,
+        }
+    }
+}
+
+/// Which group the chosen row came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeviceGroup {
+    /// A row with at least the required cache hits.
+    FullCache,
+    /// A CPU row.
+    Cpu,
+    /// An accelerator row.
+    Accelerator,
+}
+
+impl DeviceGroup {
+    /// Whether Dynamo admits the choice against occupancy: every group but
+    /// [`DeviceGroup::FullCache`].
+    pub const fn books_occupancy(self) -> bool {
+        !matches!(self, DeviceGroup::FullCache)
+    }
+}
+
+/// The chosen row and why.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeviceAwareChoice {
+    /// The row.
+    pub row: usize,
+    /// The group it was chosen from.
+    pub group: DeviceGroup,
+}
+
+/// Count, total load and minimum load of one group.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct GroupStats {
+    count: u64,
+    total: u64,
+    min: u32,
+}
+
+impl GroupStats {
+    const EMPTY: GroupStats = GroupStats {
+        count: 0,
+        total: 0,
+        min: u32::MAX,
+    };
+
+    fn add(&mut self, load: u32) {
+        self.count += 1;
+        self.total = self.total.saturating_add(load as u64);
+        self.min = self.min.min(load);
+    }
+}
+
+/// Lane accumulators of one group's statistics.
+struct GroupLanes {
+    lo: u32x8,
+    hi: u32x8,
+    min: u32x8,
+    count: u64,
+    total: u64,
+}
+
+impl GroupLanes {
+    fn new() -> Self {
+        GroupLanes {
+            lo: u32x8::ZERO,
+            hi: u32x8::ZERO,
+            min: u32x8::splat(u32::MAX),
+            count: 0,
+            total: 0,
+        }
+    }
+    #[inline(always)]
+    fn add(&mut self, loads: u32x8, bits: u8) {
+        if bits == 0 {
+            return;
+        }
+        let on = lane_mask(bits);
+        self.lo += loads & on & u32x8::splat(0xFFFF);
+        self.hi += (loads >> 16) & on;
+        self.min = self.min.min(loads | !on);
+        self.count += bits.count_ones() as u64;
+    }
+    #[inline(always)]
+    fn flush(&mut self) {
+        let lo: u64 = self.lo.to_array().iter().map(|&v| v as u64).sum();
+        let hi: u64 = self.hi.to_array().iter().map(|&v| v as u64).sum();
+        self.total += lo + (hi << 16);
+        self.lo = u32x8::ZERO;
+        self.hi = u32x8::ZERO;
+    }
+    fn finish(mut self) -> GroupStats {
+        self.flush();
+        let min = self.min.to_array().into_iter().min().unwrap_or(u32::MAX);
+        GroupStats {
+            count: self.count,
+            total: self.total,
+            min,
+        }
+    }
+}
+
+/// Dynamo's decision between the groups, from their statistics.
+fn decide(full: GroupStats, cpu: GroupStats, accel: GroupStats, ratio: u32) -> Option<(DeviceGroup, u32)> {
+    if full.count > 0 {
+        return Some((DeviceGroup::FullCache, full.min));
+    }
+    match (cpu.count > 0, accel.count > 0) {
+        (false, false) => None,
+        (true, false) => Some((DeviceGroup::Cpu, cpu.min)),
+        (false, true) => Some((DeviceGroup::Accelerator, accel.min)),
+        (true, true) => {
+            let ratio = ratio.max(1) as u64;
+            let allowed = accel.total.saturating_mul(cpu.count) / ratio.saturating_mul(accel.count);
+            if cpu.total < allowed {
+                Some((DeviceGroup::Cpu, cpu.min))
+            } else {
+                Some((DeviceGroup::Accelerator, accel.min))
+            }
+        }
+    }
+}
+
+/// Rows at or past this many lane groups flush the 16-bit lane sums.
+const FLUSH_GROUPS: usize = 1 << 16;
+
+/// Device-aware weighted selection (SIMD). See the module docs.
+///
+/// `load`: in-flight requests per row (its length is the number of rows);
+/// `cache_hits`: the request's cache hits per row; `is_cpu`: CPU rows as a
+/// bitmask. `Err(ColumnTooShort)` if `cache_hits` is shorter than `load`;
+/// `Ok(None)` if no row is eligible. Makes one `rng.below` draw iff several
+/// rows of the chosen group share its minimum load.
+///
+/// ```
+/// use selkie_kernel::kernels::device_aware::{device_aware, DeviceAwareConfig, DeviceGroup};
+/// use selkie_kernel::Rng;
+/// let load = [0u32, 40, 30];
+/// let hits = [0u32, 0, 0];
+/// let is_cpu = [0b001u64]; // row 0 is a CPU worker
+/// // allowed CPU load = 70 * 1 / (8 * 2) = 4 > 0: the idle CPU row takes it.
+/// let pick = device_aware(&load[..], &hits[..], &is_cpu, &[0b111], &DeviceAwareConfig::default(), &mut Rng::new(1));
+/// assert_eq!(pick.unwrap().map(|c| (c.row, c.group)), Some((0, DeviceGroup::Cpu)));
+/// ```
+pub fn device_aware<L, H>(
+    load: &L,
+    cache_hits: &H,
+    is_cpu: &[u64],
+    mask: &[u64],
+    config: &DeviceAwareConfig,
+    rng: &mut Rng,
+) -> Result<Option<DeviceAwareChoice>, KernelError>
+where
+    L: U32Source + ?Sized,
+    H: U32Source + ?Sized,
+{
+    let rows = load.rows();
+    if cache_hits.rows() < rows {
+        return Err(KernelError::ColumnTooShort {
+            rows,
+            len: cache_hits.rows(),
+        });
+    }
+    let groups = rows / LANES;
+    let required = config.required_cache_hits;
+    let req_lanes = u32x8::splat(required);
+    // Eligible bits of lane group `g` in each device group.
+    let bits_of = |g: usize, bits: u8| {
+        let cpu = group_bits(is_cpu, g);
+        let full = if required > 0 {
+            let hits = cache_hits.group(g);
+            lane_bits(hits.max(req_lanes).cmp_eq(hits)) & bits
+        } else {
+            0
+        };
+        (full, cpu & bits, !cpu & bits)
+    };
+    let row_is = |r: usize| {
+        let cpu = contains(is_cpu, r);
+        (required > 0 && cache_hits.value(r) >= required, cpu, !cpu)
+    };
+    // Pass 1: statistics.
+    let (mut full, mut cpu, mut accel) = (GroupLanes::new(), GroupLanes::new(), GroupLanes::new());
+    for g in 0..groups {
+        let bits = group_bits(mask, g);
+        if bits != 0 {
+            let loads = load.group(g);
+            let (f, c, a) = bits_of(g, bits);
+            full.add(loads, f);
+            cpu.add(loads, c);
+            accel.add(loads, a);
+        }
+        if g % FLUSH_GROUPS == FLUSH_GROUPS - 1 {
+            full.flush();
+            cpu.flush();
+            accel.flush();
+        }
+    }
+    let (mut full, mut cpu, mut accel) = (full.finish(), cpu.finish(), accel.finish());
+    for r in groups * LANES..rows {
+        if contains(mask, r) {
+            let l = load.value(r);
+            let (f, c, _) = row_is(r);
+            if f {
+                full.add(l);
+            }
+            if c {
+                cpu.add(l);
+            } else {
+                accel.add(l);
+            }
+        }
+    }
+    let Some((group, min)) = decide(full, cpu, accel, config.non_cpu_to_cpu_ratio) else {
+        return Ok(None);
+    };
+    let chosen = |f: u8, c: u8, a: u8| match group {
+        DeviceGroup::FullCache => f,
+        DeviceGroup::Cpu => c,
+        DeviceGroup::Accelerator => a,
+    };
+    let chosen_row = |r: usize| {
+        let (f, c, a) = row_is(r);
+        contains(mask, r) && chosen(f as u8, c as u8, a as u8) == 1 && load.value(r) == min
+    };
+    let ties_of = |g: usize| {
+        let bits = group_bits(mask, g);
+        if bits == 0 {
+            return 0;
+        }
+        let (f, c, a) = bits_of(g, bits);
+        lane_bits(load.group(g).cmp_eq(u32x8::splat(min))) & chosen(f, c, a)
+    };
+    // Pass 2: rows of the chosen group at its minimum.
+    let mut ties: usize = (0..groups).map(|g| ties_of(g).count_ones() as usize).sum();
+    ties += (groups * LANES..rows).filter(|&r| chosen_row(r)).count();
+    let mut k = if ties > 1 { rng.below(ties as u64) as usize } else { 0 };
+    // Pass 3: the k-th of them.
+    for g in 0..groups {
+        let mut t = ties_of(g);
+        let c = t.count_ones() as usize;
+        if k < c {
+            for _ in 0..k {
+                t &= t - 1;
+            }
+            return Ok(Some(DeviceAwareChoice {
+                row: g * LANES + t.trailing_zeros() as usize,
+                group,
+            }));
+        }
+        k -= c;
+    }
+    let row = (groups * LANES..rows).filter(|&r| chosen_row(r)).nth(k);
+    Ok(row.map(|row| DeviceAwareChoice { row, group }))
+}
+
+/// Scalar reference of [`device_aware`]: same result, same draws.
+pub fn device_aware_reference<L, H>(
+    load: &L,
+    cache_hits: &H,
+    is_cpu: &[u64],
+    mask: &[u64],
+    config: &DeviceAwareConfig,
+    rng: &mut Rng,
+) -> Result<Option<DeviceAwareChoice>, KernelError>
+where
+    L: U32Source + ?Sized,
+    H: U32Source + ?Sized,
+{
+    let rows = load.rows();
+    if cache_hits.rows() < rows {
+        return Err(KernelError::ColumnTooShort {
+            rows,
+            len: cache_hits.rows(),
+        });
+    }
+    let required = config.required_cache_hits;
+    let in_group = |r: usize, group: DeviceGroup| match group {
+        DeviceGroup::FullCache => required > 0 && cache_hits.value(r) >= required,
+        DeviceGroup::Cpu => contains(is_cpu, r),
+        DeviceGroup::Accelerator => !contains(is_cpu, r),
+    };
+    let stats = |group: DeviceGroup| {
+        let mut s = GroupStats::EMPTY;
+        for r in (0..rows).filter(|&r| contains(mask, r) && in_group(r, group)) {
+            s.add(load.value(r));
+        }
+        s
+    };
+    let decision = decide(
+        stats(DeviceGroup::FullCache),
+        stats(DeviceGroup::Cpu),
+        stats(DeviceGroup::Accelerator),
+        config.non_cpu_to_cpu_ratio,
+    );
+    let Some((group, min)) = decision else {
+        return Ok(None);
+    };
+    let at_min = || (0..rows).filter(|&r| contains(mask, r) && in_group(r, group) && load.value(r) == min);
+    let ties = at_min().count();
+    let k = if ties > 1 { rng.below(ties as u64) as usize } else { 0 };
+    Ok(at_min().nth(k).map(|row| DeviceAwareChoice { row, group }))
+}

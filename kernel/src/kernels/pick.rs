@@ -1,1 +1,494 @@
-//! (being written)
+//! The pick: from a column of per-row costs (lower is better) to one row.
+//!
+//! * temperature 0 ([`pick_min`]): the minimum cost, ties uniformly at random
+//!   (the shared [`argmin`](super::argmin) core);
+//! * temperature `T > 0` ([`pick_softmax`]): row `i` with probability
+//!   proportional to `exp(-(c_i - c_min) / ((c_max - c_min) * T))`, every row
+//!   equally likely when `c_min == c_max`;
+//! * [`pick`] dispatches on the temperature; [`explain`] reports the chosen
+//!   row's cost and the runner-up, off the hot path.
+//!
+//! Every pick first checks that each eligible cost is finite and refuses the
+//! input with [`KernelError::NonFiniteCost`] naming the first bad row
+//! otherwise ([`first_non_finite`]).
+//!
+//! # The softmax walk (parity with Dynamo's `softmax_sample_index`)
+//!
+//! ```text
+//! c_min, c_max over eligible rows                  (SIMD min / max)
+//! u     = rng.unit_f64()                           (exactly one draw if any row is eligible)
+//! w_i   = 1 if c_min == c_max, else exp(-(c_i - c_min) / (c_max - c_min) / T)
+//! pick  = the first eligible row, in row order, with u * Σw <= w_0 + ... + w_i
+//!         (Dynamo: `sample <= cumulative` over normalised probabilities;
+//!          `<=`, so u == 0 picks the first eligible row even at weight 0)
+//!         or the last eligible row if rounding leaves the walk short.
+//! ```
+//!
+//! The SIMD kernel computes each exponent as `(c_min - c) * (1 / ((c_max -
+//! c_min) * T))` in `f32` and the weight with `wide`'s `exp` (a polynomial,
+//! evaluated with FMA when the target has it, and flushing `exp(x)` to 0 for
+//! `x <= -87.3`), sums each lane group in `f32` and walks the cumulative sum in
+//! `f64`, in two passes over the costs (sum, then walk until the target is
+//! reached) so it needs no scratch memory. The reference computes Dynamo's
+//! procedure in `f64` with `libm::exp`, normalising by the sum first. The two
+//! therefore agree to a relative `1e-5` per weight (absolute `1e-12` for
+//! weights below about `e^-40`, which cannot move a pick) rather than bit for
+//! bit; their picks differ only when the draw lies within about `2e-5` of a
+//! cumulative boundary, which the differential tests check exactly.
+//!
+//! Costs are `f32`, so `c_max - c_min` cannot overflow in the reference. In
+//! the SIMD kernel a range that overflows `f32` (costs near `±f32::MAX`) is
+//! handled by halving every cost first, which is what Dynamo's `magnitude`
+//! rescaling does for `f64`; and when `(c_max - c_min) * T` is not a normal
+//! `f32` (an extreme temperature, or costs a few subnormals apart) the
+//! exponents are computed per lane in `f64`, so nothing under- or overflows
+//! into a NaN or loses its precision.
+//!
+//! This module must not compute costs or book anything.
+
+use super::argmin::{argmin, argmin_reference, ArgminKey};
+use super::KernelError;
+use crate::lanes::{lane_bits_f32, lane_mask, F32Source, LANES};
+use crate::mask::{contains, count, group_bits, nth};
+use crate::Rng;
+use wide::{f32x8, CmpGt, CmpLt};
+
+/// A cost column as argmin keys.
+struct Costs<'a, C: ?Sized>(&'a C);
+
+impl<C: F32Source + ?Sized> ArgminKey for Costs<'_, C> {
+    type Key = f32;
+    type Lanes = f32x8;
+    #[inline(always)]
+    fn rows(&self) -> usize {
+        self.0.rows()
+    }
+    #[inline(always)]
+    fn key(&self, row: usize) -> f32 {
+        self.0.value(row)
+    }
+    #[inline(always)]
+    fn keys(&self, group: usize) -> f32x8 {
+        self.0.group(group)
+    }
+}
+
+/// The first eligible row, in row order, whose cost is NaN or infinite (SIMD).
+///
+/// ```
+/// use selkie_kernel::kernels::pick::first_non_finite;
+/// let costs = [1.0f32, f32::NAN, f32::INFINITY];
+/// assert_eq!(first_non_finite(&costs[..], &[0b101]), Some(2)); // row 1 is not eligible
+/// ```
+#[inline]
+pub fn first_non_finite<C: F32Source + ?Sized>(costs: &C, mask: &[u64]) -> Option<usize> {
+    let rows = costs.rows();
+    let groups = rows / LANES;
+    for g in 0..groups {
+        let bits = group_bits(mask, g);
+        if bits != 0 {
+            let bad = !lane_bits_f32(costs.group(g).is_finite()) & bits;
+            if bad != 0 {
+                return Some(g * LANES + bad.trailing_zeros() as usize);
+            }
+        }
+    }
+    (groups * LANES..rows).find(|&r| contains(mask, r) && !costs.value(r).is_finite())
+}
+
+/// Scalar reference of [`first_non_finite`].
+pub fn first_non_finite_reference<C: F32Source + ?Sized>(costs: &C, mask: &[u64]) -> Option<usize> {
+    (0..costs.rows()).find(|&r| contains(mask, r) && !costs.value(r).is_finite())
+}
+
+/// Temperature-0 pick (SIMD): the eligible row of minimum cost, ties
+/// uniformly at random.
+///
+/// `Err(NonFiniteCost)` if an eligible cost is NaN or infinite (no draw);
+/// `Ok(None)` if no row is eligible. Makes one `rng.below` draw iff several
+/// eligible rows hold the minimum (`-0.0` and `0.0` tie).
+///
+/// ```
+/// use selkie_kernel::{kernels::pick::pick_min, Rng};
+/// let costs = [3.0f32, 1.5, 2.0];
+/// assert_eq!(pick_min(&costs[..], &[0b111], &mut Rng::new(1)), Ok(Some(1)));
+/// ```
+#[inline]
+pub fn pick_min<C: F32Source + ?Sized>(costs: &C, mask: &[u64], rng: &mut Rng) -> Result<Option<usize>, KernelError> {
+    if let Some(row) = first_non_finite(costs, mask) {
+        return Err(KernelError::NonFiniteCost { row });
+    }
+    Ok(argmin(&Costs(costs), mask, rng))
+}
+
+/// Scalar reference of [`pick_min`]: same result, same draws.
+pub fn pick_min_reference<C: F32Source + ?Sized>(
+    costs: &C,
+    mask: &[u64],
+    rng: &mut Rng,
+) -> Result<Option<usize>, KernelError> {
+    if let Some(row) = first_non_finite_reference(costs, mask) {
+        return Err(KernelError::NonFiniteCost { row });
+    }
+    Ok(argmin_reference(&Costs(costs), mask, rng))
+}
+
+/// Picks a row at `temperature`: `0` takes [`pick_min`], a finite `T > 0`
+/// samples with [`pick_softmax`]; a negative, NaN or infinite temperature is
+/// `Err(BadTemperature)` (checked first, no draw).
+///
+/// ```
+/// use selkie_kernel::{kernels::pick::pick, KernelError, Rng};
+/// let costs = [2.0f32, 1.0, 4.0];
+/// let mut rng = Rng::new(11);
+/// assert_eq!(pick(&costs[..], &[0b111], 0.0, &mut rng), Ok(Some(1)));
+/// assert!(pick(&costs[..], &[0b111], 0.7, &mut rng).unwrap().is_some());
+/// assert_eq!(pick(&costs[..], &[0b111], -1.0, &mut rng), Err(KernelError::BadTemperature));
+/// ```
+#[inline]
+pub fn pick<C: F32Source + ?Sized>(
+    costs: &C,
+    mask: &[u64],
+    temperature: f32,
+    rng: &mut Rng,
+) -> Result<Option<usize>, KernelError> {
+    if temperature == 0.0 {
+        pick_min(costs, mask, rng)
+    } else {
+        pick_softmax(costs, mask, temperature, rng)
+    }
+}
+
+/// Scalar reference of [`pick`].
+pub fn pick_reference<C: F32Source + ?Sized>(
+    costs: &C,
+    mask: &[u64],
+    temperature: f32,
+    rng: &mut Rng,
+) -> Result<Option<usize>, KernelError> {
+    if temperature == 0.0 {
+        pick_min_reference(costs, mask, rng)
+    } else {
+        pick_softmax_reference(costs, mask, temperature, rng)
+    }
+}
+
+/// Whether `t` is a temperature the softmax accepts: finite and `> 0`.
+#[inline]
+fn softmax_temperature_ok(t: f32) -> bool {
+    t.is_finite() && t > 0.0
+}
+
+/// How the SIMD kernel turns a lane group of costs into weights; built once
+/// per pick from `c_min`, `c_max` and `T` (see [`SoftmaxLanes::new`]).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct SoftmaxLanes {
+    /// Costs are multiplied by this first (1, or 0.5 when `c_max - c_min`
+    /// overflows `f32`).
+    pre: f32,
+    /// `c_min * pre`.
+    min: f32,
+    /// `1 / ((c_max - c_min) * pre * T)` when that product is a normal `f32`
+    /// (the fast path: one subtraction and one multiplication per lane); 0
+    /// when it under- or overflows, and the exponent is computed per lane in
+    /// `f64` instead (an extreme temperature or a subnormal cost range).
+    inv: f32,
+    /// `c_min` and `(c_max - c_min) * T` in `f64`, for that slow path.
+    min64: f64,
+    denom64: f64,
+    /// Whether `c_min == c_max` (every weight 1).
+    flat: bool,
+}
+
+impl SoftmaxLanes {
+    /// Prepares weights for costs in `[c_min, c_max]` (both finite) at
+    /// temperature `t` (finite, `> 0`).
+    pub(crate) fn new(c_min: f32, c_max: f32, t: f32) -> Self {
+        let mut pre = 1.0f32;
+        let mut range = c_max - c_min;
+        if !range.is_finite() {
+            pre = 0.5;
+            range = c_max * 0.5 - c_min * 0.5;
+        }
+        let denom = range * t;
+        let inv = if denom.is_normal() { 1.0 / denom } else { 0.0 };
+        SoftmaxLanes {
+            pre,
+            min: c_min * pre,
+            inv,
+            min64: c_min as f64,
+            denom64: (c_max as f64 - c_min as f64) * t as f64,
+            flat: c_min == c_max,
+        }
+    }
+
+    /// The weights of one lane group: `exp(x)` with `x = -(c - c_min) / ((c_max - c_min) T)`,
+    /// 1 everywhere when `c_min == c_max`, 0 on lanes whose bit is clear.
+    #[inline(always)]
+    pub(crate) fn weights(&self, costs: f32x8, bits: u8) -> f32x8 {
+        let on: f32x8 = bytemuck::cast(lane_mask(bits));
+        if self.flat {
+            return on & f32x8::ONE;
+        }
+        let x = if self.inv != 0.0 {
+            let d = if self.pre == 1.0 {
+                costs - f32x8::splat(self.min)
+            } else {
+                costs * f32x8::splat(self.pre) - f32x8::splat(self.min)
+            };
+            d * f32x8::splat(self.inv)
+        } else {
+            let c = costs.to_array();
+            f32x8::from(core::array::from_fn::<f32, LANES, _>(|i| {
+                ((c[i] as f64 - self.min64) / self.denom64) as f32
+            }))
+        };
+        // `0 - x`, not `-x`: the same lanes, and `exp` of either zero is 1.
+        on & (f32x8::ZERO - x).exp()
+    }
+}
+
+/// The eligible rows' cost range as the SIMD kernel sees it: `(min, max,
+/// last eligible row)`, `None` when no row is eligible. Costs are finite.
+#[inline]
+fn range_and_last<C: F32Source + ?Sized>(costs: &C, mask: &[u64]) -> Option<(f32, f32, usize)> {
+    let rows = costs.rows();
+    let groups = rows / LANES;
+    let mut lo = f32x8::splat(f32::INFINITY);
+    let mut hi = f32x8::splat(f32::NEG_INFINITY);
+    let mut last = None;
+    for g in 0..groups {
+        let bits = group_bits(mask, g);
+        if bits != 0 {
+            let on: f32x8 = bytemuck::cast(lane_mask(bits));
+            let c = costs.group(g);
+            lo = on.blend(c, lo).cmp_lt(lo).blend(c, lo);
+            hi = on.blend(c, hi).cmp_gt(hi).blend(c, hi);
+            last = Some(g * LANES + 7 - bits.leading_zeros() as usize);
+        }
+    }
+    let mut min = lo
+        .to_array()
+        .into_iter()
+        .fold(f32::INFINITY, |a, b| if b < a { b } else { a });
+    let mut max = hi
+        .to_array()
+        .into_iter()
+        .fold(f32::NEG_INFINITY, |a, b| if b > a { b } else { a });
+    for r in groups * LANES..rows {
+        if contains(mask, r) {
+            let c = costs.value(r);
+            if c < min {
+                min = c;
+            }
+            if c > max {
+                max = c;
+            }
+            last = Some(r);
+        }
+    }
+    last.map(|l| (min, max, l))
+}
+
+/// One lane group of costs, the partial last group padded with `pad` (whose
+/// lanes the caller masks off).
+#[inline(always)]
+fn cost_lanes<C: F32Source + ?Sized>(costs: &C, g: usize, pad: f32) -> f32x8 {
+    let rows = costs.rows();
+    if (g + 1) * LANES <= rows {
+        costs.group(g)
+    } else {
+        let mut a = [pad; LANES];
+        for (i, v) in a.iter_mut().enumerate() {
+            let r = g * LANES + i;
+            if r < rows {
+                *v = costs.value(r);
+            }
+        }
+        f32x8::from(a)
+    }
+}
+
+/// Softmax pick at temperature `temperature > 0` (SIMD). See the module docs
+/// for the walk and how it matches Dynamo.
+///
+/// `Err(BadTemperature)` unless the temperature is finite and `> 0`;
+/// `Err(NonFiniteCost)` if an eligible cost is NaN or infinite (neither
+/// draws); `Ok(None)` if no row is eligible (no draw). Otherwise makes exactly
+/// one `rng.unit_f64` draw, even with a single eligible row, as Dynamo does.
+///
+/// ```
+/// use selkie_kernel::{kernels::pick::pick_softmax, Rng};
+/// let costs = [10.0f32, 0.0, 10.0];
+/// // At a low temperature the cheap row is almost always chosen.
+/// let row = pick_softmax(&costs[..], &[0b111], 0.01, &mut Rng::new(4)).unwrap();
+/// assert_eq!(row, Some(1));
+/// ```
+pub fn pick_softmax<C: F32Source + ?Sized>(
+    costs: &C,
+    mask: &[u64],
+    temperature: f32,
+    rng: &mut Rng,
+) -> Result<Option<usize>, KernelError> {
+    if !softmax_temperature_ok(temperature) {
+        return Err(KernelError::BadTemperature);
+    }
+    if let Some(row) = first_non_finite(costs, mask) {
+        return Err(KernelError::NonFiniteCost { row });
+    }
+    let rows = costs.rows();
+    let Some((c_min, c_max, last)) = range_and_last(costs, mask) else {
+        return Ok(None);
+    };
+    let u = rng.unit_f64();
+    if c_min == c_max {
+        // Every weight is 1: the walk ends at the k-th eligible row with
+        // k = max(ceil(u * n), 1) - 1, computed exactly.
+        let n = count(mask, rows);
+        let target = u * n as f64;
+        let k = (libm::ceil(target) as usize).max(1) - 1;
+        return Ok(nth(mask, rows, k.min(n - 1)));
+    }
+    let lanes = SoftmaxLanes::new(c_min, c_max, temperature);
+    let groups = rows.div_ceil(LANES);
+    let group_weights = |g: usize| {
+        let mut bits = group_bits(mask, g);
+        if (g + 1) * LANES > rows {
+            bits &= (1u8 << (rows - g * LANES)) - 1;
+        }
+        if bits == 0 {
+            None
+        } else {
+            Some((bits, lanes.weights(cost_lanes(costs, g, c_min), bits)))
+        }
+    };
+    // Pass 1: the total, as a sum of per-group f32 sums in f64.
+    let mut total = 0.0f64;
+    for g in 0..groups {
+        if let Some((_, w)) = group_weights(g) {
+            total += w.reduce_add() as f64;
+        }
+    }
+    let target = u * total;
+    // Pass 2: walk the same group sums until the group that crosses the target,
+    // then its lanes in row order.
+    let mut cum = 0.0f64;
+    for g in 0..groups {
+        let Some((bits, w)) = group_weights(g) else { continue };
+        let gs = w.reduce_add() as f64;
+        if target <= cum + gs {
+            let w = w.to_array();
+            let mut b = bits;
+            while b != 0 {
+                let lane = b.trailing_zeros() as usize;
+                b &= b - 1;
+                cum += w[lane] as f64;
+                if target <= cum {
+                    return Ok(Some(g * LANES + lane));
+                }
+            }
+        } else {
+            cum += gs;
+        }
+    }
+    Ok(Some(last))
+}
+
+/// One row's softmax weight as the reference computes it, in `f64`:
+/// `exp(-(c - c_min) / ((c_max - c_min) * T))`, or 1 when `c_min == c_max`.
+pub(crate) fn softmax_weight_reference(c: f32, c_min: f32, c_max: f32, t: f32) -> f64 {
+    if c_min == c_max {
+        return 1.0;
+    }
+    let (c, lo, hi, t) = (c as f64, c_min as f64, c_max as f64, t as f64);
+    libm::exp(-(c - lo) / ((hi - lo) * t))
+}
+
+/// Scalar reference of [`pick_softmax`]: Dynamo's procedure in `f64` (weights,
+/// sequential sum, normalised probabilities, `u <= cumulative`), the same
+/// single draw. Agrees with the SIMD kernel up to rounding (see module docs).
+pub fn pick_softmax_reference<C: F32Source + ?Sized>(
+    costs: &C,
+    mask: &[u64],
+    temperature: f32,
+    rng: &mut Rng,
+) -> Result<Option<usize>, KernelError> {
+    if !softmax_temperature_ok(temperature) {
+        return Err(KernelError::BadTemperature);
+    }
+    if let Some(row) = first_non_finite_reference(costs, mask) {
+        return Err(KernelError::NonFiniteCost { row });
+    }
+    let eligible = || (0..costs.rows()).filter(|&r| contains(mask, r));
+    let Some(last) = eligible().next_back() else {
+        return Ok(None);
+    };
+    let c_min = eligible().map(|r| costs.value(r)).fold(f32::INFINITY, f32::min);
+    let c_max = eligible().map(|r| costs.value(r)).fold(f32::NEG_INFINITY, f32::max);
+    let u = rng.unit_f64();
+    let n = eligible().count();
+    let weight = |r: usize| {
+        if c_min == c_max {
+            1.0 / n as f64
+        } else {
+            softmax_weight_reference(costs.value(r), c_min, c_max, temperature)
+        }
+    };
+    let sum: f64 = eligible().map(weight).sum();
+    let mut cum = 0.0f64;
+    for r in eligible() {
+        cum += weight(r) / sum;
+        if u <= cum {
+            return Ok(Some(r));
+        }
+    }
+    Ok(Some(last))
+}
+
+/// Why a row was chosen: its cost and the best of the others.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PickOutcome {
+    /// The chosen row.
+    pub row: usize,
+    /// Its cost.
+    pub cost: f32,
+    /// The cheapest other eligible row and its cost (the first in row order
+    /// on ties), `None` when the chosen row was the only eligible one.
+    pub runner_up: Option<(usize, f32)>,
+}
+
+impl PickOutcome {
+    /// How much more the runner-up costs than the chosen row (negative when a
+    /// softmax pick took a costlier row); `None` without a runner-up.
+    pub fn margin(&self) -> Option<f32> {
+        self.runner_up.map(|(_, c)| c - self.cost)
+    }
+}
+
+/// Explains a pick after the fact: the chosen row's cost and the runner-up.
+/// A plain scalar scan, meant for tracing and debugging, never for the hot
+/// path. `None` if `chosen` is out of range or not eligible.
+///
+/// ```
+/// use selkie_kernel::kernels::pick::explain;
+/// let costs = [5.0f32, 2.0, 3.0];
+/// let why = explain(&costs[..], &[0b111], 1).unwrap();
+/// assert_eq!((why.cost, why.runner_up, why.margin()), (2.0, Some((2, 3.0)), Some(1.0)));
+/// ```
+pub fn explain<C: F32Source + ?Sized>(costs: &C, mask: &[u64], chosen: usize) -> Option<PickOutcome> {
+    if chosen >= costs.rows() || !contains(mask, chosen) {
+        return None;
+    }
+    let mut runner_up: Option<(usize, f32)> = None;
+    for r in (0..costs.rows()).filter(|&r| r != chosen && contains(mask, r)) {
+        let c = costs.value(r);
+        if runner_up.is_none_or(|(_, best)| c < best) {
+            runner_up = Some((r, c));
+        }
+    }
+    Some(PickOutcome {
+        row: chosen,
+        cost: costs.value(chosen),
+        runner_up,
+    })
+}

@@ -1,1 +1,111 @@
+//! Tests of the kernels: every SIMD kernel against its scalar reference
+//! (proptest, over every length up to three lane groups and a partial one,
+//! some long columns, random and extreme masks, values and seeds, comparing
+//! results *and* the generator's state afterwards), statistical tests of the
+//! random choices with fixed seeds, and hand-worked KV costs.
+//!
+//! This file holds the shared strategies and helpers; the tests are in the
+//! submodules, one per kernel module.
 
+use crate::mask::words_for;
+use proptest::prelude::*;
+use std::vec;
+use std::vec::Vec;
+
+mod device_aware;
+mod index;
+mod kv_cost;
+mod pick;
+mod stats;
+
+/// Row counts: every length up to `3 * LANES + 7`, some longer ones, 1000.
+pub(super) fn rows() -> impl Strategy<Value = usize> {
+    prop_oneof![8 => 0usize..=31, 1 => 32usize..=200, 1 => Just(1000usize)]
+}
+
+/// One mask word: empty, full, dense or sparse.
+fn word() -> impl Strategy<Value = u64> {
+    prop_oneof![
+        Just(0u64),
+        Just(u64::MAX),
+        any::<u64>(),
+        (any::<u64>(), any::<u64>(), any::<u64>()).prop_map(|(a, b, c)| a & b & c),
+    ]
+}
+
+/// A bitmask over `rows` rows, with one spare word whose bits (rows past the
+/// end) kernels must ignore. All-zero and all-one masks are common.
+pub(super) fn mask(rows: usize) -> impl Strategy<Value = Vec<u64>> {
+    let words = words_for(rows) + 1;
+    prop_oneof![
+        1 => Just(vec![0u64; words]),
+        1 => Just(vec![u64::MAX; words]),
+        4 => prop::collection::vec(word(), words),
+    ]
+}
+
+/// A load or count: small (many ties), near `2^24` (where `f32` rounds), any,
+/// or the extremes.
+pub(super) fn load_value() -> impl Strategy<Value = u32> + Clone {
+    prop_oneof![
+        4 => 0u32..4,
+        1 => Just(u32::MAX),
+        1 => Just(u32::MAX - 1),
+        1 => (1u32 << 24) - 2..(1u32 << 24) + 3,
+        2 => any::<u32>(),
+    ]
+}
+
+/// A finite cost: small integers (ties), moderate values, the extremes of
+/// `f32`, subnormals and both zeros.
+pub(super) fn finite_cost() -> impl Strategy<Value = f32> + Clone {
+    prop_oneof![
+        4 => (0u8..4).prop_map(f32::from),
+        3 => -1.0e6f32..1.0e6,
+        1 => Just(f32::MAX),
+        1 => Just(-f32::MAX),
+        1 => Just(f32::MIN_POSITIVE),
+        1 => Just(1.0e-45f32),
+        1 => Just(-0.0f32),
+        1 => any::<f32>().prop_filter("finite", |c| c.is_finite()),
+    ]
+}
+
+/// A cost that is sometimes NaN or infinite.
+pub(super) fn any_cost() -> impl Strategy<Value = f32> + Clone {
+    prop_oneof![
+        12 => finite_cost(),
+        1 => Just(f32::NAN),
+        1 => Just(f32::INFINITY),
+        1 => Just(f32::NEG_INFINITY),
+    ]
+}
+
+/// `rows`, a column of `rows` values, a mask and a seed.
+pub(super) fn column_case<T: core::fmt::Debug + Clone, S: Strategy<Value = T> + Clone>(
+    value: S,
+) -> impl Strategy<Value = (Vec<T>, Vec<u64>, u64)> {
+    rows().prop_flat_map(move |n| (prop::collection::vec(value.clone(), n), mask(n), any::<u64>()))
+}
+
+/// Whether two `f32` results are the same value, bit for bit (any NaN equals
+/// any NaN: the kernels do not promise NaN payloads).
+pub(super) fn same_f32(a: f32, b: f32) -> bool {
+    a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan())
+}
+
+/// Pearson's chi-square statistic of `observed` counts against probabilities.
+pub(super) fn chi_square(observed: &[u64], p: &[f64]) -> f64 {
+    let n: u64 = observed.iter().sum();
+    observed
+        .iter()
+        .zip(p)
+        .map(|(&o, &p)| {
+            let e = p * n as f64;
+            (o as f64 - e) * (o as f64 - e) / e
+        })
+        .sum()
+}
+
+/// 99.9% quantiles of the chi-square distribution, by degrees of freedom.
+pub(super) const CHI2_999: [f64; 6] = [f64::NAN, 10.828, 13.816, 16.266, 18.467, 20.515];

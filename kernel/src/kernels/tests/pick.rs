@@ -1,0 +1,293 @@
+//! The pick (argmin and softmax) against its references, and the softmax
+//! weights against `f64`.
+
+use super::{any_cost, column_case, finite_cost};
+use crate::kernels::pick::*;
+use crate::kernels::KernelError;
+use crate::lanes::F32Source;
+use crate::mask::contains;
+use crate::Rng;
+use proptest::prelude::*;
+use std::vec::Vec;
+use wide::f32x8;
+
+/// How far apart (in normalised cumulative probability) the SIMD and the
+/// reference softmax walks may be; see [`softmax_picks_consistent`].
+const CUMULATIVE_EPS: f64 = 2.0e-5;
+
+/// The reference's cumulative probabilities, `(row, C_row)` for each eligible
+/// row in row order: Dynamo's procedure in `f64`.
+fn reference_cumulative(costs: &[f32], mask: &[u64], t: f32) -> Vec<(usize, f64)> {
+    let rows: Vec<usize> = (0..costs.len()).filter(|&r| contains(mask, r)).collect();
+    let lo = rows.iter().map(|&r| costs[r]).fold(f32::INFINITY, f32::min);
+    let hi = rows.iter().map(|&r| costs[r]).fold(f32::NEG_INFINITY, f32::max);
+    let w: Vec<f64> = rows
+        .iter()
+        .map(|&r| softmax_weight_reference(costs[r], lo, hi, t))
+        .collect();
+    let sum: f64 = w.iter().sum();
+    let mut cum = 0.0;
+    rows.iter()
+        .zip(&w)
+        .map(|(&r, &w)| {
+            cum += w / sum;
+            (r, cum)
+        })
+        .collect()
+}
+
+/// Whether two softmax picks made with the same draw `u` are consistent: the
+/// same row, or rows that differ only because `u` lies within `eps` of *every*
+/// cumulative boundary between them, so that a perturbation of the
+/// cumulative sums by at most `eps` moves the pick from one to the other.
+fn softmax_picks_consistent(simd: usize, reference: usize, cum: &[(usize, f64)], u: f64, eps: f64) -> bool {
+    if simd == reference {
+        return true;
+    }
+    let pos = |row| cum.iter().position(|&(r, _)| r == row);
+    let (Some(a), Some(b)) = (pos(simd), pos(reference)) else {
+        return false;
+    };
+    let (lo, hi) = (a.min(b), a.max(b));
+    cum[lo..hi].iter().all(|&(_, c)| (u - c).abs() <= eps)
+}
+
+#[test]
+fn boundary_helper_accepts_only_draws_on_a_boundary() {
+    let cum = [(0, 0.25), (3, 0.5), (4, 0.5 + 1e-9), (7, 1.0)];
+    assert!(softmax_picks_consistent(3, 3, &cum, 0.9, 0.0));
+    assert!(softmax_picks_consistent(3, 4, &cum, 0.5, 1e-6));
+    assert!(softmax_picks_consistent(0, 4, &cum, 0.25, 0.25 + 1e-6));
+    assert!(
+        !softmax_picks_consistent(0, 4, &cum, 0.25, 1e-6),
+        "0.5 is not near 0.25"
+    );
+    assert!(!softmax_picks_consistent(3, 7, &cum, 0.75, 1e-6));
+    assert!(!softmax_picks_consistent(3, 9, &cum, 0.5, 1.0), "row 9 is not eligible");
+}
+
+fn temperature() -> impl Strategy<Value = f32> {
+    prop_oneof![
+        4 => 0.05f32..10.0,
+        1 => Just(1.0e-3f32),
+        1 => Just(1.0e-30f32),
+        1 => Just(1.0e-45f32),
+        1 => Just(1.0e30f32),
+        1 => Just(f32::MAX),
+    ]
+}
+
+proptest! {
+    #[test]
+    fn first_non_finite_matches_reference((costs, mask, _) in column_case(any_cost())) {
+        let fast = first_non_finite(&costs[..], &mask);
+        prop_assert_eq!(fast, first_non_finite_reference(&costs[..], &mask));
+    }
+
+    #[test]
+    fn pick_min_matches_reference((costs, mask, seed) in column_case(any_cost())) {
+        let (mut a, mut b) = (Rng::new(seed), Rng::new(seed));
+        let fast = pick_min(&costs[..], &mask, &mut a);
+        prop_assert_eq!(fast, pick_min_reference(&costs[..], &mask, &mut b));
+        prop_assert_eq!(a.state(), b.state());
+        if let Ok(Some(r)) = fast {
+            let min = (0..costs.len()).filter(|&r| contains(&mask, r)).map(|r| costs[r]).fold(f32::INFINITY, f32::min);
+            prop_assert_eq!(costs[r], min);
+        }
+    }
+
+    #[test]
+    fn pick_softmax_agrees_with_reference((costs, mask, seed) in column_case(any_cost()), t in temperature()) {
+        let (mut a, mut b) = (Rng::new(seed), Rng::new(seed));
+        let u = Rng::new(seed).unit_f64();
+        let fast = pick_softmax(&costs[..], &mask, t, &mut a);
+        let slow = pick_softmax_reference(&costs[..], &mask, t, &mut b);
+        prop_assert_eq!(a.state(), b.state());
+        match (fast, slow) {
+            (Ok(Some(f)), Ok(Some(s))) => {
+                prop_assert!(contains(&mask, f));
+                let cum = reference_cumulative(&costs, &mask, t);
+                prop_assert!(
+                    softmax_picks_consistent(f, s, &cum, u, CUMULATIVE_EPS),
+                    "simd {} reference {} u {} cumulative {:?}", f, s, u, cum
+                );
+            }
+            (f, s) => prop_assert_eq!(f, s),
+        }
+    }
+
+    #[test]
+    fn softmax_weights_match_f64(costs in proptest::collection::vec(finite_cost(), 2..=8), t in temperature()) {
+        let lo = costs.iter().copied().fold(f32::INFINITY, f32::min);
+        let hi = costs.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let mut lanes = [lo; 8];
+        lanes[..costs.len()].copy_from_slice(&costs);
+        let w = SoftmaxLanes::new(lo, hi, t).weights(f32x8::from(lanes), 0xFF).to_array();
+        for (i, &c) in costs.iter().enumerate() {
+            let exact = softmax_weight_reference(c, lo, hi, t);
+            let err = (w[i] as f64 - exact).abs();
+            prop_assert!(err <= 1.0e-5 * exact + 1.0e-12, "cost {} weight {} exact {} (T = {})", c, w[i], exact, t);
+        }
+    }
+
+    #[test]
+    fn pick_dispatches_on_temperature((costs, mask, seed) in column_case(finite_cost()), t in prop_oneof![
+        Just(0.0f32), Just(-0.0f32), Just(0.7f32), Just(-1.0f32), Just(f32::NAN), Just(f32::INFINITY), Just(f32::NEG_INFINITY)
+    ]) {
+        let (mut a, mut b) = (Rng::new(seed), Rng::new(seed));
+        let fast = pick(&costs[..], &mask, t, &mut a);
+        if t == 0.0 {
+            prop_assert_eq!(fast, pick_min_reference(&costs[..], &mask, &mut b));
+        } else if !(t.is_finite() && t > 0.0) {
+            prop_assert_eq!(fast, Err(KernelError::BadTemperature));
+            prop_assert_eq!(a.state(), seed);
+        } else {
+            prop_assert_eq!(fast.is_ok(), pick_reference(&costs[..], &mask, t, &mut b).is_ok());
+        }
+        prop_assert_eq!(a.state(), b.state());
+    }
+}
+
+#[test]
+fn non_finite_costs_are_refused_by_row() {
+    let mut costs = [1.0f32; 20];
+    costs[17] = f32::NAN;
+    costs[3] = f32::NEG_INFINITY;
+    let all = [u64::MAX];
+    let mut rng = Rng::new(0);
+    assert_eq!(
+        pick_min(&costs[..], &all, &mut rng),
+        Err(KernelError::NonFiniteCost { row: 3 })
+    );
+    assert_eq!(
+        pick_softmax(&costs[..], &all, 1.0, &mut rng),
+        Err(KernelError::NonFiniteCost { row: 3 })
+    );
+    let without_3 = [!(1u64 << 3)];
+    assert_eq!(
+        pick(&costs[..], &without_3, 0.0, &mut rng),
+        Err(KernelError::NonFiniteCost { row: 17 })
+    );
+    assert_eq!(rng.state(), 0, "a refused input consumes no randomness");
+    let neither = [!(1u64 << 3 | 1 << 17)];
+    assert!(pick(&costs[..], &neither, 0.0, &mut rng).unwrap().is_some());
+}
+
+#[test]
+fn softmax_draw_at_zero_takes_the_first_eligible_row_even_at_weight_zero() {
+    // Dynamo walks `sample <= cumulative`, so u == 0 selects the first
+    // eligible row whatever its weight. SplitMix64 outputs 0 (so u == 0) from
+    // the state that the next increment wraps to 0.
+    let zero_draw = 0u64.wrapping_sub(0x9E37_79B9_7F4A_7C15);
+    assert_eq!(Rng::new(zero_draw).unit_f64(), 0.0);
+    let costs = [7.0f32, 1.0e30, 0.0, 5.0];
+    let mask = [0b1110u64];
+    // Row 1's weight exp(-1000) underflows to 0 in both kernels.
+    assert_eq!(
+        pick_softmax(&costs[..], &mask, 1.0e-3, &mut Rng::new(zero_draw)),
+        Ok(Some(1))
+    );
+    assert_eq!(
+        pick_softmax_reference(&costs[..], &mask, 1.0e-3, &mut Rng::new(zero_draw)),
+        Ok(Some(1))
+    );
+    // Any other draw skips it.
+    for seed in 0..64 {
+        assert_ne!(
+            pick_softmax(&costs[..], &mask, 1.0e-3, &mut Rng::new(seed)),
+            Ok(Some(1))
+        );
+    }
+}
+
+#[test]
+fn softmax_with_equal_costs_is_uniform_by_position() {
+    // Every weight is 1: the k-th eligible row is taken for u in ((k)/n, (k+1)/n].
+    let costs = [2.5f32; 40];
+    let mask = [0x00F0_0F00_F00F_u64];
+    let eligible: Vec<usize> = (0..40).filter(|&r| contains(&mask, r)).collect();
+    for seed in 0..500 {
+        let u = Rng::new(seed).unit_f64();
+        let k = ((u * eligible.len() as f64).ceil() as usize).max(1) - 1;
+        let row = pick_softmax(&costs[..], &mask, 0.7, &mut Rng::new(seed)).unwrap();
+        assert_eq!(row, Some(eligible[k]), "seed {seed}");
+    }
+}
+
+#[test]
+fn softmax_handles_a_range_that_overflows_f32() {
+    // c_max - c_min overflows f32; Dynamo's f64 code picks row 0 (the cheap
+    // one) at u = 0.6 for costs (-f64::MAX, f64::MAX) and T = 1.
+    let costs = [-f32::MAX, f32::MAX];
+    let mut seen = [0u32; 2];
+    for seed in 0..2000 {
+        let row = pick_softmax(&costs[..], &[0b11], 1.0, &mut Rng::new(seed))
+            .unwrap()
+            .unwrap();
+        seen[row] += 1;
+    }
+    // weights 1 and e^-1: P(row 0) = 1 / (1 + e^-1) = 0.731
+    let p0 = seen[0] as f64 / 2000.0;
+    assert!((p0 - 0.731).abs() < 0.04, "{seen:?}");
+}
+
+#[test]
+fn explain_reports_cost_and_runner_up() {
+    let costs = [4.0f32, 1.0, 3.0, 3.0, 0.5];
+    let mask = [0b01111u64];
+    let why = explain(&costs[..], &mask, 1).unwrap();
+    assert_eq!(
+        why,
+        PickOutcome {
+            row: 1,
+            cost: 1.0,
+            runner_up: Some((2, 3.0))
+        }
+    );
+    assert_eq!(why.margin(), Some(2.0));
+    let why = explain(&costs[..], &mask, 3).unwrap();
+    assert_eq!(why.runner_up, Some((1, 1.0)));
+    assert_eq!(why.margin(), Some(-2.0));
+    assert_eq!(explain(&costs[..], &mask, 4), None, "row 4 is not eligible");
+    assert_eq!(explain(&costs[..], &[0b10], 1).unwrap().runner_up, None);
+    assert_eq!(explain(&costs[..], &mask, 9), None);
+    assert_eq!(F32Source::rows(&costs[..]), 5);
+}
+
+// Cases proptest found (kept here rather than in a regressions file).
+
+#[test]
+fn softmax_never_picks_a_row_past_the_end() {
+    // The mask has bits past the last row; the partial lane group must ignore them.
+    let costs = [0.0f32, 4.994_926e-39];
+    let mask = [u64::MAX, u64::MAX];
+    for seed in [33_060_717_573u64, 0, 1, 2, 3] {
+        let fast = pick_softmax(&costs[..], &mask, 0.05, &mut Rng::new(seed));
+        assert_eq!(
+            fast,
+            pick_softmax_reference(&costs[..], &mask, 0.05, &mut Rng::new(seed)),
+            "seed {seed}"
+        );
+        assert!(fast.unwrap().unwrap() < 2);
+    }
+}
+
+#[test]
+fn softmax_weights_survive_a_subnormal_denominator() {
+    // (c_max - c_min) * T underflows f32: the exponent is computed in f64.
+    let costs = [1.175_494_4e-38f32, 516_510.84, 0.0];
+    let t = 1.0e-45f32;
+    let mut lanes = [0.0f32; 8];
+    lanes[..3].copy_from_slice(&costs);
+    let w = SoftmaxLanes::new(0.0, 516_510.84, t)
+        .weights(f32x8::from(lanes), 0b111)
+        .to_array();
+    for (i, &c) in costs.iter().enumerate() {
+        let exact = softmax_weight_reference(c, 0.0, 516_510.84, t);
+        assert!(
+            (w[i] as f64 - exact).abs() <= 1.0e-5 * exact + 1.0e-12,
+            "cost {c}: {} vs {exact}",
+            w[i]
+        );
+    }
+}
