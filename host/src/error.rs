@@ -350,7 +350,8 @@ pub enum ConfigError {
 #[derive(Debug, Error, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum BookingError {
-    /// The booked worker was removed (or replaced) since the booking.
+    /// The booked worker was removed (or its ranks replaced) and its fleet
+    /// row reused since the booking.
     #[error("worker {worker} was removed; the booking no longer holds load")]
     WorkerGone {
         /// The booked worker rank.

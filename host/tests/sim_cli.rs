@@ -174,5 +174,18 @@ fn bad_input_is_an_error_not_a_panic() {
         stderr.contains("fastest") && stderr.contains("least-loaded"),
         "{stderr}"
     );
+    // A bad policy is reported before anything is simulated.
+    let out = selkie(&[
+        "simulate",
+        "--requests",
+        "10",
+        "--policy",
+        "kv",
+        "--policy",
+        "kv:{bogus: 1}",
+    ]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("bogus"), "{out:?}");
+    assert!(!String::from_utf8_lossy(&out.stdout).contains("KV hit %"), "{out:?}");
     let _ = std::fs::remove_dir_all(&dir);
 }

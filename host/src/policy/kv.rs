@@ -9,9 +9,9 @@ use std::collections::BTreeSet;
 use std::num::NonZeroU32;
 
 use selkie_kernel::kernels::kv_cost::{
-    kv_cost, preferred_taint_multiplier as kernel_multiplier, KvCostConfig, KvLoad, KvOverlap, KvRequest, WorkerRole,
+    kv_cost, preferred_taint_multiplier as kernel_multiplier, CostRange, KvCostConfig, KvLoad, KvOverlap, KvRequest, WorkerRole,
 };
-use selkie_kernel::kernels::pick::{explain, pick};
+use selkie_kernel::kernels::pick::{explain, pick_in_range};
 use selkie_kernel::kernels::KernelError;
 use selkie_kernel::lanes::U32Source;
 use selkie_kernel::Rng;
@@ -142,7 +142,7 @@ pub(crate) fn fill_costs(
     s: &mut Scratch,
     cfg: &KvRouterConfig,
     worker_type: WorkerType,
-) -> Result<(KvCostConfig, usize), SelectionError> {
+) -> Result<(KvCostConfig, usize, CostRange), SelectionError> {
     let kcfg = effective_config(cfg, env);
     if kcfg.validate().is_err() {
         return Err(SelectionError::InvalidRequest(
@@ -192,8 +192,8 @@ pub(crate) fn fill_costs(
     let load = KvLoad::new(&prefill, &decode, &active);
     let result = kv_cost(&kcfg, &kreq, &load, &kover, mask, &mut costs[..rows]);
     overlap.reset();
-    result.map_err(|_| SelectionError::InvalidRequest("KV cost inputs rejected by the kernel"))?;
-    Ok((kcfg, rows))
+    let range = result.map_err(|_| SelectionError::InvalidRequest("KV cost inputs rejected by the kernel"))?;
+    Ok((kcfg, rows, range))
 }
 
 pub(crate) fn choose(
@@ -203,10 +203,13 @@ pub(crate) fn choose(
     cfg: &KvRouterConfig,
     worker_type: WorkerType,
 ) -> Result<Choice, SelectionError> {
-    let (kcfg, rows) = fill_costs(env, s, cfg, worker_type)?;
+    let (kcfg, rows, range) = fill_costs(env, s, cfg, worker_type)?;
     let Scratch { mask, costs, .. } = &mut *s;
     let t = kcfg.router_temperature;
-    let row = match pick(&costs[..rows], mask, t, rng) {
+    // `kv_cost` returned the eligible range while writing the costs: the pick
+    // skips its own finiteness and min/max passes (non-finite ranges fall
+    // back to the checked pick inside `pick_in_range`).
+    let row = match pick_in_range(&costs[..rows], mask, range, t, rng) {
         Ok(Some(row)) => row,
         Ok(None) => return Err(SelectionError::AllEligibleWorkersOverloaded),
         Err(KernelError::NonFiniteCost { row }) => return Err(non_finite(row)),

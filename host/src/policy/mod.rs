@@ -67,6 +67,15 @@ impl KvRouterConfig {
     /// Checks every weight is finite and non-negative, and the host, disk
     /// and shared weights at most 1 (as Dynamo does); names the first bad
     /// field.
+    ///
+    /// The cost kernel computes in `f32`, so "finite" means finite as an
+    /// `f32` too: a weight above `f32::MAX` (about 3.4e38) would become
+    /// infinite there and every request would be refused.
+    ///
+    /// ```
+    /// let c = selkie::KvRouterConfig { overlap_score_credit: 1e300, ..Default::default() };
+    /// assert!(c.validate().unwrap_err().contains("overlap_score_credit"));
+    /// ```
     pub fn validate(&self) -> Result<(), String> {
         let fields = [
             ("overlap_score_credit", self.overlap_score_credit),
@@ -79,8 +88,8 @@ impl KvRouterConfig {
             ("router_temperature", self.router_temperature),
         ];
         for (name, v) in fields {
-            if !(v.is_finite() && v >= 0.0) {
-                return Err(format!("{name} must be finite and >= 0, got {v}"));
+            if !((v as f32).is_finite() && v >= 0.0) {
+                return Err(format!("{name} must be finite (as an f32) and >= 0, got {v}"));
             }
         }
         for (name, v) in [

@@ -340,7 +340,7 @@ impl WorkerSelectionService {
             let mut out = Vec::new();
             match &self.policy.kind {
                 PolicyKind::Kv(c) => {
-                    let (_, rows) = crate::policy::kv::fill_costs(&env, s, c, self.policy.worker_type)?;
+                    let (_, rows, _) = crate::policy::kv::fill_costs(&env, s, c, self.policy.worker_type)?;
                     crate::filter::for_each_row(&s.mask, rows, |r| {
                         if let Some(m) = reg.row(r) {
                             out.push((m.worker(), f64::from(s.costs[r])));

@@ -74,6 +74,11 @@ impl<H: Deref<Target = WorkerSelectionService>> Booked<H> {
     }
 
     /// The request produced another KV block.
+    ///
+    /// [`BookingError::WorkerGone`] once the booked rank's fleet row has been
+    /// reused by another worker. A removed worker whose row is still free
+    /// accepts the block (it is counted on no registered worker and released
+    /// with the booking), as the kernel's booking does.
     pub fn add_output_block(&mut self) -> Result<(), BookingError> {
         self.booking
             .add_output_block()

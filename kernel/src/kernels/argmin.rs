@@ -200,7 +200,7 @@ where
         acc = min_of_word(col, mask, w, groups, acc);
     }
     let mut min = acc.reduce_min();
-    for row in tail.clone() {
+    for row in tail {
         if contains(mask, row) {
             let k = col.key(row);
             if k < min {
@@ -208,6 +208,22 @@ where
             }
         }
     }
+    argmin_given_min(col, mask, min, rng)
+}
+
+/// Passes 2 and 3 of [`argmin`] for a caller that already knows the minimum
+/// key over eligible rows (e.g. from the pass that computed the keys).
+/// Returns `None` if no eligible row's key equals `min`.
+#[inline]
+pub fn argmin_given_min<C>(col: &C, mask: &[u64], min: C::Key, rng: &mut Rng) -> Option<usize>
+where
+    C: ArgminKey + ?Sized,
+    C::Lanes: KeyLanes<Key = C::Key>,
+{
+    let rows = col.rows();
+    let groups = rows / LANES;
+    let words = groups.div_ceil(8);
+    let tail = groups * LANES..rows;
     // Pass 2: ties, remembering each word's count.
     let mut word_ties = [0u8; REMEMBERED_WORDS];
     let mut ties = 0usize;

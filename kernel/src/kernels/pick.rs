@@ -46,7 +46,7 @@
 //!
 //! This module must not compute costs or book anything.
 
-use super::argmin::{argmin, argmin_reference, ArgminKey};
+use super::argmin::{argmin_given_min, argmin, argmin_reference, ArgminKey};
 use super::KernelError;
 use crate::lanes::{lane_bits_f32, lane_mask, F32Source, LANES};
 use crate::mask::{contains, count, group_bits, nth};
@@ -336,10 +336,79 @@ pub fn pick_softmax<C: F32Source + ?Sized>(
     if let Some(row) = first_non_finite(costs, mask) {
         return Err(KernelError::NonFiniteCost { row });
     }
-    let rows = costs.rows();
-    let Some((c_min, c_max, last)) = range_and_last(costs, mask) else {
+    match range_and_last(costs, mask) {
+        Some((c_min, c_max, last)) => Ok(Some(softmax_walk(costs, mask, c_min, c_max, last, temperature, rng))),
+        None => Ok(None),
+    }
+}
+
+/// Picks from costs whose eligible range the caller already knows, skipping
+/// the finiteness and min/max passes: at temperature 0 the tie and find
+/// passes of the argmin, above it the softmax's sum and walk. This is the KV
+/// policy's path: [`kv_cost`](super::kv_cost::kv_cost) returns the range
+/// while it writes the costs.
+///
+/// The caller guarantees every eligible cost is finite and within `range`
+/// (`range.min <= c <= range.max`); `range` is empty (`min > max`) iff no
+/// row is eligible, and then `Ok(None)` is returned. Draws as [`pick`].
+///
+/// ```
+/// use selkie_kernel::kernels::kv_cost::CostRange;
+/// use selkie_kernel::{kernels::pick::pick_in_range, Rng};
+/// let costs = [3.0f32, 1.5, 2.0];
+/// let range = CostRange { min: 1.5, max: 3.0 };
+/// assert_eq!(pick_in_range(&costs[..], &[0b111], range, 0.0, &mut Rng::new(1)), Ok(Some(1)));
+/// ```
+#[inline]
+pub fn pick_in_range<C: F32Source + ?Sized>(
+    costs: &C,
+    mask: &[u64],
+    range: super::kv_cost::CostRange,
+    temperature: f32,
+    rng: &mut Rng,
+) -> Result<Option<usize>, KernelError> {
+    if !(range.min <= range.max) {
+        return Ok(None);
+    }
+    if !(range.min.is_finite() && range.max.is_finite()) {
+        return pick(costs, mask, temperature, rng);
+    }
+    if temperature == 0.0 {
+        return Ok(argmin_given_min(&Costs(costs), mask, range.min, rng));
+    }
+    if !softmax_temperature_ok(temperature) {
+        return Err(KernelError::BadTemperature);
+    }
+    let Some(last) = last_eligible(mask, costs.rows()) else {
         return Ok(None);
     };
+    Ok(Some(softmax_walk(costs, mask, range.min, range.max, last, temperature, rng)))
+}
+
+/// The last set row of `mask` below `rows`.
+fn last_eligible(mask: &[u64], rows: usize) -> Option<usize> {
+    let words = rows.div_ceil(64).min(mask.len());
+    (0..words).rev().find_map(|w| {
+        let mut word = mask[w];
+        if (w + 1) * 64 > rows {
+            word &= (1u64 << (rows - w * 64)) - 1;
+        }
+        (word != 0).then(|| w * 64 + 63 - word.leading_zeros() as usize)
+    })
+}
+
+/// The softmax draw and walk over eligible rows whose range is
+/// `[c_min, c_max]` and whose last row is `last` (one `unit_f64` draw).
+fn softmax_walk<C: F32Source + ?Sized>(
+    costs: &C,
+    mask: &[u64],
+    c_min: f32,
+    c_max: f32,
+    last: usize,
+    temperature: f32,
+    rng: &mut Rng,
+) -> usize {
+    let rows = costs.rows();
     let u = rng.unit_f64();
     if c_min == c_max {
         // Every weight is 1: the walk ends at the k-th eligible row with
@@ -347,7 +416,7 @@ pub fn pick_softmax<C: F32Source + ?Sized>(
         let n = count(mask, rows);
         let target = u * n as f64;
         let k = (libm::ceil(target) as usize).max(1) - 1;
-        return Ok(nth(mask, rows, k.min(n - 1)));
+        return nth(mask, rows, k.min(n - 1)).unwrap_or(last);
     }
     let lanes = SoftmaxLanes::new(c_min, c_max, temperature);
     let groups = rows.div_ceil(LANES);
@@ -384,15 +453,16 @@ pub fn pick_softmax<C: F32Source + ?Sized>(
                 b &= b - 1;
                 cum += w[lane] as f64;
                 if target <= cum {
-                    return Ok(Some(g * LANES + lane));
+                    return g * LANES + lane;
                 }
             }
         } else {
             cum += gs;
         }
     }
-    Ok(Some(last))
+    last
 }
+
 
 /// One row's softmax weight as the reference computes it, in `f64`:
 /// `exp(-(c - c_min) / ((c_max - c_min) * T))`, or 1 when `c_min == c_max`.

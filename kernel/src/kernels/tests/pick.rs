@@ -291,3 +291,23 @@ fn softmax_weights_survive_a_subnormal_denominator() {
         );
     }
 }
+
+proptest! {
+    /// With the eligible range supplied (as `kv_cost` supplies it), the pick
+    /// skips passes but must choose exactly what the checked pick chooses,
+    /// with the same draws, at temperature 0 and above.
+    #[test]
+    fn pick_in_range_equals_pick((costs, mask, seed) in column_case(finite_cost()), hot in any::<bool>()) {
+        let t = if hot { 0.7 } else { 0.0 };
+        let eligible: Vec<f32> = (0..costs.len()).filter(|&r| contains(&mask, r)).map(|r| costs[r]).collect();
+        let range = crate::kernels::kv_cost::CostRange {
+            min: eligible.iter().copied().fold(f32::INFINITY, f32::min),
+            max: eligible.iter().copied().fold(f32::NEG_INFINITY, f32::max),
+        };
+        let (mut a, mut b) = (Rng::new(seed), Rng::new(seed));
+        let fast = pick_in_range(&costs[..], &mask, range, t, &mut a);
+        let checked = pick(&costs[..], &mask, t, &mut b);
+        prop_assert_eq!(fast, checked);
+        prop_assert_eq!(a, b);
+    }
+}

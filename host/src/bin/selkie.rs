@@ -1,0 +1,304 @@
+//! `selkie`: the command-line front end of the selkie library.
+//!
+//! `selkie simulate` answers "which policy and settings will serve my fleet
+//! best?": it replays an embedded scenario or a Mooncake-style trace against
+//! simulated inference workers, routes every request through selkie's real
+//! selection service under each policy, and prints a comparison table (and,
+//! with `--plots DIR`, SVG charts). Built only with the `sim` feature.
+
+use std::fs::File;
+use std::io::BufReader;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use clap::{Args, Parser, Subcommand};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use selkie::sim::compare::{run_policy, PolicyChoice, PolicyRun};
+use selkie::sim::metrics::{render_table, PolicyReport};
+use selkie::sim::plot::{plot_load, plot_ttft};
+use selkie::sim::scenario::{Scenario, ScenarioName};
+use selkie::sim::trace::{read_trace, write_trace};
+use selkie::sim::SimError;
+use selkie::{AffinityMode, WorkerSelectionPolicyRegistry};
+
+#[derive(Parser, Debug)]
+#[command(name = "selkie", version, about = "Worker selection for LLM request routers")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Simulate a fleet under every policy and compare them.
+    Simulate(SimulateArgs),
+}
+
+#[derive(Args, Debug)]
+struct SimulateArgs {
+    /// Embedded scenario: `default` (16 workers, Poisson, shared prompts,
+    /// sessions) or `skewed` (16 workers x 2 DP ranks, bursty, hot prompts).
+    #[arg(long, default_value = "default")]
+    scenario: ScenarioName,
+    /// Read the fleet and workload from a YAML (or JSON) file instead; see
+    /// `--print-scenario` for the layout.
+    #[arg(long, value_name = "FILE", conflicts_with = "scenario")]
+    scenario_file: Option<PathBuf>,
+    /// Print the scenario (after overrides) as YAML and exit: a starting
+    /// point for `--scenario-file`.
+    #[arg(long)]
+    print_scenario: bool,
+    /// Policies to compare (repeatable): a registry type name (`kv`,
+    /// `least-loaded`, ...), `kv@TEMPERATURE`, or `TYPE:{PARAMETERS}` with
+    /// inline YAML parameters (`kv:{overlap_score_credit: 2}`). Default: every built-in
+    /// (except `direct`) and `kv` at temperatures 0, 0.5 and 1.
+    #[arg(long = "policy", value_name = "NAME")]
+    policies: Vec<String>,
+    /// Number of workers (overrides the scenario).
+    #[arg(long)]
+    workers: Option<u32>,
+    /// Data-parallel ranks per worker (overrides the scenario).
+    #[arg(long)]
+    dp: Option<u32>,
+    /// Number of requests (overrides the scenario; truncates a trace).
+    #[arg(long)]
+    requests: Option<usize>,
+    /// Mean arrival rate in requests per second (generated workloads).
+    #[arg(long)]
+    rate: Option<f64>,
+    /// Admission limit per rank (requests in flight) given to the selection
+    /// service; refused requests are counted as failed.
+    #[arg(long, value_name = "N")]
+    max_active: Option<u32>,
+    /// KV cache capacity per rank, in blocks.
+    #[arg(long)]
+    kv_blocks: Option<u32>,
+    /// Seed of the workload and of every random choice.
+    #[arg(long, default_value_t = 42)]
+    seed: u64,
+    /// Replay a JSON Lines trace (`timestamp` ms, `input_length`,
+    /// `output_length`, `hash_ids`: the Mooncake layout) instead of
+    /// generating a workload.
+    #[arg(long, value_name = "FILE")]
+    trace: Option<PathBuf>,
+    /// Tokens per hash id in the trace (512 in the Mooncake traces).
+    #[arg(long, default_value_t = 512)]
+    trace_block_size: u32,
+    /// Also simulate every policy instance of this worker-selection config
+    /// file (YAML, or TOML when the name ends in `.toml`).
+    #[arg(long, value_name = "FILE")]
+    config: Option<PathBuf>,
+    /// Also simulate each policy with requests carrying their multi-turn
+    /// session under this affinity (`soft`: prefer the session's worker;
+    /// `hard`: always it).
+    #[arg(long, value_name = "MODE", value_parser = ["soft", "hard"])]
+    session_affinity: Option<String>,
+    /// Write SVG plots (TTFT distribution, per-worker load) into DIR.
+    #[arg(long, value_name = "DIR")]
+    plots: Option<PathBuf>,
+    /// Write the reports as JSON (one object per policy) to FILE.
+    #[arg(long, value_name = "FILE")]
+    json: Option<PathBuf>,
+    /// Write the workload as a trace (the replay format) to FILE.
+    #[arg(long, value_name = "FILE")]
+    write_trace: Option<PathBuf>,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Simulate(args) => simulate(args),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn io_err(path: &Path) -> impl Fn(std::io::Error) -> SimError + '_ {
+    move |source| SimError::Io {
+        path: path.to_owned(),
+        source,
+    }
+}
+
+fn simulate(args: SimulateArgs) -> Result<(), SimError> {
+    let started = Instant::now();
+    let mut scenario = match &args.scenario_file {
+        Some(path) => {
+            let text = std::fs::read_to_string(path).map_err(io_err(path))?;
+            serde_yaml::from_str(&text).map_err(|e| SimError::Usage(format!("{}: {e}", path.display())))?
+        }
+        None => Scenario::embedded(args.scenario),
+    };
+    if let Some(w) = args.workers {
+        scenario.fleet.workers = w.max(1);
+    }
+    if let Some(dp) = args.dp {
+        scenario.fleet.dp_size = dp.max(1);
+    }
+    if let Some(n) = args.requests {
+        scenario.workload.requests = n.max(1);
+    }
+    if let Some(rate) = args.rate {
+        scenario.workload.arrivals = scenario.workload.arrivals.with_rate(rate);
+    }
+    if let Some(kv) = args.kv_blocks {
+        scenario.fleet.kv_blocks = kv.max(1);
+    }
+    if let Some(limit) = args.max_active {
+        scenario.fleet.max_active_requests = Some(limit.max(1));
+    }
+    if args.print_scenario {
+        print!(
+            "{}",
+            serde_yaml::to_string(&scenario).map_err(|e| SimError::Usage(e.to_string()))?
+        );
+        return Ok(());
+    }
+    let (workload, source) = match &args.trace {
+        Some(path) => {
+            let file = File::open(path).map_err(io_err(path))?;
+            let mut w = read_trace(BufReader::new(file), args.trace_block_size)?;
+            if let Some(n) = args.requests {
+                w.requests.truncate(n.max(1));
+            }
+            // Keep the scenario's cache size in tokens.
+            let tokens = u64::from(scenario.fleet.kv_blocks) * u64::from(scenario.workload.block_size);
+            scenario.fleet.kv_blocks = (tokens / u64::from(w.block_size)).max(1) as u32;
+            (w, format!("trace {}", path.display()))
+        }
+        None => (
+            scenario.workload.generate(args.seed),
+            format!("scenario {}", scenario.name),
+        ),
+    };
+    if let Some(kv) = args.kv_blocks {
+        scenario.fleet.kv_blocks = kv.max(1);
+    }
+    if let Some(path) = &args.write_trace {
+        let file = File::create(path).map_err(io_err(path))?;
+        write_trace(&workload, std::io::BufWriter::new(file)).map_err(io_err(path))?;
+    }
+
+    let mut choices = if args.policies.is_empty() {
+        PolicyChoice::builtins()
+    } else {
+        args.policies
+            .iter()
+            .map(|p| PolicyChoice::parse(p))
+            .collect::<Result<_, _>>()?
+    };
+    if let Some(mode) = args.session_affinity.as_deref() {
+        let mode = if mode == "hard" {
+            AffinityMode::Hard
+        } else {
+            AffinityMode::Soft
+        };
+        let with: Vec<PolicyChoice> = choices.iter().map(|c| c.clone().with_session_affinity(mode)).collect();
+        choices.extend(with);
+    }
+    if let Some(path) = &args.config {
+        choices.extend(PolicyChoice::from_config(path)?);
+    }
+    let registry = WorkerSelectionPolicyRegistry::new();
+    for choice in &choices {
+        choice.validate(&registry)?;
+    }
+    let fleet = scenario.fleet;
+    let n = workload.requests.len();
+    let span_s = workload.requests.last().map_or(0.0, |r| r.arrival_ms) / 1000.0;
+    let prompt_tokens: u64 = workload.requests.iter().map(|r| u64::from(r.input_tokens)).sum();
+    println!(
+        "selkie simulate: {source}, seed {}: {} workers x {} DP ranks, {} KV blocks of {} tokens per rank{}",
+        args.seed,
+        fleet.workers,
+        fleet.dp_size,
+        fleet.kv_blocks,
+        workload.block_size,
+        fleet
+            .max_active_requests
+            .map_or(String::new(), |n| format!(", at most {n} requests in flight per rank"))
+    );
+    println!(
+        "{n} requests over {span_s:.1} s ({:.0} req/s), mean prompt {:.0} tokens; {} {} through the selection service",
+        n as f64 / span_s.max(1e-9),
+        prompt_tokens as f64 / n.max(1) as f64,
+        choices.len(),
+        if choices.len() == 1 { "policy" } else { "policies" }
+    );
+
+    // The bar appears only once the run has taken more than a second.
+    let bar = ProgressBar::with_draw_target(Some((n * choices.len()) as u64), ProgressDrawTarget::hidden());
+    bar.set_style(
+        ProgressStyle::with_template("{spinner} {msg:24} [{bar:40}] {pos}/{len} requests ({eta} left)")
+            .expect("static template")
+            .progress_chars("=> "),
+    );
+    let mut shown = false;
+    let mut runs: Vec<PolicyRun> = Vec::with_capacity(choices.len());
+    for (i, choice) in choices.iter().enumerate() {
+        bar.set_message(choice.label.clone());
+        let base = (i * n) as u64;
+        let mut progress = |done: usize| {
+            if !shown && started.elapsed() > Duration::from_secs(1) {
+                bar.set_draw_target(ProgressDrawTarget::stderr());
+                shown = true;
+            }
+            bar.set_position(base + done as u64);
+        };
+        runs.push(run_policy(
+            &registry,
+            choice,
+            &workload,
+            &fleet,
+            args.seed,
+            &mut progress,
+        )?);
+    }
+    bar.finish_and_clear();
+
+    let reports: Vec<PolicyReport> = runs.iter().map(|r| r.report.clone()).collect();
+    println!();
+    print!("{}", render_table(&reports));
+    if let Some(first) = runs.iter().find_map(|r| r.record.first_failure.as_ref()) {
+        println!("first refusal: {first}");
+    }
+    if let Some(path) = &args.json {
+        let file = File::create(path).map_err(io_err(path))?;
+        serde_json::to_writer_pretty(std::io::BufWriter::new(file), &reports)
+            .map_err(|e| io_err(path)(std::io::Error::other(e)))?;
+    }
+    if let Some(dir) = &args.plots {
+        std::fs::create_dir_all(dir).map_err(io_err(dir))?;
+        let ttft = dir.join("ttft.svg");
+        plot_ttft(&ttft, &format!("time to first token, {source}"), &reports)?;
+        for run in &runs {
+            let name: String = run
+                .report
+                .policy
+                .chars()
+                .map(|c| {
+                    if c.is_ascii_alphanumeric() || c == '.' || c == '-' {
+                        c
+                    } else {
+                        '_'
+                    }
+                })
+                .collect();
+            plot_load(
+                &dir.join(format!("load-{name}.svg")),
+                &format!("requests in flight per worker, {}", run.report.policy),
+                &fleet,
+                &run.record,
+            )?;
+        }
+        println!("plots written to {}", dir.display());
+    }
+    println!("simulated in {:.1} s", started.elapsed().as_secs_f64());
+    Ok(())
+}

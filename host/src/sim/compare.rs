@@ -1,0 +1,180 @@
+//! Running one workload under several policies: the policy set
+//! ([`PolicyChoice`]: every built-in, the `kv` policy at several
+//! temperatures, and the instances of a config file), each built through the
+//! host's [`WorkerSelectionPolicyRegistry`] and simulated against a fresh
+//! fleet with the same seed.
+
+use std::path::Path;
+
+use crate::{
+    AffinityMode, KvRouterConfig, RoutingPartitionRef, WorkerSelectionConfig, WorkerSelectionPolicyParameters,
+    WorkerSelectionPolicyRegistry, WorkerType,
+};
+
+use super::metrics::PolicyReport;
+use super::run::{simulate, FleetSpec, RunRecord};
+use super::service_router::{fleet_service, ServiceRouter};
+use super::workload::Workload;
+use super::SimError;
+
+/// Temperatures at which the default `kv` policy is simulated.
+pub const KV_TEMPERATURES: [f64; 3] = [0.0, 0.5, 1.0];
+
+/// One policy to simulate: a registry type name and its parameters.
+#[derive(Clone, Debug)]
+pub struct PolicyChoice {
+    /// Label in the report.
+    pub label: String,
+    /// Registry type name.
+    pub policy_type: String,
+    /// Parameters for the type's provider.
+    pub parameters: WorkerSelectionPolicyParameters,
+    /// Session affinity requests carry (`None`: no session).
+    pub session_affinity: Option<AffinityMode>,
+}
+
+impl PolicyChoice {
+    /// A policy type without parameters, labelled by its name.
+    pub fn builtin(name: &str) -> Self {
+        PolicyChoice {
+            label: name.to_owned(),
+            policy_type: name.to_owned(),
+            parameters: WorkerSelectionPolicyParameters::default(),
+            session_affinity: None,
+        }
+    }
+
+    /// The `kv` policy with its default weights at `temperature`.
+    pub fn kv_at(temperature: f64) -> Self {
+        let mut map = serde_yaml::Mapping::new();
+        map.insert("router_temperature".into(), temperature.into());
+        PolicyChoice {
+            label: format!("kv T={temperature}"),
+            policy_type: "kv".to_owned(),
+            parameters: WorkerSelectionPolicyParameters::new(serde_yaml::Value::Mapping(map)),
+            session_affinity: None,
+        }
+    }
+
+    /// Every built-in that can route requests that do not name their worker
+    /// (all but `direct`), with `kv` at each of [`KV_TEMPERATURES`].
+    pub fn builtins() -> Vec<Self> {
+        let mut v: Vec<Self> = KV_TEMPERATURES.iter().map(|&t| Self::kv_at(t)).collect();
+        for name in [
+            "round-robin",
+            "random",
+            "least-loaded",
+            "power-of-two",
+            "device-aware-weighted",
+        ] {
+            v.push(Self::builtin(name));
+        }
+        v
+    }
+
+    /// Parses a `--policy` value: a registry type name (`least-loaded`),
+    /// `kv@TEMPERATURE`, or `TYPE:PARAMETERS` with the parameters as inline
+    /// YAML (`kv:{overlap_score_credit: 2, router_temperature: 0.1}`),
+    /// exactly as they would appear in a config file.
+    ///
+    /// ```
+    /// use selkie::sim::compare::PolicyChoice;
+    /// assert_eq!(PolicyChoice::parse("kv@0.5").unwrap().label, "kv T=0.5");
+    /// let custom = PolicyChoice::parse("kv:{overlap_score_credit: 2}").unwrap();
+    /// assert_eq!((custom.policy_type.as_str(), custom.label.as_str()), ("kv", "kv:{overlap_score_credit: 2}"));
+    /// assert!(PolicyChoice::parse("kv:{unclosed").is_err());
+    /// ```
+    pub fn parse(text: &str) -> Result<Self, SimError> {
+        if let Some((name, yaml)) = text.split_once(':') {
+            let value: serde_yaml::Value =
+                serde_yaml::from_str(yaml).map_err(|e| SimError::Usage(format!("bad parameters in {text:?}: {e}")))?;
+            return Ok(PolicyChoice {
+                label: text.to_owned(),
+                policy_type: name.to_owned(),
+                parameters: WorkerSelectionPolicyParameters::new(value),
+                session_affinity: None,
+            });
+        }
+        match text.split_once('@') {
+            Some(("kv", t)) => {
+                let t: f64 = t
+                    .parse()
+                    .map_err(|_| SimError::Usage(format!("bad temperature in {text:?}")))?;
+                Ok(Self::kv_at(t))
+            }
+            Some(_) => Err(SimError::Usage(format!("only kv takes @TEMPERATURE, got {text:?}"))),
+            None => Ok(Self::builtin(text)),
+        }
+    }
+
+    /// Checks that `registry` can build this policy (type name and
+    /// parameters), so that a bad choice fails before any simulation runs.
+    pub fn validate(&self, registry: &WorkerSelectionPolicyRegistry) -> Result<(), SimError> {
+        registry.factory(&self.policy_type, &self.parameters)?;
+        Ok(())
+    }
+
+    /// The same policy with requests carrying their session under `mode`
+    /// (labelled `+soft` / `+hard`).
+    pub fn with_session_affinity(mut self, mode: AffinityMode) -> Self {
+        self.label.push_str(match mode {
+            AffinityMode::Soft => " +soft",
+            AffinityMode::Hard => " +hard",
+        });
+        self.session_affinity = Some(mode);
+        self
+    }
+
+    /// Every instance of a worker-selection config file, labelled
+    /// `config:NAME`.
+    pub fn from_config(path: &Path) -> Result<Vec<Self>, SimError> {
+        let config = WorkerSelectionConfig::from_path(path)?;
+        Ok(config
+            .instance_names()
+            .into_iter()
+            .filter_map(|name| {
+                let i = config.instance(&name)?;
+                Some(PolicyChoice {
+                    label: format!("config:{name}"),
+                    policy_type: i.policy_type().to_owned(),
+                    parameters: i.parameters().clone(),
+                    session_affinity: None,
+                })
+            })
+            .collect())
+    }
+}
+
+/// One policy's simulated outcome.
+#[derive(Clone, Debug)]
+pub struct PolicyRun {
+    /// The summary.
+    pub report: PolicyReport,
+    /// The raw record (for plots).
+    pub record: RunRecord,
+}
+
+/// Simulates `workload` on `fleet` under `choice`, through the real
+/// selection service built by `registry`. `progress` gets requests routed.
+pub fn run_policy(
+    registry: &WorkerSelectionPolicyRegistry,
+    choice: &PolicyChoice,
+    workload: &Workload,
+    fleet: &FleetSpec,
+    seed: u64,
+    progress: &mut dyn FnMut(usize),
+) -> Result<PolicyRun, SimError> {
+    let policy = registry.build(
+        &choice.policy_type,
+        &choice.parameters,
+        &KvRouterConfig::default(),
+        WorkerType::Aggregated,
+        RoutingPartitionRef::model("simulated"),
+    )?;
+    let service = fleet_service(policy, fleet, workload.block_size, seed)?;
+    let mut router = ServiceRouter::new(&service, fleet).with_session_affinity(choice.session_affinity);
+    let record = simulate(workload, fleet, &mut router, progress);
+    debug_assert_eq!(router.outstanding(), 0, "every booking is released");
+    let report = PolicyReport::new(choice.label.clone(), workload, &record);
+    Ok(PolicyRun { report, record })
+}

@@ -1,0 +1,236 @@
+//! What a run is judged by: [`PolicyReport`] computed from a [`RunRecord`],
+//! and the comparison table printed for a set of policies.
+//!
+//! * hit rate: prompt tokens served from the chosen rank's cache / all
+//!   prompt tokens;
+//! * time to first token p50 / p99, request latency p99 (arrival to last
+//!   token), in milliseconds;
+//! * load imbalance across ranks: the time-averaged in-flight requests of
+//!   each rank, summarised by their coefficient of variation and max / mean;
+//! * flicker: how often a prefix moves between workers: of the requests
+//!   that extend a prefix seen before (their deepest block shared with an
+//!   earlier request), the share routed to another rank than the request
+//!   that last used that block;
+//! * selection time per request as measured around the router's selection
+//!   call, p50 / p99.
+
+use std::fmt::Write as _;
+
+use super::cache::BlockMap;
+use super::run::RunRecord;
+use super::workload::Workload;
+
+/// The outcome of one policy on one scenario.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct PolicyReport {
+    /// Policy label.
+    pub policy: String,
+    /// Requests routed.
+    pub routed: usize,
+    /// Requests the router refused.
+    pub failed: usize,
+    /// Cached prompt tokens / prompt tokens, in `[0, 1]`.
+    pub hit_rate: f64,
+    /// Time to first token, median, ms.
+    pub ttft_p50_ms: f64,
+    /// Time to first token, 99th percentile, ms.
+    pub ttft_p99_ms: f64,
+    /// Request latency, 99th percentile, ms.
+    pub latency_p99_ms: f64,
+    /// Coefficient of variation of the ranks' time-averaged load.
+    pub load_cv: f64,
+    /// Max / mean of the ranks' time-averaged load.
+    pub load_max_over_mean: f64,
+    /// Share of repeated prefixes that moved to another rank, in `[0, 1]`.
+    pub flicker: f64,
+    /// Selection time, median, ns.
+    pub select_p50_ns: f64,
+    /// Selection time, 99th percentile, ns.
+    pub select_p99_ns: f64,
+    /// Time to first token of every served request, sorted, ms.
+    #[serde(skip)]
+    pub ttft_sorted_ms: Vec<f64>,
+}
+
+/// The `q`-quantile (`0..=1`) of sorted values, by nearest rank; NaN if empty.
+pub fn quantile(sorted: &[f64], q: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let rank = (q * sorted.len() as f64).ceil() as usize;
+    sorted[rank.clamp(1, sorted.len()) - 1]
+}
+
+fn sorted(mut v: Vec<f64>) -> Vec<f64> {
+    v.sort_by(f64::total_cmp);
+    v
+}
+
+impl PolicyReport {
+    /// Summarises `run`, which replayed `workload`.
+    pub fn new(policy: impl Into<String>, workload: &Workload, run: &RunRecord) -> Self {
+        let served: Vec<_> = run.requests.iter().filter(|r| r.row.is_some()).collect();
+        let prompt: u64 = served.iter().map(|r| u64::from(r.input_tokens)).sum();
+        let cached: u64 = served.iter().map(|r| u64::from(r.cached_tokens)).sum();
+        let ttft = sorted(
+            served
+                .iter()
+                .map(|r| r.first_token_ms - r.arrival_ms)
+                .filter(|t| t.is_finite())
+                .collect(),
+        );
+        let latency = sorted(
+            served
+                .iter()
+                .map(|r| r.finish_ms - r.arrival_ms)
+                .filter(|t| t.is_finite())
+                .collect(),
+        );
+        let select = sorted(served.iter().map(|r| r.selection_ns as f64).collect());
+
+        let span = run.makespan_ms.max(1e-9);
+        let loads: Vec<f64> = run.load_area.iter().map(|a| a / span).collect();
+        let n = loads.len().max(1) as f64;
+        let mean = loads.iter().sum::<f64>() / n;
+        let var = loads.iter().map(|l| (l - mean).powi(2)).sum::<f64>() / n;
+        let max = loads.iter().copied().fold(0.0, f64::max);
+        let (load_cv, load_max_over_mean) = if mean > 0.0 {
+            (var.sqrt() / mean, max / mean)
+        } else {
+            (0.0, 1.0)
+        };
+
+        // Flicker: the deepest block a request shares with earlier requests
+        // names the prefix it extends; it moved if that block was last served
+        // by another rank.
+        let mut last_row: BlockMap<u32> = BlockMap::default();
+        let (mut repeats, mut moves) = (0u64, 0u64);
+        for (req, rec) in workload.requests.iter().zip(&run.requests) {
+            let Some(row) = rec.row else { continue };
+            let shared = req.hash_ids.iter().take_while(|h| last_row.contains_key(h)).last();
+            if let Some(prev) = shared.map(|h| last_row[h]) {
+                repeats += 1;
+                moves += u64::from(prev != row);
+            }
+            for &h in &req.hash_ids {
+                last_row.insert(h, row);
+            }
+        }
+        PolicyReport {
+            policy: policy.into(),
+            routed: served.len(),
+            failed: run.failures,
+            hit_rate: if prompt > 0 { cached as f64 / prompt as f64 } else { 0.0 },
+            ttft_p50_ms: quantile(&ttft, 0.5),
+            ttft_p99_ms: quantile(&ttft, 0.99),
+            latency_p99_ms: quantile(&latency, 0.99),
+            load_cv,
+            load_max_over_mean,
+            flicker: if repeats > 0 {
+                moves as f64 / repeats as f64
+            } else {
+                0.0
+            },
+            select_p50_ns: quantile(&select, 0.5),
+            select_p99_ns: quantile(&select, 0.99),
+            ttft_sorted_ms: ttft,
+        }
+    }
+}
+
+/// The comparison table, one row per policy, followed by which policy is
+/// best on each column.
+pub fn render_table(reports: &[PolicyReport]) -> String {
+    let headers = [
+        "policy",
+        "KV hit %",
+        "TTFT p50 ms",
+        "TTFT p99 ms",
+        "latency p99 ms",
+        "load CV",
+        "load max/mean",
+        "flicker %",
+        "select p50 µs",
+        "select p99 µs",
+        "failed",
+    ];
+    let rows: Vec<[String; 11]> = reports
+        .iter()
+        .map(|r| {
+            [
+                r.policy.clone(),
+                format!("{:.1}", r.hit_rate * 100.0),
+                format!("{:.0}", r.ttft_p50_ms),
+                format!("{:.0}", r.ttft_p99_ms),
+                format!("{:.0}", r.latency_p99_ms),
+                format!("{:.3}", r.load_cv),
+                format!("{:.2}", r.load_max_over_mean),
+                format!("{:.1}", r.flicker * 100.0),
+                format!("{:.2}", r.select_p50_ns / 1000.0),
+                format!("{:.2}", r.select_p99_ns / 1000.0),
+                r.failed.to_string(),
+            ]
+        })
+        .collect();
+    let mut widths: Vec<usize> = headers.iter().map(|h| h.chars().count()).collect();
+    for row in &rows {
+        for (w, cell) in widths.iter_mut().zip(row) {
+            *w = (*w).max(cell.chars().count());
+        }
+    }
+    let mut out = String::new();
+    let line = |out: &mut String, cells: &mut dyn Iterator<Item = &str>| {
+        for (i, (cell, w)) in cells.zip(&widths).enumerate() {
+            let pad = w - cell.chars().count();
+            if i == 0 {
+                let _ = write!(out, "{cell}{}", " ".repeat(pad));
+            } else {
+                let _ = write!(out, "  {}{cell}", " ".repeat(pad));
+            }
+        }
+        out.push('\n');
+    };
+    line(&mut out, &mut headers.iter().copied());
+    let total: usize = widths.iter().sum::<usize>() + 2 * (widths.len() - 1);
+    out.push_str(&"-".repeat(total));
+    out.push('\n');
+    for row in &rows {
+        line(&mut out, &mut row.iter().map(String::as_str));
+    }
+    if reports.len() > 1 {
+        out.push('\n');
+        let best = |key: &dyn Fn(&PolicyReport) -> f64, higher: bool| -> &str {
+            let cmp = |a: &&PolicyReport, b: &&PolicyReport| key(a).total_cmp(&key(b));
+            let it = reports.iter().filter(|r| key(r).is_finite());
+            let r = if higher { it.max_by(cmp) } else { it.min_by(cmp) };
+            r.map_or("-", |r| r.policy.as_str())
+        };
+        let _ = writeln!(out, "best KV hit rate:      {}", best(&|r| r.hit_rate, true));
+        let _ = writeln!(
+            out,
+            "best TTFT p50 / p99:   {} / {}",
+            best(&|r| r.ttft_p50_ms, false),
+            best(&|r| r.ttft_p99_ms, false)
+        );
+        let _ = writeln!(out, "best latency p99:      {}", best(&|r| r.latency_p99_ms, false));
+        let _ = writeln!(out, "most even load (CV):   {}", best(&|r| r.load_cv, false));
+        let _ = writeln!(out, "least flicker:         {}", best(&|r| r.flicker, false));
+        let _ = writeln!(out, "fastest selection p50: {}", best(&|r| r.select_p50_ns, false));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quantile_is_nearest_rank() {
+        let v: Vec<f64> = (1..=100).map(f64::from).collect();
+        assert_eq!(quantile(&v, 0.5), 50.0);
+        assert_eq!(quantile(&v, 0.99), 99.0);
+        assert_eq!(quantile(&v, 1.0), 100.0);
+        assert_eq!(quantile(&v, 0.0), 1.0);
+        assert!(quantile(&[], 0.5).is_nan());
+    }
+}

@@ -1,0 +1,123 @@
+//! SVG plots of a comparison: per-worker load over time for each policy, and
+//! the distribution (CDF) of time to first token per policy.
+//!
+//! Uses `plotters` with only its SVG backend and line series, so no font or
+//! image libraries are built. This module only draws what it is given.
+
+use std::path::{Path, PathBuf};
+
+use plotters::prelude::*;
+
+use super::metrics::PolicyReport;
+use super::run::{FleetSpec, RunRecord};
+
+/// Why a plot could not be written.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot write plot {path}: {message}")]
+pub struct PlotError {
+    /// The file.
+    pub path: PathBuf,
+    /// What went wrong.
+    pub message: String,
+}
+
+fn err(path: &Path) -> impl Fn(String) -> PlotError + '_ {
+    move |message| PlotError {
+        path: path.to_owned(),
+        message,
+    }
+}
+
+/// Writes the in-flight requests of every worker (its ranks summed) over
+/// time during `run` to `path`.
+pub fn plot_load(path: &Path, title: &str, fleet: &FleetSpec, run: &RunRecord) -> Result<(), PlotError> {
+    let e = err(path);
+    let dp = fleet.dp_size.max(1) as usize;
+    let workers = fleet.rows() / dp;
+    let series: Vec<Vec<(f64, f64)>> = (0..workers)
+        .map(|w| {
+            run.sample_times_ms
+                .iter()
+                .zip(&run.load_samples)
+                .map(|(&t, s)| (t / 1000.0, s[w * dp..(w + 1) * dp].iter().sum::<u32>() as f64))
+                .collect()
+        })
+        .collect();
+    let t_max = run.sample_times_ms.last().copied().unwrap_or(0.0) / 1000.0;
+    let y_max = series.iter().flatten().map(|p| p.1).fold(1.0, f64::max);
+    let root = SVGBackend::new(path, (960, 540)).into_drawing_area();
+    root.fill(&WHITE).map_err(|x| e(x.to_string()))?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(title, ("sans-serif", 22))
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(56)
+        .build_cartesian_2d(0.0..t_max.max(1e-3), 0.0..y_max * 1.05)
+        .map_err(|x| e(x.to_string()))?;
+    chart
+        .configure_mesh()
+        .x_desc("time (s)")
+        .y_desc("requests in flight per worker")
+        .draw()
+        .map_err(|x| e(x.to_string()))?;
+    for (w, points) in series.into_iter().enumerate() {
+        let color = Palette99::pick(w).stroke_width(1);
+        chart
+            .draw_series(LineSeries::new(points, color))
+            .map_err(|x| e(x.to_string()))?;
+    }
+    root.present().map_err(|x| e(x.to_string()))
+}
+
+/// Writes the cumulative distribution of time to first token of every
+/// policy in `reports` to `path` (x axis up to the largest p99, so the
+/// bodies of the distributions stay readable).
+pub fn plot_ttft(path: &Path, title: &str, reports: &[PolicyReport]) -> Result<(), PlotError> {
+    let e = err(path);
+    let x_max = reports
+        .iter()
+        .map(|r| r.ttft_p99_ms)
+        .filter(|v| v.is_finite())
+        .fold(1.0, f64::max)
+        * 1.1;
+    let root = SVGBackend::new(path, (960, 540)).into_drawing_area();
+    root.fill(&WHITE).map_err(|x| e(x.to_string()))?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(title, ("sans-serif", 22))
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(56)
+        .build_cartesian_2d(0.0..x_max, 0.0..1.0)
+        .map_err(|x| e(x.to_string()))?;
+    chart
+        .configure_mesh()
+        .x_desc("time to first token (ms)")
+        .y_desc("share of requests")
+        .draw()
+        .map_err(|x| e(x.to_string()))?;
+    for (i, r) in reports.iter().enumerate() {
+        let n = r.ttft_sorted_ms.len().max(1) as f64;
+        let step = (r.ttft_sorted_ms.len() / 400).max(1);
+        let points: Vec<(f64, f64)> = r
+            .ttft_sorted_ms
+            .iter()
+            .enumerate()
+            .filter(|(k, _)| (k + 1) % step == 0 || k + 1 == r.ttft_sorted_ms.len())
+            .map(|(k, &t)| (t.min(x_max), (k + 1) as f64 / n))
+            .collect();
+        let color = Palette99::pick(i).stroke_width(2);
+        chart
+            .draw_series(LineSeries::new(points, color))
+            .map_err(|x| e(x.to_string()))?
+            .label(r.policy.clone())
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], Palette99::pick(i).stroke_width(2)));
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::LowerRight)
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .draw()
+        .map_err(|x| e(x.to_string()))?;
+    root.present().map_err(|x| e(x.to_string()))
+}

@@ -1,0 +1,330 @@
+//! The discrete-event loop: arrivals are routed through a [`Router`] using
+//! the overlaps the simulated caches report, engines step, and every
+//! request's milestones are recorded in a [`RunRecord`].
+//!
+//! Events are kept in a binary heap ordered by time, ties by insertion order,
+//! so a run is a pure function of its workload, fleet and router.
+
+use std::cmp::Ordering;
+use std::collections::BinaryHeap;
+
+use serde::{Deserialize, Serialize};
+
+use super::engine::{Engine, StepEvent, TimingModel};
+use super::index::OverlapIndex;
+use super::router::{RouteRequest, Router, RowOverlap};
+use super::workload::Workload;
+
+/// The simulated fleet: `workers` workers of `dp_size` ranks each; every rank
+/// is one engine with its own KV cache.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct FleetSpec {
+    /// Number of workers.
+    pub workers: u32,
+    /// Data-parallel ranks per worker.
+    pub dp_size: u32,
+    /// KV cache capacity of each rank, in blocks.
+    pub kv_blocks: u32,
+    /// Speed of each rank.
+    pub timing: TimingModel,
+    /// The router's admission limit per rank (requests in flight), given to
+    /// the selection service; a request every eligible rank refuses is
+    /// counted as failed. `None`: no limit.
+    #[serde(default)]
+    pub max_active_requests: Option<u32>,
+}
+
+impl FleetSpec {
+    /// Number of ranks (rows).
+    pub fn rows(&self) -> usize {
+        (self.workers.max(1) * self.dp_size.max(1)) as usize
+    }
+
+    /// The worker (0-based) and rank of a row: rows are worker-major.
+    pub fn worker_and_rank(&self, row: usize) -> (u32, u32) {
+        let dp = self.dp_size.max(1) as usize;
+        ((row / dp) as u32, (row % dp) as u32)
+    }
+}
+
+/// Milestones of one request (times in ms; NaN when it never got there).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RequestRecord {
+    /// The rank it was routed to (`None`: the router refused it).
+    pub row: Option<u32>,
+    /// Arrival.
+    pub arrival_ms: f64,
+    /// First token.
+    pub first_token_ms: f64,
+    /// Last token.
+    pub finish_ms: f64,
+    /// Prompt tokens served from the rank's cache.
+    pub cached_tokens: u32,
+    /// Prompt tokens.
+    pub input_tokens: u32,
+    /// Time the router spent selecting, in ns.
+    pub selection_ns: u64,
+}
+
+/// Everything one simulated run produced.
+#[derive(Clone, Debug)]
+pub struct RunRecord {
+    /// Per request, in workload order.
+    pub requests: Vec<RequestRecord>,
+    /// Time the last request finished, in ms.
+    pub makespan_ms: f64,
+    /// Per rank: integral of in-flight requests over time (request·ms).
+    pub load_area: Vec<f64>,
+    /// Sample times of `load_samples`, in ms.
+    pub sample_times_ms: Vec<f64>,
+    /// In-flight requests per rank at each sample time.
+    pub load_samples: Vec<Vec<u32>>,
+    /// Router refusals, with the first message.
+    pub failures: usize,
+    /// The first refusal's message.
+    pub first_failure: Option<String>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    Arrival(usize),
+    StepDone(usize),
+    Sample,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Event {
+    at: f64,
+    seq: u64,
+    kind: Kind,
+}
+
+impl PartialEq for Event {
+    fn eq(&self, other: &Self) -> bool {
+        self.cmp(other) == Ordering::Equal
+    }
+}
+impl Eq for Event {}
+impl PartialOrd for Event {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+impl Ord for Event {
+    /// Reversed: the earliest event is the heap's maximum.
+    fn cmp(&self, other: &Self) -> Ordering {
+        other.at.total_cmp(&self.at).then(other.seq.cmp(&self.seq))
+    }
+}
+
+struct Queue {
+    heap: BinaryHeap<Event>,
+    seq: u64,
+}
+
+impl Queue {
+    fn push(&mut self, at: f64, kind: Kind) {
+        self.seq += 1;
+        self.heap.push(Event {
+            at,
+            seq: self.seq,
+            kind,
+        });
+    }
+}
+
+/// Number of load samples taken over a run (for the load-over-time plot).
+pub const LOAD_SAMPLES: usize = 240;
+
+/// Runs `workload` on `fleet` with `router`. `progress` is called with the
+/// number of requests routed so far, every 64 arrivals and at the end.
+pub fn simulate(
+    workload: &Workload,
+    fleet: &FleetSpec,
+    router: &mut dyn Router,
+    progress: &mut dyn FnMut(usize),
+) -> RunRecord {
+    let rows = fleet.rows();
+    let reqs = &workload.requests;
+    let bs = workload.block_size;
+    let mut engines: Vec<Engine> = (0..rows).map(|_| Engine::new(fleet.kv_blocks)).collect();
+    let mut records: Vec<RequestRecord> = reqs
+        .iter()
+        .map(|r| RequestRecord {
+            row: None,
+            arrival_ms: r.arrival_ms,
+            first_token_ms: f64::NAN,
+            finish_ms: f64::NAN,
+            cached_tokens: 0,
+            input_tokens: r.input_tokens,
+            selection_ns: 0,
+        })
+        .collect();
+    let mut queue = Queue {
+        heap: BinaryHeap::with_capacity(rows + 16),
+        seq: 0,
+    };
+    if let Some(first) = reqs.first() {
+        queue.push(first.arrival_ms, Kind::Arrival(0));
+    }
+    let span = reqs.last().map_or(0.0, |r| r.arrival_ms);
+    // Sample the load at a fixed interval sized to the arrival span (the
+    // tail after the last arrival is sampled at the same pace).
+    let sample_every = (span / LOAD_SAMPLES as f64).max(1.0);
+    queue.push(0.0, Kind::Sample);
+    let mut load_area = vec![0.0; rows];
+    let mut last_change = vec![0.0; rows];
+    let mut sample_times = Vec::new();
+    let mut samples = Vec::new();
+    let mut overlaps: Vec<RowOverlap> = Vec::with_capacity(rows);
+    let mut index = OverlapIndex::new(rows);
+    let mut events = Vec::new();
+    let mut outstanding = 0usize;
+    let (mut failures, mut first_failure) = (0, None);
+    let mut now = 0.0;
+
+    let touch = |row: usize, now: f64, engines: &[Engine], area: &mut [f64], last: &mut [f64]| {
+        area[row] += engines[row].in_flight() as f64 * (now - last[row]);
+        last[row] = now;
+    };
+
+    while let Some(ev) = queue.heap.pop() {
+        now = ev.at;
+        match ev.kind {
+            Kind::Arrival(i) => {
+                if i + 1 < reqs.len() {
+                    queue.push(reqs[i + 1].arrival_ms, Kind::Arrival(i + 1));
+                }
+                let r = &reqs[i];
+                index.overlaps(&r.hash_ids, &mut overlaps);
+                let route = RouteRequest {
+                    id: i as u64,
+                    input_tokens: r.input_tokens,
+                    output_tokens: r.output_tokens,
+                    overlaps: &overlaps,
+                    session: r.session,
+                };
+                match router.select(&route) {
+                    Ok(routed) if routed.row < rows => {
+                        let row = routed.row;
+                        records[i].row = Some(row as u32);
+                        records[i].selection_ns = routed.selection_ns;
+                        touch(row, now, &engines, &mut load_area, &mut last_change);
+                        engines[row].enqueue(i);
+                        outstanding += 1;
+                        if !engines[row].is_stepping() {
+                            start(
+                                &mut engines[row],
+                                row,
+                                now,
+                                reqs,
+                                bs,
+                                fleet,
+                                &mut records,
+                                &mut queue,
+                                &mut events,
+                            );
+                            index.apply(row, engines[row].cache.drain_changes());
+                        }
+                    }
+                    Ok(routed) => {
+                        router.release(i as u64);
+                        failures += 1;
+                        first_failure.get_or_insert_with(|| format!("router chose row {} of {rows}", routed.row));
+                    }
+                    Err(e) => {
+                        failures += 1;
+                        first_failure.get_or_insert_with(|| e.to_string());
+                    }
+                }
+                if i % 64 == 63 {
+                    progress(i + 1);
+                }
+            }
+            Kind::StepDone(row) => {
+                touch(row, now, &engines, &mut load_area, &mut last_change);
+                events.clear();
+                engines[row].finish_step(reqs, bs, &mut events);
+                index.apply(row, engines[row].cache.drain_changes());
+                for &e in &events {
+                    match e {
+                        StepEvent::FirstToken(r) => {
+                            records[r].first_token_ms = now;
+                            router.prefill_complete(r as u64);
+                        }
+                        StepEvent::OutputBlock(r) => router.output_block(r as u64),
+                        StepEvent::Finished(r) => {
+                            records[r].finish_ms = now;
+                            router.release(r as u64);
+                            outstanding -= 1;
+                        }
+                        StepEvent::Admitted { .. } => {}
+                    }
+                }
+                start(
+                    &mut engines[row],
+                    row,
+                    now,
+                    reqs,
+                    bs,
+                    fleet,
+                    &mut records,
+                    &mut queue,
+                    &mut events,
+                );
+                index.apply(row, engines[row].cache.drain_changes());
+            }
+            Kind::Sample => {
+                sample_times.push(now);
+                samples.push(engines.iter().map(|e| e.in_flight() as u32).collect());
+                let arrivals_left = queue.heap.iter().any(|e| matches!(e.kind, Kind::Arrival(_)));
+                if arrivals_left || outstanding > 0 {
+                    queue.push(now + sample_every, Kind::Sample);
+                }
+            }
+        }
+    }
+    progress(reqs.len());
+    let makespan = records
+        .iter()
+        .map(|r| r.finish_ms)
+        .filter(|t| t.is_finite())
+        .fold(0.0, f64::max)
+        .max(now);
+    for row in 0..rows {
+        touch(row, makespan, &engines, &mut load_area, &mut last_change);
+    }
+    RunRecord {
+        requests: records,
+        makespan_ms: makespan,
+        load_area,
+        sample_times_ms: sample_times,
+        load_samples: samples,
+        failures,
+        first_failure,
+    }
+}
+
+/// Starts a step on an idle engine, if it has work, and records admissions.
+#[allow(clippy::too_many_arguments)]
+fn start(
+    engine: &mut Engine,
+    row: usize,
+    now: f64,
+    reqs: &[super::workload::SimRequest],
+    bs: u32,
+    fleet: &FleetSpec,
+    records: &mut [RequestRecord],
+    queue: &mut Queue,
+    events: &mut Vec<StepEvent>,
+) {
+    events.clear();
+    if let Some(duration) = engine.start_step(reqs, bs, &fleet.timing, events) {
+        queue.push(now + duration, Kind::StepDone(row));
+    }
+    for &e in events.iter() {
+        if let StepEvent::Admitted { request, cached_tokens } = e {
+            records[request].cached_tokens = cached_tokens;
+        }
+    }
+}

@@ -1,0 +1,176 @@
+//! Scenarios whose outcome is known in advance, run end to end through the
+//! real selection service.
+
+use super::compare::{run_policy, PolicyChoice};
+use super::dist::LengthDist;
+use super::engine::TimingModel;
+use super::metrics::PolicyReport;
+use super::run::FleetSpec;
+use super::workload::{Arrivals, Workload, WorkloadSpec};
+use crate::WorkerSelectionPolicyRegistry;
+
+fn fleet(workers: u32, dp_size: u32) -> FleetSpec {
+    FleetSpec {
+        workers,
+        dp_size,
+        kv_blocks: 4_096,
+        timing: TimingModel::default(),
+        max_active_requests: None,
+    }
+}
+
+fn shared_prefix_workload(requests: usize, seed: u64) -> Workload {
+    WorkloadSpec {
+        requests,
+        block_size: 16,
+        arrivals: Arrivals::Poisson { rate_per_s: 40.0 },
+        system_prompts: 16,
+        system_prompt_tokens: LengthDist::Fixed(1024),
+        zipf_s: 0.5,
+        session_fraction: 0.0,
+        session_turns: LengthDist::Fixed(1),
+        think_time_ms: 1_000.0,
+        user_tokens: LengthDist::Uniform { lo: 16, hi: 128 },
+        output_tokens: LengthDist::Uniform { lo: 8, hi: 32 },
+    }
+    .generate(seed)
+}
+
+fn run(policy: &PolicyChoice, workload: &Workload, fleet: &FleetSpec) -> (PolicyReport, Vec<u32>) {
+    let registry = WorkerSelectionPolicyRegistry::new();
+    let r = run_policy(&registry, policy, workload, fleet, 7, &mut |_| {}).unwrap();
+    let mut per_row = vec![0u32; fleet.rows()];
+    for rec in &r.record.requests {
+        per_row[rec.row.expect("routed") as usize] += 1;
+        // Every routed request runs to completion, in order, using at most
+        // its prompt from cache.
+        assert!(
+            rec.arrival_ms < rec.first_token_ms && rec.first_token_ms <= rec.finish_ms,
+            "{rec:?}"
+        );
+        assert!(
+            rec.finish_ms <= r.record.makespan_ms && rec.cached_tokens < rec.input_tokens,
+            "{rec:?}"
+        );
+    }
+    (r.report, per_row)
+}
+
+#[test]
+fn one_worker_gets_every_request() {
+    let w = shared_prefix_workload(300, 1);
+    for p in PolicyChoice::builtins() {
+        let (report, per_row) = run(&p, &w, &fleet(1, 1));
+        assert_eq!(per_row, vec![300], "{}", p.label);
+        assert_eq!(report.failed, 0);
+        assert_eq!(report.flicker, 0.0, "a prefix cannot move with one worker");
+        assert!(report.ttft_p50_ms > 0.0 && report.ttft_p50_ms <= report.ttft_p99_ms);
+    }
+}
+
+#[test]
+fn round_robin_splits_evenly() {
+    let w = shared_prefix_workload(400, 2);
+    let (report, per_row) = run(&PolicyChoice::builtin("round-robin"), &w, &fleet(4, 2));
+    assert_eq!(per_row, vec![50; 8]);
+    assert_eq!(report.routed, 400);
+}
+
+#[test]
+fn cache_aware_policy_beats_random_on_hit_rate() {
+    let w = shared_prefix_workload(1_500, 3);
+    // Small caches: a worker cannot hold every system prompt, so where a
+    // prefix goes decides whether it hits.
+    let small = FleetSpec {
+        kv_blocks: 600,
+        ..fleet(8, 1)
+    };
+    let (kv, _) = run(&PolicyChoice::kv_at(0.0), &w, &small);
+    let (random, _) = run(&PolicyChoice::builtin("random"), &w, &small);
+    assert!(
+        kv.hit_rate > random.hit_rate + 0.15,
+        "kv {} vs random {}",
+        kv.hit_rate,
+        random.hit_rate
+    );
+    assert!(
+        kv.flicker < random.flicker,
+        "kv {} vs random {}",
+        kv.flicker,
+        random.flicker
+    );
+}
+
+#[test]
+fn least_loaded_balances_better_than_random() {
+    let w = shared_prefix_workload(1_500, 4);
+    let f = fleet(8, 1);
+    let (ll, _) = run(&PolicyChoice::builtin("least-loaded"), &w, &f);
+    let (random, _) = run(&PolicyChoice::builtin("random"), &w, &f);
+    assert!(
+        ll.load_cv < random.load_cv,
+        "least-loaded {} vs random {}",
+        ll.load_cv,
+        random.load_cv
+    );
+}
+
+#[test]
+fn runs_replay_from_the_seed() {
+    let w = shared_prefix_workload(300, 5);
+    let f = fleet(4, 1);
+    for p in [PolicyChoice::builtin("random"), PolicyChoice::kv_at(0.5)] {
+        let (a, rows_a) = run(&p, &w, &f);
+        let (b, rows_b) = run(&p, &w, &f);
+        assert_eq!(rows_a, rows_b);
+        assert_eq!((a.hit_rate, a.ttft_p99_ms), (b.hit_rate, b.ttft_p99_ms));
+    }
+}
+
+#[test]
+fn session_affinity_keeps_conversations_on_their_cache() {
+    let mut spec = super::scenario::Scenario::embedded(super::scenario::ScenarioName::Default);
+    spec.workload.requests = 1_500;
+    spec.fleet.workers = 8;
+    let w = spec.workload.generate(9);
+    let plain = PolicyChoice::builtin("least-loaded");
+    let sticky = plain.clone().with_session_affinity(crate::AffinityMode::Hard);
+    assert_eq!(sticky.label, "least-loaded +hard");
+    let (plain, _) = run(&plain, &w, &spec.fleet);
+    let (sticky, _) = run(&sticky, &w, &spec.fleet);
+    assert!(
+        sticky.hit_rate > plain.hit_rate + 0.05,
+        "{} vs {}",
+        sticky.hit_rate,
+        plain.hit_rate
+    );
+    assert!(
+        sticky.flicker < plain.flicker,
+        "{} vs {}",
+        sticky.flicker,
+        plain.flicker
+    );
+}
+
+#[test]
+fn the_services_admission_limit_holds_and_refusals_are_counted() {
+    let w = shared_prefix_workload(600, 6);
+    let limited = FleetSpec {
+        max_active_requests: Some(3),
+        ..fleet(2, 1)
+    };
+    let registry = WorkerSelectionPolicyRegistry::new();
+    for p in [PolicyChoice::kv_at(0.0), PolicyChoice::builtin("least-loaded")] {
+        let r = run_policy(&registry, &p, &w, &limited, 7, &mut |_| {}).unwrap();
+        assert!(
+            r.report.failed > 0,
+            "{}: 600 requests at 40/s cannot fit in 6 slots",
+            p.label
+        );
+        assert_eq!(r.report.routed + r.report.failed, 600);
+        let peak = r.record.load_samples.iter().flatten().copied().max().unwrap();
+        assert!(peak <= 3, "{}: {peak} in flight on one rank", p.label);
+        let msg = r.record.first_failure.as_deref().unwrap();
+        assert!(msg.contains("overloaded"), "{msg}");
+    }
+}

@@ -1,0 +1,340 @@
+//! Workloads: the requests a simulation replays, generated from a
+//! [`WorkloadSpec`] (Poisson or bursty arrivals, shared system prompts with
+//! Zipf popularity, multi-turn sessions whose prompts extend the previous
+//! turn, log-normal lengths) or read from a trace ([`super::trace`]).
+//!
+//! Prompts are described the way a router's KV indexer sees them: one hash
+//! per block of `block_size` tokens, where equal hashes mean equal prefixes.
+//! Generation is a pure function of the spec and the seed.
+
+use selkie_kernel::Rng;
+use serde::{Deserialize, Serialize};
+
+use super::dist::{exponential, LengthDist, Zipf};
+
+/// One request of a workload.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SimRequest {
+    /// Arrival time in milliseconds from the start of the run.
+    pub arrival_ms: f64,
+    /// Prompt length in tokens.
+    pub input_tokens: u32,
+    /// Tokens to generate (at least 1).
+    pub output_tokens: u32,
+    /// One hash per prompt block (`ceil(input_tokens / block_size)` of them).
+    pub hash_ids: Vec<u64>,
+    /// Hashes of the generated blocks that a later prompt reuses (the next
+    /// turn of a session); cached by the worker when the request completes.
+    pub output_hash_ids: Vec<u64>,
+    /// The multi-turn session this request belongs to, if any.
+    pub session: Option<u64>,
+}
+
+/// A list of requests in arrival order, with the block size their hashes use.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Workload {
+    /// Tokens per hashed block.
+    pub block_size: u32,
+    /// Requests, sorted by arrival.
+    pub requests: Vec<SimRequest>,
+}
+
+/// How requests arrive.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Arrivals {
+    /// A Poisson process of `rate_per_s` requests per second.
+    Poisson {
+        /// Mean requests per second.
+        rate_per_s: f64,
+    },
+    /// A two-state Markov-modulated Poisson process: bursts of
+    /// `burst_factor` times the mean rate lasting `burst_ms` on average,
+    /// separated by calm spells of `calm_ms` on average whose rate keeps the
+    /// long-run mean at `rate_per_s`.
+    Bursty {
+        /// Long-run mean requests per second.
+        rate_per_s: f64,
+        /// Rate multiplier during a burst.
+        burst_factor: f64,
+        /// Mean burst length, in milliseconds.
+        burst_ms: f64,
+        /// Mean calm length, in milliseconds.
+        calm_ms: f64,
+    },
+}
+
+impl Arrivals {
+    /// The long-run mean rate, in requests per second.
+    pub fn rate_per_s(&self) -> f64 {
+        match *self {
+            Arrivals::Poisson { rate_per_s } | Arrivals::Bursty { rate_per_s, .. } => rate_per_s,
+        }
+    }
+
+    /// The same process at another mean rate.
+    pub fn with_rate(self, rate: f64) -> Self {
+        match self {
+            Arrivals::Poisson { .. } => Arrivals::Poisson { rate_per_s: rate },
+            Arrivals::Bursty {
+                burst_factor,
+                burst_ms,
+                calm_ms,
+                ..
+            } => Arrivals::Bursty {
+                rate_per_s: rate,
+                burst_factor,
+                burst_ms,
+                calm_ms,
+            },
+        }
+    }
+
+    /// `n` arrival times (ms) of new conversations at `scale` times the rate.
+    fn times(&self, n: usize, scale: f64, rng: &mut Rng) -> Vec<f64> {
+        let mut out = Vec::with_capacity(n);
+        let mut t = 0.0;
+        match *self {
+            Arrivals::Poisson { rate_per_s } => {
+                let mean_gap = 1000.0 / (rate_per_s * scale).max(1e-9);
+                while out.len() < n {
+                    t += exponential(rng, mean_gap);
+                    out.push(t);
+                }
+            }
+            Arrivals::Bursty {
+                rate_per_s,
+                burst_factor,
+                burst_ms,
+                calm_ms,
+            } => {
+                let rate = rate_per_s * scale;
+                let burst_rate = rate * burst_factor.max(1.0);
+                let calm_rate =
+                    ((rate * (burst_ms + calm_ms) - burst_rate * burst_ms) / calm_ms.max(1e-9)).max(rate * 0.05);
+                let mut in_burst = false;
+                let mut state_end = exponential(rng, calm_ms);
+                while out.len() < n {
+                    let r = if in_burst { burst_rate } else { calm_rate };
+                    let next = t + exponential(rng, 1000.0 / r.max(1e-9));
+                    if next > state_end {
+                        // Memorylessness: restart the draw at the switch.
+                        t = state_end;
+                        in_burst = !in_burst;
+                        state_end = t + exponential(rng, if in_burst { burst_ms } else { calm_ms });
+                    } else {
+                        t = next;
+                        out.push(t);
+                    }
+                }
+            }
+        }
+        out
+    }
+}
+
+/// Parameters of a generated workload.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct WorkloadSpec {
+    /// Number of requests.
+    pub requests: usize,
+    /// Tokens per block.
+    pub block_size: u32,
+    /// The arrival process of requests (session turns included).
+    pub arrivals: Arrivals,
+    /// Distinct shared system prompts.
+    pub system_prompts: usize,
+    /// Length of each system prompt (rounded up to whole blocks).
+    pub system_prompt_tokens: LengthDist,
+    /// Zipf exponent of system-prompt popularity (0 = uniform).
+    pub zipf_s: f64,
+    /// Probability that a new conversation is a multi-turn session.
+    pub session_fraction: f64,
+    /// Turns per multi-turn session.
+    pub session_turns: LengthDist,
+    /// Mean time between the turns of a session, in milliseconds.
+    pub think_time_ms: f64,
+    /// New user tokens per prompt (after the system prompt and history).
+    pub user_tokens: LengthDist,
+    /// Output tokens per request.
+    pub output_tokens: LengthDist,
+}
+
+/// A hash for block `index` of `stream`, distinct across streams.
+fn block_hash(stream: u64, index: u64, salt: u64) -> u64 {
+    let mut r = Rng::new(stream.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ index.rotate_left(32) ^ salt);
+    r.next_u64()
+}
+
+impl WorkloadSpec {
+    /// Generates the workload; the same spec and seed give the same requests.
+    pub fn generate(&self, seed: u64) -> Workload {
+        let mut rng = Rng::new(seed);
+        let bs = self.block_size.max(1);
+        let prompts: Vec<Vec<u64>> = (0..self.system_prompts.max(1))
+            .map(|p| {
+                let blocks = self.system_prompt_tokens.sample(&mut rng).div_ceil(bs);
+                (0..blocks)
+                    .map(|j| block_hash(p as u64, u64::from(j), 0x5157))
+                    .collect()
+            })
+            .collect();
+        let popularity = Zipf::new(prompts.len(), self.zipf_s);
+        let mean_turns = 1.0 + self.session_fraction * (self.session_turns.mean() - 1.0).max(0.0);
+        // Conversations start a warm-up window before time 0, so that at
+        // time 0 sessions are already in their later turns and the request
+        // rate is the target one from the first request on; requests before
+        // 0 are dropped. Conversations also run past the end (later turns of
+        // the last ones), so more are started than needed and the first
+        // `requests` arrivals kept.
+        let warmup_ms = self.think_time_ms * (self.session_turns.mean() - 1.0).max(0.0);
+        let conv_rate = self.arrivals.rate_per_s() / mean_turns;
+        let in_warmup = conv_rate * warmup_ms / 1000.0;
+        let conversations = ((1.5 * self.requests as f64 / mean_turns + in_warmup).ceil() as usize).max(1);
+        let starts: Vec<f64> = self
+            .arrivals
+            .times(conversations, 1.0 / mean_turns, &mut rng)
+            .into_iter()
+            .map(|t| t - warmup_ms)
+            .collect();
+        let mut requests = Vec::with_capacity(self.requests + 16);
+        for (c, &start) in starts.iter().enumerate() {
+            let conv = (c as u64) << 20 | 0xC0;
+            let is_session = rng.unit_f64() < self.session_fraction;
+            let turns = if is_session {
+                self.session_turns.sample(&mut rng).max(1)
+            } else {
+                1
+            };
+            let prompt = &prompts[popularity.sample(&mut rng)];
+            let sys_tokens = prompt.len() as u32 * bs;
+            // Tokens of the conversation after the system prompt so far.
+            let mut history = 0u32;
+            let mut t = start;
+            for turn in 0..turns {
+                let user = self.user_tokens.sample(&mut rng).max(1);
+                let output = self.output_tokens.sample(&mut rng).max(1);
+                let conv_tokens = history + user;
+                let input = sys_tokens + conv_tokens;
+                let full = conv_tokens / bs;
+                let mut hash_ids = prompt.clone();
+                hash_ids.extend((0..full).map(|j| block_hash(conv, u64::from(j), 0)));
+                if conv_tokens > full * bs {
+                    hash_ids.push(block_hash(conv, u64::from(full), 1 + u64::from(turn)));
+                }
+                let after = conv_tokens + output;
+                let output_hash_ids = if turn + 1 < turns {
+                    (full..after / bs).map(|j| block_hash(conv, u64::from(j), 0)).collect()
+                } else {
+                    Vec::new()
+                };
+                requests.push(SimRequest {
+                    arrival_ms: t,
+                    input_tokens: input,
+                    output_tokens: output,
+                    hash_ids,
+                    output_hash_ids,
+                    session: is_session.then_some(c as u64),
+                });
+                history = after;
+                t += exponential(&mut rng, self.think_time_ms);
+            }
+        }
+        requests.retain(|r| r.arrival_ms >= 0.0);
+        requests.sort_by(|a, b| a.arrival_ms.total_cmp(&b.arrival_ms));
+        requests.truncate(self.requests);
+        Workload {
+            block_size: bs,
+            requests,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec() -> WorkloadSpec {
+        WorkloadSpec {
+            requests: 2_000,
+            block_size: 16,
+            arrivals: Arrivals::Poisson { rate_per_s: 100.0 },
+            system_prompts: 8,
+            system_prompt_tokens: LengthDist::Fixed(256),
+            zipf_s: 1.2,
+            session_fraction: 0.5,
+            session_turns: LengthDist::Uniform { lo: 2, hi: 4 },
+            think_time_ms: 500.0,
+            user_tokens: LengthDist::Uniform { lo: 10, hi: 100 },
+            output_tokens: LengthDist::Uniform { lo: 20, hi: 60 },
+        }
+    }
+
+    #[test]
+    fn generation_is_reproducible_and_sorted() {
+        let a = spec().generate(7);
+        assert_eq!(a, spec().generate(7));
+        assert_ne!(a, spec().generate(8));
+        assert_eq!(a.requests.len(), 2_000);
+        assert!(a.requests.windows(2).all(|w| w[0].arrival_ms <= w[1].arrival_ms));
+        for r in &a.requests {
+            assert_eq!(r.hash_ids.len() as u32, r.input_tokens.div_ceil(16));
+        }
+        // Arrival rate is the requested one (within 10%).
+        let span_s = a.requests.last().unwrap().arrival_ms / 1000.0;
+        let rate = 2_000.0 / span_s;
+        assert!((rate - 100.0).abs() < 10.0, "{rate}");
+    }
+
+    #[test]
+    fn session_turns_extend_the_previous_prompt_and_output() {
+        let w = spec().generate(3);
+        let mut checked = 0;
+        for (i, r) in w.requests.iter().enumerate() {
+            let Some(s) = r.session else { continue };
+            let Some(next) = w.requests[i + 1..].iter().find(|n| n.session == Some(s)) else {
+                continue;
+            };
+            // The next turn starts with this prompt's full blocks, then the
+            // cached output blocks.
+            let full = (r.input_tokens / 16) as usize;
+            assert_eq!(next.hash_ids[..full], r.hash_ids[..full]);
+            let outs = r.output_hash_ids.len();
+            assert_eq!(next.hash_ids[full..full + outs], r.output_hash_ids[..]);
+            checked += 1;
+        }
+        assert!(checked > 100, "{checked}");
+    }
+
+    #[test]
+    fn zipf_makes_one_system_prompt_dominant() {
+        let w = spec().generate(5);
+        let mut counts = std::collections::HashMap::new();
+        for r in &w.requests {
+            *counts.entry(r.hash_ids[0]).or_insert(0) += 1;
+        }
+        assert_eq!(counts.len(), 8);
+        let max = *counts.values().max().unwrap();
+        let min = *counts.values().min().unwrap();
+        assert!(max > 5 * min, "{counts:?}");
+    }
+
+    #[test]
+    fn bursty_arrivals_keep_the_mean_rate_but_cluster() {
+        let mut rng = Rng::new(1);
+        let bursty = Arrivals::Bursty {
+            rate_per_s: 100.0,
+            burst_factor: 5.0,
+            burst_ms: 500.0,
+            calm_ms: 2_000.0,
+        };
+        let t = bursty.times(20_000, 1.0, &mut rng);
+        let rate = 20_000.0 / (t.last().unwrap() / 1000.0);
+        assert!((rate - 100.0).abs() < 15.0, "{rate}");
+        // Squared coefficient of variation of gaps: 1 for Poisson, larger here.
+        let gaps: Vec<f64> = t.windows(2).map(|w| w[1] - w[0]).collect();
+        let mean = gaps.iter().sum::<f64>() / gaps.len() as f64;
+        let var = gaps.iter().map(|g| (g - mean).powi(2)).sum::<f64>() / gaps.len() as f64;
+        assert!(var / (mean * mean) > 1.5, "{}", var / (mean * mean));
+    }
+}

@@ -1,0 +1,131 @@
+//! Replays the minimized inputs committed under `fuzz/regressions/<target>/`
+//! through the same checks the fuzz targets run (`fuzz_harness/`, shared
+//! with `fuzz/fuzz_targets/` by `#[path]`), so a fixed crash stays fixed
+//! without nightly or libFuzzer. Adding a regression is dropping the file
+//! `cargo fuzz tmin` wrote into that directory (see FUZZING.md).
+//!
+//! The `*_reproducer` tests are inputs written as their `Debug` prints
+//! them: they keep the reproducer format pasteable and the harnesses
+//! exercised in every `cargo test`.
+
+use std::fmt::Debug;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::{Path, PathBuf};
+
+use arbitrary::{Arbitrary, Unstructured};
+
+#[path = "fuzz_harness/adversarial_policy.rs"]
+#[allow(dead_code)]
+mod adversarial_policy;
+#[path = "fuzz_harness/discovery_file.rs"]
+#[allow(dead_code)]
+mod discovery_file;
+#[path = "fuzz_harness/policy_config.rs"]
+#[allow(dead_code)]
+mod policy_config;
+
+fn regression_files(target: &str) -> Vec<PathBuf> {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fuzz/regressions").join(target);
+    let mut files: Vec<PathBuf> = match std::fs::read_dir(&dir) {
+        Ok(entries) => entries.map(|e| e.expect("read regressions dir").path()).filter(|p| p.is_file()).collect(),
+        Err(_) => Vec::new(),
+    };
+    files.retain(|p| p.file_name().is_some_and(|n| !n.to_string_lossy().starts_with('.')));
+    files.sort();
+    files
+}
+
+/// Decodes each file as libFuzzer's `fuzz_target!` does
+/// (`arbitrary_take_rest`) and runs `check`; reports every failing file.
+fn replay<T: for<'a> Arbitrary<'a> + Debug>(target: &str, check: fn(&T)) {
+    let mut failures = Vec::new();
+    for path in regression_files(target) {
+        let bytes = std::fs::read(&path).expect("read regression file");
+        let Ok(input) = T::arbitrary_take_rest(Unstructured::new(&bytes)) else {
+            // libFuzzer skips inputs that do not decode; so do we.
+            continue;
+        };
+        if catch_unwind(AssertUnwindSafe(|| check(&input))).is_err() {
+            failures.push(format!("{}: {input:?}", path.display()));
+        }
+    }
+    assert!(failures.is_empty(), "regressions failed:\n{}", failures.join("\n"));
+}
+
+#[test]
+fn adversarial_policy_regressions() {
+    replay("adversarial_policy", adversarial_policy::check);
+}
+
+#[test]
+fn policy_config_regressions() {
+    replay("policy_config", policy_config::check);
+}
+
+#[test]
+fn discovery_file_regressions() {
+    replay("discovery_file", discovery_file::check);
+}
+
+
+#[test]
+fn adversarial_policy_reproducer() {
+    use adversarial_policy::*;
+    let bad = Script {
+        filters: [FilterAct::DropEvery(0), FilterAct::Keep],
+        scorers: [
+            ScorerAct::Costs([Cost::Max, Cost::Finite(1), Cost::Max, Cost::NegZero]),
+            ScorerAct::Costs([Cost::Max, Cost::Tiny, Cost::Finite(-3), Cost::Nan]),
+            ScorerAct::Zero,
+        ],
+        picker: PickAct::Len,
+    };
+    let input = Input {
+        workers: vec![
+            Worker { id: 1, dp_start: 0, dp_size: 3, limit: Some(0), state: 0 },
+            Worker { id: 2, dp_start: 2, dp_size: 1, limit: None, state: 0 },
+            Worker { id: 3, dp_start: 0, dp_size: 1, limit: None, state: 1 },
+        ],
+        ops: vec![
+            Op::Select { isl: 100, explained: true, script: WELL_BEHAVED },
+            Op::Select { isl: 17, explained: false, script: bad },
+            Op::Peek { isl: 5, script: Script { picker: PickAct::UsizeMax, ..WELL_BEHAVED } },
+            Op::Select { isl: 5, explained: false, script: Script { picker: PickAct::PanicAny, ..WELL_BEHAVED } },
+            Op::Select {
+                isl: 5,
+                explained: false,
+                script: Script { filters: [FilterAct::Keep, FilterAct::PanicAt(1)], ..WELL_BEHAVED },
+            },
+            Op::Select { isl: 9, explained: false, script: WELL_BEHAVED },
+            Op::OutputBlock { booking: 0 },
+            Op::Retarget { booking: 1, worker: 2, rank: 2 },
+            Op::Remove { id: 1 },
+            Op::OutputBlock { booking: 0 },
+            Op::Add(Worker { id: 1, dp_start: 0, dp_size: 1, limit: None, state: 0 }),
+            Op::PrefillComplete { booking: 1 },
+            Op::Select { isl: 1, explained: false, script: Script { picker: PickAct::Row(0), ..WELL_BEHAVED } },
+            Op::Release { booking: 0 },
+            Op::SetState { id: 2, state: 2 },
+            Op::Select { isl: 1, explained: false, script: Script { filters: [FilterAct::DropAll, FilterAct::Keep], ..WELL_BEHAVED } },
+        ],
+    };
+    check(&input);
+}
+
+#[test]
+fn policy_config_reproducer() {
+    use policy_config::*;
+    let yaml = b"aggregated: a\ndecode: d\ninstances:\n  - { name: a, type: fuzz-custom, parameters: { fallback: true } }\n  - { name: d, type: device-aware-weighted, parameters: { non_cpu_to_cpu_ratio: 4294967295 } }\n";
+    check(&Input { toml: false, bytes: yaml.to_vec() });
+    let toml = b"prefill = \"p\"\n[[instances]]\nname = \"p\"\ntype = \"kv\"\nparameters = { router_temperature = 1e300, overlap_score_credit = 1e300 }\n";
+    check(&Input { toml: true, bytes: toml.to_vec() });
+}
+
+#[test]
+fn discovery_file_reproducer() {
+    use discovery_file::*;
+    let json = br#"{ "workers": [ { "worker_id": 1, "data_parallel_size": 2, "capacity_weight": 1e-45 }, { "worker_id": 2, "state": "draining" } ] }"#;
+    check(&Input { toml: false, bytes: json.to_vec() });
+    check(&Input { toml: true, bytes: b"[[workers]]\nworker_id = 1\n[[workers]]\nworker_id = 1\n".to_vec() });
+    check(&Input { toml: false, bytes: b"\xff".to_vec() });
+}
