@@ -1,1 +1,19 @@
-//! x
+//! Loom models of the fleet's atomic protocols (SPEC section 7): booking
+//! against an admission limit, release, slot reuse with generations,
+//! retarget, the round-robin cursor, and select-and-book racing a removal.
+//!
+//! Each model runs twice in the same test binary: against the real protocol,
+//! where every interleaving must pass ([`explore`]), and against a
+//! deliberately broken variant compiled into the kernel under
+//! `cfg(selkie_loom)` (`selkie_kernel::fleet::fault::Fault`), where some
+//! interleaving must fail ([`expect_violation`]). Both print how many
+//! interleavings loom explored.
+//!
+//! Without `--cfg selkie_loom` this crate is empty. This crate must not test
+//! anything but atomic protocols: behaviour belongs in the kernel's tests.
+
+#[cfg(selkie_loom)]
+mod harness;
+
+#[cfg(selkie_loom)]
+pub use harness::*;

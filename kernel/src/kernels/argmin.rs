@@ -14,6 +14,12 @@
 //! path with no per-group mask work; all-zero words are skipped.
 //!
 //! Keys are compared with `<` / `==`; callers guarantee keys are not NaN.
+//!
+//! Over a live fleet column the three passes may see different values. The
+//! kernel then still returns an eligible row (or `None` only when no row is
+//! eligible) and never panics: a tie that vanished between passes makes pass
+//! 3 walk on, and if the chosen tie is gone altogether one scalar pass takes
+//! the least key it reads. The booking re-validates whatever row is chosen.
 
 use crate::lanes::{lane_bits, lane_bits_f32, lane_mask, LANES};
 use crate::mask::contains;
@@ -237,7 +243,9 @@ where
     let tail_ties = tail.clone().filter(|&row| contains(mask, row) && col.key(row) == min).count();
     ties += tail_ties;
     if ties == 0 {
-        return None;
+        // No row holds `min` any more (a live column changed since it was
+        // computed), or none is eligible: one more pass decides.
+        return settle(col, mask);
     }
     let mut k = if ties > 1 { rng.below(ties as u64) as usize } else { 0 };
     // Pass 3: skip whole words, then the k-th tie inside one word.
@@ -263,9 +271,30 @@ where
             }
             k -= c;
         }
-        unreachable!("word {w} counted more ties than it holds");
+        // Fewer ties than pass 2 counted: a live column changed between the
+        // passes. `k` is now past this word's ties; keep walking.
     }
-    tail.filter(|&row| contains(mask, row) && col.key(row) == min).nth(k)
+    tail.filter(|&row| contains(mask, row) && col.key(row) == min)
+        .nth(k)
+        .or_else(|| settle(col, mask))
+}
+
+/// The last resort when a live column changed between passes so that the
+/// chosen tie vanished: the first eligible row of least key as this single
+/// pass reads it (each key read once), or `None` only if no row is eligible.
+/// Never reached for a column that does not change during the call, so the
+/// SIMD kernel and its reference still agree on every immutable input.
+#[cold]
+#[inline(never)]
+fn settle<C: ArgminKey + ?Sized>(col: &C, mask: &[u64]) -> Option<usize> {
+    let mut best: Option<(usize, C::Key)> = None;
+    for row in (0..col.rows()).filter(|&r| contains(mask, r)) {
+        let k = col.key(row);
+        if best.is_none_or(|(_, b)| k < b) {
+            best = Some((row, k));
+        }
+    }
+    best.map(|(row, _)| row)
 }
 
 /// Scalar reference of [`argmin`]: same result, same draws.
@@ -293,7 +322,59 @@ pub fn argmin_reference<C: ArgminKey + ?Sized>(col: &C, mask: &[u64], rng: &mut 
 mod tests {
     use super::*;
     use crate::kernels::least_loaded::{least_loaded, least_loaded_reference};
+    use core::cell::Cell;
     use std::vec::Vec;
+
+    /// A column that changes under the scan, as a live fleet column may:
+    /// every read of a row returns a different value.
+    struct Shifting {
+        rows: usize,
+        reads: Cell<u32>,
+    }
+
+    impl Shifting {
+        fn next(&self, row: usize) -> u32 {
+            let n = self.reads.get();
+            self.reads.set(n.wrapping_add(1));
+            (n.wrapping_mul(2_654_435_761) ^ row as u32).rotate_left(n % 31) % 5
+        }
+    }
+
+    impl ArgminKey for Shifting {
+        type Key = u32;
+        type Lanes = u32x8;
+        fn rows(&self) -> usize {
+            self.rows
+        }
+        fn key(&self, row: usize) -> u32 {
+            self.next(row)
+        }
+        fn keys(&self, group: usize) -> u32x8 {
+            u32x8::from(core::array::from_fn::<u32, 8, _>(|i| self.next(group * 8 + i)))
+        }
+    }
+
+    /// Values that change between the passes must never make the kernel
+    /// panic or return a row outside the mask, nor `None` while a row is
+    /// eligible.
+    #[test]
+    fn a_column_changing_under_the_scan_still_yields_an_eligible_row() {
+        for rows in [0usize, 5, 8, 64, 100, 130, 1000] {
+            for seed in 0..300u64 {
+                let mut mask: Vec<u64> = std::vec![0; rows.div_ceil(64).max(1)];
+                let mut r = Rng::new(seed);
+                for w in mask.iter_mut() {
+                    *w = if seed % 3 == 0 { u64::MAX } else { r.next_u64() };
+                }
+                let col = Shifting { rows, reads: Cell::new(seed as u32) };
+                let any = (0..rows).any(|row| contains(&mask, row));
+                match argmin(&col, &mask, &mut r) {
+                    Some(row) => assert!(row < rows && contains(&mask, row), "rows {rows} seed {seed}: {row}"),
+                    None => assert!(!any, "rows {rows} seed {seed}: None with eligible rows"),
+                }
+            }
+        }
+    }
 
     /// Past `REMEMBERED_WORDS` words pass 3 recounts instead of reading the
     /// stack counts; ties placed on both sides of that boundary, with a

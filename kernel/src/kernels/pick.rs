@@ -367,7 +367,7 @@ pub fn pick_in_range<C: F32Source + ?Sized>(
     temperature: f32,
     rng: &mut Rng,
 ) -> Result<Option<usize>, KernelError> {
-    if !(range.min <= range.max) {
+    if range.min.partial_cmp(&range.max).is_none_or(|o| o.is_gt()) {
         return Ok(None);
     }
     if !(range.min.is_finite() && range.max.is_finite()) {

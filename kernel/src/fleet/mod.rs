@@ -1,0 +1,311 @@
+//! The lock-free fleet: worker slots stored as atomic columns, and the
+//! booking protocol that admits requests against them.
+//!
+//! A [`Fleet<GROUPS>`] has `GROUPS * LANES` rows (16,384 at `GROUPS =
+//! 2048`). Each row is a worker slot; each signal is a 32-byte aligned column
+//! of `AtomicU32`: the state word (state + generation, see [`SlotState`]),
+//! worker id (two words), data-parallel rank, capacity weight and its
+//! inverse (`f32` bits), admission limit, and three tagged load counters
+//! (active requests, active prefill tokens, active decode blocks; see
+//! [`COUNTER_MAX`]). Two bitmaps say which rows are occupied and which are
+//! selectable (Live); a high-water mark, [`Fleet::rows`], bounds the scans.
+//!
+//! # Protocol in one page
+//!
+//! ```text
+//! add:      claim lowest clear `occupied` bit (CAS)         -> the row is ours
+//!           counters := 0 << 8 | tag(gen + 1)               -> old bookings go stale
+//!           metadata := spec (Release);  rows := max(rows, row + 1)
+//!           state := Live(gen + 1) (SeqCst);  sync selectable bit
+//! book:     s := state (Acquire); Live?  limit := admission limit
+//!           CAS active: tag == tag(gen) && value < limit -> value + 1    (SeqCst)
+//!           re-check state == Live(gen) (SeqCst), else undo and refuse
+//!           tag-checked CAS add prefill tokens, decode blocks
+//! release:  state generation == gen?  (else the slot was reused: no-op)
+//!           tag-checked CAS sub tokens, blocks, then the request
+//! remove:   CAS state X(gen) -> Empty(gen) (waits while WRITER is set);
+//!           sync selectable; clear occupied (Release)
+//! update:   CAS state |= WRITER; store weight / limit (Release); clear WRITER
+//! ```
+//!
+//! Bookings are RAII guards ([`Booking`]) that release exactly once. A guard
+//! that outlives its worker never touches the row's next occupant: the
+//! generation check and the counter tags make its release a no-op (the ABA
+//! bound is in [`Booking`]'s docs).
+//!
+//! # How a SIMD scan reads the columns soundly
+//!
+//! The kernels read a column through an [`AtomicView`] (from
+//! [`Fleet::active_requests`] and friends), whose lane groups are loaded by
+//! `sync::load_lanes`: on x86-64 two aligned 16-byte vector loads, each lane
+//! of which the architecture guarantees to be a single atomic 4-byte read,
+//! i.e. exactly `AtomicU32::load(Relaxed)`; elsewhere, and always under miri
+//! and loom, eight relaxed atomic loads. No plain (non-atomic) read of a
+//! shared counter ever happens, so there is no data race in Rust's memory
+//! model.
+//!
+//! What a scan may observe: each lane is a value its counter really held at
+//! some instant during the scan (never torn, never invented), but different
+//! rows are read at different instants, so a scan is stale by at most its
+//! own duration. The selectable mask is likewise a per-word copy. A scan can
+//! therefore pick a row that filled up or was removed while it ran; the
+//! booking's compare-and-swap then refuses (`Overloaded`, `NotLive`,
+//! `Stale`) and [`Fleet::select_and_book`] rescans. A stale scan can cost a
+//! sub-optimal pick or a retry; it can never over-admit, because the
+//! admission limit is checked by the read-modify-write on the live value.
+//!
+//! A kernel that reads a column in several passes (the argmin: minimum,
+//! then ties, then the k-th tie) may see a row's value change between its
+//! passes. Such a kernel must stay total over a live view: return some
+//! eligible row or `None`, never panic or return an ineligible row. A caller
+//! that wants one consistent view copies the column first (one lane-group
+//! load per 8 rows) and scans the copy.
+//!
+//! This module must not scan (that is `kernels`), allocate, or block:
+//! bookings and selections are lock-free. Updates of a row's weight or limit
+//! hold the row's writer bit for a few stores, which only another update or a
+//! `remove` of the same row waits for.
+//!
+//! ```
+//! use selkie_kernel::fleet::{BookLoad, Fleet, WorkerSpec};
+//! use selkie_kernel::kernels::least_loaded::least_loaded;
+//! use selkie_kernel::{Rng, RowMask};
+//!
+//! static FLEET: Fleet<2> = Fleet::new(); // 16 rows, in a static: no heap
+//! let a = FLEET.add(WorkerSpec { admission_limit: 1, ..WorkerSpec::new(7) }).unwrap();
+//! let b = FLEET.add(WorkerSpec::new(8)).unwrap();
+//!
+//! let mut mask = RowMask::<1>::new();
+//! FLEET.selectable(mask.words_mut());
+//! let scan = |m: &[u64], r: &mut Rng| least_loaded(&FLEET.active_requests(), m, r);
+//! let load = BookLoad { prefill_tokens: 100, decode_blocks: 2 };
+//! let first = FLEET.select_and_book(mask.words_mut(), load, &mut Rng::new(1), scan, 4).unwrap();
+//! let second = FLEET.select_and_book(mask.words_mut(), load, &mut Rng::new(2), scan, 4).unwrap();
+//! assert_ne!(first.slot(), second.slot());
+//! assert_eq!(FLEET.outstanding(b.row as usize).unwrap().requests, 1);
+//! drop((first, second));
+//! assert_eq!(FLEET.outstanding(a.row as usize).unwrap().requests, 0);
+//! ```
+
+mod bits;
+mod booking;
+mod counter;
+mod cursor;
+mod error;
+#[cfg(selkie_loom)]
+#[doc(hidden)]
+pub mod fault;
+mod guard;
+mod read;
+mod select;
+mod slots;
+mod state;
+
+#[cfg(all(test, not(selkie_loom)))]
+mod tests;
+
+pub use booking::BookLoad;
+pub use counter::COUNTER_MAX;
+pub use error::{BookError, FleetError, SelectError};
+pub use guard::Booking;
+pub use state::{Outstanding, SlotId, SlotState, WorkerInfo, WorkerSpec, WorkerState, UNLIMITED};
+
+use crate::lanes::{padded_rows, AtomicView, Column, Decode, LANES};
+use crate::sync::{AtomicU32, Ordering};
+use bits::RowBits;
+use crossbeam_utils::CachePadded;
+
+/// A fixed-capacity fleet of `GROUPS * LANES` worker slots, shared by every
+/// selecting thread (`&Fleet`, `Arc<Fleet>`, or a `static`).
+///
+/// All-zero bytes are a valid empty fleet: build one in a `static` with
+/// [`Fleet::new`], or on the heap without a stack copy with
+/// [`Fleet::init_zeroed`].
+pub struct Fleet<const GROUPS: usize> {
+    /// State word per row (`state::StateWord`).
+    state: Column<GROUPS>,
+    /// Low 32 bits of the worker id.
+    worker_lo: Column<GROUPS>,
+    /// High 32 bits of the worker id.
+    worker_hi: Column<GROUPS>,
+    /// Data-parallel rank.
+    dp_rank: Column<GROUPS>,
+    /// Capacity weight, `f32` bits.
+    capacity_weight: Column<GROUPS>,
+    /// `1 / capacity weight`, `f32` bits (least-loaded-weighted multiplies).
+    inv_capacity_weight: Column<GROUPS>,
+    /// Admission limit (`UNLIMITED` for none).
+    admission_limit: Column<GROUPS>,
+    /// Tagged counter: requests in flight, including reservations.
+    active_requests: Column<GROUPS>,
+    /// Tagged counter: prefill tokens booked and not yet prefilled.
+    active_prefill_tokens: Column<GROUPS>,
+    /// Tagged counter: KV blocks of decoding requests.
+    active_decode_blocks: Column<GROUPS>,
+    /// Rows claimed by an `add` and not yet freed by a `remove`.
+    occupied: RowBits<GROUPS>,
+    /// Rows whose state is Live (kept in sync by every state change).
+    selectable: RowBits<GROUPS>,
+    /// High-water mark: one past the highest row ever occupied.
+    rows: CachePadded<AtomicU32>,
+    /// Round-robin ticket counter (see `cursor`).
+    ticket: CachePadded<AtomicU32>,
+    /// The deliberately broken variant a loom model asked for.
+    #[cfg(selkie_loom)]
+    fault: fault::Fault,
+}
+
+impl<const GROUPS: usize> Fleet<GROUPS> {
+    /// Number of worker slots (rows).
+    pub const CAPACITY: usize = GROUPS * LANES;
+
+    /// An empty fleet, usable in a `static`.
+    ///
+    /// At 16,384 rows a fleet is about 700 KiB: build big ones in a
+    /// `static` or with [`Fleet::init_zeroed`], not on the stack.
+    #[cfg(not(selkie_loom))]
+    pub const fn new() -> Self {
+        const { assert!(GROUPS * LANES <= u32::MAX as usize, "rows must fit in u32") };
+        Fleet {
+            state: Column::new(0),
+            worker_lo: Column::new(0),
+            worker_hi: Column::new(0),
+            dp_rank: Column::new(0),
+            capacity_weight: Column::new(0),
+            inv_capacity_weight: Column::new(0),
+            admission_limit: Column::new(0),
+            active_requests: Column::new(0),
+            active_prefill_tokens: Column::new(0),
+            active_decode_blocks: Column::new(0),
+            occupied: RowBits::new(),
+            selectable: RowBits::new(),
+            rows: CachePadded::new(crate::sync::atomic_u32(0)),
+            ticket: CachePadded::new(crate::sync::atomic_u32(0)),
+        }
+    }
+
+    /// An empty fleet (loom's atomics cannot be built in a `const fn`).
+    #[cfg(selkie_loom)]
+    pub fn new() -> Self {
+        Self::with_fault(fault::Fault::None)
+    }
+
+    /// Initializes `slot` as an empty fleet in place, by zero-filling it, and
+    /// returns it: a 16,384-row fleet goes straight to the heap without
+    /// passing through the stack.
+    ///
+    /// ```
+    /// use selkie_kernel::fleet::Fleet;
+    /// let mut slot = Box::<Fleet<2048>>::new_uninit();
+    /// Fleet::init_zeroed(&mut slot);
+    /// // SAFETY: `init_zeroed` initialized the whole value.
+    /// let fleet: Box<Fleet<2048>> = unsafe { slot.assume_init() };
+    /// assert_eq!(fleet.rows(), 0);
+    /// ```
+    #[cfg(not(selkie_loom))]
+    pub fn init_zeroed(slot: &mut core::mem::MaybeUninit<Self>) -> &mut Self {
+        // SAFETY: `slot` is valid for writes of one `Self`, so zero-filling
+        // it is in bounds. All-zero bytes are a valid `Fleet`, and exactly
+        // `Fleet::new()`: every field is built only of `AtomicU32`s, in
+        // arrays (`Column` = `[AtomicGroup; GROUPS]`, `AtomicGroup` =
+        // `[AtomicU32; 8]`, `RowBits` = `[AtomicU32; GROUPS]`) and structs
+        // (`CachePadded<AtomicU32>`); a struct or array whose every field is
+        // valid when zeroed is valid when zeroed, whatever its layout and
+        // padding. `AtomicU32` (core's, and portable-atomic's: both an
+        // `UnsafeCell<u32>`) is valid for every bit pattern, and zero is the
+        // value `new()` gives each one. No field is a pointer, reference,
+        // enum or other type with a niche (the loom build, whose atomics are
+        // not plain integers and which has the `fault` field, has no
+        // `init_zeroed`).
+        unsafe {
+            slot.as_mut_ptr().write_bytes(0, 1);
+            slot.assume_init_mut()
+        }
+    }
+
+    /// Rows scans must cover: one past the highest row ever occupied. Never
+    /// decreases. Views and masks cover it padded to whole lane groups.
+    #[inline]
+    pub fn rows(&self) -> usize {
+        self.rows.load(Ordering::Acquire) as usize
+    }
+
+    /// Rows a scan reads: [`rows`](Self::rows) rounded up to whole lane
+    /// groups.
+    #[inline]
+    pub fn scan_rows(&self) -> usize {
+        padded_rows(self.rows())
+    }
+
+    /// Copies the selectable (Live) rows into an eligibility mask, bit
+    /// `i % 64` of `out[i / 64]` for row `i`; words past the fleet are
+    /// zeroed. Intersect it with the host's filters, then scan.
+    ///
+    /// Each 32-row word is one atomic load: a row that changes state during
+    /// the copy may be seen either way, and the booking re-checks.
+    #[inline]
+    pub fn selectable(&self, out: &mut [u64]) {
+        self.selectable.copy_to(out);
+    }
+
+    /// Requests in flight per row (tagged counter decoded by the view).
+    #[inline]
+    pub fn active_requests(&self) -> AtomicView<'_> {
+        self.active_requests
+            .view(self.scan_rows(), Decode::Shift(counter::TAG_BITS))
+    }
+
+    /// Prefill tokens booked and not yet prefilled, per row.
+    #[inline]
+    pub fn active_prefill_tokens(&self) -> AtomicView<'_> {
+        self.active_prefill_tokens
+            .view(self.scan_rows(), Decode::Shift(counter::TAG_BITS))
+    }
+
+    /// KV blocks held by decoding requests, per row.
+    #[inline]
+    pub fn active_decode_blocks(&self) -> AtomicView<'_> {
+        self.active_decode_blocks
+            .view(self.scan_rows(), Decode::Shift(counter::TAG_BITS))
+    }
+
+    /// `1 / capacity weight` per row, as an `F32Source` (0.0 in empty rows).
+    #[inline]
+    pub fn inv_capacity_weight(&self) -> AtomicView<'_> {
+        self.inv_capacity_weight.view(self.scan_rows(), Decode::Raw)
+    }
+
+    /// Capacity weight per row, as an `F32Source` (0.0 in empty rows).
+    #[inline]
+    pub fn capacity_weight(&self) -> AtomicView<'_> {
+        self.capacity_weight.view(self.scan_rows(), Decode::Raw)
+    }
+
+    /// Data-parallel rank per row, as a `U32Source` (0 in empty rows).
+    #[inline]
+    pub fn dp_ranks(&self) -> AtomicView<'_> {
+        self.dp_rank.view(self.scan_rows(), Decode::Raw)
+    }
+
+    /// Whether `row` is in the fleet.
+    #[inline]
+    fn in_range(row: usize) -> bool {
+        row < Self::CAPACITY
+    }
+}
+
+impl<const GROUPS: usize> Default for Fleet<GROUPS> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl<const GROUPS: usize> core::fmt::Debug for Fleet<GROUPS> {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_struct("Fleet")
+            .field("capacity", &Self::CAPACITY)
+            .field("rows", &self.rows())
+            .field("ticket", &self.peek_ticket())
+            .finish_non_exhaustive()
+    }
+}

@@ -1,0 +1,120 @@
+//! Per-row reads: who occupies a row, in what state, with what load.
+//!
+//! A row's metadata is written only by `add` (while the row is Empty) and by
+//! the weight/limit updates (under the writer bit), always with `Release`
+//! stores, and a `remove` changes the state word before the row can be
+//! claimed again. So a reader that loads the state word, then the metadata
+//! (`Acquire`), then the state word again, and finds the same occupied
+//! generation both times, has read that occupant's metadata: had it read a
+//! later occupant's store, it would have synchronized with that `add`, which
+//! happens after the `remove`, and the second load would see the change.
+//!
+//! This module must not write.
+
+use super::counter::value_of;
+use super::state::{Outstanding, SlotId, SlotState, StateWord, WorkerInfo};
+use super::Fleet;
+use crate::sync::Ordering;
+
+impl<const GROUPS: usize> Fleet<GROUPS> {
+    /// The state word of `row` (`row < CAPACITY`).
+    #[inline]
+    pub(crate) fn state_word(&self, row: usize, order: Ordering) -> StateWord {
+        StateWord(self.state.at(row).load(order))
+    }
+
+    /// What `row` holds now (`Empty` past the capacity).
+    #[inline]
+    pub fn state(&self, row: usize) -> SlotState {
+        if !Self::in_range(row) {
+            return SlotState::Empty;
+        }
+        self.state_word(row, Ordering::Acquire).state()
+    }
+
+    /// Whether `row`'s selectable bit is set (its worker is Live).
+    #[inline]
+    pub fn is_selectable(&self, row: usize) -> bool {
+        Self::in_range(row) && self.selectable.contains(row, Ordering::Acquire)
+    }
+
+    /// The occupancy of `row`, or `None` if it is empty or past the capacity.
+    #[inline]
+    pub fn slot_id(&self, row: usize) -> Option<SlotId> {
+        if !Self::in_range(row) {
+            return None;
+        }
+        let s = self.state_word(row, Ordering::Acquire);
+        (s.state() != SlotState::Empty).then_some(SlotId {
+            row: row as u32,
+            generation: s.generation(),
+        })
+    }
+
+    /// `row`'s worker, or `None` if the row is empty or past the capacity.
+    ///
+    /// Every field belongs to the same occupant (a seqlock-style read: the
+    /// state word before and after the fields carries the same generation); it
+    /// retries while the row changes occupant under it (lock-free: each
+    /// retry means an `add` or `remove` completed). A weight or limit update
+    /// racing the read may show in one field and not yet in another.
+    pub fn worker(&self, row: usize) -> Option<WorkerInfo> {
+        if !Self::in_range(row) {
+            return None;
+        }
+        loop {
+            let before = self.state_word(row, Ordering::Acquire);
+            if before.state() == SlotState::Empty {
+                return None;
+            }
+            let lo = self.worker_lo.at(row).load(Ordering::Acquire);
+            let hi = self.worker_hi.at(row).load(Ordering::Acquire);
+            let dp_rank = self.dp_rank.at(row).load(Ordering::Acquire);
+            let weight = self.capacity_weight.at(row).load(Ordering::Acquire);
+            let limit = self.admission_limit.at(row).load(Ordering::Acquire);
+            let after = self.state_word(row, Ordering::Acquire);
+            if after.generation() == before.generation() && after.state() != SlotState::Empty {
+                return Some(WorkerInfo {
+                    slot: SlotId {
+                        row: row as u32,
+                        generation: before.generation(),
+                    },
+                    state: after.state(),
+                    worker_id: (hi as u64) << 32 | lo as u64,
+                    dp_rank,
+                    capacity_weight: f32::from_bits(weight),
+                    admission_limit: limit,
+                });
+            }
+            crate::sync::spin_loop();
+        }
+    }
+
+    /// The worker id in `row`, or `None` if it is empty.
+    #[inline]
+    pub fn worker_id(&self, row: usize) -> Option<u64> {
+        self.worker(row).map(|w| w.worker_id)
+    }
+
+    /// The data-parallel rank of the worker in `row`, or `None` if empty.
+    #[inline]
+    pub fn dp_rank(&self, row: usize) -> Option<u32> {
+        self.worker(row).map(|w| w.dp_rank)
+    }
+
+    /// The load `row`'s counters hold now, whatever occupant they belong to
+    /// (a removed worker's counters keep counting its outstanding guards
+    /// until the row is reused). `None` past the capacity.
+    ///
+    /// After all guards are dropped, every row's counters are zero.
+    pub fn outstanding(&self, row: usize) -> Option<Outstanding> {
+        if !Self::in_range(row) {
+            return None;
+        }
+        Some(Outstanding {
+            requests: value_of(self.active_requests.at(row).load(Ordering::Acquire)),
+            prefill_tokens: value_of(self.active_prefill_tokens.at(row).load(Ordering::Acquire)),
+            decode_blocks: value_of(self.active_decode_blocks.at(row).load(Ordering::Acquire)),
+        })
+    }
+}
