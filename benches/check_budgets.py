@@ -17,7 +17,9 @@ def parse(text):
     counts, name = {}, None
     for line in text.splitlines():
         if line and not line[0].isspace() and "::" in line:
-            name = line.split()[0].strip()
+            # The whole header line: `module::group::function id:setup(args)`.
+            # Only the first word would merge every argument of a function.
+            name = line.strip()
         m = re.match(r"\s+Instructions:\s+(\d+)", line)
         if m and name:
             counts[name] = int(m.group(1))

@@ -22,3 +22,9 @@ pub fn all_eligible(n: usize) -> Vec<u64> {
     }
     m
 }
+
+pub mod host_fixture;
+pub mod kernel_fixture;
+
+#[cfg(feature = "dynamo")]
+pub mod vs_dynamo;

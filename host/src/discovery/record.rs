@@ -103,7 +103,8 @@ pub struct WorkerRecord {
     #[serde(default = "default_size")]
     pub data_parallel_size: u32,
     /// Relative capacity (1.0 = one standard worker); least-loaded divides
-    /// in-flight requests by it. Must be finite and positive.
+    /// in-flight requests by it. Must be finite and positive, and not so
+    /// small that its reciprocal overflows (`f32` subnormals are refused).
     #[serde(default = "default_weight")]
     pub capacity_weight: f32,
     /// Most requests a rank may hold at once (`None`: unlimited). Enforced
@@ -238,8 +239,8 @@ impl WorkerRecord {
         {
             return invalid("data-parallel ranks overflow u32");
         }
-        if !(self.capacity_weight.is_finite() && self.capacity_weight > 0.0) {
-            return invalid("capacity_weight must be finite and positive");
+        if !selkie_kernel::fleet::capacity_weight_ok(self.capacity_weight) {
+            return invalid("capacity_weight must be finite and positive, with a finite reciprocal (>= about 3e-39)");
         }
         if let Some(t) = &self.busy_thresholds {
             if t.prefill_token_fraction.is_some_and(|f| !(f.is_finite() && f >= 0.0)) {

@@ -9,7 +9,8 @@ use std::collections::BTreeSet;
 use std::num::NonZeroU32;
 
 use selkie_kernel::kernels::kv_cost::{
-    kv_cost, preferred_taint_multiplier as kernel_multiplier, CostRange, KvCostConfig, KvLoad, KvOverlap, KvRequest, WorkerRole,
+    kv_cost, preferred_taint_multiplier as kernel_multiplier, CostRange, KvCostConfig, KvLoad, KvOverlap, KvRequest,
+    WorkerRole,
 };
 use selkie_kernel::kernels::pick::{explain, pick_in_range};
 use selkie_kernel::kernels::KernelError;

@@ -15,7 +15,8 @@ pub enum FleetError {
         /// Rows of the fleet.
         capacity: usize,
     },
-    /// A capacity weight that is not finite and positive.
+    /// A capacity weight that is not finite and positive, or whose
+    /// reciprocal is not finite.
     BadCapacityWeight {
         /// The worker it was for.
         worker_id: u64,
@@ -108,7 +109,10 @@ impl fmt::Display for FleetError {
         match *self {
             FleetError::Full { capacity } => write!(f, "all {capacity} worker slots are occupied"),
             FleetError::BadCapacityWeight { worker_id, weight } => {
-                write!(f, "worker {worker_id}: capacity weight {weight} is not finite and > 0")
+                write!(
+                    f,
+                    "worker {worker_id}: capacity weight {weight} is not finite and > 0 with a finite reciprocal"
+                )
             }
             FleetError::NoSuchRow { row, capacity } => write!(f, "row {row} is past the fleet's {capacity} rows"),
             FleetError::Vacant { row, generation } => {

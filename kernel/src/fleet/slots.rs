@@ -34,15 +34,23 @@ use super::state::{SlotId, SlotState, StateWord, WorkerSpec, WorkerState, GENERA
 use super::Fleet;
 use crate::sync::{spin_loop, Ordering};
 
+/// Whether `weight` can be a capacity weight: finite and positive, with a
+/// finite reciprocal (the weighted kernels multiply by `1 / weight`; a
+/// subnormal weight's reciprocal is `+inf`, and `0 * inf` is NaN).
+pub fn capacity_weight_ok(weight: f32) -> bool {
+    weight.is_finite() && weight > 0.0 && (1.0 / weight).is_finite()
+}
+
 impl<const GROUPS: usize> Fleet<GROUPS> {
     /// Adds a worker in the lowest free row and publishes it Live, with zero
     /// load and a new generation.
     ///
     /// Errors: [`FleetError::BadCapacityWeight`] if the weight is not finite
-    /// and positive, [`FleetError::Full`] if every row is occupied.
+    /// and positive with a finite reciprocal (see [`capacity_weight_ok`]),
+    /// [`FleetError::Full`] if every row is occupied.
     pub fn add(&self, worker: WorkerSpec) -> Result<SlotId, FleetError> {
         let weight = worker.capacity_weight;
-        if !(weight.is_finite() && weight > 0.0) {
+        if !capacity_weight_ok(weight) {
             return Err(FleetError::BadCapacityWeight {
                 worker_id: worker.worker_id,
                 weight,
@@ -154,7 +162,7 @@ impl<const GROUPS: usize> Fleet<GROUPS> {
             return Ok(());
         }
         let row = self.lock_writer(slot)?;
-        let result = if weight.is_finite() && weight > 0.0 {
+        let result = if capacity_weight_ok(weight) {
             self.write_weight(row, weight);
             Ok(())
         } else {

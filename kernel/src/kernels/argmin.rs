@@ -240,7 +240,10 @@ where
         }
         ties += c;
     }
-    let tail_ties = tail.clone().filter(|&row| contains(mask, row) && col.key(row) == min).count();
+    let tail_ties = tail
+        .clone()
+        .filter(|&row| contains(mask, row) && col.key(row) == min)
+        .count();
     ties += tail_ties;
     if ties == 0 {
         // No row holds `min` any more (a live column changed since it was
@@ -366,7 +369,10 @@ mod tests {
                 for w in mask.iter_mut() {
                     *w = if seed % 3 == 0 { u64::MAX } else { r.next_u64() };
                 }
-                let col = Shifting { rows, reads: Cell::new(seed as u32) };
+                let col = Shifting {
+                    rows,
+                    reads: Cell::new(seed as u32),
+                };
                 let any = (0..rows).any(|row| contains(&mask, row));
                 match argmin(&col, &mask, &mut r) {
                     Some(row) => assert!(row < rows && contains(&mask, row), "rows {rows} seed {seed}: {row}"),

@@ -46,7 +46,7 @@
 //!
 //! This module must not compute costs or book anything.
 
-use super::argmin::{argmin_given_min, argmin, argmin_reference, ArgminKey};
+use super::argmin::{argmin, argmin_given_min, argmin_reference, ArgminKey};
 use super::KernelError;
 use crate::lanes::{lane_bits_f32, lane_mask, F32Source, LANES};
 use crate::mask::{contains, count, group_bits, nth};
@@ -382,7 +382,15 @@ pub fn pick_in_range<C: F32Source + ?Sized>(
     let Some(last) = last_eligible(mask, costs.rows()) else {
         return Ok(None);
     };
-    Ok(Some(softmax_walk(costs, mask, range.min, range.max, last, temperature, rng)))
+    Ok(Some(softmax_walk(
+        costs,
+        mask,
+        range.min,
+        range.max,
+        last,
+        temperature,
+        rng,
+    )))
 }
 
 /// The last set row of `mask` below `rows`.
@@ -462,7 +470,6 @@ fn softmax_walk<C: F32Source + ?Sized>(
     }
     last
 }
-
 
 /// One row's softmax weight as the reference computes it, in `f64`:
 /// `exp(-(c - c_min) / ((c_max - c_min) * T))`, or 1 when `c_min == c_max`.

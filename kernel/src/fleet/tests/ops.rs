@@ -93,7 +93,16 @@ fn add_fills_the_lowest_free_row_and_publishes_the_worker() {
 #[test]
 fn add_refuses_bad_weights_and_a_full_fleet() {
     let fleet = Fleet::<1>::new();
-    for weight in [0.0, -1.0, f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+    // A subnormal weight is positive and finite, but its reciprocal is +inf.
+    for weight in [
+        0.0,
+        -1.0,
+        f32::NAN,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        f32::from_bits(1),
+        2.0e-39,
+    ] {
         let spec = WorkerSpec {
             capacity_weight: weight,
             ..WorkerSpec::new(5)

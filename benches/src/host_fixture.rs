@@ -1,0 +1,198 @@
+//! Host inputs for the instruction-count, wall-clock and throughput benches:
+//! a [`WorkerSelectionService`] per built-in mode, its workers, the load it
+//! holds, and the request each selection sends.
+//!
+//! Worker ids are `0..n`, one data-parallel rank each; every eighth worker
+//! (`id % 8 == 7`) is a CPU worker (device-aware); worker `id` holds
+//! `id % 3` bookings of 256-token requests pinned to it (made in setup with
+//! `select_owned`), so the load counters are non-zero and least-loaded has
+//! ties among a third of the fleet. The request: 2,048 prompt tokens; for
+//! `kv`, Dynamo's fixture overlap on every worker (`(id % 32) * 4` device
+//! blocks, cached tokens = blocks * 16) and the temperature of the case;
+//! for `direct`, pinned to worker `n / 2`. The seed is fixed, so a
+//! single-threaded run replays exactly.
+//!
+//! Building a fixture is not measured; a measured call is one
+//! [`HostFixture::select_and_release`].
+
+use std::sync::Arc;
+
+use selkie::{
+    DeviceAwareConfig, DeviceKind, KvRouterConfig, OwnedSelection, SelectionRequest, ServiceConfig, WorkerOverlap,
+    WorkerRecord, WorkerSelectionPolicy, WorkerSelectionService, WorkerType, WorkerWithDpRank,
+};
+
+/// Prompt length of the measured request, in tokens.
+pub const PROMPT_TOKENS: usize = 2_048;
+/// Prompt length of the bookings the fixture holds, in tokens.
+const HELD_PROMPT_TOKENS: usize = 256;
+
+/// A built-in policy of the service.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    /// `random`.
+    Random,
+    /// `round-robin`.
+    RoundRobin,
+    /// `least-loaded`.
+    LeastLoaded,
+    /// `power-of-two`.
+    PowerOfTwo,
+    /// `device-aware-weighted` (default config).
+    DeviceAwareWeighted,
+    /// `direct` (the request is pinned to one worker).
+    Direct,
+    /// `kv`, the default policy (default `KvRouterConfig`, aggregated).
+    Kv,
+}
+
+impl Mode {
+    /// Every built-in mode; `Random` first (the wall-clock report's
+    /// reference).
+    pub const ALL: [Mode; 7] = [
+        Mode::Random,
+        Mode::RoundRobin,
+        Mode::LeastLoaded,
+        Mode::PowerOfTwo,
+        Mode::DeviceAwareWeighted,
+        Mode::Direct,
+        Mode::Kv,
+    ];
+
+    /// The policy's name as configs spell it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Mode::Random => "random",
+            Mode::RoundRobin => "round-robin",
+            Mode::LeastLoaded => "least-loaded",
+            Mode::PowerOfTwo => "power-of-two",
+            Mode::DeviceAwareWeighted => "device-aware-weighted",
+            Mode::Direct => "direct",
+            Mode::Kv => "kv",
+        }
+    }
+
+    /// A new policy of this mode.
+    pub fn policy(self) -> WorkerSelectionPolicy {
+        match self {
+            Mode::Random => WorkerSelectionPolicy::random(),
+            Mode::RoundRobin => WorkerSelectionPolicy::round_robin(),
+            Mode::LeastLoaded => WorkerSelectionPolicy::least_loaded(),
+            Mode::PowerOfTwo => WorkerSelectionPolicy::power_of_two(),
+            Mode::DeviceAwareWeighted => WorkerSelectionPolicy::device_aware_weighted(DeviceAwareConfig::default()),
+            Mode::Direct => WorkerSelectionPolicy::direct(),
+            Mode::Kv => WorkerSelectionPolicy::kv(KvRouterConfig::default(), WorkerType::Aggregated),
+        }
+    }
+}
+
+/// A service of `n` workers under one mode, with its held load and request.
+pub struct HostFixture {
+    /// The service every selection goes through.
+    pub service: Arc<WorkerSelectionService>,
+    /// The bookings that hold the fixture's load.
+    held: Vec<OwnedSelection>,
+    overlaps: Vec<WorkerOverlap>,
+    mode: Mode,
+    temperature: f64,
+    workers: usize,
+}
+
+impl HostFixture {
+    /// The fixture for `mode` over `n >= 1` workers; `temperature` is used by
+    /// `kv` only. Makes one warm-up selection (the thread's scratch and
+    /// registry snapshot), so a measured call allocates nothing.
+    ///
+    /// # Panics
+    /// If the service refuses a worker or a booking.
+    pub fn new(mode: Mode, n: usize, temperature: f64) -> Self {
+        let config = ServiceConfig {
+            seed: Some(42),
+            ..ServiceConfig::default()
+        };
+        let service = Arc::new(WorkerSelectionService::new(mode.policy(), config));
+        let records = (0..n as u64)
+            .map(|id| {
+                let r = WorkerRecord::new(id);
+                if id % 8 == 7 {
+                    r.with_device(DeviceKind::Cpu)
+                } else {
+                    r
+                }
+            })
+            .collect();
+        service.sync(records).expect("the fleet has room for every worker");
+        let mut held = Vec::new();
+        for id in 0..n as u64 {
+            for _ in 0..id % 3 {
+                let req = SelectionRequest::new(HELD_PROMPT_TOKENS).pinned_to_worker(id);
+                held.push(service.select_owned(&req).expect("an unlimited worker admits"));
+            }
+        }
+        let overlaps = (0..n as u32)
+            .map(|id| WorkerOverlap::device(WorkerWithDpRank::new(u64::from(id), 0), (id % 32) * 4, 16))
+            .collect();
+        let fixture = HostFixture {
+            service,
+            held,
+            overlaps,
+            mode,
+            temperature,
+            workers: n,
+        };
+        fixture.select_and_release();
+        fixture
+    }
+
+    /// Number of workers.
+    pub fn workers(&self) -> usize {
+        self.workers
+    }
+
+    /// The measured request: built per call (it borrows the overlaps).
+    #[inline]
+    pub fn request(&self) -> SelectionRequest<'_> {
+        let req = SelectionRequest::new(PROMPT_TOKENS);
+        match self.mode {
+            Mode::Kv => req.with_overlaps(&self.overlaps).with_temperature(self.temperature),
+            Mode::Direct => req.pinned_to_worker((self.workers / 2) as u64),
+            _ => req,
+        }
+    }
+
+    /// One select + book, then the release (drop of the booking); returns
+    /// the chosen worker.
+    ///
+    /// # Panics
+    /// If the selection fails (the fixture never overloads).
+    #[inline]
+    pub fn select_and_release(&self) -> WorkerWithDpRank {
+        let selection = self
+            .service
+            .select(&self.request())
+            .expect("the fixture admits every request");
+        let worker = selection.worker();
+        drop(selection);
+        worker
+    }
+
+    /// Releases the held load.
+    pub fn release_held(&mut self) {
+        self.held.clear();
+    }
+
+    /// Total (requests, prefill tokens, decode blocks) still booked on the
+    /// service's workers.
+    pub fn outstanding(&self) -> (u64, u64, u64) {
+        let mut total = (0, 0, 0);
+        for id in 0..self.workers as u64 {
+            let status = self.service.worker_status(id).expect("every worker is known");
+            for r in status.ranks {
+                total.0 += u64::from(r.active_requests);
+                total.1 += u64::from(r.active_prefill_tokens);
+                total.2 += u64::from(r.active_decode_blocks);
+            }
+        }
+        total
+    }
+}

@@ -1,0 +1,327 @@
+//! The parity check the side-by-side benchmark runs before it times
+//! anything, and that `tests/dynamo_parity.rs` runs on its own (SPEC §4):
+//!
+//! 1. every worker's selkie cost equals Dynamo's exact `f64` cost within
+//!    [`REL_TOLERANCE`] relative;
+//! 2. at temperature 0, Dynamo's choice and selkie's choice both have
+//!    Dynamo's minimum cost (and the cost Dynamo logs for its choice is that
+//!    minimum);
+//! 3. at temperature 0.7, both samplers match the softmax distribution that
+//!    SPEC §4 defines over Dynamo's costs: over `samples` picks each, the mean
+//!    Dynamo cost of the picked workers is within [`SIGMAS`] standard errors
+//!    of its exact expectation.
+//!
+//! selkie is checked twice, reading its load columns from each
+//! [`LoadSource`] (a kernel `Fleet`, plain slices).
+//!
+//! This module must not time anything.
+
+use std::fmt;
+
+use super::{DynamoFixture, LoadSource, SelkieFixture};
+
+/// Largest accepted `|selkie - dynamo| / |dynamo|` per worker (SPEC §4).
+pub const REL_TOLERANCE: f64 = 1e-6;
+/// How many standard errors a sampler's mean cost may stray from the exact
+/// expectation (a false alarm is a 1-in-10^8 event).
+pub const SIGMAS: f64 = 6.0;
+/// The temperature the sampling check uses.
+pub const SAMPLING_TEMPERATURE: f64 = 0.7;
+
+/// What the check found for one worker count.
+#[derive(Clone, Debug)]
+pub struct ParityReport {
+    /// Workers compared.
+    pub workers: usize,
+    /// Largest relative cost difference over all workers and load sources.
+    pub max_rel_error: f64,
+    /// Dynamo's minimum cost.
+    pub min_cost: f64,
+    /// Worker Dynamo chose at temperature 0.
+    pub dynamo_pick: u64,
+    /// Worker selkie chose at temperature 0, per load source.
+    pub selkie_picks: Vec<(LoadSource, u64)>,
+    /// Sampling check at [`SAMPLING_TEMPERATURE`]; `None` when skipped.
+    pub sampling: Option<SamplingReport>,
+}
+
+/// The temperature-0.7 sampling check's numbers.
+#[derive(Clone, Debug)]
+pub struct SamplingReport {
+    /// Picks per sampler.
+    pub samples: usize,
+    /// Exact expected Dynamo cost of a pick under SPEC §4's softmax.
+    pub expected: f64,
+    /// Standard error of a mean over `samples` picks.
+    pub standard_error: f64,
+    /// Dynamo's mean picked cost.
+    pub dynamo: f64,
+    /// selkie's mean picked cost, per load source.
+    pub selkie: Vec<(LoadSource, f64)>,
+}
+
+impl fmt::Display for ParityReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{:>6} workers: max rel err {:.1e}; T=0 min cost {}, picked by dynamo {}",
+            self.workers, self.max_rel_error, self.min_cost, self.dynamo_pick
+        )?;
+        for (source, pick) in &self.selkie_picks {
+            write!(f, ", selkie/{} {pick}", source.name())?;
+        }
+        if let Some(s) = &self.sampling {
+            write!(
+                f,
+                "; T={SAMPLING_TEMPERATURE} mean picked cost over {} picks: expected {:.2} (s.e. {:.2}), dynamo {:.2}",
+                s.samples, s.expected, s.standard_error, s.dynamo
+            )?;
+            for (source, mean) in &s.selkie {
+                write!(f, ", selkie/{} {mean:.2}", source.name())?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A parity failure: which check, which worker, which values.
+#[derive(Clone, Debug, PartialEq)]
+pub enum ParityError {
+    /// A worker's costs differ by more than [`REL_TOLERANCE`].
+    Cost {
+        /// selkie's load source.
+        source: LoadSource,
+        /// The worker.
+        worker: u64,
+        /// Dynamo's cost.
+        dynamo: f64,
+        /// selkie's cost.
+        selkie: f32,
+    },
+    /// A temperature-0 pick does not have the minimum cost.
+    NotMinimum {
+        /// `"dynamo"`, `"selkie/fleet"` or `"selkie/slices"`.
+        who: &'static str,
+        /// The picked worker.
+        worker: u64,
+        /// Its Dynamo cost.
+        cost: f64,
+        /// The minimum.
+        min: f64,
+    },
+    /// A sampler's mean cost is off its expectation.
+    Sampling {
+        /// `"dynamo"`, `"selkie/fleet"` or `"selkie/slices"`.
+        who: &'static str,
+        /// Observed mean cost.
+        mean: f64,
+        /// Exact expectation.
+        expected: f64,
+        /// Standard error of the mean.
+        standard_error: f64,
+    },
+}
+
+impl fmt::Display for ParityError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ParityError::Cost {
+                source,
+                worker,
+                dynamo,
+                selkie,
+            } => write!(
+                f,
+                "worker {worker}: selkie/{} cost {selkie} vs dynamo {dynamo} (rel err {:.2e} > {REL_TOLERANCE:e})",
+                source.name(),
+                rel_error(*selkie, *dynamo)
+            ),
+            ParityError::NotMinimum { who, worker, cost, min } => write!(
+                f,
+                "{who} picked worker {worker} at T=0 with dynamo cost {cost}, minimum is {min}"
+            ),
+            ParityError::Sampling {
+                who,
+                mean,
+                expected,
+                standard_error,
+            } => write!(
+                f,
+                "{who} at T={SAMPLING_TEMPERATURE}: mean picked cost {mean} vs expected {expected} \
+                 ({:.1} standard errors of {standard_error})",
+                (mean - expected).abs() / standard_error
+            ),
+        }
+    }
+}
+
+impl std::error::Error for ParityError {}
+
+/// `|selkie - dynamo| / |dynamo|`, or the absolute difference when Dynamo's
+/// cost is 0.
+pub fn rel_error(selkie: f32, dynamo: f64) -> f64 {
+    let diff = (selkie as f64 - dynamo).abs();
+    if dynamo == 0.0 {
+        diff
+    } else {
+        diff / dynamo.abs()
+    }
+}
+
+/// Dynamo's side of the check: every worker's exact cost and its
+/// temperature-0 choice.
+pub struct DynamoTruth {
+    /// Dynamo's cost per worker id.
+    pub costs: Vec<f64>,
+    /// The minimum cost.
+    pub min: f64,
+    /// The worker Dynamo picks at temperature 0.
+    pub pick: u64,
+}
+
+impl DynamoTruth {
+    /// Reads every cost from Dynamo and checks its own temperature-0 pick.
+    pub fn new(dynamo: &DynamoFixture, n: usize) -> Result<Self, ParityError> {
+        let costs: Vec<f64> = (0..n as u32).map(|id| dynamo.cost_of(id)).collect();
+        let min = costs.iter().copied().fold(f64::INFINITY, f64::min);
+        let (pick, logged) = dynamo.choose_with_cost(&DynamoFixture::selector(0.0));
+        if costs[pick as usize] != min || logged != min {
+            return Err(ParityError::NotMinimum {
+                who: "dynamo",
+                worker: pick,
+                cost: logged,
+                min,
+            });
+        }
+        Ok(DynamoTruth { costs, min, pick })
+    }
+}
+
+/// Checks 1 and 2 for one selkie fixture: returns the largest relative cost
+/// error and selkie's temperature-0 pick.
+pub fn check_selkie(truth: &DynamoTruth, selkie: &mut SelkieFixture) -> Result<(f64, u64), ParityError> {
+    let source = selkie.load_source();
+    let mut max_rel_error = 0.0f64;
+    for (id, (&d, &s)) in truth.costs.iter().zip(&selkie.costs()).enumerate() {
+        let e = rel_error(s, d);
+        // NaN (a non-finite cost on either side) fails too.
+        if e.is_nan() || e > REL_TOLERANCE {
+            return Err(ParityError::Cost {
+                source,
+                worker: id as u64,
+                dynamo: d,
+                selkie: s,
+            });
+        }
+        max_rel_error = max_rel_error.max(e);
+    }
+    let row = selkie.select(0.0);
+    let pick = selkie.worker_of(row);
+    let cost = truth.costs[pick as usize];
+    if cost != truth.min {
+        let who = who(source);
+        return Err(ParityError::NotMinimum {
+            who,
+            worker: pick,
+            cost,
+            min: truth.min,
+        });
+    }
+    Ok((max_rel_error, pick))
+}
+
+fn who(source: LoadSource) -> &'static str {
+    match source {
+        LoadSource::Fleet => "selkie/fleet",
+        LoadSource::Slices => "selkie/slices",
+    }
+}
+
+/// Runs the check for `n` workers, against selkie reading its load from
+/// every [`LoadSource`]; `samples` picks per sampler for the
+/// temperature-0.7 check (0 skips it).
+pub fn check(n: usize, samples: usize) -> Result<ParityReport, ParityError> {
+    let dynamo = DynamoFixture::new(n);
+    let truth = DynamoTruth::new(&dynamo, n)?;
+    let mut selkies: Vec<SelkieFixture> = LoadSource::ALL.iter().map(|&s| SelkieFixture::new(n, s)).collect();
+    let mut max_rel_error = 0.0f64;
+    let mut selkie_picks = Vec::new();
+    for selkie in &mut selkies {
+        let (e, pick) = check_selkie(&truth, selkie)?;
+        max_rel_error = max_rel_error.max(e);
+        selkie_picks.push((selkie.load_source(), pick));
+    }
+    let sampling = if samples == 0 {
+        None
+    } else {
+        Some(check_sampling(&dynamo, &mut selkies, &truth.costs, samples)?)
+    };
+    Ok(ParityReport {
+        workers: n,
+        max_rel_error,
+        min_cost: truth.min,
+        dynamo_pick: truth.pick,
+        selkie_picks,
+        sampling,
+    })
+}
+
+/// Check 3 (see the module docs).
+fn check_sampling(
+    dynamo: &DynamoFixture,
+    selkies: &mut [SelkieFixture],
+    costs: &[f64],
+    samples: usize,
+) -> Result<SamplingReport, ParityError> {
+    let t = SAMPLING_TEMPERATURE;
+    let lo = costs.iter().copied().fold(f64::INFINITY, f64::min);
+    let hi = costs.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    let weight = |c: f64| {
+        if lo == hi {
+            1.0
+        } else {
+            (-(c - lo) / ((hi - lo) * t)).exp()
+        }
+    };
+    let total: f64 = costs.iter().map(|&c| weight(c)).sum();
+    let expected: f64 = costs.iter().map(|&c| c * weight(c)).sum::<f64>() / total;
+    let variance: f64 = costs.iter().map(|&c| (c - expected).powi(2) * weight(c)).sum::<f64>() / total;
+    let standard_error = (variance / samples as f64).sqrt();
+    let judge = |who: &'static str, mean: f64| {
+        if (mean - expected).abs() > SIGMAS * standard_error + 1e-9 * expected.abs() {
+            Err(ParityError::Sampling {
+                who,
+                mean,
+                expected,
+                standard_error,
+            })
+        } else {
+            Ok(mean)
+        }
+    };
+
+    let selector = DynamoFixture::selector(t);
+    let dynamo_mean = (0..samples)
+        .map(|_| costs[dynamo.select(&selector) as usize])
+        .sum::<f64>()
+        / samples as f64;
+    let dynamo_mean = judge("dynamo", dynamo_mean)?;
+    let mut selkie = Vec::new();
+    for s in selkies {
+        let mean = (0..samples)
+            .map(|_| {
+                let row = s.select(t as f32);
+                costs[s.worker_of(row) as usize]
+            })
+            .sum::<f64>()
+            / samples as f64;
+        selkie.push((s.load_source(), judge(who(s.load_source()), mean)?));
+    }
+    Ok(SamplingReport {
+        samples,
+        expected,
+        standard_error,
+        dynamo: dynamo_mean,
+        selkie,
+    })
+}

@@ -1,0 +1,42 @@
+//! Parity of selkie's default KV selection with dynamo-kv-router 1.6.1's
+//! `DefaultWorkerSelector` on Dynamo's `worker_selection` fixture (SPEC §4),
+//! without the timing: every worker's cost within 1e-6 relative, both
+//! temperature-0 picks at Dynamo's minimum cost, and both temperature-0.7
+//! samplers matching SPEC §4's softmax over Dynamo's costs.
+//!
+//! ```text
+//! cargo test -p selkie-benches --features dynamo --test dynamo_parity
+//! ```
+use selkie_benches::vs_dynamo::parity;
+
+#[test]
+fn costs_and_picks_match_dynamo_on_its_fixture() {
+    // Sampling draws cost one Dynamo selection each: keep them to the small
+    // fleets so the test stays quick in a debug build.
+    for (workers, samples) in [(2, 4_000), (32, 4_000), (1_024, 400), (10_000, 0)] {
+        match parity::check(workers, samples) {
+            Ok(report) => println!("{report}"),
+            Err(e) => panic!("{workers} workers: {e}"),
+        }
+    }
+}
+
+/// The check is not vacuous: a selkie whose credit weight is off by 1e-5
+/// fails it, naming a worker.
+#[test]
+fn a_slightly_wrong_cost_fails_the_check() {
+    use selkie_benches::vs_dynamo::{DynamoFixture, LoadSource, SelkieFixture};
+    use selkie_kernel::kernels::kv_cost::KvCostConfig;
+
+    let dynamo = DynamoFixture::new(32);
+    let truth = parity::DynamoTruth::new(&dynamo, 32).expect("Dynamo agrees with itself");
+    let config = KvCostConfig {
+        overlap_score_credit: 1.0 + 1e-5,
+        ..KvCostConfig::default()
+    };
+    let mut selkie = SelkieFixture::new(32, LoadSource::Fleet).with_config(config);
+    match parity::check_selkie(&truth, &mut selkie) {
+        Err(parity::ParityError::Cost { worker, .. }) => assert!(worker > 0, "worker 0 has no overlap"),
+        other => panic!("expected a cost mismatch, got {other:?}"),
+    }
+}
