@@ -3,10 +3,10 @@
 //! retarget, the round-robin cursor, and select-and-book racing a removal.
 //!
 //! Each model runs twice in the same test binary: against the real protocol,
-//! where every interleaving must pass ([`explore`]), and against a
+//! where every interleaving must pass (`harness::explore`), and against a
 //! deliberately broken variant compiled into the kernel under
 //! `cfg(selkie_loom)` (`selkie_kernel::fleet::fault::Fault`), where some
-//! interleaving must fail ([`expect_violation`]). Both print how many
+//! interleaving must fail (`harness::expect_violation`). Both print how many
 //! interleavings loom explored.
 //!
 //! Without `--cfg selkie_loom` this crate is empty. This crate must not test
