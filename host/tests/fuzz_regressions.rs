@@ -25,9 +25,14 @@ mod discovery_file;
 mod policy_config;
 
 fn regression_files(target: &str) -> Vec<PathBuf> {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fuzz/regressions").join(target);
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../fuzz/regressions")
+        .join(target);
     let mut files: Vec<PathBuf> = match std::fs::read_dir(&dir) {
-        Ok(entries) => entries.map(|e| e.expect("read regressions dir").path()).filter(|p| p.is_file()).collect(),
+        Ok(entries) => entries
+            .map(|e| e.expect("read regressions dir").path())
+            .filter(|p| p.is_file())
+            .collect(),
         Err(_) => Vec::new(),
     };
     files.retain(|p| p.file_name().is_some_and(|n| !n.to_string_lossy().starts_with('.')));
@@ -67,7 +72,6 @@ fn discovery_file_regressions() {
     replay("discovery_file", discovery_file::check);
 }
 
-
 #[test]
 fn adversarial_policy_reproducer() {
     use adversarial_policy::*;
@@ -82,31 +86,101 @@ fn adversarial_policy_reproducer() {
     };
     let input = Input {
         workers: vec![
-            Worker { id: 1, dp_start: 0, dp_size: 3, limit: Some(0), state: 0 },
-            Worker { id: 2, dp_start: 2, dp_size: 1, limit: None, state: 0 },
-            Worker { id: 3, dp_start: 0, dp_size: 1, limit: None, state: 1 },
+            Worker {
+                id: 1,
+                dp_start: 0,
+                dp_size: 3,
+                limit: Some(0),
+                state: 0,
+            },
+            Worker {
+                id: 2,
+                dp_start: 2,
+                dp_size: 1,
+                limit: None,
+                state: 0,
+            },
+            Worker {
+                id: 3,
+                dp_start: 0,
+                dp_size: 1,
+                limit: None,
+                state: 1,
+            },
         ],
         ops: vec![
-            Op::Select { isl: 100, explained: true, script: WELL_BEHAVED },
-            Op::Select { isl: 17, explained: false, script: bad },
-            Op::Peek { isl: 5, script: Script { picker: PickAct::UsizeMax, ..WELL_BEHAVED } },
-            Op::Select { isl: 5, explained: false, script: Script { picker: PickAct::PanicAny, ..WELL_BEHAVED } },
+            Op::Select {
+                isl: 100,
+                explained: true,
+                script: WELL_BEHAVED,
+            },
+            Op::Select {
+                isl: 17,
+                explained: false,
+                script: bad,
+            },
+            Op::Peek {
+                isl: 5,
+                script: Script {
+                    picker: PickAct::UsizeMax,
+                    ..WELL_BEHAVED
+                },
+            },
             Op::Select {
                 isl: 5,
                 explained: false,
-                script: Script { filters: [FilterAct::Keep, FilterAct::PanicAt(1)], ..WELL_BEHAVED },
+                script: Script {
+                    picker: PickAct::PanicAny,
+                    ..WELL_BEHAVED
+                },
             },
-            Op::Select { isl: 9, explained: false, script: WELL_BEHAVED },
+            Op::Select {
+                isl: 5,
+                explained: false,
+                script: Script {
+                    filters: [FilterAct::Keep, FilterAct::PanicAt(1)],
+                    ..WELL_BEHAVED
+                },
+            },
+            Op::Select {
+                isl: 9,
+                explained: false,
+                script: WELL_BEHAVED,
+            },
             Op::OutputBlock { booking: 0 },
-            Op::Retarget { booking: 1, worker: 2, rank: 2 },
+            Op::Retarget {
+                booking: 1,
+                worker: 2,
+                rank: 2,
+            },
             Op::Remove { id: 1 },
             Op::OutputBlock { booking: 0 },
-            Op::Add(Worker { id: 1, dp_start: 0, dp_size: 1, limit: None, state: 0 }),
+            Op::Add(Worker {
+                id: 1,
+                dp_start: 0,
+                dp_size: 1,
+                limit: None,
+                state: 0,
+            }),
             Op::PrefillComplete { booking: 1 },
-            Op::Select { isl: 1, explained: false, script: Script { picker: PickAct::Row(0), ..WELL_BEHAVED } },
+            Op::Select {
+                isl: 1,
+                explained: false,
+                script: Script {
+                    picker: PickAct::Row(0),
+                    ..WELL_BEHAVED
+                },
+            },
             Op::Release { booking: 0 },
             Op::SetState { id: 2, state: 2 },
-            Op::Select { isl: 1, explained: false, script: Script { filters: [FilterAct::DropAll, FilterAct::Keep], ..WELL_BEHAVED } },
+            Op::Select {
+                isl: 1,
+                explained: false,
+                script: Script {
+                    filters: [FilterAct::DropAll, FilterAct::Keep],
+                    ..WELL_BEHAVED
+                },
+            },
         ],
     };
     check(&input);
@@ -116,16 +190,41 @@ fn adversarial_policy_reproducer() {
 fn policy_config_reproducer() {
     use policy_config::*;
     let yaml = b"aggregated: a\ndecode: d\ninstances:\n  - { name: a, type: fuzz-custom, parameters: { fallback: true } }\n  - { name: d, type: device-aware-weighted, parameters: { non_cpu_to_cpu_ratio: 4294967295 } }\n";
-    check(&Input { toml: false, bytes: yaml.to_vec() });
+    check(&Input {
+        toml: false,
+        bytes: yaml.to_vec(),
+    });
     let toml = b"prefill = \"p\"\n[[instances]]\nname = \"p\"\ntype = \"kv\"\nparameters = { router_temperature = 1e300, overlap_score_credit = 1e300 }\n";
-    check(&Input { toml: true, bytes: toml.to_vec() });
+    check(&Input {
+        toml: true,
+        bytes: toml.to_vec(),
+    });
 }
 
 #[test]
 fn discovery_file_reproducer() {
     use discovery_file::*;
     let json = br#"{ "workers": [ { "worker_id": 1, "data_parallel_size": 2, "capacity_weight": 1e-45 }, { "worker_id": 2, "state": "draining" } ] }"#;
-    check(&Input { toml: false, bytes: json.to_vec() });
-    check(&Input { toml: true, bytes: b"[[workers]]\nworker_id = 1\n[[workers]]\nworker_id = 1\n".to_vec() });
-    check(&Input { toml: false, bytes: b"\xff".to_vec() });
+    check(&Input {
+        toml: false,
+        bytes: json.to_vec(),
+    });
+    check(&Input {
+        toml: true,
+        bytes: b"[[workers]]\nworker_id = 1\n[[workers]]\nworker_id = 1\n".to_vec(),
+    });
+    check(&Input {
+        toml: false,
+        bytes: b"\xff".to_vec(),
+    });
+}
+
+#[test]
+fn parser_inputs_decode_as_flag_byte_then_file() {
+    let bytes = b"\x01a = 1\n";
+    let input = policy_config::Input::arbitrary_take_rest(Unstructured::new(bytes)).unwrap();
+    assert!(input.toml);
+    assert_eq!(input.bytes, b"a = 1\n");
+    let input = discovery_file::Input::arbitrary_take_rest(Unstructured::new(b"\x00[]")).unwrap();
+    assert_eq!((input.toml, &input.bytes[..]), (false, &b"[]"[..]));
 }

@@ -113,7 +113,10 @@ pub enum ScorerAct {
     /// Row `i` gets `costs[i % 4]`.
     Costs([Cost; 4]),
     /// Every row but `row % n` gets `cost` (the skipped row keeps the host's NaN).
-    Skip { row: u8, cost: Cost },
+    Skip {
+        row: u8,
+        cost: Cost,
+    },
     /// Writes `cost` to every row, then fails.
     WriteThenFail(Cost),
     Fail,
@@ -175,7 +178,11 @@ pub struct Input {
 
 impl std::fmt::Debug for Input {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Input {{ workers: vec!{:?}, ops: vec!{:?} }}", self.workers, self.ops)
+        write!(
+            f,
+            "Input {{ workers: vec!{:?}, ops: vec!{:?} }}",
+            self.workers, self.ops
+        )
     }
 }
 
@@ -191,7 +198,11 @@ enum Outcome<T> {
 
 #[derive(Clone, Debug)]
 enum Event {
-    Filter { index: usize, worker: WorkerWithDpRank, outcome: Outcome<bool> },
+    Filter {
+        index: usize,
+        worker: WorkerWithDpRank,
+        outcome: Outcome<bool>,
+    },
     Scorer {
         index: usize,
         workers: Vec<WorkerWithDpRank>,
@@ -199,7 +210,11 @@ enum Event {
         written: Vec<f64>,
         outcome: Outcome<()>,
     },
-    Picker { workers: Vec<WorkerWithDpRank>, costs: Vec<f64>, outcome: Outcome<usize> },
+    Picker {
+        workers: Vec<WorkerWithDpRank>,
+        costs: Vec<f64>,
+        outcome: Outcome<usize>,
+    },
 }
 
 #[derive(Default)]
@@ -225,11 +240,7 @@ const FAILURE: &str = "scripted failure";
 
 /// Ends a plugin call the scripted way; the event is logged first, with the
 /// lock released.
-fn finish<T>(
-    state: &Shared,
-    event: Event,
-    outcome: Outcome<T>,
-) -> Result<T, WorkerSelectionPolicyError> {
+fn finish<T>(state: &Shared, event: Event, outcome: Outcome<T>) -> Result<T, WorkerSelectionPolicyError> {
     lock(state).log.push(event);
     match outcome {
         Outcome::Ok(v) => Ok(v),
@@ -261,8 +272,17 @@ impl WorkerFilter for ScriptedFilter {
     }
     fn keep(&self, _: &WorkerSelectionContext<'_>, c: WorkerCandidate<'_>) -> Result<bool, WorkerSelectionPolicyError> {
         // Each component sees only what it declared.
-        assert_eq!(c.occupancy().is_some(), self.index == 1, "filter {} occupancy", self.index);
-        assert!(c.load().is_none() && c.cache().is_none(), "filter {} saw undeclared inputs", self.index);
+        assert_eq!(
+            c.occupancy().is_some(),
+            self.index == 1,
+            "filter {} occupancy",
+            self.index
+        );
+        assert!(
+            c.load().is_none() && c.cache().is_none(),
+            "filter {} saw undeclared inputs",
+            self.index
+        );
         let (act, call) = {
             let mut s = lock(&self.state);
             let call = s.filter_calls[self.index];
@@ -279,7 +299,11 @@ impl WorkerFilter for ScriptedFilter {
             FilterAct::PanicAnyAt(k) if at(k) => Outcome::Panicked { string: false },
             FilterAct::FailAt(_) | FilterAct::PanicAt(_) | FilterAct::PanicAnyAt(_) => Outcome::Ok(true),
         };
-        let event = Event::Filter { index: self.index, worker: c.worker(), outcome: outcome.clone() };
+        let event = Event::Filter {
+            index: self.index,
+            worker: c.worker(),
+            outcome: outcome.clone(),
+        };
         finish(&self.state, event, outcome)
     }
 }
@@ -294,7 +318,11 @@ impl WorkerScorer for ScriptedScorer {
         SCORER_NAMES[self.index]
     }
     fn required_worker_inputs(&self) -> WorkerInputs {
-        [WorkerInputs::LOAD, WorkerInputs::CACHE | WorkerInputs::PREFERRED_TAINT, WorkerInputs::ALL][self.index]
+        [
+            WorkerInputs::LOAD,
+            WorkerInputs::CACHE | WorkerInputs::PREFERRED_TAINT,
+            WorkerInputs::ALL,
+        ][self.index]
     }
     fn score(
         &self,
@@ -338,7 +366,10 @@ impl WorkerScorer for ScriptedScorer {
             index: self.index,
             workers: candidates.iter().map(|c| c.worker()).collect(),
             active: (self.index == 0).then(|| {
-                candidates.iter().map(|c| c.load().expect("LOAD declared").active_requests()).collect()
+                candidates
+                    .iter()
+                    .map(|c| c.load().expect("LOAD declared").active_requests())
+                    .collect()
             }),
             written: costs.to_vec(),
             outcome: outcome.clone(),
@@ -358,7 +389,11 @@ impl WorkerPicker for ScriptedPicker {
     fn required_worker_inputs(&self) -> WorkerInputs {
         WorkerInputs::LOAD | WorkerInputs::CACHE
     }
-    fn pick(&self, _: &WorkerSelectionContext<'_>, input: WorkerInputView<'_>) -> Result<usize, WorkerSelectionPolicyError> {
+    fn pick(
+        &self,
+        _: &WorkerSelectionContext<'_>,
+        input: WorkerInputView<'_>,
+    ) -> Result<usize, WorkerSelectionPolicyError> {
         let n = input.len();
         assert_eq!(input.costs().len(), n);
         assert_eq!(input.candidates().len(), n);
@@ -381,7 +416,11 @@ impl WorkerPicker for ScriptedPicker {
             PickAct::Panic => Outcome::Panicked { string: true },
             PickAct::PanicAny => Outcome::Panicked { string: false },
         };
-        let event = Event::Picker { workers, costs: costs.to_vec(), outcome: outcome.clone() };
+        let event = Event::Picker {
+            workers,
+            costs: costs.to_vec(),
+            outcome: outcome.clone(),
+        };
         finish(&self.state, event, outcome)
     }
 }
@@ -425,10 +464,16 @@ impl Model {
     }
     fn count(&self, bookings: &[(Selection<'_>, ModelBooking)], w: WorkerWithDpRank) -> usize {
         let inc = self.incarnation_of(w);
-        bookings.iter().filter(|(_, b)| b.worker == w && Some(b.incarnation) == inc).count()
+        bookings
+            .iter()
+            .filter(|(_, b)| b.worker == w && Some(b.incarnation) == inc)
+            .count()
     }
     fn limit(&self, w: WorkerWithDpRank) -> usize {
-        self.workers[&w.worker_id].record.max_active_requests.map_or(usize::MAX, |l| l as usize)
+        self.workers[&w.worker_id]
+            .record
+            .max_active_requests
+            .map_or(usize::MAX, |l| l as usize)
     }
     fn has_room(&self, bookings: &[(Selection<'_>, ModelBooking)], w: WorkerWithDpRank) -> bool {
         self.count(bookings, w) < self.limit(w)
@@ -437,7 +482,11 @@ impl Model {
         self.workers
             .values()
             .filter(|m| m.record.state == WorkerState::Live)
-            .flat_map(|m| m.record.dp_ranks().map(move |r| WorkerWithDpRank::new(m.record.worker_id, r)))
+            .flat_map(|m| {
+                m.record
+                    .dp_ranks()
+                    .map(move |r| WorkerWithDpRank::new(m.record.worker_id, r))
+            })
             .collect()
     }
     fn bump(&mut self) -> u64 {
@@ -460,7 +509,12 @@ fn predict(
         r: Result<WorkerWithDpRank, SelectionError>,
         events: std::slice::Iter<'_, Event>,
     ) -> Result<WorkerWithDpRank, SelectionError> {
-        assert_eq!(events.as_slice().len(), 0, "plugin calls after the outcome {r:?}: {:?}", events.as_slice());
+        assert_eq!(
+            events.as_slice().len(),
+            0,
+            "plugin calls after the outcome {r:?}: {:?}",
+            events.as_slice()
+        );
         r
     }
     if remaining.is_empty() {
@@ -470,7 +524,11 @@ fn predict(
         Err(SelectionError::Policy(WorkerSelectionPolicyError::PluginPanicked {
             kind,
             name,
-            message: if string { SCRIPTED_PANIC.to_owned() } else { "non-string panic payload".to_owned() },
+            message: if string {
+                SCRIPTED_PANIC.to_owned()
+            } else {
+                "non-string panic payload".to_owned()
+            },
         }))
     };
     let failed = || Err(SelectionError::Policy(WorkerSelectionPolicyError::failed(FAILURE)));
@@ -481,12 +539,19 @@ fn predict(
         while seen.len() < remaining.len() {
             let mut kept = true;
             let mut worker = None;
-            for index in 0..2 {
+            for (index, &name) in FILTER_NAMES.iter().enumerate() {
                 match events.next() {
-                    Some(Event::Filter { index: i, worker: w, outcome }) if *i == index => {
+                    Some(Event::Filter {
+                        index: i,
+                        worker: w,
+                        outcome,
+                    }) if *i == index => {
                         match worker {
                             None => {
-                                assert!(remaining.contains(w), "filter saw ineligible {w}; eligible {remaining:?}");
+                                assert!(
+                                    remaining.contains(w),
+                                    "filter saw ineligible {w}; eligible {remaining:?}"
+                                );
                                 assert!(!seen.contains(w), "filter saw {w} twice in one round");
                                 seen.push(*w);
                                 worker = Some(*w);
@@ -501,7 +566,7 @@ fn predict(
                             }
                             Outcome::Failed => return end(failed(), events),
                             Outcome::Panicked { string } => {
-                                return end(panicked(PluginKind::Filter, FILTER_NAMES[index], *string), events)
+                                return end(panicked(PluginKind::Filter, name, *string), events)
                             }
                         }
                     }
@@ -518,9 +583,15 @@ fn predict(
         // Scorers, summed; every contribution and running total finite.
         let n = survivors.len();
         let mut total = vec![0.0f64; n];
-        for index in 0..3 {
+        for (index, &name) in SCORER_NAMES.iter().enumerate() {
             match events.next() {
-                Some(Event::Scorer { index: i, workers, active, written, outcome }) if *i == index => {
+                Some(Event::Scorer {
+                    index: i,
+                    workers,
+                    active,
+                    written,
+                    outcome,
+                }) if *i == index => {
                     assert_eq!(workers, &survivors, "scorer {index} candidates");
                     if let Some(active) = active {
                         for (w, a) in workers.iter().zip(active) {
@@ -531,7 +602,7 @@ fn predict(
                         Outcome::Ok(()) => {}
                         Outcome::Failed => return end(failed(), events),
                         Outcome::Panicked { string } => {
-                            return end(panicked(PluginKind::Scorer, SCORER_NAMES[index], *string), events)
+                            return end(panicked(PluginKind::Scorer, name, *string), events)
                         }
                     }
                     for (row, (t, &x)) in total.iter_mut().zip(written).enumerate() {
@@ -539,7 +610,7 @@ fn predict(
                         if !x.is_finite() || !sum.is_finite() {
                             let e = WorkerSelectionPolicyError::NonFiniteCost {
                                 scorer_index: index,
-                                scorer: SCORER_NAMES[index],
+                                scorer: name,
                                 row,
                             };
                             return end(Err(e.into()), events);
@@ -552,20 +623,29 @@ fn predict(
         }
         // The picker.
         let row = match events.next() {
-            Some(Event::Picker { workers, costs, outcome }) => {
+            Some(Event::Picker {
+                workers,
+                costs,
+                outcome,
+            }) => {
                 assert_eq!(workers, &survivors, "picker candidates");
                 let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                 assert_eq!(bits(costs), bits(&total), "picker costs are the scorers' sums");
                 match outcome {
                     Outcome::Ok(row) => *row,
                     Outcome::Failed => return end(failed(), events),
-                    Outcome::Panicked { string } => return end(panicked(PluginKind::Picker, PICKER_NAME, *string), events),
+                    Outcome::Panicked { string } => {
+                        return end(panicked(PluginKind::Picker, PICKER_NAME, *string), events)
+                    }
                 }
             }
             other => panic!("expected picker call, got {other:?}"),
         };
         if row >= n {
-            let e = WorkerSelectionPolicyError::InvalidPickerRow { row, candidate_count: n };
+            let e = WorkerSelectionPolicyError::InvalidPickerRow {
+                row,
+                candidate_count: n,
+            };
             return end(Err(e.into()), events);
         }
         let chosen = survivors[row];
@@ -585,7 +665,11 @@ fn predict(
 
 fn check_counters(service: &WorkerSelectionService, model: &Model, bookings: &[(Selection<'_>, ModelBooking)]) {
     let ids: Vec<WorkerId> = service.workers().iter().map(|r| r.worker_id).collect();
-    assert_eq!(ids, model.workers.keys().copied().collect::<Vec<_>>(), "registered workers");
+    assert_eq!(
+        ids,
+        model.workers.keys().copied().collect::<Vec<_>>(),
+        "registered workers"
+    );
     for m in model.workers.values() {
         let status = service.worker_status(m.record.worker_id).expect("registered");
         assert_eq!(status.record, m.record);
@@ -593,13 +677,26 @@ fn check_counters(service: &WorkerSelectionService, model: &Model, bookings: &[(
         assert_eq!(ranks, m.record.dp_ranks().collect::<Vec<_>>());
         for r in &status.ranks {
             let w = WorkerWithDpRank::new(m.record.worker_id, r.dp_rank);
-            let mine: Vec<&Selection<'_>> =
-                bookings.iter().filter(|(_, b)| b.worker == w && model.current(b)).map(|(s, _)| s).collect();
-            assert_eq!(r.active_requests as usize, mine.len(), "{w}: active requests vs outstanding bookings");
+            let mine: Vec<&Selection<'_>> = bookings
+                .iter()
+                .filter(|(_, b)| b.worker == w && model.current(b))
+                .map(|(s, _)| s)
+                .collect();
+            assert_eq!(
+                r.active_requests as usize,
+                mine.len(),
+                "{w}: active requests vs outstanding bookings"
+            );
             let prefill: u32 = mine.iter().map(|s| s.prefill_tokens()).sum();
             let decode: u32 = mine.iter().map(|s| s.decode_blocks()).sum();
-            assert_eq!(r.active_prefill_tokens, prefill, "{w}: prefill tokens vs outstanding bookings");
-            assert_eq!(r.active_decode_blocks, decode, "{w}: decode blocks vs outstanding bookings");
+            assert_eq!(
+                r.active_prefill_tokens, prefill,
+                "{w}: prefill tokens vs outstanding bookings"
+            );
+            assert_eq!(
+                r.active_decode_blocks, decode,
+                "{w}: decode blocks vs outstanding bookings"
+            );
         }
     }
 }
@@ -617,7 +714,11 @@ fn request<'s>(
     {
         let mut s = lock(state);
         s.script = Some(script);
-        s.room = model.live_ranks().into_iter().filter(|w| model.has_room(bookings, *w)).collect();
+        s.room = model
+            .live_ranks()
+            .into_iter()
+            .filter(|w| model.has_room(bookings, *w))
+            .collect();
         s.filter_calls = [0; 2];
         s.log.clear();
     }
@@ -656,10 +757,18 @@ fn still_serves<'s>(
     let peeked = request(service, state, model, bookings, WELL_BEHAVED, &req, true);
     assert_eq!(peeked.is_ok(), live, "well-behaved peek after a failure: {peeked:?}");
     let selected = request(service, state, model, bookings, WELL_BEHAVED, &req, false);
-    assert_eq!(selected.is_ok(), room, "well-behaved select after a failure: {selected:?}");
+    assert_eq!(
+        selected.is_ok(),
+        room,
+        "well-behaved select after a failure: {selected:?}"
+    );
     drop(selected);
     let builtin = twin.select(&req);
-    assert_eq!(builtin.is_ok(), live, "built-in least-loaded after a failure: {builtin:?}");
+    assert_eq!(
+        builtin.is_ok(),
+        live,
+        "built-in least-loaded after a failure: {builtin:?}"
+    );
 }
 
 /// The whole check: panics on any deviation.
@@ -669,11 +778,28 @@ pub fn check(input: &Input) {
     let policy = WorkerSelectionPolicy::new_with_filters(
         KvRouterConfig::default(),
         WorkerType::Aggregated,
-        (0..2).map(|index| Box::new(ScriptedFilter { index, state: state.clone() }) as Box<dyn WorkerFilter>).collect(),
-        (0..3).map(|index| Box::new(ScriptedScorer { index, state: state.clone() }) as Box<dyn WorkerScorer>).collect(),
+        (0..2)
+            .map(|index| {
+                Box::new(ScriptedFilter {
+                    index,
+                    state: state.clone(),
+                }) as Box<dyn WorkerFilter>
+            })
+            .collect(),
+        (0..3)
+            .map(|index| {
+                Box::new(ScriptedScorer {
+                    index,
+                    state: state.clone(),
+                }) as Box<dyn WorkerScorer>
+            })
+            .collect(),
         Box::new(ScriptedPicker { state: state.clone() }),
     );
-    let config = ServiceConfig { seed: Some(7), ..ServiceConfig::default() };
+    let config = ServiceConfig {
+        seed: Some(7),
+        ..ServiceConfig::default()
+    };
     let service = WorkerSelectionService::new(policy, config.clone());
     let twin = WorkerSelectionService::new(WorkerSelectionPolicy::least_loaded(), config);
     let mut model = Model::default();
@@ -748,13 +874,20 @@ pub fn check(input: &Input) {
                             let limit = model.limit(to) as u32;
                             refusals.push(BookingError::Overloaded { worker: to, limit });
                         }
-                        if refusals.is_empty() { Ok(()) } else { Err(refusals) }
+                        if refusals.is_empty() {
+                            Ok(())
+                        } else {
+                            Err(refusals)
+                        }
                     }
                 };
                 match (&got, &expected) {
                     (Ok(()), Ok(())) => {
                         let inc = model.incarnation_of(to).expect("checked");
-                        bookings[i].1 = ModelBooking { worker: to, incarnation: inc };
+                        bookings[i].1 = ModelBooking {
+                            worker: to,
+                            incarnation: inc,
+                        };
                         assert_eq!(bookings[i].0.worker(), to);
                     }
                     (Err(e), Err(allowed)) if allowed.contains(e) => {}
@@ -771,7 +904,9 @@ pub fn check(input: &Input) {
                     Ok(()) => {
                         assert!(r.data_parallel_size > 0 && !model.workers.contains_key(&r.worker_id));
                         let incarnation = model.bump();
-                        model.workers.insert(r.worker_id, ModelWorker { record: r, incarnation });
+                        model
+                            .workers
+                            .insert(r.worker_id, ModelWorker { record: r, incarnation });
                     }
                     Err(DiscoveryError::InvalidWorker { worker_id, .. }) => {
                         assert_eq!((worker_id, r.data_parallel_size), (r.worker_id, 0))
@@ -790,7 +925,10 @@ pub fn check(input: &Input) {
                 match got {
                     Ok(()) => {
                         let bumped = model.bump();
-                        let m = model.workers.get_mut(&r.worker_id).expect("update of a registered worker");
+                        let m = model
+                            .workers
+                            .get_mut(&r.worker_id)
+                            .expect("update of a registered worker");
                         if m.record.dp_ranks() != r.dp_ranks() {
                             m.incarnation = bumped;
                         }

@@ -15,16 +15,30 @@ use std::path::PathBuf;
 use arbitrary::Arbitrary;
 use selkie::*;
 
-/// `Debug` prints a pasteable reproducer.
-#[derive(Arbitrary)]
+/// The fuzzer's bytes as they are: bit 0 of the first byte picks TOML, the
+/// rest is the file (so a seed or regression file is `\x00` or `\x01`
+/// followed by the text). `Debug` prints a pasteable reproducer.
 pub struct Input {
     pub toml: bool,
     pub bytes: Vec<u8>,
 }
 
+impl<'a> Arbitrary<'a> for Input {
+    fn arbitrary(u: &mut arbitrary::Unstructured<'a>) -> arbitrary::Result<Self> {
+        let toml = u8::arbitrary(u)? & 1 == 1;
+        let bytes = u.bytes(u.len())?.to_vec();
+        Ok(Input { toml, bytes })
+    }
+}
+
 impl std::fmt::Debug for Input {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Input {{ toml: {}, bytes: b\"{}\".to_vec() }}", self.toml, self.bytes.escape_ascii())
+        write!(
+            f,
+            "Input {{ toml: {}, bytes: b\"{}\".to_vec() }}",
+            self.toml,
+            self.bytes.escape_ascii()
+        )
     }
 }
 
@@ -59,7 +73,10 @@ pub fn check(input: &Input) {
     let parsed = FileDiscovery::new(&path).poll();
     let service = WorkerSelectionService::new(
         WorkerSelectionPolicy::least_loaded(),
-        ServiceConfig { seed: Some(5), ..ServiceConfig::default() },
+        ServiceConfig {
+            seed: Some(5),
+            ..ServiceConfig::default()
+        },
     );
     let baseline = WorkerRecord::new(u64::MAX).with_dp(0, 2);
     service.add_worker(baseline.clone()).unwrap();
@@ -73,24 +90,37 @@ pub fn check(input: &Input) {
             return;
         }
         (Err(DiscoveryError::Io { .. }), Err(DiscoveryError::Io { .. })) => {
-            assert!(std::str::from_utf8(&input.bytes).is_err(), "only non-UTF-8 files fail to read");
+            assert!(
+                std::str::from_utf8(&input.bytes).is_err(),
+                "only non-UTF-8 files fail to read"
+            );
             return;
         }
         (Ok(Some(records)), Err(e)) => {
             match e {
                 DiscoveryError::InvalidWorker { worker_id, .. } => {
-                    let r = records.iter().find(|r| r.worker_id == worker_id).expect("names a record of the file");
+                    let r = records
+                        .iter()
+                        .find(|r| r.worker_id == worker_id)
+                        .expect("names a record of the file");
                     assert!(r.validate().is_err());
                     assert_eq!(service.workers(), vec![baseline], "an invalid snapshot changes nothing");
                 }
                 DiscoveryError::DuplicateInSnapshot { worker_id } => {
                     assert!(records.iter().filter(|r| r.worker_id == worker_id).count() > 1);
-                    assert_eq!(service.workers(), vec![baseline], "a duplicate snapshot changes nothing");
+                    assert_eq!(
+                        service.workers(),
+                        vec![baseline],
+                        "a duplicate snapshot changes nothing"
+                    );
                 }
                 DiscoveryError::FleetFull { worker_id, .. } => {
                     assert!(records.iter().any(|r| r.worker_id == worker_id));
                     let ranks: u64 = records.iter().map(|r| u64::from(r.data_parallel_size)).sum();
-                    assert!(ranks > FLEET_GROUPS as u64 * 8 - 2, "{ranks} ranks do not fill the fleet");
+                    assert!(
+                        ranks > FLEET_GROUPS as u64 * 8 - 2,
+                        "{ranks} ranks do not fill the fleet"
+                    );
                 }
                 e => panic!("sync: unexpected error kind {e:?}"),
             }
@@ -99,7 +129,10 @@ pub fn check(input: &Input) {
             return;
         }
         (Ok(Some(records)), Ok(Some(report))) => {
-            assert_eq!(report.removed.contains(&u64::MAX), !records.iter().any(|r| r.worker_id == u64::MAX));
+            assert_eq!(
+                report.removed.contains(&u64::MAX),
+                !records.iter().any(|r| r.worker_id == u64::MAX)
+            );
             records
         }
         (parsed, refreshed) => panic!("poll gave {parsed:?} but refresh gave {refreshed:?}"),
@@ -113,7 +146,10 @@ pub fn check(input: &Input) {
         match service.select(&SelectionRequest::new(100)) {
             Ok(s) => {
                 let w = s.worker();
-                let r = want.iter().find(|r| r.worker_id == w.worker_id).expect("chose a worker of the file");
+                let r = want
+                    .iter()
+                    .find(|r| r.worker_id == w.worker_id)
+                    .expect("chose a worker of the file");
                 assert!(r.dp_ranks().contains(&w.dp_rank), "{w} is not a rank of {r:?}");
                 assert_eq!(r.state, WorkerState::Live, "chose {w}, which is {:?}", r.state);
                 assert!(!s.explanation().cost.is_nan(), "NaN cost: {:?}", s.explanation());

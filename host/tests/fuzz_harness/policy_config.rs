@@ -14,16 +14,30 @@ use std::sync::Arc;
 use arbitrary::Arbitrary;
 use selkie::*;
 
-/// `Debug` prints a pasteable reproducer.
-#[derive(Arbitrary)]
+/// The fuzzer's bytes as they are: bit 0 of the first byte picks TOML, the
+/// rest is the file (so a seed or regression file is `\x00` or `\x01`
+/// followed by the text). `Debug` prints a pasteable reproducer.
 pub struct Input {
     pub toml: bool,
     pub bytes: Vec<u8>,
 }
 
+impl<'a> Arbitrary<'a> for Input {
+    fn arbitrary(u: &mut arbitrary::Unstructured<'a>) -> arbitrary::Result<Self> {
+        let toml = u8::arbitrary(u)? & 1 == 1;
+        let bytes = u.bytes(u.len())?.to_vec();
+        Ok(Input { toml, bytes })
+    }
+}
+
 impl std::fmt::Debug for Input {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Input {{ toml: {}, bytes: b\"{}\".to_vec() }}", self.toml, self.bytes.escape_ascii())
+        write!(
+            f,
+            "Input {{ toml: {}, bytes: b\"{}\".to_vec() }}",
+            self.toml,
+            self.bytes.escape_ascii()
+        )
     }
 }
 
@@ -40,8 +54,12 @@ fn custom_provider() -> WorkerSelectionPolicyProvider {
     Arc::new(|p: &WorkerSelectionPolicyParameters| {
         let params: CustomParams = p.deserialize()?;
         let factory: WorkerSelectionPolicyFactory = Arc::new(move |_, t, _| {
-            if params.fallback { WorkerSelectionPolicy::random() } else { WorkerSelectionPolicy::least_loaded() }
-                .with_worker_type(t)
+            if params.fallback {
+                WorkerSelectionPolicy::random()
+            } else {
+                WorkerSelectionPolicy::least_loaded()
+            }
+            .with_worker_type(t)
         });
         Ok(factory)
     })
@@ -49,13 +67,17 @@ fn custom_provider() -> WorkerSelectionPolicyProvider {
 
 fn registry() -> WorkerSelectionPolicyRegistry {
     let mut r = WorkerSelectionPolicyRegistry::new();
-    r.register("fuzz-custom", custom_provider()).expect("a fresh name registers");
+    r.register("fuzz-custom", custom_provider())
+        .expect("a fresh name registers");
     r
 }
 
 /// Whether `name` may be registered as a custom type in [`registry`].
 fn registration_allowed(name: &str) -> Result<(), &'static str> {
-    let canonical = BUILTIN_ALIASES.iter().find(|(a, _)| *a == name).map_or(name, |(_, c)| c);
+    let canonical = BUILTIN_ALIASES
+        .iter()
+        .find(|(a, _)| *a == name)
+        .map_or(name, |(_, c)| c);
     if name.is_empty() {
         Err("empty")
     } else if BUILTIN_POLICIES.contains(&canonical) {
@@ -68,9 +90,20 @@ fn registration_allowed(name: &str) -> Result<(), &'static str> {
 }
 
 fn fleet_service(policy: WorkerSelectionPolicy) -> WorkerSelectionService {
-    let s = WorkerSelectionService::new(policy, ServiceConfig { seed: Some(3), ..ServiceConfig::default() });
+    let s = WorkerSelectionService::new(
+        policy,
+        ServiceConfig {
+            seed: Some(3),
+            ..ServiceConfig::default()
+        },
+    );
     s.add_worker(WorkerRecord::new(1).with_dp(0, 2)).unwrap();
-    s.add_worker(WorkerRecord::new(2).with_device(DeviceKind::Cpu).with_capacity_weight(0.5)).unwrap();
+    s.add_worker(
+        WorkerRecord::new(2)
+            .with_device(DeviceKind::Cpu)
+            .with_capacity_weight(0.5),
+    )
+    .unwrap();
     s.add_worker(WorkerRecord::new(3).with_max_active_requests(1)).unwrap();
     s
 }
@@ -129,13 +162,19 @@ pub fn check(input: &Input) {
                     held.push(s);
                 }
                 Err(e) if i > 0 && e.is_overload() => break,
-                Err(e) => panic!("{} ({role}) cannot select on a healthy fleet: {e:?}", service.policy().name()),
+                Err(e) => panic!(
+                    "{} ({role}) cannot select on a healthy fleet: {e:?}",
+                    service.policy().name()
+                ),
             }
         }
         drop(held);
         for id in 1..=3 {
             for r in service.worker_status(id).expect("registered").ranks {
-                assert_eq!((r.active_requests, r.active_prefill_tokens, r.active_decode_blocks), (0, 0, 0));
+                assert_eq!(
+                    (r.active_requests, r.active_prefill_tokens, r.active_decode_blocks),
+                    (0, 0, 0)
+                );
             }
         }
     }
