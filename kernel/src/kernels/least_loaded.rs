@@ -54,6 +54,11 @@ impl<A: U32Source + ?Sized, W: F32Source + ?Sized> ArgminKey for Weighted<'_, A,
     fn keys(&self, group: usize) -> f32x8 {
         u32_to_f32(self.0.group(group)) * self.1.group(group)
     }
+    #[inline(always)]
+    fn keys8(&self, first_group: usize) -> [f32x8; 8] {
+        let (active, inv_weight) = (self.0.groups8(first_group), self.1.groups8(first_group));
+        core::array::from_fn(|i| u32_to_f32(active[i]) * inv_weight[i])
+    }
 }
 
 /// Unweighted least-loaded over eligible rows (SIMD).
