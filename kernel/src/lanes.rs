@@ -219,6 +219,13 @@ impl AtomicView<'_> {
             Decode::Shift(s) => w >> s,
         }
     }
+    #[inline(always)]
+    fn decode_lanes(&self, v: u32x8) -> u32x8 {
+        match self.decode {
+            Decode::Raw => v,
+            Decode::Shift(s) => v >> s,
+        }
+    }
 }
 
 impl U32Source for AtomicView<'_> {
@@ -233,11 +240,14 @@ impl U32Source for AtomicView<'_> {
     }
     #[inline]
     fn group(&self, group: usize) -> u32x8 {
-        let v = u32x8::from(load_lanes(&self.groups[group].0));
-        match self.decode {
-            Decode::Raw => v,
-            Decode::Shift(s) => v >> s,
-        }
+        self.decode_lanes(u32x8::from(load_lanes(&self.groups[group].0)))
+    }
+    #[inline(always)]
+    fn groups8(&self, first_group: usize) -> [u32x8; 8] {
+        // One bounds check for the block; the eight loads index a slice of
+        // known length 8.
+        let block = &self.groups[first_group..first_group + 8];
+        core::array::from_fn(|i| self.decode_lanes(u32x8::from(load_lanes(&block[i].0))))
     }
 }
 
