@@ -215,13 +215,7 @@ where
     L: U32Source + ?Sized,
     H: U32Source + ?Sized,
 {
-    let rows = load.rows();
-    if cache_hits.rows() < rows {
-        return Err(KernelError::ColumnTooShort {
-            rows,
-            len: cache_hits.rows(),
-        });
-    }
+    let rows = checked_rows(load, cache_hits)?;
     let groups = rows / LANES;
     let required = config.required_cache_hits;
     let req_lanes = u32x8::splat(required);
@@ -315,6 +309,20 @@ where
     Ok(row.map(|row| DeviceAwareChoice { row, group }))
 }
 
+/// The rows both kernels scan: the load column's, if the cache-hit column
+/// covers them.
+fn checked_rows<L, H>(load: &L, cache_hits: &H) -> Result<usize, KernelError>
+where
+    L: U32Source + ?Sized,
+    H: U32Source + ?Sized,
+{
+    let rows = load.rows();
+    match cache_hits.rows() {
+        len if len < rows => Err(KernelError::ColumnTooShort { rows, len }),
+        _ => Ok(rows),
+    }
+}
+
 /// Scalar reference of [`device_aware`]: same result, same draws.
 pub fn device_aware_reference<L, H>(
     load: &L,
@@ -328,13 +336,7 @@ where
     L: U32Source + ?Sized,
     H: U32Source + ?Sized,
 {
-    let rows = load.rows();
-    if cache_hits.rows() < rows {
-        return Err(KernelError::ColumnTooShort {
-            rows,
-            len: cache_hits.rows(),
-        });
-    }
+    let rows = checked_rows(load, cache_hits)?;
     let required = config.required_cache_hits;
     let in_group = |r: usize, group: DeviceGroup| match group {
         DeviceGroup::FullCache => required > 0 && cache_hits.value(r) >= required,
