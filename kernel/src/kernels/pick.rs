@@ -350,7 +350,9 @@ pub fn pick_softmax<C: F32Source + ?Sized>(
 ///
 /// The caller guarantees every eligible cost is finite and within `range`
 /// (`range.min <= c <= range.max`); `range` is empty (`min > max`) iff no
-/// row is eligible, and then `Ok(None)` is returned. Draws as [`pick`].
+/// row is eligible, and then `Ok(None)` is returned. Draws and errors as
+/// [`pick`]: a temperature that is neither 0 nor finite and `> 0` is
+/// `Err(BadTemperature)`, even when no row is eligible.
 ///
 /// ```
 /// use selkie_kernel::kernels::kv_cost::CostRange;
@@ -367,6 +369,10 @@ pub fn pick_in_range<C: F32Source + ?Sized>(
     temperature: f32,
     rng: &mut Rng,
 ) -> Result<Option<usize>, KernelError> {
+    // As `pick`, the temperature is checked before anything else.
+    if temperature != 0.0 && !softmax_temperature_ok(temperature) {
+        return Err(KernelError::BadTemperature);
+    }
     if range.min.partial_cmp(&range.max).is_none_or(|o| o.is_gt()) {
         return Ok(None);
     }
@@ -375,9 +381,6 @@ pub fn pick_in_range<C: F32Source + ?Sized>(
     }
     if temperature == 0.0 {
         return Ok(argmin_given_min(&Costs(costs), mask, range.min, rng));
-    }
-    if !softmax_temperature_ok(temperature) {
-        return Err(KernelError::BadTemperature);
     }
     let Some(last) = last_eligible(mask, costs.rows()) else {
         return Ok(None);

@@ -297,8 +297,13 @@ proptest! {
     /// skips passes but must choose exactly what the checked pick chooses,
     /// with the same draws, at temperature 0 and above.
     #[test]
-    fn pick_in_range_equals_pick((costs, mask, seed) in column_case(finite_cost()), hot in any::<bool>()) {
-        let t = if hot { 0.7 } else { 0.0 };
+    fn pick_in_range_equals_pick((costs, mask, seed) in column_case(finite_cost()), t in prop_oneof![
+        2 => Just(0.0f32), 2 => Just(0.7f32), 2 => temperature(),
+        1 => Just(-0.0f32), 1 => Just(-1.0f32), 1 => Just(f32::NAN), 1 => Just(f32::INFINITY)
+    ], no_row in any::<bool>()) {
+        // `no_row`: the empty mask, where a bad temperature must still be
+        // refused (fuzz/regressions/kernels_diff/pick-in-range-nan-temperature-no-row).
+        let mask = if no_row { std::vec![0; mask.len()] } else { mask };
         let eligible: Vec<f32> = (0..costs.len()).filter(|&r| contains(&mask, r)).map(|r| costs[r]).collect();
         let range = crate::kernels::kv_cost::CostRange {
             min: eligible.iter().copied().fold(f32::INFINITY, f32::min),
