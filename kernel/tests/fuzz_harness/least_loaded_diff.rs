@@ -68,6 +68,7 @@ pub fn check(input: &Input) {
     let fleet = Fleet::<GROUPS>::new();
     let n = input.active.len().min(Fleet::<GROUPS>::CAPACITY);
     let mut bookings = Vec::new();
+    let mut weights = Vec::with_capacity(n);
     for (row, &value) in input.active[..n].iter().enumerate() {
         let weight = input
             .inv_weight
@@ -81,6 +82,7 @@ pub fn check(input: &Input) {
             capacity_weight: weight,
             admission_limit: UNLIMITED,
         };
+        weights.push(weight);
         let slot = fleet.add(spec).expect("a valid worker in a free row");
         assert_eq!(slot.row as usize, row);
         for _ in 0..value % 4 {
@@ -90,15 +92,14 @@ pub fn check(input: &Input) {
     let rows = fleet.scan_rows();
     let ranks: Vec<u32> = (0..rows).map(|r| if r < n { input.active[r] } else { 0 }).collect();
     let requests: Vec<u32> = ranks.iter().map(|v| v % 4).collect();
-    let inv = fleet.inv_capacity_weight();
-    let inv: Vec<f32> = (0..rows).map(|r| F32Source::value(&inv, r)).collect();
+    let inv: Vec<f32> = (0..rows).map(|r| weights.get(r).map_or(0.0, |w| 1.0 / w)).collect();
+    let view = fleet.inv_capacity_weight();
     for (r, w) in inv.iter().enumerate() {
-        let expected = if r < n {
-            1.0 / F32Source::value(&fleet.capacity_weight(), r)
-        } else {
-            0.0
-        };
-        assert_eq!(w.to_bits(), expected.to_bits(), "row {r}: inverse weight");
+        assert_eq!(
+            F32Source::value(&view, r).to_bits(),
+            w.to_bits(),
+            "row {r}: inverse weight"
+        );
     }
     compare(
         &fleet.dp_ranks(),
