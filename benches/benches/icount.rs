@@ -470,6 +470,22 @@ fn host_least_loaded(f: HostFixture) -> (WorkerWithDpRank, HostFixture) {
     select_and_release(f)
 }
 
+/// Least-loaded with one worker marked overloaded (`set_overloaded`): the
+/// marks are a mask of the registry snapshot, so one mark must not turn
+/// every selection into a per-row busy check.
+fn service_least_loaded_marked(n: usize) -> HostFixture {
+    let f = HostFixture::new(Mode::LeastLoaded, n, 0.0);
+    f.service.set_overloaded(1, true).expect("worker 1 is registered");
+    f.select_and_release(); // warm the new registry snapshot
+    f
+}
+
+#[library_benchmark]
+#[benches::workers(args = [1024, 10000], setup = service_least_loaded_marked, teardown = release)]
+fn host_least_loaded_marked(f: HostFixture) -> (WorkerWithDpRank, HostFixture) {
+    select_and_release(f)
+}
+
 #[library_benchmark]
 #[benches::workers(args = [8, 64, 1024, 10000], setup = service_power_of_two, teardown = release)]
 fn host_power_of_two(f: HostFixture) -> (WorkerWithDpRank, HostFixture) {
@@ -502,8 +518,8 @@ fn host_kv_t07(f: HostFixture) -> (WorkerWithDpRank, HostFixture) {
 
 library_benchmark_group!(
     name = host_group;
-    benchmarks = host_random, host_round_robin, host_least_loaded, host_power_of_two, host_device_aware,
-        host_direct, host_kv_t0, host_kv_t07
+    benchmarks = host_random, host_round_robin, host_least_loaded, host_least_loaded_marked, host_power_of_two,
+        host_device_aware, host_direct, host_kv_t0, host_kv_t07
 );
 
 main!(

@@ -18,7 +18,6 @@
 //! worker overloaded only when every rank is, and then skips all of them;
 //! per-rank skipping never routes to a rank that is over its threshold.)
 
-use selkie_kernel::lanes::U32Source;
 use selkie_kernel::mask;
 
 use crate::discovery::registry::{RowMeta, WorkerEntry, WorkerRegistry};
@@ -69,10 +68,16 @@ fn has_taints(entry: &WorkerEntry, required: &[&str]) -> bool {
 /// Whether `row` is over a busy threshold or its worker is marked overloaded.
 #[inline]
 pub(crate) fn is_busy(meta: &RowMeta, fleet: &HostFleet, row: usize) -> bool {
+    meta.entry.overloaded.load(std::sync::atomic::Ordering::Relaxed) || over_threshold(meta, fleet, row)
+}
+
+/// Whether `row`'s load is over one of its worker's busy thresholds.
+#[inline]
+fn over_threshold(meta: &RowMeta, fleet: &HostFleet, row: usize) -> bool {
     let e = &meta.entry;
-    e.overloaded.load(std::sync::atomic::Ordering::Relaxed)
-        || (e.decode_limit != u64::MAX && u64::from(fleet.active_decode_blocks().value(row)) > e.decode_limit)
-        || (e.prefill_limit != u64::MAX && u64::from(fleet.active_prefill_tokens().value(row)) > e.prefill_limit)
+    let o = fleet.outstanding(row).unwrap_or_default();
+    (e.decode_limit != u64::MAX && u64::from(o.decode_blocks) > e.decode_limit)
+        || (e.prefill_limit != u64::MAX && u64::from(o.prefill_tokens) > e.prefill_limit)
 }
 
 fn unavailable(worker_id: u64, reason: UnavailableReason) -> SelectionError {
@@ -81,18 +86,21 @@ fn unavailable(worker_id: u64, reason: UnavailableReason) -> SelectionError {
 }
 
 /// Builds the eligibility mask for `req` into `words` (at least
-/// `mask::words_for(fleet.rows())` long); `pin` is the effective pin
-/// (explicit or from hard session affinity).
+/// `mask::words_for(rows)` long) over the first `rows` rows (the registry
+/// snapshot's scan length, read once by the caller for the whole
+/// selection); `pin` is the effective pin (explicit or from hard session
+/// affinity).
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn eligible_rows(
     reg: &WorkerRegistry,
     fleet: &HostFleet,
+    rows: usize,
     req: &SelectionRequest<'_>,
     pin: Option<Pin>,
     lora_required: bool,
     words: &mut [u64],
     aux: &mut [u64],
 ) -> Result<FilterOutcome, SelectionError> {
-    let rows = fleet.rows();
     let nw = mask::words_for(rows);
     let (words, aux) = (&mut words[..nw], &mut aux[..nw]);
     fleet.selectable(words);
@@ -155,19 +163,32 @@ pub(crate) fn eligible_rows(
         metrics::counter!("selkie_rejections_total", "reason" => "constraints").increment(live as u64);
         return Err(SelectionError::NoEligibleWorkers { rejected: live });
     }
+    // Busy: the overload marks are a mask of the snapshot (one AND-NOT per
+    // word); only rows whose worker has a busy threshold are checked
+    // against their load, one row at a time.
     let mut busy = 0usize;
-    let traits = reg.traits();
-    if traits.thresholds || reg.any_overloaded_mark() {
-        aux.copy_from_slice(words);
+    if reg.any_overloaded_mark() {
+        let marked = reg.overloaded_rows();
+        for (i, w) in words.iter_mut().enumerate() {
+            let m = *w & marked.get(i).copied().unwrap_or(0);
+            busy += m.count_ones() as usize;
+            *w &= !m;
+        }
+    }
+    if reg.traits().thresholds {
+        let limited = reg.threshold_rows();
+        for (i, a) in aux.iter_mut().enumerate() {
+            *a = words[i] & limited.get(i).copied().unwrap_or(0);
+        }
         for_each_row(aux, rows, |row| {
-            if reg.row(row).is_some_and(|m| is_busy(m, fleet, row)) {
+            if reg.row(row).is_some_and(|m| over_threshold(m, fleet, row)) {
                 clear(words, row);
                 busy += 1;
             }
         });
-        if busy > 0 {
-            metrics::counter!("selkie_rejections_total", "reason" => "busy").increment(busy as u64);
-        }
+    }
+    if busy > 0 {
+        metrics::counter!("selkie_rejections_total", "reason" => "busy").increment(busy as u64);
     }
     if busy == eligible {
         return Err(SelectionError::AllEligibleWorkersOverloaded);

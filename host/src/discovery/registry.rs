@@ -126,6 +126,14 @@ pub(crate) struct WorkerRegistry {
     cpu_rows: Vec<u64>,
     /// Rows this registry has a [`RowMeta`] for.
     known_rows: Vec<u64>,
+    /// Rows of workers marked overloaded (`set_overloaded`).
+    overloaded_rows: Vec<u64>,
+    /// Rows of workers with a busy threshold (checked against their load).
+    threshold_rows: Vec<u64>,
+    /// One past the highest row with a [`RowMeta`], in whole lane groups:
+    /// the rows a selection on this snapshot scans. It shrinks when the top
+    /// rows go, and a refused add never raises it.
+    scan_rows: usize,
     /// Inside `sync`: derived data is recomputed once at the end.
     deferred: bool,
 }
@@ -143,6 +151,9 @@ impl WorkerRegistry {
             overloaded_marks: 0,
             cpu_rows: Vec::new(),
             known_rows: Vec::new(),
+            overloaded_rows: Vec::new(),
+            threshold_rows: Vec::new(),
+            scan_rows: 0,
             deferred: false,
         }
     }
@@ -208,6 +219,22 @@ impl WorkerRegistry {
         self.overloaded_marks > 0
     }
 
+    /// Rows of workers marked overloaded, as mask words.
+    pub(crate) fn overloaded_rows(&self) -> &[u64] {
+        &self.overloaded_rows
+    }
+
+    /// Rows of workers with a busy threshold, as mask words.
+    pub(crate) fn threshold_rows(&self) -> &[u64] {
+        &self.threshold_rows
+    }
+
+    /// The rows a selection on this registry scans (see the field).
+    #[inline]
+    pub(crate) fn scan_rows(&self) -> usize {
+        self.scan_rows
+    }
+
     pub(crate) fn workers(&self) -> impl Iterator<Item = &Arc<WorkerEntry>> {
         self.workers.values()
     }
@@ -253,16 +280,26 @@ impl WorkerRegistry {
         self.known_rows.resize(words, 0);
         self.leaders.clear();
         self.leaders.resize(self.rows.len(), 0);
+        self.threshold_rows.clear();
+        self.threshold_rows.resize(words, 0);
+        let mut top = 0;
         for (row, m) in self.rows.iter().enumerate() {
             if let Some(m) = m {
                 self.known_rows[row / 64] |= 1 << (row % 64);
                 self.leaders[row] = m.entry.rows[0].1.row as u32;
+                top = row + 1;
             }
         }
+        self.scan_rows = selkie_kernel::lanes::padded_rows(top);
         for e in self.workers.values() {
             if e.record.device == super::DeviceKind::Cpu {
                 for &(_, h) in &e.rows {
                     self.cpu_rows[h.row / 64] |= 1 << (h.row % 64);
+                }
+            }
+            if e.decode_limit != u64::MAX || e.prefill_limit != u64::MAX {
+                for &(_, h) in &e.rows {
+                    self.threshold_rows[h.row / 64] |= 1 << (h.row % 64);
                 }
             }
             t.multi_rank |= e.record.data_parallel_size > 1;
@@ -270,6 +307,21 @@ impl WorkerRegistry {
             t.thresholds |= e.decode_limit != u64::MAX || e.prefill_limit != u64::MAX;
         }
         self.traits = t;
+        self.recompute_overloaded_rows();
+    }
+
+    /// Rebuilds the overloaded-rows mask from the workers' marks.
+    fn recompute_overloaded_rows(&mut self) {
+        self.overloaded_rows.clear();
+        self.overloaded_rows
+            .resize(selkie_kernel::mask::words_for(self.rows.len()), 0);
+        for e in self.workers.values() {
+            if e.overloaded.load(Ordering::Relaxed) {
+                for &(_, h) in &e.rows {
+                    self.overloaded_rows[h.row / 64] |= 1 << (h.row % 64);
+                }
+            }
+        }
     }
 
     fn add_rows(fleet: &HostFleet, record: &WorkerRecord) -> Result<Vec<(DpRank, RowHandle)>, DiscoveryError> {
@@ -389,6 +441,9 @@ impl WorkerRegistry {
             (false, true) => self.overloaded_marks += 1,
             (true, false) => self.overloaded_marks -= 1,
             _ => {}
+        }
+        if was != overloaded && !self.deferred {
+            self.recompute_overloaded_rows();
         }
         Ok(())
     }

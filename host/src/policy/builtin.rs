@@ -34,9 +34,9 @@ fn choice(row: usize, cost: f64, branch: Branch, candidates: usize) -> Choice {
 
 /// In-flight requests per unit of weight of `row`.
 fn load_of(env: &Env<'_>, row: usize) -> f64 {
-    let a = U32Source::value(&env.fleet.active_requests(), row) as f64;
+    let a = U32Source::value(&env.view.active_requests(), row) as f64;
     if env.reg.traits().weighted {
-        a * F32Source::value(&env.fleet.inv_capacity_weight(), row) as f64
+        a * F32Source::value(&env.view.inv_capacity_weight(), row) as f64
     } else {
         a
     }
@@ -86,9 +86,9 @@ pub(crate) fn round_robin(env: &Env<'_>, s: &mut Scratch) -> Result<Choice, Sele
 
 /// Least-loaded row among `words` (weighted when the fleet has weights).
 fn least_loaded_rows(env: &Env<'_>, words: &[u64], rng: &mut Rng) -> Option<usize> {
-    let active = env.fleet.active_requests();
+    let active = env.view.active_requests();
     if env.reg.traits().weighted {
-        llw(&active, &env.fleet.inv_capacity_weight(), words, rng)
+        llw(&active, &env.view.inv_capacity_weight(), words, rng)
     } else {
         ll(&active, words, rng)
     }
@@ -99,7 +99,7 @@ fn least_loaded_rows(env: &Env<'_>, words: &[u64], rng: &mut Rng) -> Option<usiz
 /// rank. Returns the number of such workers.
 fn sum_by_worker(env: &Env<'_>, s: &mut Scratch) -> usize {
     let rows = env.rows;
-    let active = env.fleet.active_requests();
+    let active = env.view.active_requests();
     s.sums[..rows].fill(0);
     let nw = mask::words_for(rows);
     s.aux[..nw].fill(0);
@@ -127,7 +127,7 @@ fn rank_within(env: &Env<'_>, s: &mut Scratch, leader: usize, rng: &mut Rng) -> 
             s.aux2[h.row / 64] |= 1 << (h.row % 64);
         }
     }
-    ll(&env.fleet.active_requests(), &s.aux2[..nw], rng)
+    ll(&env.view.active_requests(), &s.aux2[..nw], rng)
 }
 
 fn by_worker(env: &Env<'_>) -> bool {
@@ -137,7 +137,7 @@ fn by_worker(env: &Env<'_>) -> bool {
 fn pick_leader_least_loaded(env: &Env<'_>, s: &Scratch, rng: &mut Rng) -> Option<usize> {
     let sums = &s.sums[..env.rows];
     if env.reg.traits().weighted {
-        llw(sums, &env.fleet.inv_capacity_weight(), &s.aux, rng)
+        llw(sums, &env.view.inv_capacity_weight(), &s.aux, rng)
     } else {
         ll(sums, &s.aux, rng)
     }
@@ -171,7 +171,7 @@ pub(crate) fn power_of_two(env: &Env<'_>, s: &mut Scratch, rng: &mut Rng) -> Res
             choice(row, load_of(env, row), Branch::PowerOfTwoWorkerThenRank, n),
         ));
     }
-    let row = index::power_of_two(&env.fleet.active_requests(), &s.mask, rng).ok_or_else(none)?;
+    let row = index::power_of_two(&env.view.active_requests(), &s.mask, rng).ok_or_else(none)?;
     Ok(finish(env, s, choice(row, load_of(env, row), Branch::PowerOfTwo, n)))
 }
 
@@ -180,7 +180,7 @@ pub(crate) fn direct(env: &Env<'_>, s: &mut Scratch, rng: &mut Rng) -> Result<Ch
         return Err(SelectionError::DirectWorkerMissing);
     }
     let n = mask::count(&s.mask, env.rows);
-    let row = ll(&env.fleet.active_requests(), &s.mask, rng).ok_or_else(none)?;
+    let row = ll(&env.view.active_requests(), &s.mask, rng).ok_or_else(none)?;
     Ok(finish(env, s, choice(row, load_of(env, row), Branch::Direct, n)))
 }
 
@@ -213,7 +213,7 @@ pub(crate) fn device_aware(
         non_cpu_to_cpu_ratio: cfg.non_cpu_to_cpu_ratio,
     };
     let picked = kernel_device_aware(
-        &env.fleet.active_requests(),
+        &env.view.active_requests(),
         &*hits,
         env.reg.cpu_rows(),
         &s.mask,

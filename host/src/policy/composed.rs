@@ -30,24 +30,41 @@ use crate::plugin::{
 };
 use crate::service::scratch::Scratch;
 
-/// Runs one plugin call, turning a panic into an error.
-pub(crate) fn guarded<T>(
-    kind: PluginKind,
-    name: &'static str,
-    f: impl FnOnce() -> Result<T, WorkerSelectionPolicyError>,
-) -> Result<T, WorkerSelectionPolicyError> {
+/// Runs `f`; a panic becomes `Err(message)`. Nothing of the panic escapes:
+/// a payload whose own `Drop` panics is dropped under a second guard, and a
+/// payload of *that* panic is leaked rather than dropped.
+pub(crate) fn contain_message<T>(f: impl FnOnce() -> T) -> Result<T, String> {
     match catch_unwind(AssertUnwindSafe(f)) {
-        Ok(r) => r,
+        Ok(r) => Ok(r),
         Err(payload) => {
             let message = payload
                 .downcast_ref::<&str>()
                 .map(|s| (*s).to_owned())
                 .or_else(|| payload.downcast_ref::<String>().cloned())
                 .unwrap_or_else(|| "non-string panic payload".to_owned());
-            tracing::error!(plugin = name, kind = kind.as_str(), %message, "plugin panicked");
-            Err(WorkerSelectionPolicyError::PluginPanicked { kind, name, message })
+            if let Err(again) = catch_unwind(AssertUnwindSafe(move || drop(payload))) {
+                std::mem::forget(again);
+            }
+            Err(message)
         }
     }
+}
+
+/// Runs `f`, turning a panic into `None` (see [`contain_message`]).
+pub(crate) fn contain<T>(f: impl FnOnce() -> T) -> Option<T> {
+    contain_message(f).ok()
+}
+
+/// Runs one plugin call, turning a panic into an error.
+pub(crate) fn guarded<T>(
+    kind: PluginKind,
+    name: &'static str,
+    f: impl FnOnce() -> Result<T, WorkerSelectionPolicyError>,
+) -> Result<T, WorkerSelectionPolicyError> {
+    contain_message(f).unwrap_or_else(|message| {
+        tracing::error!(plugin = name, kind = kind.as_str(), %message, "plugin panicked");
+        Err(WorkerSelectionPolicyError::PluginPanicked { kind, name, message })
+    })
 }
 
 /// Fills `s.candidates` with the eligible rows' declared signals.
@@ -61,7 +78,7 @@ pub(crate) fn materialize(env: &Env<'_>, s: &mut Scratch, inputs: WorkerInputs) 
     let want_load = inputs.contains(WorkerInputs::LOAD);
     let want_occ = inputs.contains(WorkerInputs::OCCUPANCY);
     let request_blocks = env.ctx.request_blocks() as f64;
-    let fleet = env.fleet;
+    let fleet = env.view;
     let (active, prefill, decode, weight) = (
         fleet.active_requests(),
         fleet.active_prefill_tokens(),
@@ -134,9 +151,9 @@ pub(crate) fn score(env: &Env<'_>, s: &mut Scratch, c: &Composed) -> Result<(), 
     if !c.filters.is_empty() {
         filtered.clear();
         'rows: for cand in candidates.iter() {
-            for (inputs, f) in &c.filters {
-                let keep = guarded(PluginKind::Filter, f.name(), || {
-                    f.keep(ctx, WorkerCandidate::new(cand, *inputs))
+            for f in &c.filters {
+                let keep = guarded(PluginKind::Filter, f.name, || {
+                    f.plugin.keep(ctx, WorkerCandidate::new(cand, f.inputs))
                 })?;
                 if !keep {
                     continue 'rows;
@@ -157,18 +174,20 @@ pub(crate) fn score(env: &Env<'_>, s: &mut Scratch, c: &Composed) -> Result<(), 
     }
     total.clear();
     total.resize(n, 0.0);
-    for (scorer_index, (inputs, scorer)) in c.scorers.iter().enumerate() {
+    for (scorer_index, scorer) in c.scorers.iter().enumerate() {
         contrib.clear();
         contrib.resize(n, f64::NAN);
-        guarded(PluginKind::Scorer, scorer.name(), || {
-            scorer.score(ctx, WorkerCandidates::new(cands, *inputs), contrib)
+        guarded(PluginKind::Scorer, scorer.name, || {
+            scorer
+                .plugin
+                .score(ctx, WorkerCandidates::new(cands, scorer.inputs), contrib)
         })?;
         for (row, (t, &x)) in total.iter_mut().zip(contrib.iter()).enumerate() {
             let sum = *t + x;
             if !x.is_finite() || !sum.is_finite() {
                 return Err(WorkerSelectionPolicyError::NonFiniteCost {
                     scorer_index,
-                    scorer: scorer.name(),
+                    scorer: scorer.name,
                     row,
                 }
                 .into());
@@ -181,7 +200,7 @@ pub(crate) fn score(env: &Env<'_>, s: &mut Scratch, c: &Composed) -> Result<(), 
 
 pub(crate) fn choose(env: &Env<'_>, s: &mut Scratch, c: &Composed) -> Result<Choice, SelectionError> {
     score(env, s, c)?;
-    let (p_inputs, picker) = &c.picker;
+    let (p_inputs, picker) = (&c.picker.inputs, &c.picker);
     let Scratch {
         candidates: cands,
         total,
@@ -214,7 +233,7 @@ pub(crate) fn choose(env: &Env<'_>, s: &mut Scratch, c: &Composed) -> Result<Cho
         cache: want_cache.then_some(&caches[..]),
     };
     let view = WorkerInputView::new(cands, total, columns, *p_inputs);
-    let pick = guarded(PluginKind::Picker, picker.name(), || picker.pick(env.ctx, view))?;
+    let pick = guarded(PluginKind::Picker, picker.name, || picker.plugin.pick(env.ctx, view))?;
     if pick >= n {
         return Err(WorkerSelectionPolicyError::InvalidPickerRow {
             row: pick,

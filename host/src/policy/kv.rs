@@ -14,7 +14,6 @@ use selkie_kernel::kernels::kv_cost::{
 };
 use selkie_kernel::kernels::pick::{explain, pick_in_range};
 use selkie_kernel::kernels::KernelError;
-use selkie_kernel::lanes::U32Source;
 use selkie_kernel::Rng;
 
 use super::{Choice, Env, KvRouterConfig};
@@ -156,14 +155,13 @@ pub(crate) fn fill_costs(
     let kreq = KvRequest::new(isl, block_size, env.req.track_prefill_tokens, role(worker_type))
         .with_added_decode_blocks(isl.div_ceil(block_size.get()));
 
-    let fleet = env.fleet;
+    let fleet = env.view;
     let (prefill, decode, active) = (
         fleet.active_prefill_tokens(),
         fleet.active_decode_blocks(),
         fleet.active_requests(),
     );
-    let rows = prefill.rows();
-    s.prepare(rows);
+    let rows = env.rows;
     let has_overlap = scatter_overlaps(env, s);
     let taints = !env.pinned && !env.req.preferred_taints.is_empty();
     if taints {

@@ -121,10 +121,24 @@ impl Default for DeviceAwareConfig {
     }
 }
 
+/// One plugin of a custom policy, with what it declared when the policy
+/// was built: its inputs and its name (asked once, so a `name()` that
+/// panics cannot take a selection down later).
+pub(crate) struct Plugin<P: ?Sized> {
+    pub(crate) inputs: WorkerInputs,
+    pub(crate) name: &'static str,
+    pub(crate) plugin: Box<P>,
+}
+
+/// The name a plugin gives, or a placeholder if asking panics.
+fn plugin_name(name: impl FnOnce() -> &'static str) -> &'static str {
+    composed::contain(name).unwrap_or("<name() panicked>")
+}
+
 pub(crate) struct Composed {
-    pub(crate) filters: Vec<(WorkerInputs, Box<dyn WorkerFilter>)>,
-    pub(crate) scorers: Vec<(WorkerInputs, Box<dyn WorkerScorer>)>,
-    pub(crate) picker: (WorkerInputs, Box<dyn WorkerPicker>),
+    pub(crate) filters: Vec<Plugin<dyn WorkerFilter>>,
+    pub(crate) scorers: Vec<Plugin<dyn WorkerScorer>>,
+    pub(crate) picker: Plugin<dyn WorkerPicker>,
     /// Union of every component's inputs: what the host materialises.
     pub(crate) inputs: WorkerInputs,
 }
@@ -171,14 +185,32 @@ impl WorkerSelectionPolicy {
         scorers: Vec<Box<dyn WorkerScorer>>,
         picker: Box<dyn WorkerPicker>,
     ) -> Self {
-        let filters: Vec<_> = filters.into_iter().map(|f| (f.required_worker_inputs(), f)).collect();
-        let scorers: Vec<_> = scorers.into_iter().map(|s| (s.required_worker_inputs(), s)).collect();
-        let picker = (picker.required_worker_inputs(), picker);
+        let filters: Vec<_> = filters
+            .into_iter()
+            .map(|f| Plugin {
+                inputs: f.required_worker_inputs(),
+                name: plugin_name(|| f.name()),
+                plugin: f,
+            })
+            .collect();
+        let scorers: Vec<_> = scorers
+            .into_iter()
+            .map(|s| Plugin {
+                inputs: s.required_worker_inputs(),
+                name: plugin_name(|| s.name()),
+                plugin: s,
+            })
+            .collect();
+        let picker = Plugin {
+            inputs: picker.required_worker_inputs(),
+            name: plugin_name(|| picker.name()),
+            plugin: picker,
+        };
         let inputs = filters
             .iter()
-            .map(|f| f.0)
-            .chain(scorers.iter().map(|s| s.0))
-            .fold(picker.0, |a, b| a | b);
+            .map(|f| f.inputs)
+            .chain(scorers.iter().map(|s| s.inputs))
+            .fold(picker.inputs, |a, b| a | b);
         WorkerSelectionPolicy {
             kind: PolicyKind::Composed(Composed {
                 filters,
@@ -291,19 +323,24 @@ impl std::fmt::Debug for WorkerSelectionPolicy {
 use crate::discovery::registry::WorkerRegistry;
 use crate::error::SelectionError;
 use crate::explain::Branch;
-use crate::fleet::HostFleet;
+use crate::fleet::{HostFleet, FLEET_GROUPS};
 use crate::plugin::WorkerSelectionContext;
 use crate::request::SelectionRequest;
 use crate::service::scratch::Scratch;
+use selkie_kernel::fleet::FleetView;
 use selkie_kernel::Rng;
 
 /// Everything a policy reads for one request.
 pub(crate) struct Env<'a> {
     pub(crate) reg: &'a WorkerRegistry,
     pub(crate) fleet: &'a HostFleet,
+    /// Every load column, over exactly `rows` rows.
+    pub(crate) view: FleetView<'a, FLEET_GROUPS>,
     pub(crate) req: &'a SelectionRequest<'a>,
     pub(crate) ctx: &'a WorkerSelectionContext<'a>,
-    /// Rows to scan (the fleet's scan rows).
+    /// Rows to scan: the registry snapshot's scan length, read once per
+    /// selection (`view.rows()`, the scratch buffers and the masks all
+    /// cover exactly this many).
     pub(crate) rows: usize,
     /// The hard filters pinned the request to one worker.
     pub(crate) pinned: bool,

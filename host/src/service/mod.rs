@@ -60,6 +60,12 @@ pub struct ServiceConfig {
     pub lora_required: bool,
     /// Sessions idle longer than this forget their worker (default 10 min).
     pub session_idle_timeout: Duration,
+    /// Sessions remembered at most (default 65,536; rounded up to a power
+    /// of two of 8-session buckets). Past it, a new session replaces an
+    /// idle one, else the least recently used one of its bucket
+    /// (`selkie_session_evictions_total`). The table takes about 40 bytes
+    /// per session, allocated on the first session-carrying request.
+    pub max_sessions: usize,
     /// Seed for every random choice (`None`: seeded per thread from the
     /// clock). With a seed, single-threaded runs replay exactly.
     pub seed: Option<u64>,
@@ -75,6 +81,7 @@ impl Default for ServiceConfig {
             default_busy_thresholds: BusyThresholds::NONE,
             lora_required: false,
             session_idle_timeout: Duration::from_secs(600),
+            max_sessions: 65_536,
             seed: None,
             max_booking_attempts: 4,
         }
@@ -110,7 +117,7 @@ impl WorkerSelectionService {
             published: Mutex::new((0, Arc::new(WorkerRegistry::new(config.default_busy_thresholds)))),
             id: SERVICE_IDS.fetch_add(1, Ordering::Relaxed),
             selections: metrics::counter!("selkie_selections_total", "policy" => policy.name()),
-            sessions: SessionTable::new(config.session_idle_timeout),
+            sessions: SessionTable::new(config.session_idle_timeout, config.max_sessions),
             seed_counter: AtomicU64::new(0),
             policy,
             config,
@@ -247,9 +254,16 @@ impl WorkerSelectionService {
         self.sessions.get(session_id, Instant::now())
     }
 
-    /// Drops idle sessions now; returns how many remain.
+    /// Drops idle sessions now; returns how many remain. Selections keep
+    /// running meanwhile (the sweep locks one 8-session bucket at a time).
     pub fn expire_sessions(&self) -> usize {
         self.sessions.expire(Instant::now())
+    }
+
+    /// The most sessions the service remembers at once (see
+    /// [`ServiceConfig::max_sessions`]).
+    pub fn session_capacity(&self) -> usize {
+        self.sessions.capacity()
     }
 
     // ---- selection ---------------------------------------------------
@@ -316,11 +330,22 @@ impl WorkerSelectionService {
         req: &SelectionRequest<'_>,
     ) -> Result<Vec<(WorkerWithDpRank, f64)>, SelectionError> {
         with_scratch(|s| {
-            let rows = self.fleet.scan_rows();
+            let rows = reg.scan_rows();
             s.prepare(rows);
+            #[cfg(test)]
+            tests::hooks::after_rows_read(rows);
             let outcome = {
                 let Scratch { mask: words, aux, .. } = &mut *s;
-                eligible_rows(reg, &self.fleet, req, req.pin, self.config.lora_required, words, aux)?
+                eligible_rows(
+                    reg,
+                    &self.fleet,
+                    rows,
+                    req,
+                    req.pin,
+                    self.config.lora_required,
+                    words,
+                    aux,
+                )?
             };
             let ctx = WorkerSelectionContext {
                 request: req,
@@ -328,9 +353,11 @@ impl WorkerSelectionService {
                 worker_type: self.policy.worker_type,
                 preview: true,
             };
+            let view = self.fleet.view(rows);
             let env = Env {
                 reg,
                 fleet: &self.fleet,
+                view,
                 req,
                 ctx: &ctx,
                 rows,
@@ -355,7 +382,7 @@ impl WorkerSelectionService {
                     let weighted = reg.traits().weighted;
                     crate::filter::for_each_row(&s.mask, rows, |r| {
                         if let Some(m) = reg.row(r) {
-                            let a = f64::from(self.fleet.active_requests().value(r));
+                            let a = f64::from(view.active_requests().value(r));
                             let w = f64::from(m.entry.record.capacity_weight);
                             out.push((m.worker(), if weighted { a / w } else { a }));
                         }

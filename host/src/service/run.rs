@@ -119,18 +119,28 @@ impl WorkerSelectionService {
         if matches!(self.policy.kind, PolicyKind::Direct) && pin.is_none() {
             return Err(SelectionError::DirectWorkerMissing);
         }
-        let rows = self.fleet.scan_rows();
+        // The row count, the scratch buffers, the masks and every column
+        // the policy reads are sized once, here, from the snapshot: a worker
+        // added meanwhile is simply not part of this selection.
+        let rows = reg.scan_rows();
         s.prepare(rows);
+        #[cfg(test)]
+        super::tests::hooks::after_rows_read(rows);
+        let nw = mask::words_for(rows);
         let outcome = {
             let Scratch { mask: words, aux, .. } = &mut *s;
-            eligible_rows(reg, &self.fleet, req, pin, self.config.lora_required, words, aux)?
+            eligible_rows(reg, &self.fleet, rows, req, pin, self.config.lora_required, words, aux)?
         };
+        // Soft affinity: try the session's row first; if it refuses the
+        // booking, fall back to the rest of the eligible rows.
+        let mut fallback = false;
         if let Some(w) = soft {
-            if let Some(row) = reg.row_of(w).filter(|&r| mask::contains(&s.mask, r)) {
-                let nw = mask::words_for(rows);
+            if let Some(row) = reg.row_of(w).filter(|&r| r < rows && mask::contains(&s.mask, r)) {
+                s.rest[..nw].copy_from_slice(&s.mask[..nw]);
                 s.mask[..nw].fill(0);
                 s.mask[row / 64] |= 1 << (row % 64);
                 route = Route::SessionSoft;
+                fallback = true;
             }
         }
         let ctx = WorkerSelectionContext {
@@ -142,6 +152,7 @@ impl WorkerSelectionService {
         let env = Env {
             reg,
             fleet: &self.fleet,
+            view: self.fleet.view(rows),
             req,
             ctx: &ctx,
             rows,
@@ -203,6 +214,15 @@ impl WorkerSelectionService {
                     tracing::debug!(worker = %worker, error = %e, "booking refused; rescanning");
                     metrics::counter!("selkie_rejections_total", "reason" => "booking_refused").increment(1);
                     s.mask[choice.row / 64] &= !(1u64 << (choice.row % 64));
+                    if fallback {
+                        // The session's worker is full: the rest of the
+                        // fleet, without the refused row, by the policy.
+                        fallback = false;
+                        route = Route::Policy;
+                        let Scratch { mask: words, rest, .. } = &mut *s;
+                        words[..nw].copy_from_slice(&rest[..nw]);
+                        words[choice.row / 64] &= !(1u64 << (choice.row % 64));
+                    }
                     if mask::count(&s.mask, rows) == 0 {
                         break;
                     }

@@ -74,6 +74,8 @@ pub(crate) struct Scratch {
     pub(crate) mask: Vec<u64>,
     pub(crate) aux: Vec<u64>,
     pub(crate) aux2: Vec<u64>,
+    /// The eligible rows beyond a soft session's row, kept for the fallback.
+    pub(crate) rest: Vec<u64>,
     pub(crate) costs: Vec<f32>,
     pub(crate) taint: Vec<f32>,
     pub(crate) sums: Vec<u32>,
@@ -92,7 +94,7 @@ impl Scratch {
     /// Makes every buffer cover `rows` rows.
     pub(crate) fn prepare(&mut self, rows: usize) {
         let words = words_for(rows);
-        for m in [&mut self.mask, &mut self.aux, &mut self.aux2] {
+        for m in [&mut self.mask, &mut self.aux, &mut self.aux2, &mut self.rest] {
             if m.len() < words {
                 m.resize(words, 0);
             }

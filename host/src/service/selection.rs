@@ -88,12 +88,22 @@ impl<H: Deref<Target = WorkerSelectionService>> Booked<H> {
     /// Moves the booking to another worker rank (transport fallback): books
     /// the same load there first, then releases it here. On error the
     /// booking stays where it was.
+    ///
+    /// The target is booked by its slot (row and generation) as the registry
+    /// names it: if the worker leaves and another takes its row in between,
+    /// the move is refused ([`BookingError::UnknownWorker`]) rather than
+    /// booked on the newcomer.
     pub fn retarget(&mut self, to: WorkerWithDpRank) -> Result<(), BookingError> {
-        let row = {
+        let slot = {
             let reg = self.booking.fleet().0.read_registry();
-            reg.row_of(to).ok_or(BookingError::UnknownWorker { worker: to })?
+            let row = reg.row_of(to).ok_or(BookingError::UnknownWorker { worker: to })?;
+            reg.row(row)
+                .map(|m| m.handle.slot)
+                .ok_or(BookingError::UnknownWorker { worker: to })?
         };
-        self.booking.retarget(row).map_err(|e| match e {
+        #[cfg(test)]
+        super::tests::hooks::before_retarget_claim();
+        self.booking.retarget_slot(slot).map_err(|e| match e {
             BookError::Overloaded { limit, .. } => BookingError::Overloaded { worker: to, limit },
             BookError::NotLive { .. } => BookingError::NotLive { worker: to },
             _ => BookingError::UnknownWorker { worker: to },

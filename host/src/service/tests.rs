@@ -8,6 +8,57 @@ use selkie_kernel::lanes::U32Source;
 
 use super::*;
 
+/// Points inside a selection where a test can run code (a worker added,
+/// removed or replaced) to force an interleaving a debugger found, without
+/// a debugger. Each hook fires on the thread that set it; compiled only
+/// into the crate's own tests.
+pub(crate) mod hooks {
+    use std::cell::RefCell;
+
+    /// A hook; its argument is the selection's row count where it has one.
+    pub(crate) type Hook = Box<dyn FnMut(usize)>;
+
+    thread_local! {
+        static AFTER_ROWS_READ: RefCell<Option<Hook>> = const { RefCell::new(None) };
+        static BEFORE_RETARGET_CLAIM: RefCell<Option<Hook>> = const { RefCell::new(None) };
+    }
+
+    fn fire(cell: &'static std::thread::LocalKey<RefCell<Option<Hook>>>, arg: usize) {
+        // Taken out while it runs, so a hook that selects does not recurse.
+        if let Some(mut f) = cell.with(|c| c.borrow_mut().take()) {
+            f(arg);
+            cell.with(|c| {
+                let mut c = c.borrow_mut();
+                if c.is_none() {
+                    *c = Some(f);
+                }
+            });
+        }
+    }
+
+    /// Runs the hook set with [`set_after_rows_read`], if any.
+    pub(crate) fn after_rows_read(rows: usize) {
+        fire(&AFTER_ROWS_READ, rows);
+    }
+
+    /// Runs the hook set with [`set_before_retarget_claim`], if any.
+    pub(crate) fn before_retarget_claim() {
+        fire(&BEFORE_RETARGET_CLAIM, 0);
+    }
+
+    /// Runs `f(rows)` right after a selection (or `costs`) has read its
+    /// row count and sized its buffers, before the hard filters run.
+    pub(crate) fn set_after_rows_read(f: Option<Hook>) {
+        AFTER_ROWS_READ.with(|c| *c.borrow_mut() = f);
+    }
+
+    /// Runs `f` inside `Booked::retarget`, after the target was resolved
+    /// and before it is booked.
+    pub(crate) fn set_before_retarget_claim(f: Option<Hook>) {
+        BEFORE_RETARGET_CLAIM.with(|c| *c.borrow_mut() = f);
+    }
+}
+
 #[test]
 fn selections_racing_churn_book_the_worker_they_report() {
     for policy in [
@@ -75,4 +126,153 @@ fn selections_racing_churn_book_the_worker_they_report() {
             }
         }
     }
+}
+
+/// The policies a selection path can run, with a request that makes each
+/// read its columns (overlaps for kv and the device-aware cache check).
+fn every_policy() -> Vec<WorkerSelectionPolicy> {
+    vec![
+        WorkerSelectionPolicy::random(),
+        WorkerSelectionPolicy::round_robin(),
+        WorkerSelectionPolicy::least_loaded(),
+        WorkerSelectionPolicy::power_of_two(),
+        WorkerSelectionPolicy::device_aware_weighted(crate::DeviceAwareConfig::default()),
+        WorkerSelectionPolicy::kv(crate::KvRouterConfig::default(), crate::WorkerType::Aggregated),
+        WorkerSelectionPolicy::kv(
+            crate::KvRouterConfig {
+                router_temperature: 0.7,
+                ..Default::default()
+            },
+            crate::WorkerType::Aggregated,
+        ),
+    ]
+}
+
+/// Finding: an add that crossed a multiple of 64 rows between the sizing of
+/// a fresh thread's scratch and the hard filters panicked ("range end index
+/// 3 out of range for slice of length 1"); device-aware reported every
+/// worker overloaded on an idle fleet (its cache-hit column and its load
+/// view had different lengths). The hook adds 70 workers at exactly that
+/// point, on a fresh thread, for every policy and for select, peek and
+/// costs.
+#[test]
+fn workers_added_mid_selection_neither_panic_nor_refuse() {
+    for (p, policy) in every_policy().into_iter().enumerate() {
+        for op in ["select", "peek", "costs"] {
+            let s = Arc::new(WorkerSelectionService::new(
+                every_policy().swap_remove(p),
+                ServiceConfig {
+                    seed: Some(3),
+                    ..ServiceConfig::default()
+                },
+            ));
+            let name = policy.name();
+            for id in 0..60 {
+                s.add_worker(WorkerRecord::new(id)).unwrap();
+            }
+            let added = s.clone();
+            std::thread::spawn(move || {
+                let mut next = 1000;
+                hooks::set_after_rows_read(Some(Box::new(move |_| {
+                    for _ in 0..70 {
+                        added.add_worker(WorkerRecord::new(next)).unwrap();
+                        next += 1;
+                    }
+                })));
+                let overlaps = [crate::WorkerOverlap::device(WorkerWithDpRank::new(5, 0), 4, 16)];
+                let req = SelectionRequest::new(64)
+                    .with_overlaps(&overlaps)
+                    .with_required_cache_hits(8);
+                let worker = match op {
+                    "select" => s.select(&req).map(|b| b.worker().worker_id),
+                    "peek" => s.peek(&req).map(|p| p.worker.worker_id),
+                    _ => s.costs(&req).map(|c| {
+                        assert_eq!(
+                            c.len(),
+                            60,
+                            "{name}: costs cover the workers the selection started with"
+                        );
+                        c[0].0.worker_id
+                    }),
+                };
+                hooks::set_after_rows_read(None);
+                let worker = worker.unwrap_or_else(|e| panic!("{name} {op}: {e}"));
+                assert!(
+                    worker < 60,
+                    "{name} {op}: chose worker {worker}, added during the selection"
+                );
+            })
+            .join()
+            .unwrap_or_else(|_| panic!("{name} {op} panicked"));
+        }
+    }
+}
+
+/// Finding: rows claimed by an add the fleet refused raised the scan length
+/// for good (16 workers, then a refused 16,370-rank worker: every selection
+/// scanned 16,384 rows). The scan length is the snapshot's highest row: a
+/// refused add leaves it alone, and removing the top workers shortens it.
+#[test]
+fn scans_cover_the_registered_rows_only() {
+    let s = WorkerSelectionService::new(WorkerSelectionPolicy::least_loaded(), ServiceConfig::default());
+    for id in 0..16 {
+        s.add_worker(WorkerRecord::new(id)).unwrap();
+    }
+    let scanned = |s: &WorkerSelectionService| {
+        let seen = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let out = seen.clone();
+        hooks::set_after_rows_read(Some(Box::new(move |rows| out.store(rows, Ordering::Relaxed))));
+        s.select(&SelectionRequest::new(16)).unwrap();
+        hooks::set_after_rows_read(None);
+        seen.load(Ordering::Relaxed)
+    };
+    assert_eq!(scanned(&s), 16);
+    let err = s.add_worker(WorkerRecord::new(99).with_dp(0, 16_370)).unwrap_err();
+    assert!(
+        matches!(err, crate::DiscoveryError::FleetFull { worker_id: 99, .. }),
+        "{err}"
+    );
+    assert_eq!(scanned(&s), 16, "a refused add must not lengthen every scan");
+    for id in 8..16 {
+        s.remove_worker(id).unwrap();
+    }
+    assert_eq!(scanned(&s), 8, "removing the top workers shortens the scan");
+}
+
+/// Finding: `retarget(worker 2)` resolved worker 2's row, then booked the
+/// row without its generation: when worker 2 left and worker 9 took its row
+/// in between, it returned `Ok`, the booking said worker 2 and worker 9
+/// carried the load.
+#[test]
+fn retarget_never_books_a_worker_other_than_the_one_named() {
+    let s = Arc::new(WorkerSelectionService::new(
+        WorkerSelectionPolicy::least_loaded(),
+        ServiceConfig::default(),
+    ));
+    for id in 1..=3 {
+        s.add_worker(WorkerRecord::new(id)).unwrap();
+    }
+    let mut booking = s.select(&SelectionRequest::new(32).pinned_to_worker(1)).unwrap();
+    let churn = s.clone();
+    hooks::set_before_retarget_claim(Some(Box::new(move |_| {
+        churn.remove_worker(2).unwrap();
+        churn.add_worker(WorkerRecord::new(9)).unwrap(); // takes worker 2's row
+    })));
+    let result = booking.retarget(WorkerWithDpRank::new(2, 0));
+    hooks::set_before_retarget_claim(None);
+    assert_eq!(
+        result,
+        Err(crate::BookingError::UnknownWorker {
+            worker: WorkerWithDpRank::new(2, 0)
+        })
+    );
+    assert_eq!(booking.worker().worker_id, 1);
+    let active = |id| s.worker_status(id).unwrap().ranks[0].active_requests;
+    assert_eq!(
+        (active(1), active(9)),
+        (1, 0),
+        "worker 9 must not carry worker 1's request"
+    );
+    drop(booking);
+    assert_eq!(active(1), 0);
 }

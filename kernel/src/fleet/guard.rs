@@ -178,6 +178,26 @@ impl<F: Deref<Target = Fleet<GROUPS>>, const GROUPS: usize> Booking<F, GROUPS> {
         Ok(())
     }
 
+    /// As [`retarget`](Self::retarget), but only onto `slot`'s occupant: if
+    /// the row was emptied or reused by another worker since the caller
+    /// looked `slot` up, the move is refused with [`BookError::Stale`] (or
+    /// `NotLive`) and the booking stays where it was. Use this when the
+    /// target was resolved from a worker id, so the request is never booked
+    /// on a worker other than the one named.
+    pub fn retarget_slot(&mut self, slot: SlotId) -> Result<(), BookError> {
+        if slot == self.slot() {
+            return Ok(());
+        }
+        let load = BookLoad {
+            prefill_tokens: self.claim.prefill_tokens,
+            decode_blocks: self.claim.decode_blocks,
+        };
+        let new = self.fleet.claim(slot.row as usize, Some(slot.generation), load)?;
+        let old = core::mem::replace(&mut self.claim, new);
+        self.fleet.release(&old);
+        Ok(())
+    }
+
     /// Whether the row still holds the occupant this booking was made on.
     #[inline]
     fn is_current(&self) -> bool {

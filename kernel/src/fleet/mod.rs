@@ -288,10 +288,96 @@ impl<const GROUPS: usize> Fleet<GROUPS> {
         self.dp_rank.view(self.scan_rows(), Decode::Raw)
     }
 
+    /// Every load column over exactly `rows` rows (rounded up to whole lane
+    /// groups, at most [`CAPACITY`](Self::CAPACITY)), whatever the fleet's
+    /// high-water mark is now.
+    ///
+    /// A caller that sizes its masks and per-row buffers once per selection
+    /// reads every column through one `FleetView`, so an `add` that raises
+    /// [`rows`](Self::rows) in the middle of a selection cannot make one
+    /// column longer than another (or than the caller's buffers). Rows past
+    /// the fleet's mark are empty: zero loads, not selectable.
+    ///
+    /// ```
+    /// use selkie_kernel::fleet::{Fleet, WorkerSpec};
+    /// use selkie_kernel::lanes::U32Source;
+    /// let fleet = Fleet::<4>::new();
+    /// let view = fleet.view(3); // sized before the add
+    /// fleet.add(WorkerSpec::new(1)).unwrap();
+    /// assert_eq!(view.active_requests().rows(), 8, "one lane group");
+    /// assert_eq!(fleet.view(100).rows(), 32, "capped at the capacity");
+    /// ```
+    #[inline]
+    pub fn view(&self, rows: usize) -> FleetView<'_, GROUPS> {
+        FleetView {
+            fleet: self,
+            rows: padded_rows(rows).min(Self::CAPACITY),
+        }
+    }
+
     /// Whether `row` is in the fleet.
     #[inline]
     fn in_range(row: usize) -> bool {
         row < Self::CAPACITY
+    }
+}
+
+/// The fleet's columns over a fixed number of rows: see [`Fleet::view`].
+#[derive(Clone, Copy)]
+pub struct FleetView<'a, const GROUPS: usize> {
+    fleet: &'a Fleet<GROUPS>,
+    rows: usize,
+}
+
+impl<'a, const GROUPS: usize> FleetView<'a, GROUPS> {
+    /// Rows every column of this view covers (whole lane groups).
+    #[inline]
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Requests in flight per row.
+    #[inline]
+    pub fn active_requests(&self) -> AtomicView<'a> {
+        (self.fleet.active_requests).view(self.rows, Decode::Shift(counter::TAG_BITS))
+    }
+
+    /// Prefill tokens booked and not yet prefilled, per row.
+    #[inline]
+    pub fn active_prefill_tokens(&self) -> AtomicView<'a> {
+        (self.fleet.active_prefill_tokens).view(self.rows, Decode::Shift(counter::TAG_BITS))
+    }
+
+    /// KV blocks held by decoding requests, per row.
+    #[inline]
+    pub fn active_decode_blocks(&self) -> AtomicView<'a> {
+        (self.fleet.active_decode_blocks).view(self.rows, Decode::Shift(counter::TAG_BITS))
+    }
+
+    /// `1 / capacity weight` per row (0.0 in empty rows).
+    #[inline]
+    pub fn inv_capacity_weight(&self) -> AtomicView<'a> {
+        (self.fleet.inv_capacity_weight).view(self.rows, Decode::Raw)
+    }
+
+    /// Capacity weight per row (0.0 in empty rows).
+    #[inline]
+    pub fn capacity_weight(&self) -> AtomicView<'a> {
+        (self.fleet.capacity_weight).view(self.rows, Decode::Raw)
+    }
+
+    /// Data-parallel rank per row (0 in empty rows).
+    #[inline]
+    pub fn dp_ranks(&self) -> AtomicView<'a> {
+        (self.fleet.dp_rank).view(self.rows, Decode::Raw)
+    }
+}
+
+impl<const GROUPS: usize> core::fmt::Debug for FleetView<'_, GROUPS> {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_struct("FleetView")
+            .field("rows", &self.rows)
+            .finish_non_exhaustive()
     }
 }
 

@@ -233,3 +233,58 @@ fn bookings_work_through_any_handle() {
     let b = Booking::new_for_slot(Arc::clone(&fleet), slot, load(0, 0)).unwrap();
     assert_eq!(b.slot(), slot);
 }
+
+#[test]
+fn retarget_slot_refuses_a_row_taken_by_another_worker() {
+    let fleet = Fleet::<1>::new();
+    fleet.add(worker(1, 1)).unwrap();
+    let target = fleet.add(worker(2, 1)).unwrap();
+    let mut b = fleet.book(0, load(5, 1)).unwrap();
+    let home = b.slot();
+    // Worker 2 leaves; worker 3 takes its row before the retarget claims it.
+    fleet.remove(target).unwrap();
+    let newcomer = fleet.add(worker(3, 1)).unwrap();
+    assert_eq!(newcomer.row, target.row);
+    assert_eq!(
+        b.retarget_slot(target).unwrap_err(),
+        BookError::Stale {
+            row: target.row,
+            expected: target.generation,
+            found: newcomer.generation
+        }
+    );
+    assert_eq!(b.slot(), home, "a refused retarget keeps the booking where it was");
+    assert_eq!((out(&fleet, 0), out(&fleet, 1)), (held(1, 5, 1), held(0, 0, 0)));
+    b.retarget_slot(newcomer).unwrap();
+    assert_eq!((out(&fleet, 0), out(&fleet, 1)), (held(0, 0, 0), held(1, 5, 1)));
+    b.retarget_slot(newcomer).unwrap();
+    assert_eq!(out(&fleet, 1), held(1, 5, 1), "retarget to its own slot is a no-op");
+    drop(b);
+    assert_eq!(out(&fleet, 1), held(0, 0, 0));
+}
+
+#[test]
+fn a_view_keeps_its_length_while_the_fleet_grows() {
+    let fleet = Fleet::<4>::new();
+    fleet.add(worker(1, UNLIMITED)).unwrap();
+    let view = fleet.view(fleet.scan_rows());
+    for id in 2..=20 {
+        fleet.add(worker(id, UNLIMITED)).unwrap();
+    }
+    assert_eq!(fleet.scan_rows(), 24);
+    for col in [
+        view.active_requests(),
+        view.active_prefill_tokens(),
+        view.active_decode_blocks(),
+        view.capacity_weight(),
+        view.inv_capacity_weight(),
+        view.dp_ranks(),
+    ] {
+        assert_eq!(crate::lanes::U32Source::rows(&col), 8);
+    }
+    assert_eq!(fleet.view(0).rows(), 0);
+    assert_eq!(fleet.view(9).rows(), 16);
+    assert_eq!(fleet.view(1 << 20).rows(), Fleet::<4>::CAPACITY);
+    let _b = fleet.book(3, load(0, 0)).unwrap();
+    assert_eq!(crate::lanes::U32Source::value(&fleet.view(24).active_requests(), 3), 1);
+}
