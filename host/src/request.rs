@@ -65,8 +65,9 @@ pub enum AffinityMode {
     /// removed, draining or cordoned, the next request is routed normally
     /// and rebinds the session.
     Hard,
-    /// The session's worker when it is eligible and not overloaded; otherwise
-    /// a normal selection, which rebinds the session.
+    /// The session's worker when it is eligible, not busy and admits the
+    /// booking (under its admission limit); otherwise a normal selection
+    /// over the rest of the fleet, which rebinds the session.
     Soft,
 }
 

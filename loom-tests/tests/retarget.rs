@@ -6,6 +6,12 @@
 //!
 //! Broken variant: retarget releases the old row before booking the new one
 //! (`Fault::RetargetReleasesFirst`); the observer can then count zero.
+//!
+//! Second model: `retarget_slot` onto a worker that is replaced meanwhile
+//! (removed, and its row taken by a newcomer). The request may land on the
+//! named worker (and then go with it) or stay where it was, but never on
+//! the newcomer. Broken variant: retargeting by row alone, without the
+//! generation (`retarget`), books the newcomer.
 #![cfg(selkie_loom)]
 
 use loom::sync::Arc;
@@ -71,4 +77,47 @@ fn retarget_model_catches_release_before_book() {
     expect_violation("retarget / RetargetReleasesFirst", || {
         retarget_under_observation(Fault::RetargetReleasesFirst)
     });
+}
+
+fn retarget_racing_replacement(by_slot: bool) {
+    let fleet = Arc::new(Fleet::<1>::new());
+    fleet.add(worker(1, 4)).unwrap();
+    let target = fleet.add(worker(2, 4)).unwrap();
+    let mut moving = Booking::new(Arc::clone(&fleet), 0, load(5, 1)).unwrap();
+    let churn = {
+        let fleet = Arc::clone(&fleet);
+        thread::spawn(move || {
+            fleet.remove(target).unwrap();
+            fleet.add(worker(3, 4)).unwrap()
+        })
+    };
+    let result = if by_slot {
+        moving.retarget_slot(target)
+    } else {
+        moving.retarget(target.row as usize)
+    };
+    let newcomer = churn.join().unwrap();
+    assert_eq!(newcomer.row, target.row, "the newcomer takes the freed row");
+    assert_eq!(
+        fleet.outstanding(newcomer.row as usize).unwrap().requests,
+        0,
+        "the request was booked on the worker that took the target's row"
+    );
+    match result {
+        Ok(()) => assert_eq!(moving.slot(), target),
+        Err(_) => assert_eq!(moving.row(), 0, "a refused retarget stays put"),
+    }
+    drop(moving);
+    assert_eq!(fleet.outstanding(0).unwrap().requests, 0);
+    assert_eq!(fleet.outstanding(1).unwrap().requests, 0);
+}
+
+#[test]
+fn retarget_slot_never_books_a_newcomer() {
+    explore("retarget_slot", || retarget_racing_replacement(true));
+}
+
+#[test]
+fn retarget_slot_model_catches_retarget_by_row() {
+    expect_violation("retarget_slot / retarget by row", || retarget_racing_replacement(false));
 }
