@@ -91,12 +91,16 @@ fn retarget_racing_replacement(by_slot: bool) {
             fleet.add(worker(3, 4)).unwrap()
         })
     };
-    let result = if by_slot {
-        moving.retarget_slot(target)
-    } else {
-        moving.retarget(target.row as usize)
-    };
+    let mover = thread::spawn(move || {
+        let result = if by_slot {
+            moving.retarget_slot(target)
+        } else {
+            moving.retarget(target.row as usize)
+        };
+        (moving, result)
+    });
     let newcomer = churn.join().unwrap();
+    let (moving, result) = mover.join().unwrap();
     assert_eq!(newcomer.row, target.row, "the newcomer takes the freed row");
     assert_eq!(
         fleet.outstanding(newcomer.row as usize).unwrap().requests,

@@ -306,6 +306,18 @@ where
         k -= c;
     }
     let row = (groups * LANES..rows).filter(|&r| chosen_row(r)).nth(k);
+    // Over a live column (the fleet's counters) the loads may change between
+    // the passes, so that no row of the chosen group is at pass 1's minimum
+    // any more. The kernel stays total: it settles on the group's
+    // least-loaded eligible row as read now (one scalar pass, only then).
+    let row = row.or_else(|| {
+        (0..rows)
+            .filter(|&r| {
+                let (f, c, a) = row_is(r);
+                contains(mask, r) && chosen(f as u8, c as u8, a as u8) == 1
+            })
+            .min_by_key(|&r| load.value(r))
+    });
     Ok(row.map(|row| DeviceAwareChoice { row, group }))
 }
 

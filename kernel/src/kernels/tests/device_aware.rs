@@ -151,3 +151,61 @@ fn device_aware_load_sums_do_not_wrap() {
         DeviceGroup::Accelerator
     );
 }
+
+/// A load column that changes under the scan, as a live fleet column may:
+/// every read of a row returns a different value.
+struct Shifting {
+    rows: usize,
+    reads: core::cell::Cell<u32>,
+}
+
+impl Shifting {
+    fn next(&self, row: usize) -> u32 {
+        let n = self.reads.get();
+        self.reads.set(n.wrapping_add(1));
+        (n.wrapping_mul(2_654_435_761) ^ row as u32).rotate_left(n % 31) % 5
+    }
+}
+
+impl crate::lanes::U32Source for Shifting {
+    fn rows(&self) -> usize {
+        self.rows
+    }
+    fn value(&self, row: usize) -> u32 {
+        self.next(row)
+    }
+    fn group(&self, group: usize) -> wide::u32x8 {
+        wide::u32x8::from(core::array::from_fn::<u32, 8, _>(|i| self.next(group * 8 + i)))
+    }
+}
+
+/// Loads that change between the passes must never make the kernel return
+/// `None` while a row is eligible (the host reported "all eligible workers
+/// are overloaded" on an idle fleet under churn), nor a row outside the
+/// mask.
+#[test]
+fn a_load_column_changing_under_the_scan_still_yields_an_eligible_row() {
+    for rows in [8usize, 64, 100, 130, 1000] {
+        for seed in 0..300u64 {
+            let mut r = Rng::new(seed);
+            let mask: std::vec::Vec<u64> = (0..rows.div_ceil(64))
+                .map(|_| if seed % 3 == 0 { u64::MAX } else { r.next_u64() })
+                .collect();
+            let is_cpu: std::vec::Vec<u64> = (0..rows.div_ceil(64)).map(|_| r.next_u64()).collect();
+            let hits: std::vec::Vec<u32> = (0..rows as u32).map(|i| (i * 7 + seed as u32) % 4).collect();
+            let load = Shifting {
+                rows,
+                reads: core::cell::Cell::new(seed as u32),
+            };
+            let config = DeviceAwareConfig {
+                required_cache_hits: (seed % 4) as u32,
+                ..DeviceAwareConfig::default()
+            };
+            let any = (0..rows).any(|row| contains(&mask, row));
+            match device_aware(&load, &hits[..], &is_cpu, &mask, &config, &mut r).unwrap() {
+                Some(c) => assert!(c.row < rows && contains(&mask, c.row), "rows {rows} seed {seed}: {c:?}"),
+                None => assert!(!any, "rows {rows} seed {seed}: None with eligible rows"),
+            }
+        }
+    }
+}
