@@ -106,6 +106,14 @@ pub fn check(input: &Input) {
                     assert!(r.validate().is_err());
                     assert_eq!(service.workers(), vec![baseline], "an invalid snapshot changes nothing");
                 }
+                DiscoveryError::TooManyRanks { worker_id, .. } => {
+                    let r = records
+                        .iter()
+                        .find(|r| r.worker_id == worker_id)
+                        .expect("names a record of the file");
+                    assert!(r.data_parallel_size as usize > FLEET_GROUPS * 8);
+                    assert_eq!(service.workers(), vec![baseline], "an oversized record changes nothing");
+                }
                 DiscoveryError::DuplicateInSnapshot { worker_id } => {
                     assert!(records.iter().filter(|r| r.worker_id == worker_id).count() > 1);
                     assert_eq!(
@@ -121,6 +129,7 @@ pub fn check(input: &Input) {
                         ranks > FLEET_GROUPS as u64 * 8 - 2,
                         "{ranks} ranks do not fill the fleet"
                     );
+                    assert_eq!(service.workers(), vec![baseline], "a snapshot that does not fit changes nothing");
                 }
                 e => panic!("sync: unexpected error kind {e:?}"),
             }
