@@ -138,7 +138,10 @@ fn an_empty_discovery_file_is_refused_and_an_explicit_empty_list_is_not() {
         let path = dir.join(name);
         std::fs::write(&path, text).unwrap();
         let got = FileDiscovery::new(&path).poll();
-        assert!(got.is_err(), "{name}: {got:?}");
+        assert!(
+            matches!(&got, Err(DiscoveryError::EmptyFile { path: p }) if *p == path),
+            "{name}: {got:?}"
+        );
     }
     for (name, text) in [("e.toml", "workers = []\n"), ("f.json", r#"{"workers": []}"#), ("g.json", "[]")] {
         let path = dir.join(name);
@@ -254,6 +257,10 @@ fn a_bare_list_with_a_bad_record_names_the_field() {
     let dir = temp_dir("bare-list");
     let path = dir.join("workers.json");
     std::fs::write(&path, "[\n  {\"worker_id\": 1},\n  {\"worker_id\": 2, \"colour\": 3}\n]").unwrap();
+    let e = FileDiscovery::new(&path).poll().unwrap_err().to_string();
+    assert!(e.contains("colour") && e.contains("line 3"), "{e}");
+    // The wrapped form names it the same way.
+    std::fs::write(&path, "{\"workers\": [\n  {\"worker_id\": 1},\n  {\"worker_id\": 2, \"colour\": 3}\n]}").unwrap();
     let e = FileDiscovery::new(&path).poll().unwrap_err().to_string();
     assert!(e.contains("colour") && e.contains("line 3"), "{e}");
     let _ = std::fs::remove_dir_all(dir);

@@ -89,6 +89,15 @@ pub fn check(input: &Input) {
             assert_eq!(service.workers(), vec![baseline], "a refused file changes nothing");
             return;
         }
+        (Err(DiscoveryError::EmptyFile { path: p }), Err(DiscoveryError::EmptyFile { .. })) => {
+            assert_eq!(p, path);
+            assert_eq!(
+                service.workers(),
+                vec![baseline],
+                "a file without a workers list changes nothing"
+            );
+            return;
+        }
         (Err(DiscoveryError::Io { .. }), Err(DiscoveryError::Io { .. })) => {
             assert!(
                 std::str::from_utf8(&input.bytes).is_err(),
