@@ -302,6 +302,24 @@ pub enum DiscoveryError {
     },
 }
 
+impl DiscoveryError {
+    /// A short lowercase label for metrics and logs.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            Self::DuplicateWorker { .. } => "duplicate_worker",
+            Self::UnknownWorker { .. } => "unknown_worker",
+            Self::FleetFull { .. } => "fleet_full",
+            Self::TooManyRanks { .. } => "too_many_ranks",
+            Self::InvalidWorker { .. } => "invalid_worker",
+            Self::DuplicateInSnapshot { .. } => "duplicate_in_snapshot",
+            Self::Io { .. } => "io",
+            Self::Parse { .. } => "parse",
+            Self::EmptyFile { .. } => "empty_file",
+            Self::FileTooLarge { .. } => "file_too_large",
+        }
+    }
+}
+
 /// A policy registry operation failed.
 #[derive(Debug, Error)]
 #[non_exhaustive]

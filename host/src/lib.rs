@@ -16,7 +16,7 @@ mod types;
 
 pub use config::{WorkerSelectionConfig, WorkerSelectionInstance};
 pub use discovery::{
-    BusyThresholds, DeviceKind, Discovery, DiscoveryPoller, FileDiscovery, InMemoryDiscovery, SyncReport, WorkerRecord,
+    BusyThresholds, DeviceKind, Discovery, DiscoveryHealth, DiscoveryPoller, FileDiscovery, InMemoryDiscovery, SyncReport, WorkerRecord,
     WorkerState,
 };
 pub use error::{

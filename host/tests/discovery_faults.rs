@@ -223,6 +223,13 @@ fn a_panicking_source_is_contained_and_polled_again() {
         assert!(Instant::now() < deadline, "the poller stopped polling");
         std::thread::sleep(Duration::from_millis(2));
     }
+    let health = poller.health();
+    assert_eq!(health.panics, 3, "{health:?}");
+    assert!(health.polls >= 4, "{health:?}");
+    assert!(health.last_success.is_some() && health.consecutive_failures == 0, "{health:?}");
+    assert!(health.is_healthy());
+    let last = health.last_error.expect("the panics were recorded");
+    assert!(last.contains("discovery backend exploded"), "{last}");
     poller.stop();
 }
 
