@@ -14,7 +14,7 @@ mod request;
 mod service;
 mod types;
 
-pub use config::{WorkerSelectionConfig, WorkerSelectionInstance};
+pub use config::{WorkerSelectionConfig, WorkerSelectionInstance, MAX_CONFIG_BYTES, MAX_CONFIG_DEPTH};
 pub use discovery::{
     BusyThresholds, DeviceKind, Discovery, DiscoveryHealth, DiscoveryPoller, FileDiscovery, InMemoryDiscovery, SyncReport, WorkerRecord,
     WorkerState,

@@ -279,5 +279,21 @@ fn a_deeply_nested_config_fails_fast() {
         let started = Instant::now();
         let e = WorkerSelectionConfig::from_yaml_str(&text).unwrap_err();
         assert!(started.elapsed() < Duration::from_secs(1), "took {:?}: {e}", started.elapsed());
+        assert!(
+            matches!(e, ConfigError::TooDeep { depth, limit: MAX_CONFIG_DEPTH } if depth == MAX_CONFIG_DEPTH + 1),
+            "{e}"
+        );
     }
+    let toml = format!("a = {}", "[".repeat(80_000));
+    let e = WorkerSelectionConfig::from_toml_str(&toml).unwrap_err();
+    assert!(matches!(e, ConfigError::TooDeep { .. }), "{e}");
+    // Over the size limit, whatever the content.
+    let big = format!("# {}\n", "x".repeat(MAX_CONFIG_BYTES));
+    let e = WorkerSelectionConfig::from_yaml_str(&big).unwrap_err();
+    assert!(matches!(e, ConfigError::TooLarge { limit: MAX_CONFIG_BYTES, .. }), "{e}");
+    // Real configs, quotes, comments and brackets inside values still parse.
+    let yaml = "# roles\ndecode: 'b[al'\ninstances:\n  - name: 'b[al'   # a [ in a comment\n    type: least-loaded\n    parameters: {}\n";
+    WorkerSelectionConfig::from_yaml_str(yaml).unwrap();
+    let nested = format!("decode: b\ninstances:\n  - {{ name: b, type: least-loaded, parameters: {{ x: {}1{} }} }}\n", "[".repeat(40), "]".repeat(40));
+    WorkerSelectionConfig::from_yaml_str(&nested).unwrap();
 }
