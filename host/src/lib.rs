@@ -16,8 +16,8 @@ mod types;
 
 pub use config::{WorkerSelectionConfig, WorkerSelectionInstance, MAX_CONFIG_BYTES, MAX_CONFIG_DEPTH};
 pub use discovery::{
-    BusyThresholds, DeviceKind, Discovery, DiscoveryHealth, DiscoveryPoller, FileDiscovery, InMemoryDiscovery, SyncReport, WorkerRecord,
-    WorkerState,
+    BusyThresholds, DeviceKind, Discovery, DiscoveryHealth, DiscoveryPoller, FileDiscovery, InMemoryDiscovery,
+    SyncReport, WorkerRecord, WorkerState,
 };
 pub use error::{
     BookingError, ConfigError, DiscoveryError, PluginKind, RegistryError, SelectionError, UnavailableReason,

@@ -66,7 +66,11 @@ fn a_record_larger_than_the_fleet_is_refused_before_allocating() {
     // And from a discovery file.
     let dir = temp_dir("huge");
     let path = dir.join("workers.json");
-    std::fs::write(&path, r#"{"workers": [{"worker_id": 9, "data_parallel_size": 4294967295}]}"#).unwrap();
+    std::fs::write(
+        &path,
+        r#"{"workers": [{"worker_id": 9, "data_parallel_size": 4294967295}]}"#,
+    )
+    .unwrap();
     too_many(s.refresh(&mut FileDiscovery::new(&path)).unwrap_err());
     assert_eq!(ids(&s), vec![9]);
     let _ = std::fs::remove_dir_all(dir);
@@ -120,7 +124,11 @@ fn a_refused_file_is_read_again() {
     let s = service();
     s.add_worker(WorkerRecord::new(1).with_dp(0, CAPACITY)).unwrap();
     let held = s.select(&SelectionRequest::new(32)).unwrap();
-    std::fs::write(&path, format!(r#"{{"workers": [{{"worker_id": 2, "data_parallel_size": {CAPACITY}}}]}}"#)).unwrap();
+    std::fs::write(
+        &path,
+        format!(r#"{{"workers": [{{"worker_id": 2, "data_parallel_size": {CAPACITY}}}]}}"#),
+    )
+    .unwrap();
     let mut source = FileDiscovery::new(&path);
     assert!(s.refresh(&mut source).is_err());
     drop(held);
@@ -134,7 +142,12 @@ fn a_refused_file_is_read_again() {
 #[test]
 fn an_empty_discovery_file_is_refused_and_an_explicit_empty_list_is_not() {
     let dir = temp_dir("empty");
-    for (name, text) in [("a.toml", ""), ("b.toml", "  \n# nothing\n"), ("c.json", "{}"), ("d.json", " \n")] {
+    for (name, text) in [
+        ("a.toml", ""),
+        ("b.toml", "  \n# nothing\n"),
+        ("c.json", "{}"),
+        ("d.json", " \n"),
+    ] {
         let path = dir.join(name);
         std::fs::write(&path, text).unwrap();
         let got = FileDiscovery::new(&path).poll();
@@ -143,7 +156,11 @@ fn an_empty_discovery_file_is_refused_and_an_explicit_empty_list_is_not() {
             "{name}: {got:?}"
         );
     }
-    for (name, text) in [("e.toml", "workers = []\n"), ("f.json", r#"{"workers": []}"#), ("g.json", "[]")] {
+    for (name, text) in [
+        ("e.toml", "workers = []\n"),
+        ("f.json", r#"{"workers": []}"#),
+        ("g.json", "[]"),
+    ] {
         let path = dir.join(name);
         std::fs::write(&path, text).unwrap();
         assert_eq!(FileDiscovery::new(&path).poll().unwrap(), Some(vec![]), "{name}");
@@ -226,7 +243,10 @@ fn a_panicking_source_is_contained_and_polled_again() {
     let health = poller.health();
     assert_eq!(health.panics, 3, "{health:?}");
     assert!(health.polls >= 4, "{health:?}");
-    assert!(health.last_success.is_some() && health.consecutive_failures == 0, "{health:?}");
+    assert!(
+        health.last_success.is_some() && health.consecutive_failures == 0,
+        "{health:?}"
+    );
     assert!(health.is_healthy());
     let last = health.last_error.expect("the panics were recorded");
     assert!(last.contains("discovery backend exploded"), "{last}");
@@ -263,11 +283,19 @@ fn a_same_length_rewrite_with_the_old_mtime_is_seen() {
 fn a_bare_list_with_a_bad_record_names_the_field() {
     let dir = temp_dir("bare-list");
     let path = dir.join("workers.json");
-    std::fs::write(&path, "[\n  {\"worker_id\": 1},\n  {\"worker_id\": 2, \"colour\": 3}\n]").unwrap();
+    std::fs::write(
+        &path,
+        "[\n  {\"worker_id\": 1},\n  {\"worker_id\": 2, \"colour\": 3}\n]",
+    )
+    .unwrap();
     let e = FileDiscovery::new(&path).poll().unwrap_err().to_string();
     assert!(e.contains("colour") && e.contains("line 3"), "{e}");
     // The wrapped form names it the same way.
-    std::fs::write(&path, "{\"workers\": [\n  {\"worker_id\": 1},\n  {\"worker_id\": 2, \"colour\": 3}\n]}").unwrap();
+    std::fs::write(
+        &path,
+        "{\"workers\": [\n  {\"worker_id\": 1},\n  {\"worker_id\": 2, \"colour\": 3}\n]}",
+    )
+    .unwrap();
     let e = FileDiscovery::new(&path).poll().unwrap_err().to_string();
     assert!(e.contains("colour") && e.contains("line 3"), "{e}");
     let _ = std::fs::remove_dir_all(dir);
@@ -278,7 +306,11 @@ fn a_deeply_nested_config_fails_fast() {
     for text in ["[".repeat(80_000), "{a: ".repeat(80_000), "- ".repeat(80_000)] {
         let started = Instant::now();
         let e = WorkerSelectionConfig::from_yaml_str(&text).unwrap_err();
-        assert!(started.elapsed() < Duration::from_secs(1), "took {:?}: {e}", started.elapsed());
+        assert!(
+            started.elapsed() < Duration::from_secs(1),
+            "took {:?}: {e}",
+            started.elapsed()
+        );
         assert!(
             matches!(e, ConfigError::TooDeep { depth, limit: MAX_CONFIG_DEPTH } if depth == MAX_CONFIG_DEPTH + 1),
             "{e}"
@@ -290,10 +322,23 @@ fn a_deeply_nested_config_fails_fast() {
     // Over the size limit, whatever the content.
     let big = format!("# {}\n", "x".repeat(MAX_CONFIG_BYTES));
     let e = WorkerSelectionConfig::from_yaml_str(&big).unwrap_err();
-    assert!(matches!(e, ConfigError::TooLarge { limit: MAX_CONFIG_BYTES, .. }), "{e}");
+    assert!(
+        matches!(
+            e,
+            ConfigError::TooLarge {
+                limit: MAX_CONFIG_BYTES,
+                ..
+            }
+        ),
+        "{e}"
+    );
     // Real configs, quotes, comments and brackets inside values still parse.
     let yaml = "# roles\ndecode: 'b[al'\ninstances:\n  - name: 'b[al'   # a [ in a comment\n    type: least-loaded\n    parameters: {}\n";
     WorkerSelectionConfig::from_yaml_str(yaml).unwrap();
-    let nested = format!("decode: b\ninstances:\n  - {{ name: b, type: least-loaded, parameters: {{ x: {}1{} }} }}\n", "[".repeat(40), "]".repeat(40));
+    let nested = format!(
+        "decode: b\ninstances:\n  - {{ name: b, type: least-loaded, parameters: {{ x: {}1{} }} }}\n",
+        "[".repeat(40),
+        "]".repeat(40)
+    );
     WorkerSelectionConfig::from_yaml_str(&nested).unwrap();
 }

@@ -138,7 +138,11 @@ pub fn check(input: &Input) {
                         ranks > FLEET_GROUPS as u64 * 8 - 2,
                         "{ranks} ranks do not fill the fleet"
                     );
-                    assert_eq!(service.workers(), vec![baseline], "a snapshot that does not fit changes nothing");
+                    assert_eq!(
+                        service.workers(),
+                        vec![baseline],
+                        "a snapshot that does not fit changes nothing"
+                    );
                 }
                 e => panic!("sync: unexpected error kind {e:?}"),
             }
