@@ -26,8 +26,13 @@
 //! type = "least-loaded"
 //! ```
 //!
-//! Parsing checks the shape (unknown fields, duplicate or reserved instance
-//! names, roles naming undefined instances); [`WorkerSelectionConfig::resolve`]
+//! Before parsing, the text is bounded: at most [`MAX_CONFIG_BYTES`] long
+//! and [`MAX_CONFIG_DEPTH`] levels deep (brackets, braces, indentation and
+//! `- ` entries, counted in one pass over the raw text), so a hostile file
+//! fails at once with [`ConfigError::TooLarge`] or [`ConfigError::TooDeep`]
+//! instead of keeping the parser busy. Parsing checks the shape (unknown
+//! fields, duplicate or reserved instance names, roles naming undefined
+//! instances); [`WorkerSelectionConfig::resolve`]
 //! builds the factory through a [`WorkerSelectionPolicyRegistry`], which checks
 //! the type names and parameters. This module does no selection.
 
@@ -39,6 +44,91 @@ use serde::Deserialize;
 use crate::error::ConfigError;
 use crate::registry::{WorkerSelectionPolicyFactory, WorkerSelectionPolicyParameters, WorkerSelectionPolicyRegistry};
 use crate::types::WorkerType;
+
+/// The longest config text accepted (1 MiB).
+pub const MAX_CONFIG_BYTES: usize = 1 << 20;
+
+/// The deepest nesting a config may have (a real one needs fewer than ten).
+pub const MAX_CONFIG_DEPTH: usize = 64;
+
+/// Refuses text over [`MAX_CONFIG_BYTES`] or nested deeper than
+/// [`MAX_CONFIG_DEPTH`], in time linear in its length.
+///
+/// Depth is the number of open flow collections (`[`, `{` outside quotes
+/// and comments, where a collection can start) plus, for YAML
+/// (`indentation`) outside flow collections, the block levels: the stack of
+/// indentation columns of the enclosing lines, one more per leading `- `.
+/// It over-counts rather than under-counts.
+fn check_bounds(text: &str, indentation: bool) -> Result<(), ConfigError> {
+    if text.len() > MAX_CONFIG_BYTES {
+        return Err(ConfigError::TooLarge {
+            len: text.len(),
+            limit: MAX_CONFIG_BYTES,
+        });
+    }
+    let too_deep = |depth: usize| {
+        if depth > MAX_CONFIG_DEPTH {
+            Err(ConfigError::TooDeep {
+                depth,
+                limit: MAX_CONFIG_DEPTH,
+            })
+        } else {
+            Ok(())
+        }
+    };
+    let mut columns: Vec<usize> = Vec::new();
+    let mut flow = 0usize;
+    let mut quote: Option<u8> = None;
+    for line in text.lines() {
+        let bytes = line.as_bytes();
+        let mut start = 0;
+        if indentation && flow == 0 && quote.is_none() {
+            let mut col = bytes.iter().take_while(|&&b| b == b' ').count();
+            if col < bytes.len() && bytes[col] != b'#' {
+                while columns.last().is_some_and(|&top| top >= col) {
+                    columns.pop();
+                }
+                columns.push(col);
+                while bytes[col..].starts_with(b"- ") || &bytes[col..] == b"-" {
+                    col = (col + 2).min(bytes.len());
+                    columns.push(col);
+                    too_deep(columns.len())?;
+                }
+                too_deep(columns.len())?;
+                start = col;
+            }
+        }
+        let block = if flow == 0 { columns.len() } else { 0 };
+        // A quote or a flow collection opens only where a value can start.
+        let mut prev = b' ';
+        let mut last_token = b':';
+        let mut escaped = false;
+        for (i, &b) in bytes.iter().enumerate().skip(start) {
+            let opens = matches!(last_token, b':' | b'-' | b',' | b'[' | b'{' | b'?' | b'=');
+            match quote {
+                Some(b'"') if escaped => escaped = false,
+                Some(b'"') if b == b'\\' => escaped = true,
+                Some(q) if b == q => quote = None,
+                Some(_) => {}
+                None => match b {
+                    b'"' | b'\'' if opens => quote = Some(b),
+                    b'#' if i == 0 || prev == b' ' || prev == b'\t' => break,
+                    b'[' | b'{' if opens => {
+                        flow += 1;
+                        too_deep(block + flow)?;
+                    }
+                    b']' | b'}' if flow > 0 => flow -= 1,
+                    _ => {}
+                },
+            }
+            if !b.is_ascii_whitespace() {
+                last_token = b;
+            }
+            prev = b;
+        }
+    }
+    Ok(())
+}
 
 /// One named policy instance: a type and its parameters.
 #[derive(Clone, Debug, PartialEq)]
@@ -102,23 +192,37 @@ struct RawInstance {
 }
 
 impl WorkerSelectionConfig {
-    /// Parses YAML.
+    /// Parses YAML (bounded first: see the module docs).
     pub fn from_yaml_str(text: &str) -> Result<Self, ConfigError> {
+        check_bounds(text, true)?;
         let raw: RawConfig = serde_yaml::from_str(text).map_err(|e| ConfigError::Parse(e.to_string()))?;
         Self::resolve_raw(raw)
     }
 
-    /// Parses TOML.
+    /// Parses TOML (bounded first: see the module docs).
     pub fn from_toml_str(text: &str) -> Result<Self, ConfigError> {
+        check_bounds(text, false)?;
         let value: toml::Value = toml::from_str(text).map_err(|e| ConfigError::Parse(e.to_string()))?;
         let yaml = serde_yaml::to_value(value).map_err(|e| ConfigError::Parse(e.to_string()))?;
         let raw: RawConfig = serde_yaml::from_value(yaml).map_err(|e| ConfigError::Parse(e.to_string()))?;
         Self::resolve_raw(raw)
     }
 
-    /// Reads a file: `.toml` is TOML, anything else YAML.
+    /// Reads a file: `.toml` is TOML, anything else YAML. A file over
+    /// [`MAX_CONFIG_BYTES`] is refused before it is read.
     pub fn from_path(path: impl AsRef<Path>) -> Result<Self, ConfigError> {
         let path = path.as_ref();
+        let io = |source| ConfigError::Io {
+            path: path.to_owned(),
+            source,
+        };
+        let len = std::fs::metadata(path).map_err(io)?.len();
+        if len > MAX_CONFIG_BYTES as u64 {
+            return Err(ConfigError::TooLarge {
+                len: usize::try_from(len).unwrap_or(usize::MAX),
+                limit: MAX_CONFIG_BYTES,
+            });
+        }
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Io {
             path: path.to_owned(),
             source,

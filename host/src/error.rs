@@ -241,6 +241,16 @@ pub enum DiscoveryError {
         /// Rows the fleet holds.
         capacity: usize,
     },
+    /// A record has more data-parallel ranks than the fleet has rows.
+    #[error("worker {worker_id}: data_parallel_size {data_parallel_size} exceeds the fleet's {capacity} rows")]
+    TooManyRanks {
+        /// The worker.
+        worker_id: WorkerId,
+        /// Its `data_parallel_size`.
+        data_parallel_size: u32,
+        /// Rows the fleet holds.
+        capacity: usize,
+    },
     /// A record field is out of range.
     #[error("worker {worker_id}: {reason}")]
     InvalidWorker {
@@ -272,6 +282,42 @@ pub enum DiscoveryError {
         /// The parser's message.
         message: String,
     },
+    /// The discovery file is empty or has no `workers` list (a truncated
+    /// file is not taken to mean "no workers": write `workers = []`,
+    /// `{"workers": []}` or `[]` for that).
+    #[error("discovery file {path} lists no workers (empty or truncated?); write an explicit empty `workers` list to remove every worker")]
+    EmptyFile {
+        /// The file.
+        path: PathBuf,
+    },
+    /// The discovery file is larger than a discovery file may be.
+    #[error("discovery file {path} is {len} bytes, over the limit of {limit}")]
+    FileTooLarge {
+        /// The file.
+        path: PathBuf,
+        /// Its length.
+        len: u64,
+        /// The most bytes a discovery file may have.
+        limit: u64,
+    },
+}
+
+impl DiscoveryError {
+    /// A short lowercase label for metrics and logs.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            Self::DuplicateWorker { .. } => "duplicate_worker",
+            Self::UnknownWorker { .. } => "unknown_worker",
+            Self::FleetFull { .. } => "fleet_full",
+            Self::TooManyRanks { .. } => "too_many_ranks",
+            Self::InvalidWorker { .. } => "invalid_worker",
+            Self::DuplicateInSnapshot { .. } => "duplicate_in_snapshot",
+            Self::Io { .. } => "io",
+            Self::Parse { .. } => "parse",
+            Self::EmptyFile { .. } => "empty_file",
+            Self::FileTooLarge { .. } => "file_too_large",
+        }
+    }
 }
 
 /// A policy registry operation failed.
@@ -328,6 +374,23 @@ pub enum ConfigError {
     /// The text is not valid YAML / TOML for the schema.
     #[error("cannot parse worker-selection config: {0}")]
     Parse(String),
+    /// The text is longer than a config may be (checked before parsing).
+    #[error("worker-selection config is {len} bytes, over the limit of {limit}")]
+    TooLarge {
+        /// The text's length in bytes.
+        len: usize,
+        /// The most bytes a config may have.
+        limit: usize,
+    },
+    /// The text nests deeper than a config may (checked before parsing:
+    /// brackets, braces, indentation and `- ` entries).
+    #[error("worker-selection config nests {depth} levels deep, over the limit of {limit}")]
+    TooDeep {
+        /// The depth reached when the limit was passed.
+        depth: usize,
+        /// The most levels a config may nest.
+        limit: usize,
+    },
     /// The config is well formed but inconsistent.
     #[error("invalid worker-selection config: {0}")]
     Validation(String),

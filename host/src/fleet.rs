@@ -94,6 +94,21 @@ impl HostFleet {
     pub(crate) fn remove_row(&self, h: RowHandle) {
         let _ = self.inner.remove(h.slot);
     }
+
+    /// Takes a row out of rotation while keeping it (and its counters):
+    /// cordoned, so no booking can start on it; bookings already on it keep
+    /// releasing into it.
+    pub(crate) fn retire_row(&self, h: RowHandle) {
+        // The registry owns `h`, so the slot is current; errors cannot happen.
+        let _ = self.inner.set_state(h.slot, KernelState::Cordoned);
+    }
+
+    /// Whether no booking holds load on the row any more.
+    pub(crate) fn is_drained(&self, h: RowHandle) -> bool {
+        self.inner
+            .outstanding(h.row)
+            .is_none_or(|o| o == selkie_kernel::fleet::Outstanding::default())
+    }
 }
 
 impl Deref for HostFleet {

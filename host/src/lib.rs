@@ -14,10 +14,10 @@ mod request;
 mod service;
 mod types;
 
-pub use config::{WorkerSelectionConfig, WorkerSelectionInstance};
+pub use config::{WorkerSelectionConfig, WorkerSelectionInstance, MAX_CONFIG_BYTES, MAX_CONFIG_DEPTH};
 pub use discovery::{
-    BusyThresholds, DeviceKind, Discovery, DiscoveryPoller, FileDiscovery, InMemoryDiscovery, SyncReport, WorkerRecord,
-    WorkerState,
+    BusyThresholds, DeviceKind, Discovery, DiscoveryHealth, DiscoveryPoller, FileDiscovery, InMemoryDiscovery,
+    SyncReport, WorkerRecord, WorkerState,
 };
 pub use error::{
     BookingError, ConfigError, DiscoveryError, PluginKind, RegistryError, SelectionError, UnavailableReason,

@@ -54,20 +54,21 @@ fn booking_lifecycle_prefill_output_finish() {
 }
 
 #[test]
-fn output_blocks_after_removal_report_the_worker_gone() {
+fn output_blocks_after_removal_count_on_the_retired_row() {
     let s = svc(WorkerSelectionPolicy::random());
     s.add_worker(WorkerRecord::new(1)).unwrap();
     let mut a = s.select(&SelectionRequest::new(16)).unwrap();
+    let (requests, tokens, blocks) = load(&s, 1);
     s.remove_worker(1).unwrap();
-    s.add_worker(WorkerRecord::new(2)).unwrap(); // takes the freed row
-    assert_eq!(
-        a.add_output_block().unwrap_err(),
-        BookingError::WorkerGone {
-            worker: WorkerWithDpRank::new(1, 0)
-        }
-    );
-    assert_eq!(load(&s, 2), (0, 0, 0), "the new occupant is untouched");
+    // Worker 1's row is retired, not freed, while `a` holds load on it.
+    s.add_worker(WorkerRecord::new(2)).unwrap();
+    a.add_output_block().unwrap();
+    assert_eq!(load(&s, 2), (0, 0, 0), "the new worker is untouched");
+    // Worker 1 comes back on its own row, with the booking still counted.
+    s.add_worker(WorkerRecord::new(1)).unwrap();
+    assert_eq!(load(&s, 1), (requests, tokens, blocks + 1));
     drop(a);
+    assert_eq!(load(&s, 1), (0, 0, 0));
     assert_eq!(load(&s, 2), (0, 0, 0));
 }
 

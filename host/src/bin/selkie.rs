@@ -153,6 +153,7 @@ fn simulate(args: SimulateArgs) -> Result<(), SimError> {
     if let Some(limit) = args.max_active {
         scenario.fleet.max_active_requests = Some(limit.max(1));
     }
+    scenario.fleet.validate()?;
     if args.print_scenario {
         print!(
             "{}",

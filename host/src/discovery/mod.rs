@@ -6,7 +6,8 @@
 //! * [`Discovery`], with [`InMemoryDiscovery`] and [`FileDiscovery`].
 //! * The registry that turns records into kernel fleet rows (crate-private;
 //!   reached through [`crate::WorkerSelectionService`]).
-//! * [`DiscoveryPoller`]: a thread that polls a source and applies changes.
+//! * [`DiscoveryPoller`]: a thread that polls a source and applies changes,
+//!   and reports its [`DiscoveryHealth`].
 //!
 //! Nothing here reads or writes load.
 
@@ -15,7 +16,7 @@ mod record;
 pub(crate) mod registry;
 mod source;
 
-pub use poller::DiscoveryPoller;
+pub use poller::{DiscoveryHealth, DiscoveryPoller};
 pub use record::{BusyThresholds, DeviceKind, WorkerRecord, WorkerState};
 pub use registry::SyncReport;
 pub use source::{Discovery, FileDiscovery, InMemoryDiscovery};

@@ -1,24 +1,106 @@
 //! [`DiscoveryPoller`]: a background thread that polls a [`Discovery`]
-//! source and applies each new snapshot to a service.
+//! source and applies each new snapshot to a service, and
+//! [`DiscoveryHealth`], how that is going.
 //!
-//! It never blocks selection for longer than one registry update.
+//! It never blocks selection for longer than one registry update, and it
+//! survives its source: an error or a panic in a poll is counted, reported
+//! in the health, and followed by the next poll.
 
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use super::source::Discovery;
 use crate::service::WorkerSelectionService;
 
+/// How a [`DiscoveryPoller`] is doing (see [`DiscoveryPoller::health`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct DiscoveryHealth {
+    /// Polls made so far.
+    pub polls: u64,
+    /// When a poll last succeeded (a snapshot applied, or nothing changed).
+    pub last_success: Option<SystemTime>,
+    /// Polls that failed since the last success (errors and panics).
+    pub consecutive_failures: u64,
+    /// The last failure: the error's message, or the panic's.
+    pub last_error: Option<String>,
+    /// Polls that panicked (in the source or while applying its snapshot).
+    pub panics: u64,
+}
+
+impl DiscoveryHealth {
+    /// Whether the last poll succeeded (and at least one was made).
+    pub fn is_healthy(&self) -> bool {
+        self.last_success.is_some() && self.consecutive_failures == 0
+    }
+}
+
 /// Polls a discovery source on its own thread until dropped or stopped.
 ///
 /// Errors (an unreadable or malformed file, a full fleet) are logged with
-/// `tracing` and counted in `selkie_discovery_errors_total`; the previous
-/// workers stay in force and polling continues.
+/// `tracing` and counted in `selkie_discovery_errors_total{reason}`; a
+/// panicking source is caught, logged and counted with `reason="panic"`. In
+/// every case the previous workers stay in force, polling continues, and
+/// [`health`](Self::health) says what happened.
+///
+/// ```
+/// use std::{sync::Arc, time::Duration};
+/// use selkie::*;
+/// let service = Arc::new(WorkerSelectionService::new(WorkerSelectionPolicy::random(), ServiceConfig::default()));
+/// let source = InMemoryDiscovery::with_workers(vec![WorkerRecord::new(1)]);
+/// let poller = DiscoveryPoller::spawn(service.clone(), Box::new(source), Duration::from_millis(5))?;
+/// while !poller.health().is_healthy() {
+///     std::thread::sleep(Duration::from_millis(1));
+/// }
+/// assert_eq!(service.workers().len(), 1);
+/// poller.stop();
+/// # Ok::<(), std::io::Error>(())
+/// ```
 pub struct DiscoveryPoller {
     stop: Arc<AtomicBool>,
+    health: Arc<Mutex<DiscoveryHealth>>,
     thread: Option<JoinHandle<()>>,
+}
+
+/// The text of a panic payload.
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        (*s).to_owned()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "a non-string panic payload".to_owned()
+    }
+}
+
+/// One poll and apply, with its panic caught; records the outcome.
+fn poll_once(service: &WorkerSelectionService, source: &mut dyn Discovery, health: &Mutex<DiscoveryHealth>) {
+    let outcome = catch_unwind(AssertUnwindSafe(|| service.refresh(source)));
+    let mut h = health.lock().unwrap_or_else(PoisonError::into_inner);
+    h.polls += 1;
+    let (reason, message) = match outcome {
+        Ok(Ok(_)) => {
+            h.last_success = Some(SystemTime::now());
+            h.consecutive_failures = 0;
+            return;
+        }
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e, "discovery poll failed");
+            (e.reason(), e.to_string())
+        }
+        Err(payload) => {
+            let message = panic_message(payload.as_ref());
+            tracing::error!(panic = %message, "discovery poll panicked; polling continues");
+            h.panics += 1;
+            ("panic", format!("discovery source panicked: {message}"))
+        }
+    };
+    metrics::counter!("selkie_discovery_errors_total", "reason" => reason).increment(1);
+    h.consecutive_failures += 1;
+    h.last_error = Some(message);
 }
 
 impl DiscoveryPoller {
@@ -30,22 +112,27 @@ impl DiscoveryPoller {
         interval: Duration,
     ) -> std::io::Result<Self> {
         let stop = Arc::new(AtomicBool::new(false));
-        let flag = stop.clone();
+        let health = Arc::new(Mutex::new(DiscoveryHealth::default()));
+        let (flag, report) = (stop.clone(), health.clone());
         let thread = std::thread::Builder::new()
             .name("selkie-discovery".into())
             .spawn(move || {
                 while !flag.load(Ordering::Relaxed) {
-                    if let Err(e) = service.refresh(source.as_mut()) {
-                        tracing::warn!(error = %e, "discovery poll failed");
-                        metrics::counter!("selkie_discovery_errors_total").increment(1);
-                    }
+                    poll_once(&service, source.as_mut(), &report);
                     std::thread::park_timeout(interval);
                 }
             })?;
         Ok(DiscoveryPoller {
             stop,
+            health,
             thread: Some(thread),
         })
+    }
+
+    /// How polling is going: polls made, the last success, failures since,
+    /// the last error, panics caught.
+    pub fn health(&self) -> DiscoveryHealth {
+        self.health.lock().unwrap_or_else(PoisonError::into_inner).clone()
     }
 
     /// Stops polling and waits for the thread to finish.

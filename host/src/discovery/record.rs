@@ -221,7 +221,8 @@ impl WorkerRecord {
         self.data_parallel_start_rank..self.data_parallel_start_rank.saturating_add(self.data_parallel_size)
     }
 
-    /// Checks the fields a fleet row depends on.
+    /// Checks the fields a fleet row depends on, and that the worker's ranks
+    /// fit in the fleet's rows at all.
     pub fn validate(&self) -> Result<(), DiscoveryError> {
         let invalid = |reason| {
             Err(DiscoveryError::InvalidWorker {
@@ -238,6 +239,13 @@ impl WorkerRecord {
             .is_none()
         {
             return invalid("data-parallel ranks overflow u32");
+        }
+        if self.data_parallel_size as usize > crate::fleet::HostFleet::CAPACITY {
+            return Err(DiscoveryError::TooManyRanks {
+                worker_id: self.worker_id,
+                data_parallel_size: self.data_parallel_size,
+                capacity: crate::fleet::HostFleet::CAPACITY,
+            });
         }
         if !selkie_kernel::fleet::capacity_weight_ok(self.capacity_weight) {
             return invalid("capacity_weight must be finite and positive, with a finite reciprocal (>= about 3e-39)");

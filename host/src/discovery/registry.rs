@@ -5,6 +5,24 @@
 //! per row, what the hard filters need (the worker's record, its rank, its
 //! busy limits) and, per worker, its rows. It is changed under the service's
 //! write lock and read under its read lock; it never books or releases load.
+//!
+//! # Retired rows
+//!
+//! A worker that leaves while requests are in flight on it must not forget
+//! them: if it comes back before they finish, its admission limit must still
+//! count them. So a row given up while a booking holds load on it (the
+//! worker removed, or the rank dropped by an update) is *retired*: cordoned
+//! in the fleet (no new bookings), absent from the worker table, and kept
+//! with its counters and generation. If the same worker rank is added again
+//! meanwhile, it gets that row back, and the old bookings release into it.
+//! Retired rows whose bookings have all ended are freed at the start of the
+//! next change.
+//!
+//! # Whole snapshots
+//!
+//! [`WorkerRegistry::sync`] checks a snapshot completely (records, duplicate
+//! ids, rows for all of it) before changing anything, and undoes what it
+//! did if the fleet still refuses a row part way.
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
@@ -134,6 +152,10 @@ pub(crate) struct WorkerRegistry {
     /// the rows a selection on this snapshot scans. It shrinks when the top
     /// rows go, and a refused add never raises it.
     scan_rows: usize,
+    /// Rows given up (worker removed, rank dropped) while bookings held load
+    /// on them: cordoned in the fleet, absent from `rows`, freed once drained,
+    /// and given back if the same worker rank returns first.
+    retired: IdMap<WorkerWithDpRank, RowHandle>,
     /// Inside `sync`: derived data is recomputed once at the end.
     deferred: bool,
 }
@@ -154,6 +176,7 @@ impl WorkerRegistry {
             overloaded_rows: Vec::new(),
             threshold_rows: Vec::new(),
             scan_rows: 0,
+            retired: IdMap::default(),
             deferred: false,
         }
     }
@@ -324,18 +347,117 @@ impl WorkerRegistry {
         }
     }
 
-    fn add_rows(fleet: &HostFleet, record: &WorkerRecord) -> Result<Vec<(DpRank, RowHandle)>, DiscoveryError> {
+    /// Rows held now: every registered rank, and every retired row.
+    fn rows_held(&self) -> usize {
+        self.workers.values().map(|e| e.rows.len()).sum::<usize>() + self.retired.len()
+    }
+
+    /// Checks that `changes` fit in the fleet before anything is changed.
+    ///
+    /// After the change the fleet holds: the rows it holds now, less the rows
+    /// given up that no booking holds (a row given up with a booking on it
+    /// stays, retired), plus one row per rank of `changes` that is neither a
+    /// row of that worker now nor one of its retired rows. With `whole`,
+    /// `changes` is a whole snapshot: every worker it does not name gives up
+    /// its rows. The first change that does not fit is named.
+    fn check_fits(&self, fleet: &HostFleet, changes: &[WorkerRecord], whole: bool) -> Result<(), DiscoveryError> {
+        let by_id: HashMap<WorkerId, &WorkerRecord> = changes.iter().map(|r| (r.worker_id, r)).collect();
+        let mut held = self.rows_held();
+        for e in self.workers.values() {
+            let keeps = match by_id.get(&e.record.worker_id) {
+                Some(r) => r.dp_ranks(),
+                None if whole => 0..0,
+                None => continue,
+            };
+            held -= e
+                .rows
+                .iter()
+                .filter(|&&(rank, h)| !keeps.contains(&rank) && fleet.is_drained(h))
+                .count();
+        }
+        for r in changes {
+            let now = self.workers.get(&r.worker_id).map(|e| e.record.dp_ranks());
+            let new = r
+                .dp_ranks()
+                .filter(|&rank| {
+                    !now.as_ref().is_some_and(|n| n.contains(&rank))
+                        && !self.retired.contains_key(&WorkerWithDpRank::new(r.worker_id, rank))
+                })
+                .count();
+            held += new;
+            if held > HostFleet::CAPACITY {
+                return Err(DiscoveryError::FleetFull {
+                    worker_id: r.worker_id,
+                    needed: new,
+                    capacity: HostFleet::CAPACITY,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Frees the retired rows whose bookings have all ended.
+    fn sweep(&mut self, fleet: &HostFleet) {
+        self.retired.retain(|w, h| {
+            let drained = fleet.is_drained(*h);
+            if drained {
+                fleet.remove_row(*h);
+                tracing::debug!(worker = %w, row = h.row, "retired row freed");
+            }
+            !drained
+        });
+    }
+
+    /// Gives up a row of `worker_id`'s `rank` (already out of `rows` and the
+    /// rank index): retired while a booking holds load on it, freed otherwise.
+    /// The row is cordoned first, so no booking can start on it between the
+    /// check and the removal.
+    fn release_row(&mut self, fleet: &HostFleet, worker_id: WorkerId, rank: DpRank, h: RowHandle) {
+        fleet.retire_row(h);
+        if fleet.is_drained(h) {
+            fleet.remove_row(h);
+        } else {
+            self.retired.insert(WorkerWithDpRank::new(worker_id, rank), h);
+        }
+    }
+
+    /// Drops a row from the registry's tables (not from the fleet).
+    fn forget_row(&mut self, worker_id: WorkerId, rank: DpRank, h: RowHandle) {
+        if let Some(slot) = self.rows.get_mut(h.row) {
+            *slot = None;
+        }
+        self.unindex_rank(WorkerWithDpRank::new(worker_id, rank));
+    }
+
+    /// Takes a row for each of `ranks` of `record`: the rank's retired row if
+    /// it has one (its counters intact), a new row otherwise. On a full fleet
+    /// the rows taken are given back.
+    fn take_rows(
+        &mut self,
+        fleet: &HostFleet,
+        record: &WorkerRecord,
+        ranks: impl Iterator<Item = DpRank>,
+    ) -> Result<Vec<(DpRank, RowHandle)>, DiscoveryError> {
+        // `validate` bounds the ranks by the fleet's capacity.
         let mut rows = Vec::with_capacity(record.data_parallel_size as usize);
-        for rank in record.dp_ranks() {
-            match fleet.add_row(record, rank) {
+        for rank in ranks {
+            let taken = match self.retired.remove(&WorkerWithDpRank::new(record.worker_id, rank)) {
+                Some(h) => {
+                    fleet.update_row(h, record);
+                    Some(h)
+                }
+                None => fleet.add_row(record, rank),
+            };
+            match taken {
                 Some(h) => rows.push((rank, h)),
                 None => {
-                    for &(_, h) in &rows {
-                        fleet.remove_row(h);
+                    let needed = record.data_parallel_size as usize;
+                    for (rank, h) in rows {
+                        self.release_row(fleet, record.worker_id, rank, h);
                     }
                     return Err(DiscoveryError::FleetFull {
                         worker_id: record.worker_id,
-                        needed: record.data_parallel_size as usize,
+                        needed,
                         capacity: HostFleet::CAPACITY,
                     });
                 }
@@ -352,7 +474,13 @@ impl WorkerRegistry {
                 worker_id: record.worker_id,
             });
         }
-        let rows = Self::add_rows(fleet, &record)?;
+        self.sweep(fleet);
+        self.check_fits(fleet, std::slice::from_ref(&record), false)?;
+        self.add_checked(fleet, record)
+    }
+
+    fn add_checked(&mut self, fleet: &HostFleet, record: WorkerRecord) -> Result<(), DiscoveryError> {
+        let rows = self.take_rows(fleet, &record, record.dp_ranks())?;
         let entry = self.make_entry(record, rows, false);
         tracing::info!(
             worker = entry.record.worker_id,
@@ -363,30 +491,67 @@ impl WorkerRegistry {
         Ok(())
     }
 
-    /// Replaces a worker's record. Rows are kept (with their in-flight load)
-    /// when the ranks are unchanged; otherwise the old rows are removed and
-    /// new ones added.
+    /// Replaces a worker's record. The rows of ranks it keeps are kept (with
+    /// their in-flight load); ranks it drops give up their rows (retired while
+    /// booked); new ranks get rows.
     pub(crate) fn update(&mut self, fleet: &HostFleet, record: WorkerRecord) -> Result<(), DiscoveryError> {
         record.validate()?;
+        if !self.workers.contains_key(&record.worker_id) {
+            return Err(DiscoveryError::UnknownWorker {
+                worker_id: record.worker_id,
+            });
+        }
+        self.sweep(fleet);
+        self.check_fits(fleet, std::slice::from_ref(&record), false)?;
+        self.update_checked(fleet, record)
+    }
+
+    fn update_checked(&mut self, fleet: &HostFleet, record: WorkerRecord) -> Result<(), DiscoveryError> {
         let Some(old) = self.workers.get(&record.worker_id).cloned() else {
             return Err(DiscoveryError::UnknownWorker {
                 worker_id: record.worker_id,
             });
         };
+        let id = record.worker_id;
         let overloaded = old.overloaded.load(Ordering::Relaxed);
-        let rows = if old.record.dp_ranks() == record.dp_ranks() {
-            for &(_, h) in &old.rows {
-                fleet.update_row(h, &record);
+        let (now, new) = (old.record.dp_ranks(), record.dp_ranks());
+        let (kept, dropped): (Vec<_>, Vec<_>) = old.rows.iter().partition(|(rank, _)| new.contains(rank));
+        for &(rank, h) in &dropped {
+            self.forget_row(id, rank, h);
+            self.release_row(fleet, id, rank, h);
+        }
+        let rows = match self.take_rows(fleet, &record, new.clone().filter(|r| !now.contains(r))) {
+            Ok(taken) => {
+                for &(_, h) in &kept {
+                    fleet.update_row(h, &record);
+                }
+                let mut rows = kept;
+                rows.extend(taken);
+                rows.sort_unstable_by_key(|&(rank, _)| rank);
+                rows
             }
-            old.rows.clone()
-        } else {
-            let rows = Self::add_rows(fleet, &record)?;
-            for &(rank, h) in &old.rows {
-                fleet.remove_row(h);
-                self.rows[h.row] = None;
-                self.unindex_rank(WorkerWithDpRank::new(old.record.worker_id, rank));
+            Err(e) => {
+                // Give the dropped ranks back their rows (revived, or new
+                // ones where they were free) and keep the old record.
+                let back = self.take_rows(fleet, &old.record, dropped.iter().map(|&(rank, _)| rank));
+                let mut rows = kept;
+                match back {
+                    Ok(back) => rows.extend(back),
+                    Err(_) => tracing::error!(worker = id, "cannot restore the rows of a refused update"),
+                }
+                rows.sort_unstable_by_key(|&(rank, _)| rank);
+                if rows.is_empty() {
+                    self.workers.remove(&id);
+                    if overloaded {
+                        self.overloaded_marks -= 1;
+                    }
+                    self.recompute_traits();
+                } else {
+                    let entry = self.make_entry(old.record.clone(), rows, overloaded);
+                    self.install(entry);
+                }
+                return Err(e);
             }
-            rows
         };
         let entry = self.make_entry(record, rows, overloaded);
         tracing::info!(worker = entry.record.worker_id, state = ?entry.record.state, "worker updated");
@@ -394,9 +559,18 @@ impl WorkerRegistry {
         Ok(())
     }
 
-    /// Removes a worker and its rows. Bookings on them stay valid and release
-    /// into nothing (the kernel's generation check).
+    /// Removes a worker and its rows. A row that a booking still holds load
+    /// on is retired, not freed: cordoned, invisible to selection, and given
+    /// back with its counters if the same worker rank is added again before
+    /// its bookings end; once they end it is freed by a later change.
     pub(crate) fn remove(&mut self, fleet: &HostFleet, worker_id: WorkerId) -> Result<(), DiscoveryError> {
+        self.remove_entry(fleet, worker_id)?;
+        self.sweep(fleet);
+        self.recompute_traits();
+        Ok(())
+    }
+
+    fn remove_entry(&mut self, fleet: &HostFleet, worker_id: WorkerId) -> Result<Arc<WorkerEntry>, DiscoveryError> {
         let Some(old) = self.workers.remove(&worker_id) else {
             return Err(DiscoveryError::UnknownWorker { worker_id });
         };
@@ -404,13 +578,11 @@ impl WorkerRegistry {
             self.overloaded_marks -= 1;
         }
         for &(rank, h) in &old.rows {
-            fleet.remove_row(h);
-            self.rows[h.row] = None;
-            self.unindex_rank(WorkerWithDpRank::new(worker_id, rank));
+            self.forget_row(worker_id, rank, h);
+            self.release_row(fleet, worker_id, rank, h);
         }
-        self.recompute_traits();
         tracing::info!(worker = worker_id, "worker removed");
-        Ok(())
+        Ok(old)
     }
 
     /// Changes a worker's state (live, draining, cordoned).
@@ -450,9 +622,11 @@ impl WorkerRegistry {
 
     /// Makes the registry equal `snapshot`: adds, updates and removes.
     ///
-    /// The snapshot is checked first (valid records, no duplicate ids), so a
-    /// bad snapshot changes nothing. A full fleet can still stop it part way;
-    /// the report then covers what was done before the error.
+    /// A snapshot applies whole or not at all. It is checked first (valid
+    /// records, no duplicate ids, and rows for all of it: the rows its
+    /// removals and rank changes free against the rows its additions need),
+    /// so a snapshot that cannot apply changes nothing. Should the fleet
+    /// still refuse a row part way, the changes already made are undone.
     pub(crate) fn sync(
         &mut self,
         fleet: &HostFleet,
@@ -465,8 +639,14 @@ impl WorkerRegistry {
                 return Err(DiscoveryError::DuplicateInSnapshot { worker_id: r.worker_id });
             }
         }
+        self.sweep(fleet);
+        self.check_fits(fleet, &snapshot, true)?;
         self.deferred = true;
-        let result = self.apply_snapshot(fleet, snapshot, &ids);
+        let mut undo = Vec::new();
+        let result = self.apply_snapshot(fleet, snapshot, &ids, &mut undo);
+        if result.is_err() {
+            self.undo(fleet, undo);
+        }
         self.deferred = false;
         self.recompute_traits();
         result
@@ -477,6 +657,7 @@ impl WorkerRegistry {
         fleet: &HostFleet,
         snapshot: Vec<WorkerRecord>,
         ids: &HashMap<WorkerId, ()>,
+        undo: &mut Vec<Undo>,
     ) -> Result<SyncReport, DiscoveryError> {
         let mut report = SyncReport::default();
         let gone: Vec<WorkerId> = self
@@ -486,18 +667,23 @@ impl WorkerRegistry {
             .filter(|id| !ids.contains_key(id))
             .collect();
         for id in gone {
-            self.remove(fleet, id)?;
+            undo.push(Undo::Removed(self.remove_entry(fleet, id)?));
             report.removed.push(id);
         }
         for r in snapshot {
             match self.workers.get(&r.worker_id) {
                 None => {
-                    report.added.push(r.worker_id);
-                    self.add(fleet, r)?;
+                    let id = r.worker_id;
+                    self.add_checked(fleet, r)?;
+                    undo.push(Undo::Added(id));
+                    report.added.push(id);
                 }
                 Some(e) if e.record != r => {
-                    report.updated.push(r.worker_id);
-                    self.update(fleet, r)?;
+                    let old = e.record.clone();
+                    let id = r.worker_id;
+                    self.update_checked(fleet, r)?;
+                    undo.push(Undo::Updated(old));
+                    report.updated.push(id);
                 }
                 Some(_) => {}
             }
@@ -507,4 +693,35 @@ impl WorkerRegistry {
         report.removed.sort_unstable();
         Ok(report)
     }
+
+    /// Reverts the changes of a snapshot that failed part way, newest first.
+    /// Removed workers come back on their retired rows (bookings intact) or
+    /// on new rows where theirs were free.
+    fn undo(&mut self, fleet: &HostFleet, undo: Vec<Undo>) {
+        for step in undo.into_iter().rev() {
+            let result = match step {
+                Undo::Added(id) => self.remove_entry(fleet, id).map(drop),
+                Undo::Updated(old) => self.update_checked(fleet, old),
+                Undo::Removed(old) => {
+                    let id = old.record.worker_id;
+                    let overloaded = old.overloaded.load(Ordering::Relaxed);
+                    self.add_checked(fleet, old.record.clone())
+                        .and_then(|()| self.set_overloaded(id, overloaded))
+                }
+            };
+            if let Err(e) = result {
+                tracing::error!(error = %e, "cannot undo part of a refused discovery snapshot");
+            }
+        }
+    }
+}
+
+/// One change of a snapshot, as [`WorkerRegistry::undo`] reverts it.
+enum Undo {
+    /// The worker was added.
+    Added(WorkerId),
+    /// The worker's record was replaced; this was the old one.
+    Updated(WorkerRecord),
+    /// The worker was removed; this was its entry.
+    Removed(Arc<WorkerEntry>),
 }

@@ -21,9 +21,26 @@ use crate::types::WorkerId;
 /// changed since the previous call, and `None` when it has certainly not. The
 /// first call always returns a snapshot. A source that fails keeps its last
 /// good state, so a later `poll` can succeed.
+///
+/// A snapshot the service refuses (an invalid record, a fleet too small for
+/// it) changes nothing, and [`crate::WorkerSelectionService::refresh`] then
+/// calls [`snapshot_refused`](Discovery::snapshot_refused): the source must
+/// return the current workers again on its next `poll` rather than `None`,
+/// so the service retries until the snapshot applies (once bookings that
+/// held rows have ended, say) instead of keeping stale workers until the
+/// source changes. Both sources that ship with selkie do this; a custom
+/// source that keeps a "last seen" mark should forget it there.
 pub trait Discovery: Send {
     /// The current workers if they may have changed since the last call.
     fn poll(&mut self) -> Result<Option<Vec<WorkerRecord>>, DiscoveryError>;
+
+    /// The snapshot returned by the last `poll` was refused with `error`:
+    /// the next `poll` must return a snapshot even if nothing changed. The
+    /// default does nothing, so such a source delivers it again only when it
+    /// changes.
+    fn snapshot_refused(&mut self, error: &DiscoveryError) {
+        let _ = error;
+    }
 }
 
 #[derive(Default)]
@@ -97,11 +114,76 @@ impl Discovery for InMemoryDiscovery {
         self.seen = Some(g.version);
         Ok(Some(g.workers.clone()))
     }
+
+    fn snapshot_refused(&mut self, _: &DiscoveryError) {
+        self.seen = None;
+    }
 }
 
-/// The file format: a list of workers under `workers`.
+/// A discovery file as the table form (see [`FileDiscovery`] for the format).
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct WorkerFile {
+    workers: Option<Vec<WorkerRecord>>,
+}
+
+/// Parses a discovery file's text; `toml` picks the format.
 ///
-/// JSON (`.json`, or any other extension):
+/// JSON takes the shape the text starts with: a bare list (`[`) or the
+/// `workers` table (anything else), so a bad record's error names its field
+/// and line in either shape.
+pub(crate) fn parse_workers(text: &str, toml: bool, path: &Path) -> Result<Vec<WorkerRecord>, DiscoveryError> {
+    let err = |message: String| DiscoveryError::Parse {
+        path: path.to_owned(),
+        message,
+    };
+    let empty = || DiscoveryError::EmptyFile { path: path.to_owned() };
+    let file = if toml {
+        toml::from_str::<WorkerFile>(text).map_err(|e| err(e.to_string()))?
+    } else {
+        match text.trim_start_matches([' ', '\t', '\n', '\r']).as_bytes().first() {
+            None => return Err(empty()),
+            Some(b'[') => {
+                return serde_json::from_str::<Vec<WorkerRecord>>(text).map_err(|e| err(e.to_string()));
+            }
+            Some(_) => serde_json::from_str::<WorkerFile>(text).map_err(|e| err(e.to_string()))?,
+        }
+    };
+    file.workers.ok_or_else(empty)
+}
+
+/// FNV-1a over `bytes`: a fixed, seedless hash, so a file's content can be
+/// compared with what was read before without keeping a copy.
+fn content_hash(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+    })
+}
+
+/// What [`FileDiscovery`] last delivered: the file's metadata and a hash of
+/// its bytes.
+#[derive(Clone, Copy, PartialEq, Eq)]
+struct Seen {
+    modified: SystemTime,
+    len: u64,
+    hash: u64,
+}
+
+/// A discovery source backed by a JSON or TOML file, re-read when it
+/// changes.
+///
+/// Polling is the caller's (or [`crate::DiscoveryPoller`]'s) job: `poll`
+/// checks the file's modification time and length, and when both are as
+/// before, its content's hash (a rewrite that keeps both, as `cp -p`,
+/// `rsync -t` or a coarse-mtime filesystem can produce, is still seen). A
+/// file that fails to parse, lists no workers (see the format below) or is
+/// over [`FileDiscovery::MAX_FILE_BYTES`] is reported as an error and the
+/// previous workers stay in force; so does a snapshot the service refuses,
+/// which the next poll delivers again. Write the file atomically (write a
+/// temporary file, then rename) so a poll never sees half a file.
+///
+/// The file format: a list of workers under `workers`. JSON (`.json`, or
+/// any other extension):
 /// ```json
 /// { "workers": [ { "worker_id": 1, "data_parallel_size": 2, "taints": ["gpu=h200"] } ] }
 /// ```
@@ -112,57 +194,21 @@ impl Discovery for InMemoryDiscovery {
 /// data_parallel_size = 2
 /// taints = ["gpu=h200"]
 /// ```
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct WorkerFile {
-    #[serde(default)]
-    workers: Vec<WorkerRecord>,
-}
-
-#[derive(Deserialize)]
-#[serde(untagged)]
-enum JsonWorkers {
-    Table(WorkerFile),
-    List(Vec<WorkerRecord>),
-}
-
-/// Parses a discovery file's text; `toml` picks the format.
-pub(crate) fn parse_workers(text: &str, toml: bool, path: &Path) -> Result<Vec<WorkerRecord>, DiscoveryError> {
-    let err = |message: String| DiscoveryError::Parse {
-        path: path.to_owned(),
-        message,
-    };
-    if toml {
-        toml::from_str::<WorkerFile>(text)
-            .map(|f| f.workers)
-            .map_err(|e| err(e.to_string()))
-    } else {
-        match serde_json::from_str::<JsonWorkers>(text) {
-            Ok(JsonWorkers::Table(f)) => Ok(f.workers),
-            Ok(JsonWorkers::List(l)) => Ok(l),
-            // Re-parse as the documented shape for a precise message.
-            Err(_) => serde_json::from_str::<WorkerFile>(text)
-                .map(|f| f.workers)
-                .map_err(|e| err(e.to_string())),
-        }
-    }
-}
-
-/// A discovery source backed by a JSON or TOML file, re-read when its
-/// modification time or length changes.
-///
-/// Polling is the caller's (or [`crate::DiscoveryPoller`]'s) job: `poll`
-/// checks the file's metadata and reads it only when it changed. A file that
-/// fails to parse is reported as an error and the previous workers stay in
-/// force. Write the file atomically (write a temporary file, then rename) so
-/// a poll never sees half a file.
+/// A file without the `workers` list (empty, truncated, `{}`) is refused
+/// with [`DiscoveryError::EmptyFile`], so that a truncated file does not
+/// remove every worker; a fleet with no workers is written explicitly:
+/// `workers = []`, `{"workers": []}` or `[]`.
 pub struct FileDiscovery {
     path: PathBuf,
     toml: bool,
-    seen: Option<(SystemTime, u64)>,
+    seen: Option<Seen>,
 }
 
 impl FileDiscovery {
+    /// The largest discovery file read (64 MiB; 16,384 workers of a few
+    /// kilobytes each fit).
+    pub const MAX_FILE_BYTES: u64 = 64 << 20;
+
     /// A source for `path`; `.toml` files are TOML, everything else JSON.
     pub fn new(path: impl Into<PathBuf>) -> Self {
         let path = path.into();
@@ -183,13 +229,30 @@ impl Discovery for FileDiscovery {
             source,
         };
         let meta = std::fs::metadata(&self.path).map_err(io)?;
-        let stamp = (meta.modified().map_err(io)?, meta.len());
-        if self.seen == Some(stamp) {
+        let (modified, len) = (meta.modified().map_err(io)?, meta.len());
+        if len > Self::MAX_FILE_BYTES {
+            return Err(DiscoveryError::FileTooLarge {
+                path: self.path.clone(),
+                len,
+                limit: Self::MAX_FILE_BYTES,
+            });
+        }
+        let bytes = std::fs::read(&self.path).map_err(io)?;
+        let seen = Seen {
+            modified,
+            len,
+            hash: content_hash(&bytes),
+        };
+        if self.seen == Some(seen) {
             return Ok(None);
         }
-        let text = std::fs::read_to_string(&self.path).map_err(io)?;
+        let text = String::from_utf8(bytes).map_err(|e| io(std::io::Error::new(std::io::ErrorKind::InvalidData, e)))?;
         let workers = parse_workers(&text, self.toml, &self.path)?;
-        self.seen = Some(stamp);
+        self.seen = Some(seen);
         Ok(Some(workers))
+    }
+
+    fn snapshot_refused(&mut self, _: &DiscoveryError) {
+        self.seen = None;
     }
 }

@@ -170,14 +170,30 @@ impl WorkerSelectionService {
     }
 
     /// Makes the worker table equal `snapshot` (adds, updates, removes).
+    ///
+    /// The snapshot applies whole or not at all: it is refused, changing
+    /// nothing, if a record is invalid, an id repeats, or the fleet has too
+    /// few rows for it. A removed worker's rows that bookings still hold are
+    /// kept out of rotation until those bookings end; if the worker comes
+    /// back first, it gets them back with their load.
     pub fn sync(&self, snapshot: Vec<WorkerRecord>) -> Result<SyncReport, DiscoveryError> {
         self.change(|reg, fleet| reg.sync(fleet, snapshot))
     }
 
     /// Polls `source` once and applies its snapshot if it changed.
+    ///
+    /// A snapshot that [`sync`](Self::sync) refuses changes nothing and is
+    /// reported to the source ([`Discovery::snapshot_refused`]), which
+    /// delivers it again on the next refresh.
     pub fn refresh(&self, source: &mut dyn Discovery) -> Result<Option<SyncReport>, DiscoveryError> {
         match source.poll()? {
-            Some(snapshot) => self.sync(snapshot).map(Some),
+            Some(snapshot) => match self.sync(snapshot) {
+                Ok(report) => Ok(Some(report)),
+                Err(e) => {
+                    source.snapshot_refused(&e);
+                    Err(e)
+                }
+            },
             None => Ok(None),
         }
     }

@@ -74,4 +74,15 @@ pub enum SimError {
     /// A bad command-line value.
     #[error("{0}")]
     Usage(String),
+    /// The simulated fleet has more ranks than the selection service's fleet
+    /// has rows.
+    #[error("{workers} workers x {dp_size} DP ranks is more than the fleet's {capacity} rows")]
+    FleetTooLarge {
+        /// Workers asked for.
+        workers: u32,
+        /// Ranks per worker asked for.
+        dp_size: u32,
+        /// Rows the fleet holds.
+        capacity: usize,
+    },
 }

@@ -37,7 +37,22 @@ pub struct FleetSpec {
 impl FleetSpec {
     /// Number of ranks (rows).
     pub fn rows(&self) -> usize {
-        (self.workers.max(1) * self.dp_size.max(1)) as usize
+        usize::try_from(u64::from(self.workers.max(1)) * u64::from(self.dp_size.max(1))).unwrap_or(usize::MAX)
+    }
+
+    /// Checks that the fleet fits in the selection service's fleet
+    /// ([`FLEET_GROUPS`](crate::FLEET_GROUPS) `* 8` rows), before anything
+    /// is allocated per rank.
+    pub fn validate(&self) -> Result<(), super::SimError> {
+        let capacity = crate::FLEET_GROUPS * 8;
+        if self.rows() > capacity {
+            return Err(super::SimError::FleetTooLarge {
+                workers: self.workers,
+                dp_size: self.dp_size,
+                capacity,
+            });
+        }
+        Ok(())
     }
 
     /// The worker (0-based) and rank of a row: rows are worker-major.

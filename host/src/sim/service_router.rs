@@ -30,6 +30,7 @@ pub fn fleet_service(
     block_size: u32,
     seed: u64,
 ) -> Result<WorkerSelectionService, SimError> {
+    fleet.validate()?;
     let config = ServiceConfig {
         block_size,
         seed: Some(seed),

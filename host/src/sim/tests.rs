@@ -174,3 +174,25 @@ fn the_services_admission_limit_holds_and_refusals_are_counted() {
         assert!(msg.contains("overloaded"), "{msg}");
     }
 }
+
+#[test]
+fn a_fleet_larger_than_the_service_is_refused_before_allocating() {
+    let workload = shared_prefix_workload(10, 1);
+    let registry = WorkerSelectionPolicyRegistry::new();
+    for (workers, dp_size) in [(16, u32::MAX), (u32::MAX, 2), (2, 8_193)] {
+        let e = run_policy(
+            &registry,
+            &PolicyChoice::builtin("random"),
+            &workload,
+            &fleet(workers, dp_size),
+            1,
+            &mut |_| {},
+        )
+        .map(|_| ())
+        .unwrap_err();
+        assert!(
+            matches!(e, super::SimError::FleetTooLarge { workers: w, dp_size: d, capacity: 16_384 } if (w, d) == (workers, dp_size)),
+            "{e}"
+        );
+    }
+}

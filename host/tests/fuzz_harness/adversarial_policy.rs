@@ -16,7 +16,9 @@
 //!
 //! Between requests the fleet changes (add, update, remove, state) and
 //! bookings are released, retargeted, prefilled and grown. After every step
-//! each rank's counters must equal the sum of its outstanding bookings; after
+//! each rank's counters must equal the sum of its outstanding bookings (a rank
+//! given up while booked keeps its row, retired, and gets it back if it
+//! returns before those bookings end); after
 //! every failed request a well-behaved script on the same service, and a
 //! built-in least-loaded service on the same thread, must still select; at
 //! the end, with every booking dropped, every counter must be zero.
@@ -429,8 +431,6 @@ impl WorkerPicker for ScriptedPicker {
 
 struct ModelWorker {
     record: WorkerRecord,
-    /// Bumped whenever the worker's rows are replaced (add, rank change).
-    incarnation: u64,
 }
 
 struct ModelBooking {
@@ -438,10 +438,20 @@ struct ModelBooking {
     incarnation: u64,
 }
 
+/// The fleet as rows: each registered rank's row has an incarnation (a
+/// new one per new row). A rank given up while bookings hold its row is
+/// retired with its incarnation; the same rank taken again before they end
+/// gets it back, and a change frees retired rows no booking holds.
 #[derive(Default)]
 struct Model {
     workers: BTreeMap<WorkerId, ModelWorker>,
+    ranks: BTreeMap<WorkerWithDpRank, u64>,
+    retired: BTreeMap<WorkerWithDpRank, u64>,
     next_incarnation: u64,
+}
+
+fn held(bookings: &[(Selection<'_>, ModelBooking)], w: WorkerWithDpRank, inc: u64) -> bool {
+    bookings.iter().any(|(_, b)| b.worker == w && b.incarnation == inc)
 }
 
 fn record_of(w: Worker) -> WorkerRecord {
@@ -456,8 +466,25 @@ fn record_of(w: Worker) -> WorkerRecord {
 
 impl Model {
     fn incarnation_of(&self, w: WorkerWithDpRank) -> Option<u64> {
-        let m = self.workers.get(&w.worker_id)?;
-        m.record.dp_ranks().contains(&w.dp_rank).then_some(m.incarnation)
+        self.ranks.get(&w).copied()
+    }
+    /// A change starts by freeing the retired rows no booking holds.
+    fn sweep(&mut self, bookings: &[(Selection<'_>, ModelBooking)]) {
+        self.retired.retain(|&w, &mut inc| held(bookings, w, inc));
+    }
+    fn release(&mut self, bookings: &[(Selection<'_>, ModelBooking)], w: WorkerWithDpRank) {
+        if let Some(inc) = self.ranks.remove(&w) {
+            if held(bookings, w, inc) {
+                self.retired.insert(w, inc);
+            }
+        }
+    }
+    fn take(&mut self, w: WorkerWithDpRank) {
+        let inc = match self.retired.remove(&w) {
+            Some(inc) => inc,
+            None => self.bump(),
+        };
+        self.ranks.insert(w, inc);
     }
     fn current(&self, b: &ModelBooking) -> bool {
         self.incarnation_of(b.worker) == Some(b.incarnation)
@@ -903,10 +930,11 @@ pub fn check(input: &Input) {
                 match got {
                     Ok(()) => {
                         assert!(r.data_parallel_size > 0 && !model.workers.contains_key(&r.worker_id));
-                        let incarnation = model.bump();
-                        model
-                            .workers
-                            .insert(r.worker_id, ModelWorker { record: r, incarnation });
+                        model.sweep(&bookings);
+                        for rank in r.dp_ranks() {
+                            model.take(WorkerWithDpRank::new(r.worker_id, rank));
+                        }
+                        model.workers.insert(r.worker_id, ModelWorker { record: r });
                     }
                     Err(DiscoveryError::InvalidWorker { worker_id, .. }) => {
                         assert_eq!((worker_id, r.data_parallel_size), (r.worker_id, 0))
@@ -924,15 +952,19 @@ pub fn check(input: &Input) {
                 assert_eq!(got.is_ok(), twin_got.is_ok());
                 match got {
                     Ok(()) => {
-                        let bumped = model.bump();
-                        let m = model
+                        model.sweep(&bookings);
+                        let old = model.workers[&r.worker_id].record.dp_ranks();
+                        for rank in old.clone().filter(|x| !r.dp_ranks().contains(x)) {
+                            model.release(&bookings, WorkerWithDpRank::new(r.worker_id, rank));
+                        }
+                        for rank in r.dp_ranks().filter(|x| !old.contains(x)) {
+                            model.take(WorkerWithDpRank::new(r.worker_id, rank));
+                        }
+                        model
                             .workers
                             .get_mut(&r.worker_id)
-                            .expect("update of a registered worker");
-                        if m.record.dp_ranks() != r.dp_ranks() {
-                            m.incarnation = bumped;
-                        }
-                        m.record = r;
+                            .expect("update of a registered worker")
+                            .record = r.clone();
                     }
                     Err(DiscoveryError::InvalidWorker { worker_id, .. }) => {
                         assert_eq!((worker_id, r.data_parallel_size), (r.worker_id, 0))
@@ -948,7 +980,13 @@ pub fn check(input: &Input) {
                 let got = service.remove_worker(id);
                 let _ = twin.remove_worker(id);
                 match got {
-                    Ok(()) => assert!(model.workers.remove(&id).is_some()),
+                    Ok(()) => {
+                        let m = model.workers.remove(&id).expect("registered");
+                        for rank in m.record.dp_ranks() {
+                            model.release(&bookings, WorkerWithDpRank::new(id, rank));
+                        }
+                        model.sweep(&bookings);
+                    }
                     Err(DiscoveryError::UnknownWorker { worker_id }) => {
                         assert!(worker_id == id && !model.workers.contains_key(&id))
                     }
@@ -961,7 +999,10 @@ pub fn check(input: &Input) {
                 let got = service.set_worker_state(id, st);
                 let _ = twin.set_worker_state(id, st);
                 match got {
-                    Ok(()) => model.workers.get_mut(&id).expect("registered").record.state = st,
+                    Ok(()) => {
+                        model.sweep(&bookings);
+                        model.workers.get_mut(&id).expect("registered").record.state = st;
+                    }
                     Err(DiscoveryError::UnknownWorker { worker_id }) => {
                         assert!(worker_id == id && !model.workers.contains_key(&id))
                     }

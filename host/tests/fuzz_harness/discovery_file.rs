@@ -89,6 +89,15 @@ pub fn check(input: &Input) {
             assert_eq!(service.workers(), vec![baseline], "a refused file changes nothing");
             return;
         }
+        (Err(DiscoveryError::EmptyFile { path: p }), Err(DiscoveryError::EmptyFile { .. })) => {
+            assert_eq!(p, path);
+            assert_eq!(
+                service.workers(),
+                vec![baseline],
+                "a file without a workers list changes nothing"
+            );
+            return;
+        }
         (Err(DiscoveryError::Io { .. }), Err(DiscoveryError::Io { .. })) => {
             assert!(
                 std::str::from_utf8(&input.bytes).is_err(),
@@ -106,6 +115,14 @@ pub fn check(input: &Input) {
                     assert!(r.validate().is_err());
                     assert_eq!(service.workers(), vec![baseline], "an invalid snapshot changes nothing");
                 }
+                DiscoveryError::TooManyRanks { worker_id, .. } => {
+                    let r = records
+                        .iter()
+                        .find(|r| r.worker_id == worker_id)
+                        .expect("names a record of the file");
+                    assert!(r.data_parallel_size as usize > FLEET_GROUPS * 8);
+                    assert_eq!(service.workers(), vec![baseline], "an oversized record changes nothing");
+                }
                 DiscoveryError::DuplicateInSnapshot { worker_id } => {
                     assert!(records.iter().filter(|r| r.worker_id == worker_id).count() > 1);
                     assert_eq!(
@@ -120,6 +137,11 @@ pub fn check(input: &Input) {
                     assert!(
                         ranks > FLEET_GROUPS as u64 * 8 - 2,
                         "{ranks} ranks do not fill the fleet"
+                    );
+                    assert_eq!(
+                        service.workers(),
+                        vec![baseline],
+                        "a snapshot that does not fit changes nothing"
                     );
                 }
                 e => panic!("sync: unexpected error kind {e:?}"),
