@@ -75,10 +75,11 @@ impl<H: Deref<Target = WorkerSelectionService>> Booked<H> {
 
     /// The request produced another KV block.
     ///
-    /// [`BookingError::WorkerGone`] once the booked rank's fleet row has been
-    /// reused by another worker. A removed worker whose row is still free
-    /// accepts the block (it is counted on no registered worker and released
-    /// with the booking), as the kernel's booking does.
+    /// A worker removed while this request is in flight keeps its row until
+    /// its bookings end, so the block is still counted there (and on the
+    /// worker again if it comes back meanwhile).
+    /// [`BookingError::WorkerGone`] only if the row has nevertheless been
+    /// reused by another worker (a booking outliving its fleet row).
     pub fn add_output_block(&mut self) -> Result<(), BookingError> {
         self.booking
             .add_output_block()
