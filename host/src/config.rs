@@ -27,8 +27,9 @@
 //! ```
 //!
 //! Before parsing, the text is bounded: at most [`MAX_CONFIG_BYTES`] long
-//! and [`MAX_CONFIG_DEPTH`] levels deep (brackets, braces, indentation and
-//! `- ` entries, counted in one pass over the raw text), so a hostile file
+//! and [`MAX_CONFIG_DEPTH`] levels deep (brackets and braces anywhere in
+//! the text, indentation and `- ` entries, counted in one pass over the raw
+//! text without interpreting quotes or comments), so a hostile file
 //! fails at once with [`ConfigError::TooLarge`] or [`ConfigError::TooDeep`]
 //! instead of keeping the parser busy. Parsing checks the shape (unknown
 //! fields, duplicate or reserved instance names, roles naming undefined
@@ -54,11 +55,19 @@ pub const MAX_CONFIG_DEPTH: usize = 64;
 /// Refuses text over [`MAX_CONFIG_BYTES`] or nested deeper than
 /// [`MAX_CONFIG_DEPTH`], in time linear in its length.
 ///
-/// Depth is the number of open flow collections (`[`, `{` outside quotes
-/// and comments, where a collection can start) plus, for YAML
-/// (`indentation`) outside flow collections, the block levels: the stack of
-/// indentation columns of the enclosing lines, one more per leading `- `.
-/// It over-counts rather than under-counts.
+/// Depth is counted conservatively, without trying to understand the
+/// syntax (a scanner that tracked quotes, comments, tags or anchors could be
+/// talked into skipping nesting that the parser then sees):
+///
+/// * flow depth: every `[` and `{` in the text opens a level and every `]`
+///   and `}` closes one, wherever it stands, in strings and comments too;
+/// * for YAML (`indentation`), block depth: on each line that is not blank
+///   and does not start with `#`, the stack of indentation columns of the
+///   enclosing lines, one more per leading `- `.
+///
+/// A line's depth is the flow depth plus its block depth. The count never
+/// under-counts the parser's nesting; a config whose strings or comments
+/// hold more than [`MAX_CONFIG_DEPTH`] unclosed brackets is refused too.
 fn check_bounds(text: &str, indentation: bool) -> Result<(), ConfigError> {
     if text.len() > MAX_CONFIG_BYTES {
         return Err(ConfigError::TooLarge {
@@ -78,53 +87,32 @@ fn check_bounds(text: &str, indentation: bool) -> Result<(), ConfigError> {
     };
     let mut columns: Vec<usize> = Vec::new();
     let mut flow = 0usize;
-    let mut quote: Option<u8> = None;
     for line in text.lines() {
         let bytes = line.as_bytes();
-        let mut start = 0;
-        if indentation && flow == 0 && quote.is_none() {
-            let mut col = bytes.iter().take_while(|&&b| b == b' ').count();
+        if indentation {
+            let mut col = bytes.iter().take_while(|&&b| b == b' ' || b == b'\t').count();
             if col < bytes.len() && bytes[col] != b'#' {
                 while columns.last().is_some_and(|&top| top >= col) {
                     columns.pop();
                 }
                 columns.push(col);
+                too_deep(flow + columns.len())?;
                 while bytes[col..].starts_with(b"- ") || &bytes[col..] == b"-" {
                     col = (col + 2).min(bytes.len());
                     columns.push(col);
-                    too_deep(columns.len())?;
+                    too_deep(flow + columns.len())?;
                 }
-                too_deep(columns.len())?;
-                start = col;
             }
         }
-        let block = if flow == 0 { columns.len() } else { 0 };
-        // A quote or a flow collection opens only where a value can start.
-        let mut prev = b' ';
-        let mut last_token = b':';
-        let mut escaped = false;
-        for (i, &b) in bytes.iter().enumerate().skip(start) {
-            let opens = matches!(last_token, b':' | b'-' | b',' | b'[' | b'{' | b'?' | b'=');
-            match quote {
-                Some(b'"') if escaped => escaped = false,
-                Some(b'"') if b == b'\\' => escaped = true,
-                Some(q) if b == q => quote = None,
-                Some(_) => {}
-                None => match b {
-                    b'"' | b'\'' if opens => quote = Some(b),
-                    b'#' if i == 0 || prev == b' ' || prev == b'\t' => break,
-                    b'[' | b'{' if opens => {
-                        flow += 1;
-                        too_deep(block + flow)?;
-                    }
-                    b']' | b'}' if flow > 0 => flow -= 1,
-                    _ => {}
-                },
+        for &b in bytes {
+            match b {
+                b'[' | b'{' => {
+                    flow += 1;
+                    too_deep(flow + columns.len())?;
+                }
+                b']' | b'}' => flow = flow.saturating_sub(1),
+                _ => {}
             }
-            if !b.is_ascii_whitespace() {
-                last_token = b;
-            }
-            prev = b;
         }
     }
     Ok(())

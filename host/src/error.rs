@@ -232,12 +232,20 @@ pub enum DiscoveryError {
         worker_id: WorkerId,
     },
     /// The fleet has no free row for another data-parallel rank.
-    #[error("worker table is full: {capacity} rows, worker {worker_id} needs {needed} more")]
+    #[error(
+        "worker table is full: worker {worker_id} needs {needed} new rows, {free} of {capacity} are free \
+         ({retired} held by removed workers until their in-flight requests end)"
+    )]
     FleetFull {
-        /// The worker being added.
+        /// The worker being added or changed.
         worker_id: WorkerId,
-        /// Rows it needs.
+        /// New rows it needs (one per data-parallel rank it does not hold).
         needed: usize,
+        /// Rows free for it.
+        free: usize,
+        /// Rows of removed workers (or dropped ranks) kept until the
+        /// requests booked on them end.
+        retired: usize,
         /// Rows the fleet holds.
         capacity: usize,
     },

@@ -105,9 +105,7 @@ impl HostFleet {
 
     /// Whether no booking holds load on the row any more.
     pub(crate) fn is_drained(&self, h: RowHandle) -> bool {
-        self.inner
-            .outstanding(h.row)
-            .is_none_or(|o| o == selkie_kernel::fleet::Outstanding::default())
+        self.inner.is_drained(h.row)
     }
 }
 

@@ -2,6 +2,7 @@
 #![deny(missing_docs)]
 
 mod config;
+mod contain;
 mod discovery;
 mod error;
 mod explain;

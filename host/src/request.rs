@@ -59,11 +59,13 @@ impl Pin {
 /// How strongly a session sticks to its worker.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum AffinityMode {
-    /// Always the session's worker while it is registered and live (if it
-    /// is overloaded the request fails with
-    /// [`crate::SelectionError::PinnedWorkerOverloaded`]); once it is
-    /// removed, draining or cordoned, the next request is routed normally
-    /// and rebinds the session.
+    /// Always the session's worker while it is registered and live and the
+    /// session is remembered (if the worker is overloaded the request fails
+    /// with [`crate::SelectionError::PinnedWorkerOverloaded`]); once the
+    /// worker is removed, draining or cordoned, or the session was forgotten
+    /// (idle past `session_idle_timeout`, or evicted from a full session
+    /// table, see `ServiceConfig::max_sessions`), the next request is routed
+    /// normally and rebinds the session.
     Hard,
     /// The session's worker when it is eligible, not busy and admits the
     /// booking (under its admission limit); otherwise a normal selection

@@ -48,7 +48,8 @@ fn add_update_remove_and_their_errors() {
     let b = s.select(&req).unwrap();
     assert_ne!(a.worker().dp_rank, b.worker().dp_rank);
 
-    // Update keeping ranks keeps the load; changing ranks re-adds rows.
+    // Update keeping ranks keeps the load; changing ranks adds rows for the
+    // new ranks only.
     s.update_worker(WorkerRecord::new(1).with_dp(4, 2).with_taint("x"))
         .unwrap();
     assert_eq!(
@@ -64,7 +65,7 @@ fn add_update_remove_and_their_errors() {
     let st = s.worker_status(1).unwrap();
     assert_eq!(st.ranks.len(), 3);
     assert_eq!(st.ranks.iter().map(|r| r.active_requests).sum::<u32>(), 0);
-    drop((a, b)); // guards of the old rows release into nothing
+    drop((a, b)); // guards of the old ranks release into their retired rows
     assert_eq!(
         s.worker_status(1)
             .unwrap()

@@ -99,6 +99,33 @@ fn a_snapshot_that_does_not_fit_changes_nothing() {
     assert_eq!(in_flight(&s, booked), 0);
 }
 
+/// A full fleet whose snapshot grows one worker by a rank and shrinks the
+/// other by one fits, and must apply in either order of the records (the
+/// shrink frees the row the growth needs).
+#[test]
+fn a_snapshot_that_fits_applies_whatever_the_order_of_its_records() {
+    let half = CAPACITY / 2;
+    for order in [[1, 2], [2, 1]] {
+        let s = service();
+        s.sync(vec![
+            WorkerRecord::new(1).with_dp(0, half),
+            WorkerRecord::new(2).with_dp(0, half),
+        ])
+        .unwrap();
+        let snapshot = order
+            .iter()
+            .map(|&id| match id {
+                1 => WorkerRecord::new(1).with_dp(0, half + 1),
+                _ => WorkerRecord::new(2).with_dp(0, half - 1),
+            })
+            .collect();
+        let report = s.sync(snapshot).unwrap_or_else(|e| panic!("order {order:?}: {e}"));
+        assert_eq!(report.updated, vec![1, 2]);
+        let ranks = |id| s.worker_status(id).unwrap().ranks.len() as u32;
+        assert_eq!((ranks(1), ranks(2)), (half + 1, half - 1));
+    }
+}
+
 #[test]
 fn a_refused_snapshot_is_delivered_again() {
     let s = service();
@@ -115,6 +142,33 @@ fn a_refused_snapshot_is_delivered_again() {
     let report = s.refresh(&mut source).unwrap().expect("delivered again");
     assert_eq!((report.added, report.removed), (vec![2], vec![1]));
     assert_eq!(ids(&s), vec![2]);
+}
+
+/// A custom source that delivers its snapshot once and then reports no
+/// change (and does nothing when told of a refusal).
+struct Once(Option<Vec<WorkerRecord>>);
+impl Discovery for Once {
+    fn poll(&mut self) -> Result<Option<Vec<WorkerRecord>>, DiscoveryError> {
+        Ok(self.0.take())
+    }
+}
+
+#[test]
+fn the_service_retries_a_refused_snapshot_of_any_source() {
+    let s = service();
+    s.add_worker(WorkerRecord::new(1).with_dp(0, CAPACITY)).unwrap();
+    let held = s.select(&SelectionRequest::new(32)).unwrap();
+    let mut source = Once(Some(vec![WorkerRecord::new(2).with_dp(0, CAPACITY)]));
+    assert!(
+        s.refresh(&mut source).is_err(),
+        "no room while worker 1's row is booked"
+    );
+    assert!(s.refresh(&mut source).is_err(), "retried, still no room");
+    assert_eq!(ids(&s), vec![1]);
+    drop(held);
+    let report = s.refresh(&mut source).unwrap().expect("the kept snapshot applies");
+    assert_eq!((report.added, report.removed), (vec![2], vec![1]));
+    assert_eq!(s.refresh(&mut source).unwrap(), None, "applied: nothing left to retry");
 }
 
 #[test]
@@ -303,7 +357,18 @@ fn a_bare_list_with_a_bad_record_names_the_field() {
 
 #[test]
 fn a_deeply_nested_config_fails_fast() {
-    for text in ["[".repeat(80_000), "{a: ".repeat(80_000), "- ".repeat(80_000)] {
+    // Tags, anchors, and quoted strings holding ` #` or an open quote
+    // must not hide a level from the count (they did from a scanner that
+    // interpreted them).
+    for text in [
+        "[".repeat(80_000),
+        "{a: ".repeat(80_000),
+        "- ".repeat(80_000),
+        "!t [".repeat(40_000),
+        (0..40_000).map(|i| format!("&a{i} [")).collect::<String>(),
+        "[\" #\", ".repeat(40_000),
+        format!("a: |\n  '\nb: {}", "[".repeat(40_000)),
+    ] {
         let started = Instant::now();
         let e = WorkerSelectionConfig::from_yaml_str(&text).unwrap_err();
         assert!(
@@ -313,7 +378,8 @@ fn a_deeply_nested_config_fails_fast() {
         );
         assert!(
             matches!(e, ConfigError::TooDeep { depth, limit: MAX_CONFIG_DEPTH } if depth == MAX_CONFIG_DEPTH + 1),
-            "{e}"
+            "{}: {e}",
+            &text[..40]
         );
     }
     let toml = format!("a = {}", "[".repeat(80_000));

@@ -4,6 +4,8 @@
 //! `service::tests`).
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use selkie::*;
@@ -65,6 +67,76 @@ fn soft_affinity_falls_back_when_the_sessions_worker_is_full() {
     }
 }
 
+/// The fallback holds with a single booking attempt (the session's try is
+/// extra), and `peek` previews what `select` would do.
+#[test]
+fn soft_affinity_falls_back_with_one_attempt_and_peek_agrees() {
+    let s = service(
+        WorkerSelectionPolicy::least_loaded(),
+        ServiceConfig {
+            max_booking_attempts: 1,
+            ..ServiceConfig::default()
+        },
+    );
+    for id in [1, 2] {
+        s.add_worker(WorkerRecord::new(id).with_max_active_requests(1)).unwrap();
+    }
+    let req = SelectionRequest::new(64).with_session("c", AffinityMode::Soft);
+    let first = s.select(&req).unwrap();
+    let preview = s.peek(&req).unwrap();
+    assert_ne!(preview.worker, first.worker(), "peek sees the session's worker is full");
+    assert_eq!(preview.explanation.route, Route::Policy);
+    let second = s.select(&req).unwrap();
+    assert_eq!(second.worker(), preview.worker);
+}
+
+/// A filter that refuses worker 1 once switched on.
+struct RefuseOne(Arc<AtomicBool>);
+impl WorkerFilter for RefuseOne {
+    fn keep(&self, _: &WorkerSelectionContext<'_>, c: WorkerCandidate<'_>) -> R<bool> {
+        Ok(!(self.0.load(Ordering::Relaxed) && c.worker().worker_id == 1))
+    }
+}
+
+struct FewestActive;
+impl WorkerScorer for FewestActive {
+    fn required_worker_inputs(&self) -> WorkerInputs {
+        WorkerInputs::LOAD
+    }
+    fn score(&self, _: &WorkerSelectionContext<'_>, c: WorkerCandidates<'_>, costs: &mut [f64]) -> R<()> {
+        for (cost, c) in costs.iter_mut().zip(c.iter()) {
+            *cost = c.load().map_or(0.0, |l| l.active_requests() as f64);
+        }
+        Ok(())
+    }
+}
+
+/// A policy that refuses the session's worker (its own filter) sends the
+/// request to the rest of the fleet under soft affinity.
+#[test]
+fn soft_affinity_falls_back_when_the_policy_refuses_the_sessions_worker() {
+    let refuse = Arc::new(AtomicBool::new(false));
+    let policy = WorkerSelectionPolicy::new_with_filters(
+        KvRouterConfig::default(),
+        WorkerType::Aggregated,
+        vec![Box::new(RefuseOne(refuse.clone()))],
+        vec![Box::new(FewestActive)],
+        Box::new(First),
+    );
+    let s = service(policy, ServiceConfig::default());
+    s.add_worker(WorkerRecord::new(1)).unwrap();
+    s.add_worker(WorkerRecord::new(2)).unwrap();
+    let req = SelectionRequest::new(64).with_session("c", AffinityMode::Soft);
+    let first = s.select(&req).unwrap();
+    assert_eq!(first.worker().worker_id, 1, "the first candidate");
+    refuse.store(true, Ordering::Relaxed);
+    let second = s
+        .select(&req)
+        .expect("the policy's refusal of the session's worker falls back");
+    assert_eq!(second.worker().worker_id, 2);
+    assert_eq!(s.session_worker("c").map(|w| w.worker_id), Some(2), "rebound");
+}
+
 /// Finding: the session table kept every session ever seen (2 M unique
 /// sessions all kept; the slowest select took 776 ms, a resize under the one
 /// session mutex). The table is now bounded by `max_sessions`.
@@ -96,14 +168,13 @@ fn the_session_table_is_bounded() {
     assert!(!s.end_session("session-49999"));
 }
 
-/// Idle sessions expire on lookup and in a sweep; a new session replaces an
-/// idle one before it evicts a live one.
+/// Idle sessions expire on lookup and in a sweep.
 #[test]
 fn idle_sessions_expire() {
     let s = service(
         WorkerSelectionPolicy::least_loaded(),
         ServiceConfig {
-            session_idle_timeout: Duration::from_millis(30),
+            session_idle_timeout: Duration::from_millis(500),
             ..ServiceConfig::default()
         },
     );
@@ -117,7 +188,7 @@ fn idle_sessions_expire() {
             .unwrap(),
     );
     assert_eq!(s.expire_sessions(), 2);
-    std::thread::sleep(Duration::from_millis(60));
+    std::thread::sleep(Duration::from_millis(1100));
     assert_eq!(s.session_worker("a"), None);
     assert_eq!(s.expire_sessions(), 0);
 }

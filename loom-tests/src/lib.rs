@@ -1,11 +1,14 @@
 //! Loom models of the fleet's atomic protocols (SPEC section 7): booking
 //! against an admission limit, release, slot reuse with generations,
-//! retarget, the round-robin cursor, and select-and-book racing a removal.
+//! retarget (by row, and onto a slot that is replaced meanwhile), the
+//! round-robin cursor, select-and-book racing a removal, and retiring a row
+//! (cordon, then check for bookings) racing a booking.
 //!
 //! Each model runs twice in the same test binary: against the real protocol,
 //! where every interleaving must pass (`harness::explore`), and against a
-//! deliberately broken variant compiled into the kernel under
-//! `cfg(selkie_loom)` (`selkie_kernel::fleet::fault::Fault`), where some
+//! deliberately broken variant (compiled into the kernel under
+//! `cfg(selkie_loom)`, `selkie_kernel::fleet::fault::Fault`, or a caller
+//! that uses the kernel the wrong way), where some
 //! interleaving must fail (`harness::expect_violation`). Both print how many
 //! interleavings loom explored.
 //!

@@ -9,7 +9,8 @@
 //! * [`DiscoveryPoller`]: a thread that polls a source and applies changes,
 //!   and reports its [`DiscoveryHealth`].
 //!
-//! Nothing here reads or writes load.
+//! Nothing here books or releases load; the registry only reads a given-up
+//! row's counters to decide whether bookings still hold it.
 
 mod poller;
 mod record;

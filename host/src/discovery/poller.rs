@@ -6,7 +6,6 @@
 //! survives its source: an error or a panic in a poll is counted, reported
 //! in the health, and followed by the next poll.
 
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
@@ -29,12 +28,15 @@ pub struct DiscoveryHealth {
     pub last_error: Option<String>,
     /// Polls that panicked (in the source or while applying its snapshot).
     pub panics: u64,
+    /// Whether the polling thread is still running (false once stopped).
+    pub polling: bool,
 }
 
 impl DiscoveryHealth {
-    /// Whether the last poll succeeded (and at least one was made).
+    /// Whether the poller is running and its last poll succeeded (and at
+    /// least one was made).
     pub fn is_healthy(&self) -> bool {
-        self.last_success.is_some() && self.consecutive_failures == 0
+        self.polling && self.last_success.is_some() && self.consecutive_failures == 0
     }
 }
 
@@ -65,20 +67,9 @@ pub struct DiscoveryPoller {
     thread: Option<JoinHandle<()>>,
 }
 
-/// The text of a panic payload.
-fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
-    if let Some(s) = payload.downcast_ref::<&str>() {
-        (*s).to_owned()
-    } else if let Some(s) = payload.downcast_ref::<String>() {
-        s.clone()
-    } else {
-        "a non-string panic payload".to_owned()
-    }
-}
-
 /// One poll and apply, with its panic caught; records the outcome.
 fn poll_once(service: &WorkerSelectionService, source: &mut dyn Discovery, health: &Mutex<DiscoveryHealth>) {
-    let outcome = catch_unwind(AssertUnwindSafe(|| service.refresh(source)));
+    let outcome = crate::contain::contain_message(|| service.refresh(source));
     let mut h = health.lock().unwrap_or_else(PoisonError::into_inner);
     h.polls += 1;
     let (reason, message) = match outcome {
@@ -91,8 +82,7 @@ fn poll_once(service: &WorkerSelectionService, source: &mut dyn Discovery, healt
             tracing::warn!(error = %e, "discovery poll failed");
             (e.reason(), e.to_string())
         }
-        Err(payload) => {
-            let message = panic_message(payload.as_ref());
+        Err(message) => {
             tracing::error!(panic = %message, "discovery poll panicked; polling continues");
             h.panics += 1;
             ("panic", format!("discovery source panicked: {message}"))
@@ -132,7 +122,9 @@ impl DiscoveryPoller {
     /// How polling is going: polls made, the last success, failures since,
     /// the last error, panics caught.
     pub fn health(&self) -> DiscoveryHealth {
-        self.health.lock().unwrap_or_else(PoisonError::into_inner).clone()
+        let mut h = self.health.lock().unwrap_or_else(PoisonError::into_inner).clone();
+        h.polling = self.thread.as_ref().is_some_and(|t| !t.is_finished());
+        h
     }
 
     /// Stops polling and waits for the thread to finish.

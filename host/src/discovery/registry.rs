@@ -384,14 +384,16 @@ impl WorkerRegistry {
                         && !self.retired.contains_key(&WorkerWithDpRank::new(r.worker_id, rank))
                 })
                 .count();
-            held += new;
-            if held > HostFleet::CAPACITY {
+            if held + new > HostFleet::CAPACITY {
                 return Err(DiscoveryError::FleetFull {
                     worker_id: r.worker_id,
                     needed: new,
+                    free: HostFleet::CAPACITY.saturating_sub(held),
+                    retired: self.retired.len(),
                     capacity: HostFleet::CAPACITY,
                 });
             }
+            held += new;
         }
         Ok(())
     }
@@ -439,8 +441,9 @@ impl WorkerRegistry {
         ranks: impl Iterator<Item = DpRank>,
     ) -> Result<Vec<(DpRank, RowHandle)>, DiscoveryError> {
         // `validate` bounds the ranks by the fleet's capacity.
-        let mut rows = Vec::with_capacity(record.data_parallel_size as usize);
-        for rank in ranks {
+        let ranks: Vec<DpRank> = ranks.collect();
+        let mut rows = Vec::with_capacity(ranks.len());
+        for &rank in &ranks {
             let taken = match self.retired.remove(&WorkerWithDpRank::new(record.worker_id, rank)) {
                 Some(h) => {
                     fleet.update_row(h, record);
@@ -451,13 +454,15 @@ impl WorkerRegistry {
             match taken {
                 Some(h) => rows.push((rank, h)),
                 None => {
-                    let needed = record.data_parallel_size as usize;
+                    let taken = rows.len();
                     for (rank, h) in rows {
                         self.release_row(fleet, record.worker_id, rank, h);
                     }
                     return Err(DiscoveryError::FleetFull {
                         worker_id: record.worker_id,
-                        needed,
+                        needed: ranks.len(),
+                        free: taken,
+                        retired: self.retired.len(),
                         capacity: HostFleet::CAPACITY,
                     });
                 }
@@ -643,13 +648,22 @@ impl WorkerRegistry {
         self.check_fits(fleet, &snapshot, true)?;
         self.deferred = true;
         let mut undo = Vec::new();
-        let result = self.apply_snapshot(fleet, snapshot, &ids, &mut undo);
-        if result.is_err() {
+        // A panic part way (a metrics recorder or tracing subscriber called
+        // while applying) is undone like an error, then resumed: the
+        // snapshot applies whole or not at all either way.
+        let applied = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            self.apply_snapshot(fleet, snapshot, &ids, &mut undo)
+        }));
+        let failed = !matches!(applied, Ok(Ok(_)));
+        if failed {
             self.undo(fleet, undo);
         }
         self.deferred = false;
         self.recompute_traits();
-        result
+        match applied {
+            Ok(result) => result,
+            Err(payload) => std::panic::resume_unwind(payload),
+        }
     }
 
     fn apply_snapshot(
@@ -670,23 +684,37 @@ impl WorkerRegistry {
             undo.push(Undo::Removed(self.remove_entry(fleet, id)?));
             report.removed.push(id);
         }
+        // Rows freed first: updates in order of the rows they need (those
+        // that drop ranks before those that add them), then new workers.
+        // `check_fits` has counted the whole snapshot, so in this order no
+        // step needs a row that a later step would free.
+        let mut updates = Vec::new();
+        let mut adds = Vec::new();
         for r in snapshot {
             match self.workers.get(&r.worker_id) {
-                None => {
-                    let id = r.worker_id;
-                    self.add_checked(fleet, r)?;
-                    undo.push(Undo::Added(id));
-                    report.added.push(id);
-                }
+                None => adds.push(r),
                 Some(e) if e.record != r => {
-                    let old = e.record.clone();
-                    let id = r.worker_id;
-                    self.update_checked(fleet, r)?;
-                    undo.push(Undo::Updated(old));
-                    report.updated.push(id);
+                    let (now, new) = (e.record.dp_ranks(), r.dp_ranks());
+                    let needs = new.clone().filter(|k| !now.contains(k)).count() as i64;
+                    let frees = now.filter(|k| !new.contains(k)).count() as i64;
+                    updates.push((needs - frees, r));
                 }
                 Some(_) => {}
             }
+        }
+        updates.sort_by_key(|(net, r)| (*net, r.worker_id));
+        for (_, r) in updates {
+            let old = self.workers[&r.worker_id].record.clone();
+            let id = r.worker_id;
+            self.update_checked(fleet, r)?;
+            undo.push(Undo::Updated(old));
+            report.updated.push(id);
+        }
+        for r in adds {
+            let id = r.worker_id;
+            self.add_checked(fleet, r)?;
+            undo.push(Undo::Added(id));
+            report.added.push(id);
         }
         report.added.sort_unstable();
         report.updated.sort_unstable();

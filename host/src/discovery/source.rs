@@ -23,21 +23,20 @@ use crate::types::WorkerId;
 /// good state, so a later `poll` can succeed.
 ///
 /// A snapshot the service refuses (an invalid record, a fleet too small for
-/// it) changes nothing, and [`crate::WorkerSelectionService::refresh`] then
-/// calls [`snapshot_refused`](Discovery::snapshot_refused): the source must
-/// return the current workers again on its next `poll` rather than `None`,
-/// so the service retries until the snapshot applies (once bookings that
-/// held rows have ended, say) instead of keeping stale workers until the
-/// source changes. Both sources that ship with selkie do this; a custom
-/// source that keeps a "last seen" mark should forget it there.
+/// it) changes nothing. [`crate::WorkerSelectionService::refresh`] keeps it
+/// and tries it again whenever a later `poll` reports no change, until it
+/// applies (once bookings that held rows have ended, say) or the source
+/// delivers a newer snapshot; so a source never has to deliver a snapshot
+/// twice. It is also told, through
+/// [`snapshot_refused`](Discovery::snapshot_refused) (the built-in sources
+/// then re-read their input on the next `poll`).
 pub trait Discovery: Send {
     /// The current workers if they may have changed since the last call.
     fn poll(&mut self) -> Result<Option<Vec<WorkerRecord>>, DiscoveryError>;
 
-    /// The snapshot returned by the last `poll` was refused with `error`:
-    /// the next `poll` must return a snapshot even if nothing changed. The
-    /// default does nothing, so such a source delivers it again only when it
-    /// changes.
+    /// The snapshot returned by the last `poll` was refused with `error`.
+    /// The service retries it by itself; a source may use this to log, or
+    /// to re-read its input on the next `poll`. The default does nothing.
     fn snapshot_refused(&mut self, error: &DiscoveryError) {
         let _ = error;
     }
@@ -237,7 +236,21 @@ impl Discovery for FileDiscovery {
                 limit: Self::MAX_FILE_BYTES,
             });
         }
-        let bytes = std::fs::read(&self.path).map_err(io)?;
+        // Read at most one byte past the limit: the file may have grown
+        // since its metadata was read.
+        let mut bytes = Vec::with_capacity(len.min(Self::MAX_FILE_BYTES) as usize);
+        std::io::Read::read_to_end(
+            &mut std::io::Read::take(std::fs::File::open(&self.path).map_err(io)?, Self::MAX_FILE_BYTES + 1),
+            &mut bytes,
+        )
+        .map_err(io)?;
+        if bytes.len() as u64 > Self::MAX_FILE_BYTES {
+            return Err(DiscoveryError::FileTooLarge {
+                path: self.path.clone(),
+                len: bytes.len() as u64,
+                limit: Self::MAX_FILE_BYTES,
+            });
+        }
         let seen = Seen {
             modified,
             len,

@@ -16,11 +16,10 @@
 //! [`WorkerSelectionPolicyError::PluginPanicked`] for this request only.
 //! Buffers come from the thread's scratch; nothing is allocated once warm.
 
-use std::panic::{catch_unwind, AssertUnwindSafe};
-
 use selkie_kernel::lanes::{F32Source, U32Source};
 
 use super::{Choice, Composed, Env};
+use crate::contain::contain_message;
 use crate::error::{PluginKind, SelectionError, WorkerSelectionPolicyError};
 use crate::explain::Branch;
 use crate::filter::for_each_row;
@@ -29,31 +28,6 @@ use crate::plugin::{
     WorkerInputView, WorkerInputs, WorkerLoadInput, WorkerOccupancy,
 };
 use crate::service::scratch::Scratch;
-
-/// Runs `f`; a panic becomes `Err(message)`. Nothing of the panic escapes:
-/// a payload whose own `Drop` panics is dropped under a second guard, and a
-/// payload of *that* panic is leaked rather than dropped.
-pub(crate) fn contain_message<T>(f: impl FnOnce() -> T) -> Result<T, String> {
-    match catch_unwind(AssertUnwindSafe(f)) {
-        Ok(r) => Ok(r),
-        Err(payload) => {
-            let message = payload
-                .downcast_ref::<&str>()
-                .map(|s| (*s).to_owned())
-                .or_else(|| payload.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "non-string panic payload".to_owned());
-            if let Err(again) = catch_unwind(AssertUnwindSafe(move || drop(payload))) {
-                std::mem::forget(again);
-            }
-            Err(message)
-        }
-    }
-}
-
-/// Runs `f`, turning a panic into `None` (see [`contain_message`]).
-pub(crate) fn contain<T>(f: impl FnOnce() -> T) -> Option<T> {
-    contain_message(f).ok()
-}
 
 /// Runs one plugin call, turning a panic into an error.
 pub(crate) fn guarded<T>(

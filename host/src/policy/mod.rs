@@ -132,7 +132,12 @@ pub(crate) struct Plugin<P: ?Sized> {
 
 /// The name a plugin gives, or a placeholder if asking panics.
 fn plugin_name(name: impl FnOnce() -> &'static str) -> &'static str {
-    composed::contain(name).unwrap_or("<name() panicked>")
+    crate::contain::contain(name).unwrap_or("<name() panicked>")
+}
+
+/// The inputs a plugin declares, or every input if asking panics.
+fn plugin_inputs(inputs: impl FnOnce() -> WorkerInputs) -> WorkerInputs {
+    crate::contain::contain(inputs).unwrap_or(WorkerInputs::ALL)
 }
 
 pub(crate) struct Composed {
@@ -188,7 +193,7 @@ impl WorkerSelectionPolicy {
         let filters: Vec<_> = filters
             .into_iter()
             .map(|f| Plugin {
-                inputs: f.required_worker_inputs(),
+                inputs: plugin_inputs(|| f.required_worker_inputs()),
                 name: plugin_name(|| f.name()),
                 plugin: f,
             })
@@ -196,13 +201,13 @@ impl WorkerSelectionPolicy {
         let scorers: Vec<_> = scorers
             .into_iter()
             .map(|s| Plugin {
-                inputs: s.required_worker_inputs(),
+                inputs: plugin_inputs(|| s.required_worker_inputs()),
                 name: plugin_name(|| s.name()),
                 plugin: s,
             })
             .collect();
         let picker = Plugin {
-            inputs: picker.required_worker_inputs(),
+            inputs: plugin_inputs(|| picker.required_worker_inputs()),
             name: plugin_name(|| picker.name()),
             plugin: picker,
         };

@@ -61,9 +61,12 @@ pub struct ServiceConfig {
     /// Sessions idle longer than this forget their worker (default 10 min).
     pub session_idle_timeout: Duration,
     /// Sessions remembered at most (default 65,536; rounded up to a power
-    /// of two of 8-session buckets). Past it, a new session replaces an
-    /// idle one, else the least recently used one of its bucket
-    /// (`selkie_session_evictions_total`). The table takes about 40 bytes
+    /// of two of 8-session buckets, at most 4,194,304). Size it at about
+    /// 1.2x the sessions live at once: each session may sit in one of two
+    /// buckets, and a new session whose two buckets are both full of live
+    /// sessions evicts the least recently used of them
+    /// (`selkie_session_evictions_total`); at 75% of the capacity 99.9% of
+    /// live sessions are kept, at 90% 99%. The table takes about 40 bytes
     /// per session, allocated on the first session-carrying request.
     pub max_sessions: usize,
     /// Seed for every random choice (`None`: seeded per thread from the
@@ -103,6 +106,9 @@ pub struct WorkerSelectionService {
     policy: WorkerSelectionPolicy,
     config: ServiceConfig,
     sessions: SessionTable,
+    /// The last snapshot `refresh` could not apply, retried by later
+    /// refreshes.
+    refused: Mutex<Option<Vec<WorkerRecord>>>,
     seed_counter: AtomicU64,
     selections: Counter,
 }
@@ -118,6 +124,7 @@ impl WorkerSelectionService {
             id: SERVICE_IDS.fetch_add(1, Ordering::Relaxed),
             selections: metrics::counter!("selkie_selections_total", "policy" => policy.name()),
             sessions: SessionTable::new(config.session_idle_timeout, config.max_sessions),
+            refused: Mutex::new(None),
             seed_counter: AtomicU64::new(0),
             policy,
             config,
@@ -182,19 +189,30 @@ impl WorkerSelectionService {
 
     /// Polls `source` once and applies its snapshot if it changed.
     ///
-    /// A snapshot that [`sync`](Self::sync) refuses changes nothing and is
-    /// reported to the source ([`Discovery::snapshot_refused`]), which
-    /// delivers it again on the next refresh.
+    /// A snapshot that [`sync`](Self::sync) refuses changes nothing; the
+    /// service keeps it and tries it again on every later refresh whose
+    /// poll reports no change, until it applies (e.g. once the bookings that
+    /// held the rows it needs have ended) or the source delivers a newer
+    /// one. The source is told too ([`Discovery::snapshot_refused`]).
     pub fn refresh(&self, source: &mut dyn Discovery) -> Result<Option<SyncReport>, DiscoveryError> {
-        match source.poll()? {
-            Some(snapshot) => match self.sync(snapshot) {
-                Ok(report) => Ok(Some(report)),
-                Err(e) => {
-                    source.snapshot_refused(&e);
-                    Err(e)
-                }
+        let snapshot = match source.poll()? {
+            Some(snapshot) => snapshot,
+            None => match self.refused.lock().unwrap_or_else(PoisonError::into_inner).clone() {
+                Some(refused) => refused,
+                None => return Ok(None),
             },
-            None => Ok(None),
+        };
+        let kept = snapshot.clone();
+        match self.sync(snapshot) {
+            Ok(report) => {
+                *self.refused.lock().unwrap_or_else(PoisonError::into_inner) = None;
+                Ok(Some(report))
+            }
+            Err(e) => {
+                *self.refused.lock().unwrap_or_else(PoisonError::into_inner) = Some(kept);
+                source.snapshot_refused(&e);
+                Err(e)
+            }
         }
     }
 

@@ -133,14 +133,14 @@ impl WorkerSelectionService {
         };
         // Soft affinity: try the session's row first; if it refuses the
         // booking, fall back to the rest of the eligible rows.
-        let mut fallback = false;
+        let mut soft_row = None;
         if let Some(w) = soft {
             if let Some(row) = reg.row_of(w).filter(|&r| r < rows && mask::contains(&s.mask, r)) {
                 s.rest[..nw].copy_from_slice(&s.mask[..nw]);
                 s.mask[..nw].fill(0);
                 s.mask[row / 64] |= 1 << (row % 64);
                 route = Route::SessionSoft;
-                fallback = true;
+                soft_row = Some(row);
             }
         }
         let ctx = WorkerSelectionContext {
@@ -160,13 +160,40 @@ impl WorkerSelectionService {
             explain: req.explain || preview,
         };
         let request_blocks = req.request_blocks(self.config.block_size);
-        let attempts = self.config.max_booking_attempts.max(1);
-        for _ in 0..attempts {
-            let choice = self.policy.choose(&env, s, rng)?;
+        // The soft session's try does not count against the attempts.
+        let mut attempts = self.config.max_booking_attempts.max(1) + u32::from(soft_row.is_some());
+        while attempts > 0 {
+            attempts -= 1;
+            // Leaves soft affinity: the rest of the eligible rows, without
+            // the session's row, go to the policy.
+            let leave_soft = |s: &mut Scratch, row: usize| {
+                let Scratch { mask: words, rest, .. } = s;
+                words[..nw].copy_from_slice(&rest[..nw]);
+                words[row / 64] &= !(1u64 << (row % 64));
+            };
+            let choice = match self.policy.choose(&env, s, rng) {
+                Ok(c) => c,
+                Err(e) if soft_row.is_some() => {
+                    // The policy refused the session's worker (a custom
+                    // filter, say): a normal selection instead.
+                    tracing::debug!(error = %e, "soft session's worker refused by the policy");
+                    leave_soft(s, soft_row.take().unwrap_or_default());
+                    route = Route::Policy;
+                    continue;
+                }
+                Err(e) => return Err(e),
+            };
             let meta = reg
                 .row(choice.row)
                 .ok_or(SelectionError::AllEligibleWorkersOverloaded)?;
             let worker = meta.worker();
+            if preview && soft_row.is_some() && self.at_admission_limit(choice.row) {
+                // What select would do: the session's worker would refuse
+                // the booking, so the request would go elsewhere.
+                leave_soft(s, choice.row);
+                (soft_row, route) = (None, Route::Policy);
+                continue;
+            }
             let explanation = Explanation {
                 policy: self.policy.name(),
                 route,
@@ -214,14 +241,11 @@ impl WorkerSelectionService {
                     tracing::debug!(worker = %worker, error = %e, "booking refused; rescanning");
                     metrics::counter!("selkie_rejections_total", "reason" => "booking_refused").increment(1);
                     s.mask[choice.row / 64] &= !(1u64 << (choice.row % 64));
-                    if fallback {
+                    if soft_row.take().is_some() {
                         // The session's worker is full: the rest of the
                         // fleet, without the refused row, by the policy.
-                        fallback = false;
+                        leave_soft(s, choice.row);
                         route = Route::Policy;
-                        let Scratch { mask: words, rest, .. } = &mut *s;
-                        words[..nw].copy_from_slice(&rest[..nw]);
-                        words[choice.row / 64] &= !(1u64 << (choice.row % 64));
                     }
                     if mask::count(&s.mask, rows) == 0 {
                         break;
@@ -235,6 +259,15 @@ impl WorkerSelectionService {
             },
             None => SelectionError::AllEligibleWorkersOverloaded,
         })
+    }
+}
+
+impl WorkerSelectionService {
+    /// Whether `row`'s worker is at its admission limit now (a booking
+    /// would be refused).
+    fn at_admission_limit(&self, row: usize) -> bool {
+        let active = self.fleet.outstanding(row).map_or(0, |o| o.requests);
+        self.fleet.worker(row).is_some_and(|w| active >= w.admission_limit)
     }
 }
 

@@ -211,7 +211,9 @@ fn workers_added_mid_selection_neither_panic_nor_refuse() {
 /// Finding: rows claimed by an add the fleet refused raised the scan length
 /// for good (16 workers, then a refused 16,370-rank worker: every selection
 /// scanned 16,384 rows). The scan length is the snapshot's highest row: a
-/// refused add leaves it alone, and removing the top workers shortens it.
+/// refused add leaves it alone (it is now refused before it claims a row,
+/// too), and removing the top workers shortens it (which tells the two
+/// apart: the fleet's own high-water mark never shrinks).
 #[test]
 fn scans_cover_the_registered_rows_only() {
     let s = WorkerSelectionService::new(WorkerSelectionPolicy::least_loaded(), ServiceConfig::default());

@@ -185,7 +185,7 @@ impl<F: Deref<Target = Fleet<GROUPS>>, const GROUPS: usize> Booking<F, GROUPS> {
     /// target was resolved from a worker id, so the request is never booked
     /// on a worker other than the one named.
     pub fn retarget_slot(&mut self, slot: SlotId) -> Result<(), BookError> {
-        if slot == self.slot() {
+        if slot == self.slot() && self.fleet.slot_id(slot.row as usize) == Some(slot) {
             return Ok(());
         }
         let load = BookLoad {

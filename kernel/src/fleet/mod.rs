@@ -311,7 +311,7 @@ impl<const GROUPS: usize> Fleet<GROUPS> {
     pub fn view(&self, rows: usize) -> FleetView<'_, GROUPS> {
         FleetView {
             fleet: self,
-            rows: padded_rows(rows).min(Self::CAPACITY),
+            rows: padded_rows(rows.min(Self::CAPACITY)),
         }
     }
 

@@ -117,4 +117,27 @@ impl<const GROUPS: usize> Fleet<GROUPS> {
             decode_blocks: value_of(self.active_decode_blocks.at(row).load(Ordering::Acquire)),
         })
     }
+
+    /// Whether no booking holds anything on `row` any more, for a row the
+    /// caller has just taken out of rotation ([`set_state`](Self::set_state)
+    /// to Draining or Cordoned) and wants to free if nothing is left on it.
+    ///
+    /// A booking racing with the state change either fails its re-check of
+    /// the state (and undoes itself) or is seen here: the counters are read
+    /// with read-modify-writes (adding zero), which read the latest value
+    /// and synchronize with the booking's compare-and-swap, so that a plain
+    /// load's store-buffering window (each side missing the other's write)
+    /// cannot occur. `true` past the capacity.
+    pub fn is_drained(&self, row: usize) -> bool {
+        if !Self::in_range(row) {
+            return true;
+        }
+        [
+            &self.active_requests,
+            &self.active_prefill_tokens,
+            &self.active_decode_blocks,
+        ]
+        .iter()
+        .all(|c| value_of(c.at(row).fetch_add(0, Ordering::AcqRel)) == 0)
+    }
 }

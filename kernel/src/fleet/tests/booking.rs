@@ -259,6 +259,15 @@ fn retarget_slot_refuses_a_row_taken_by_another_worker() {
     assert_eq!((out(&fleet, 0), out(&fleet, 1)), (held(0, 0, 0), held(1, 5, 1)));
     b.retarget_slot(newcomer).unwrap();
     assert_eq!(out(&fleet, 1), held(1, 5, 1), "retarget to its own slot is a no-op");
+    // Its own slot, emptied meanwhile: refused like any other.
+    fleet.remove(newcomer).unwrap();
+    assert_eq!(
+        b.retarget_slot(newcomer).unwrap_err(),
+        BookError::NotLive {
+            row: newcomer.row,
+            state: SlotState::Empty
+        }
+    );
     drop(b);
     assert_eq!(out(&fleet, 1), held(0, 0, 0));
 }
