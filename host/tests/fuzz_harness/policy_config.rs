@@ -119,6 +119,15 @@ pub fn check(input: &Input) {
     let config = match parsed {
         Ok(c) => c,
         Err(ConfigError::Parse(_) | ConfigError::Validation(_) | ConfigError::UnknownInstance { .. }) => return,
+        // The bounds checked before parsing: only for text past them.
+        Err(ConfigError::TooLarge { len, limit }) => {
+            assert!(len > limit && limit == MAX_CONFIG_BYTES, "too large: {len} > {limit}");
+            return;
+        }
+        Err(ConfigError::TooDeep { depth, limit }) => {
+            assert!(depth > limit && limit == MAX_CONFIG_DEPTH, "too deep: {depth} > {limit}");
+            return;
+        }
         Err(e) => panic!("parsing gave an unexpected error kind: {e:?}"),
     };
     let registry = registry();
