@@ -20,6 +20,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use selkie_kernel::lanes::{F32Source, U32Source};
 
+use super::scratch::Scratch;
 use super::{Choice, Composed, Env};
 use crate::error::{PluginKind, SelectionError, WorkerSelectionPolicyError};
 use crate::explain::Branch;
@@ -28,7 +29,6 @@ use crate::plugin::{
     CandidateData, PickerColumns, ScoredWorkerCandidate, WorkerCacheInput, WorkerCandidate, WorkerCandidates,
     WorkerInputView, WorkerInputs, WorkerLoadInput, WorkerOccupancy,
 };
-use crate::service::scratch::Scratch;
 
 /// Runs `f`; a panic becomes `Err(message)`. Nothing of the panic escapes:
 /// a payload whose own `Drop` panics is dropped under a second guard, and a
