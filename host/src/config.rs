@@ -43,7 +43,7 @@ use std::path::Path;
 use serde::Deserialize;
 
 use crate::error::ConfigError;
-use crate::registry::{WorkerSelectionPolicyFactory, WorkerSelectionPolicyParameters, WorkerSelectionPolicyRegistry};
+use crate::policy::{WorkerSelectionPolicyFactory, WorkerSelectionPolicyParameters, WorkerSelectionPolicyRegistry};
 use crate::types::WorkerType;
 
 /// The longest config text accepted (1 MiB).

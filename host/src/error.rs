@@ -8,10 +8,13 @@
 //! * [`WorkerSelectionPolicyError`]: a policy broke its contract (non-finite
 //!   cost, out-of-range pick, panic) or reported its own failure.
 //! * [`DiscoveryError`]: a worker table change was refused.
-//! * [`RegistryError`] and [`ConfigError`]: start-up problems.
+//! * [`RegistryError`], [`WorkerSelectionPolicyProviderError`] and
+//!   [`ConfigError`]: start-up problems.
 //!
 //! Errors name the worker, row, scorer or limit involved. This module must not
-//! contain logic beyond formatting.
+//! contain logic beyond formatting, and it sits at the bottom of the host's
+//! layers: it names only the plain types (`crate::types`), never discovery,
+//! policies or the service.
 
 use std::path::PathBuf;
 
@@ -362,8 +365,24 @@ pub enum RegistryError {
         policy_type: String,
         /// The provider's error.
         #[source]
-        source: crate::registry::WorkerSelectionPolicyProviderError,
+        source: WorkerSelectionPolicyProviderError,
     },
+}
+
+/// A provider rejected its parameters.
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+#[error("{message}")]
+pub struct WorkerSelectionPolicyProviderError {
+    message: String,
+}
+
+impl WorkerSelectionPolicyProviderError {
+    /// An error with a message for start-up diagnostics.
+    pub fn new(message: impl Into<String>) -> Self {
+        WorkerSelectionPolicyProviderError {
+            message: message.into(),
+        }
+    }
 }
 
 /// A worker-selection configuration file was refused.

@@ -10,19 +10,17 @@ mod filter;
 mod fleet;
 mod plugin;
 mod policy;
-mod registry;
 mod request;
 mod service;
 mod types;
 
 pub use config::{WorkerSelectionConfig, WorkerSelectionInstance, MAX_CONFIG_BYTES, MAX_CONFIG_DEPTH};
 pub use discovery::{
-    BusyThresholds, DeviceKind, Discovery, DiscoveryHealth, DiscoveryPoller, FileDiscovery, InMemoryDiscovery,
-    SyncReport, WorkerRecord, WorkerState,
+    BusyThresholds, DeviceKind, Discovery, FileDiscovery, InMemoryDiscovery, SyncReport, WorkerRecord, WorkerState,
 };
 pub use error::{
     BookingError, ConfigError, DiscoveryError, PluginKind, RegistryError, SelectionError, UnavailableReason,
-    WorkerSelectionPolicyError,
+    WorkerSelectionPolicyError, WorkerSelectionPolicyProviderError,
 };
 pub use explain::{Branch, Explanation, Route};
 pub use fleet::{KernelFleet, FLEET_GROUPS};
@@ -30,15 +28,15 @@ pub use plugin::{
     ScoredWorkerCandidate, WorkerCacheInput, WorkerCandidate, WorkerCandidates, WorkerFilter, WorkerInputView,
     WorkerInputs, WorkerLoadInput, WorkerOccupancy, WorkerPicker, WorkerScorer, WorkerSelectionContext,
 };
-pub use policy::{DeviceAwareConfig, KvRouterConfig, WorkerSelectionPolicy};
-pub use registry::{
-    WorkerSelectionPolicyFactory, WorkerSelectionPolicyParameters, WorkerSelectionPolicyProvider,
-    WorkerSelectionPolicyProviderError, WorkerSelectionPolicyRegistry, BUILTIN_ALIASES, BUILTIN_POLICIES,
+pub use policy::{
+    DeviceAwareConfig, KvRouterConfig, WorkerSelectionPolicy, WorkerSelectionPolicyFactory,
+    WorkerSelectionPolicyParameters, WorkerSelectionPolicyProvider, WorkerSelectionPolicyRegistry, BUILTIN_ALIASES,
+    BUILTIN_POLICIES,
 };
 pub use request::{AffinityMode, KvCostOverrides, Pin, SelectionRequest, SessionAffinity, WorkerOverlap};
 pub use service::{
-    Booked, FleetHandle, OwnedSelection, Preview, RankStatus, Selection, ServiceConfig, WorkerSelectionService,
-    WorkerStatus,
+    Booked, DiscoveryHealth, DiscoveryPoller, FleetHandle, OwnedSelection, Preview, RankStatus, Selection,
+    ServiceConfig, WorkerSelectionService, WorkerStatus,
 };
 pub use types::{DpRank, RoutingPartitionRef, WorkerId, WorkerType, WorkerWithDpRank};
 

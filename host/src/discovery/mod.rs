@@ -6,18 +6,17 @@
 //! * [`Discovery`], with [`InMemoryDiscovery`] and [`FileDiscovery`].
 //! * The registry that turns records into kernel fleet rows (crate-private;
 //!   reached through [`crate::WorkerSelectionService`]).
-//! * [`DiscoveryPoller`]: a thread that polls a source and applies changes,
-//!   and reports its [`DiscoveryHealth`].
 //!
-//! Nothing here books or releases load; the registry only reads a given-up
-//! row's counters to decide whether bookings still hold it.
+//! Nothing here books or releases load (the registry only reads a given-up
+//! row's counters to decide whether bookings still hold it), and nothing
+//! here names the service, the policies or the filters: discovery sits
+//! below them. Driving a source into a service on a thread is the service's
+//! job ([`DiscoveryPoller`](crate::DiscoveryPoller)).
 
-mod poller;
 mod record;
 pub(crate) mod registry;
 mod source;
 
-pub use poller::{DiscoveryHealth, DiscoveryPoller};
 pub use record::{BusyThresholds, DeviceKind, WorkerRecord, WorkerState};
 pub use registry::SyncReport;
 pub use source::{Discovery, FileDiscovery, InMemoryDiscovery};

@@ -1,22 +1,15 @@
 //! The worker registry: discovery's view of the fleet, and the one place that
-//! adds, updates and removes the kernel's rows.
+//! decides which workers hold the kernel's rows.
 //!
 //! Each data-parallel rank of a worker is one fleet row. The registry keeps,
-//! per row, what the hard filters need (the worker's record, its rank, its
-//! busy limits) and, per worker, its rows. It is changed under the service's
-//! write lock and read under its read lock; it never books or releases load.
-//!
-//! # Retired rows
-//!
-//! A worker that leaves while requests are in flight on it must not forget
-//! them: if it comes back before they finish, its admission limit must still
-//! count them. So a row given up while a booking holds load on it (the
-//! worker removed, or the rank dropped by an update) is *retired*: cordoned
-//! in the fleet (no new bookings), absent from the worker table, and kept
-//! with its counters and generation. If the same worker rank is added again
-//! meanwhile, it gets that row back, and the old bookings release into it.
-//! Retired rows whose bookings have all ended are freed at the start of the
-//! next change.
+//! per worker, a [`WorkerEntry`]: what the hard filters need (the worker's
+//! record, its busy limits, its overload mark) and its rows. Which row holds
+//! which worker rank, the per-row masks and the retired rows (kept while
+//! bookings hold them) live in the fleet's row index
+//! ([`RowIndex`](crate::fleet::rows::RowIndex)), which stores the entries
+//! and which the registry derefs to. It is changed under the service's
+//! write lock and read under its read lock; it never books or releases
+//! load, and it names nothing above discovery.
 //!
 //! # Whole snapshots
 //!
@@ -25,14 +18,16 @@
 //! did if the fleet still refuses a row part way.
 
 use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
+use std::ops::Deref;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use metrics::Counter;
+use selkie_kernel::fleet::{WorkerSpec, WorkerState as KernelState, UNLIMITED};
 
-use super::record::{BusyThresholds, WorkerRecord, WorkerState};
+use super::record::{BusyThresholds, DeviceKind, WorkerRecord, WorkerState};
 use crate::error::DiscoveryError;
+use crate::fleet::rows::{self, FleetTraits, RowIndex, RowOwner};
 use crate::fleet::{HostFleet, RowHandle};
 use crate::types::{DpRank, WorkerId, WorkerWithDpRank};
 
@@ -51,18 +46,50 @@ pub(crate) struct WorkerEntry {
     pub(crate) selections: Counter,
 }
 
-/// What the registry keeps per fleet row.
-#[derive(Clone)]
-pub(crate) struct RowMeta {
-    pub(crate) entry: Arc<WorkerEntry>,
-    pub(crate) dp_rank: DpRank,
-    /// The kernel occupancy this row meta describes (bookings check it).
-    pub(crate) handle: RowHandle,
+impl RowOwner for WorkerEntry {
+    #[inline]
+    fn worker_id(&self) -> WorkerId {
+        self.record.worker_id
+    }
+    #[inline]
+    fn rows(&self) -> &[(DpRank, RowHandle)] {
+        &self.rows
+    }
+    fn traits(&self) -> FleetTraits {
+        FleetTraits {
+            multi_rank: self.record.data_parallel_size > 1,
+            weighted: self.record.capacity_weight != 1.0,
+            thresholds: self.decode_limit != u64::MAX || self.prefill_limit != u64::MAX,
+        }
+    }
+    fn is_cpu(&self) -> bool {
+        self.record.device == DeviceKind::Cpu
+    }
+    fn is_overloaded(&self) -> bool {
+        self.overloaded.load(Ordering::Relaxed)
+    }
 }
 
-impl RowMeta {
-    pub(crate) fn worker(&self) -> WorkerWithDpRank {
-        WorkerWithDpRank::new(self.entry.record.worker_id, self.dp_rank)
+/// What the row index keeps per fleet row: a worker entry, its rank and
+/// its row.
+pub(crate) type RowMeta = rows::RowMeta<WorkerEntry>;
+
+/// The kernel's description of `record`'s `rank`.
+fn row_spec(record: &WorkerRecord, rank: DpRank) -> WorkerSpec {
+    WorkerSpec {
+        worker_id: record.worker_id,
+        dp_rank: rank,
+        capacity_weight: record.capacity_weight,
+        admission_limit: record.max_active_requests.unwrap_or(UNLIMITED),
+    }
+}
+
+/// The kernel's state for a worker state.
+fn kernel_state(s: WorkerState) -> KernelState {
+    match s {
+        WorkerState::Live => KernelState::Live,
+        WorkerState::Draining => KernelState::Draining,
+        WorkerState::Cordoned => KernelState::Cordoned,
     }
 }
 
@@ -84,43 +111,6 @@ impl SyncReport {
     }
 }
 
-/// Facts about the whole fleet that let the selection path skip work.
-#[derive(Clone, Copy, Debug, Default)]
-pub(crate) struct FleetTraits {
-    /// Some worker has more than one rank.
-    pub(crate) multi_rank: bool,
-    /// Some worker has a capacity weight other than 1.
-    pub(crate) weighted: bool,
-    /// Some worker has a busy threshold.
-    pub(crate) thresholds: bool,
-}
-
-/// A hasher for worker ids: one multiply and a fold (ids are not
-/// attacker-chosen, and the overlap scatter looks one up per overlap entry
-/// on the selection path, so SipHash's cost would show).
-#[derive(Default)]
-pub(crate) struct IdHasher(u64);
-
-impl Hasher for IdHasher {
-    fn finish(&self) -> u64 {
-        let m = (self.0 as u128).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        (m as u64) ^ ((m >> 64) as u64)
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = (self.0.rotate_left(8)) ^ u64::from(b);
-        }
-    }
-    fn write_u64(&mut self, v: u64) {
-        self.0 = self.0.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ v;
-    }
-    fn write_u32(&mut self, v: u32) {
-        self.write_u64(u64::from(v));
-    }
-}
-
-type IdMap<K, V> = HashMap<K, V, BuildHasherDefault<IdHasher>>;
-
 /// The worker registry (see the module docs).
 ///
 /// Cloned into immutable snapshots for the selection path (see
@@ -128,138 +118,32 @@ type IdMap<K, V> = HashMap<K, V, BuildHasherDefault<IdHasher>>;
 /// with its `SlotId` and a reused row refuses the booking.
 #[derive(Clone)]
 pub(crate) struct WorkerRegistry {
-    workers: IdMap<WorkerId, Arc<WorkerEntry>>,
-    /// Row of each worker rank, stored inline (the overlap scatter looks
-    /// one up per overlap entry without touching the worker entries).
-    rank_rows: IdMap<WorkerWithDpRank, u32>,
-    /// The same, sorted by worker rank, for merging with sorted overlaps.
-    sorted_ranks: Vec<(WorkerWithDpRank, u32)>,
-    /// Per row: the row of its worker's first rank (per-worker load sums).
-    leaders: Vec<u32>,
-    rows: Vec<Option<RowMeta>>,
+    /// The workers and their rows.
+    index: RowIndex<WorkerEntry>,
     defaults: BusyThresholds,
-    traits: FleetTraits,
     overloaded_marks: usize,
-    /// Rows of CPU workers (device-aware policy).
-    cpu_rows: Vec<u64>,
-    /// Rows this registry has a [`RowMeta`] for.
-    known_rows: Vec<u64>,
-    /// Rows of workers marked overloaded (`set_overloaded`).
-    overloaded_rows: Vec<u64>,
-    /// Rows of workers with a busy threshold (checked against their load).
-    threshold_rows: Vec<u64>,
-    /// One past the highest row with a [`RowMeta`], in whole lane groups:
-    /// the rows a selection on this snapshot scans. It shrinks when the top
-    /// rows go, and a refused add never raises it.
-    scan_rows: usize,
-    /// Rows given up (worker removed, rank dropped) while bookings held load
-    /// on them: cordoned in the fleet, absent from `rows`, freed once drained,
-    /// and given back if the same worker rank returns first.
-    retired: IdMap<WorkerWithDpRank, RowHandle>,
-    /// Inside `sync`: derived data is recomputed once at the end.
-    deferred: bool,
+}
+
+/// Read access to the row index (rows, ranks, masks, workers).
+impl Deref for WorkerRegistry {
+    type Target = RowIndex<WorkerEntry>;
+    #[inline]
+    fn deref(&self) -> &RowIndex<WorkerEntry> {
+        &self.index
+    }
 }
 
 impl WorkerRegistry {
     pub(crate) fn new(defaults: BusyThresholds) -> Self {
         WorkerRegistry {
-            workers: IdMap::default(),
-            rank_rows: IdMap::default(),
-            sorted_ranks: Vec::new(),
-            leaders: Vec::new(),
-            rows: Vec::new(),
+            index: RowIndex::new(),
             defaults,
-            traits: FleetTraits::default(),
             overloaded_marks: 0,
-            cpu_rows: Vec::new(),
-            known_rows: Vec::new(),
-            overloaded_rows: Vec::new(),
-            threshold_rows: Vec::new(),
-            scan_rows: 0,
-            retired: IdMap::default(),
-            deferred: false,
         }
-    }
-
-    pub(crate) fn len(&self) -> usize {
-        self.workers.len()
-    }
-
-    pub(crate) fn get(&self, worker_id: WorkerId) -> Option<&Arc<WorkerEntry>> {
-        self.workers.get(&worker_id)
-    }
-
-    pub(crate) fn row(&self, row: usize) -> Option<&RowMeta> {
-        self.rows.get(row).and_then(Option::as_ref)
-    }
-
-    #[inline]
-    pub(crate) fn row_of(&self, w: WorkerWithDpRank) -> Option<usize> {
-        self.rank_rows.get(&w).map(|&r| r as usize)
-    }
-
-    /// Every worker rank and its row, sorted by worker rank.
-    pub(crate) fn sorted_ranks(&self) -> &[(WorkerWithDpRank, u32)] {
-        &self.sorted_ranks
-    }
-
-    fn index_rank(&mut self, w: WorkerWithDpRank, row: usize) {
-        self.rank_rows.insert(w, row as u32);
-        match self.sorted_ranks.binary_search_by_key(&w, |e| e.0) {
-            Ok(i) => self.sorted_ranks[i].1 = row as u32,
-            Err(i) => self.sorted_ranks.insert(i, (w, row as u32)),
-        }
-    }
-
-    fn unindex_rank(&mut self, w: WorkerWithDpRank) {
-        self.rank_rows.remove(&w);
-        if let Ok(i) = self.sorted_ranks.binary_search_by_key(&w, |e| e.0) {
-            self.sorted_ranks.remove(i);
-        }
-    }
-
-    pub(crate) fn traits(&self) -> FleetTraits {
-        self.traits
-    }
-
-    /// The row of `row`'s worker's first rank.
-    #[inline]
-    pub(crate) fn leader(&self, row: usize) -> Option<usize> {
-        self.leaders.get(row).map(|&l| l as usize)
-    }
-
-    /// Rows with a worker in this registry, as mask words.
-    pub(crate) fn known_rows(&self) -> &[u64] {
-        &self.known_rows
-    }
-
-    /// Rows of CPU workers, as mask words.
-    pub(crate) fn cpu_rows(&self) -> &[u64] {
-        &self.cpu_rows
     }
 
     pub(crate) fn any_overloaded_mark(&self) -> bool {
         self.overloaded_marks > 0
-    }
-
-    /// Rows of workers marked overloaded, as mask words.
-    pub(crate) fn overloaded_rows(&self) -> &[u64] {
-        &self.overloaded_rows
-    }
-
-    /// Rows of workers with a busy threshold, as mask words.
-    pub(crate) fn threshold_rows(&self) -> &[u64] {
-        &self.threshold_rows
-    }
-
-    /// The rows a selection on this registry scans (see the field).
-    #[inline]
-    pub(crate) fn scan_rows(&self) -> usize {
-        self.scan_rows
-    }
-
-    pub(crate) fn workers(&self) -> impl Iterator<Item = &Arc<WorkerEntry>> {
-        self.workers.values()
     }
 
     fn make_entry(&self, record: WorkerRecord, rows: Vec<(DpRank, RowHandle)>, overloaded: bool) -> WorkerEntry {
@@ -274,84 +158,6 @@ impl WorkerRegistry {
         }
     }
 
-    fn install(&mut self, entry: WorkerEntry) {
-        let entry = Arc::new(entry);
-        for &(rank, h) in &entry.rows {
-            if self.rows.len() <= h.row {
-                self.rows.resize(h.row + 1, None);
-            }
-            self.rows[h.row] = Some(RowMeta {
-                entry: entry.clone(),
-                dp_rank: rank,
-                handle: h,
-            });
-            self.index_rank(WorkerWithDpRank::new(entry.record.worker_id, rank), h.row);
-        }
-        self.workers.insert(entry.record.worker_id, entry);
-        self.recompute_traits();
-    }
-
-    fn recompute_traits(&mut self) {
-        if self.deferred {
-            return;
-        }
-        let mut t = FleetTraits::default();
-        let words = selkie_kernel::mask::words_for(self.rows.len());
-        self.cpu_rows.clear();
-        self.cpu_rows.resize(words, 0);
-        self.known_rows.clear();
-        self.known_rows.resize(words, 0);
-        self.leaders.clear();
-        self.leaders.resize(self.rows.len(), 0);
-        self.threshold_rows.clear();
-        self.threshold_rows.resize(words, 0);
-        let mut top = 0;
-        for (row, m) in self.rows.iter().enumerate() {
-            if let Some(m) = m {
-                self.known_rows[row / 64] |= 1 << (row % 64);
-                self.leaders[row] = m.entry.rows[0].1.row as u32;
-                top = row + 1;
-            }
-        }
-        self.scan_rows = selkie_kernel::lanes::padded_rows(top);
-        for e in self.workers.values() {
-            if e.record.device == super::DeviceKind::Cpu {
-                for &(_, h) in &e.rows {
-                    self.cpu_rows[h.row / 64] |= 1 << (h.row % 64);
-                }
-            }
-            if e.decode_limit != u64::MAX || e.prefill_limit != u64::MAX {
-                for &(_, h) in &e.rows {
-                    self.threshold_rows[h.row / 64] |= 1 << (h.row % 64);
-                }
-            }
-            t.multi_rank |= e.record.data_parallel_size > 1;
-            t.weighted |= e.record.capacity_weight != 1.0;
-            t.thresholds |= e.decode_limit != u64::MAX || e.prefill_limit != u64::MAX;
-        }
-        self.traits = t;
-        self.recompute_overloaded_rows();
-    }
-
-    /// Rebuilds the overloaded-rows mask from the workers' marks.
-    fn recompute_overloaded_rows(&mut self) {
-        self.overloaded_rows.clear();
-        self.overloaded_rows
-            .resize(selkie_kernel::mask::words_for(self.rows.len()), 0);
-        for e in self.workers.values() {
-            if e.overloaded.load(Ordering::Relaxed) {
-                for &(_, h) in &e.rows {
-                    self.overloaded_rows[h.row / 64] |= 1 << (h.row % 64);
-                }
-            }
-        }
-    }
-
-    /// Rows held now: every registered rank, and every retired row.
-    fn rows_held(&self) -> usize {
-        self.workers.values().map(|e| e.rows.len()).sum::<usize>() + self.retired.len()
-    }
-
     /// Checks that `changes` fit in the fleet before anything is changed.
     ///
     /// After the change the fleet holds: the rows it holds now, less the rows
@@ -362,8 +168,8 @@ impl WorkerRegistry {
     /// its rows. The first change that does not fit is named.
     fn check_fits(&self, fleet: &HostFleet, changes: &[WorkerRecord], whole: bool) -> Result<(), DiscoveryError> {
         let by_id: HashMap<WorkerId, &WorkerRecord> = changes.iter().map(|r| (r.worker_id, r)).collect();
-        let mut held = self.rows_held();
-        for e in self.workers.values() {
+        let mut held = self.index.rows_held();
+        for e in self.index.workers() {
             let keeps = match by_id.get(&e.record.worker_id) {
                 Some(r) => r.dp_ranks(),
                 None if whole => 0..0,
@@ -376,12 +182,12 @@ impl WorkerRegistry {
                 .count();
         }
         for r in changes {
-            let now = self.workers.get(&r.worker_id).map(|e| e.record.dp_ranks());
+            let now = self.index.get(r.worker_id).map(|e| e.record.dp_ranks());
             let new = r
                 .dp_ranks()
                 .filter(|&rank| {
                     !now.as_ref().is_some_and(|n| n.contains(&rank))
-                        && !self.retired.contains_key(&WorkerWithDpRank::new(r.worker_id, rank))
+                        && !self.index.is_retired(WorkerWithDpRank::new(r.worker_id, rank))
                 })
                 .count();
             if held + new > HostFleet::CAPACITY {
@@ -389,46 +195,13 @@ impl WorkerRegistry {
                     worker_id: r.worker_id,
                     needed: new,
                     free: HostFleet::CAPACITY.saturating_sub(held),
-                    retired: self.retired.len(),
+                    retired: self.index.retired_rows(),
                     capacity: HostFleet::CAPACITY,
                 });
             }
             held += new;
         }
         Ok(())
-    }
-
-    /// Frees the retired rows whose bookings have all ended.
-    fn sweep(&mut self, fleet: &HostFleet) {
-        self.retired.retain(|w, h| {
-            let drained = fleet.is_drained(*h);
-            if drained {
-                fleet.remove_row(*h);
-                tracing::debug!(worker = %w, row = h.row, "retired row freed");
-            }
-            !drained
-        });
-    }
-
-    /// Gives up a row of `worker_id`'s `rank` (already out of `rows` and the
-    /// rank index): retired while a booking holds load on it, freed otherwise.
-    /// The row is cordoned first, so no booking can start on it between the
-    /// check and the removal.
-    fn release_row(&mut self, fleet: &HostFleet, worker_id: WorkerId, rank: DpRank, h: RowHandle) {
-        fleet.retire_row(h);
-        if fleet.is_drained(h) {
-            fleet.remove_row(h);
-        } else {
-            self.retired.insert(WorkerWithDpRank::new(worker_id, rank), h);
-        }
-    }
-
-    /// Drops a row from the registry's tables (not from the fleet).
-    fn forget_row(&mut self, worker_id: WorkerId, rank: DpRank, h: RowHandle) {
-        if let Some(slot) = self.rows.get_mut(h.row) {
-            *slot = None;
-        }
-        self.unindex_rank(WorkerWithDpRank::new(worker_id, rank));
     }
 
     /// Takes a row for each of `ranks` of `record`: the rank's retired row if
@@ -444,25 +217,26 @@ impl WorkerRegistry {
         let ranks: Vec<DpRank> = ranks.collect();
         let mut rows = Vec::with_capacity(ranks.len());
         for &rank in &ranks {
-            let taken = match self.retired.remove(&WorkerWithDpRank::new(record.worker_id, rank)) {
+            let spec = row_spec(record, rank);
+            let taken = match self.index.take_retired(WorkerWithDpRank::new(record.worker_id, rank)) {
                 Some(h) => {
-                    fleet.update_row(h, record);
+                    fleet.update_row(h, &spec, kernel_state(record.state));
                     Some(h)
                 }
-                None => fleet.add_row(record, rank),
+                None => fleet.add_row(spec, kernel_state(record.state)),
             };
             match taken {
                 Some(h) => rows.push((rank, h)),
                 None => {
                     let taken = rows.len();
                     for (rank, h) in rows {
-                        self.release_row(fleet, record.worker_id, rank, h);
+                        self.index.release_row(fleet, record.worker_id, rank, h);
                     }
                     return Err(DiscoveryError::FleetFull {
                         worker_id: record.worker_id,
                         needed: ranks.len(),
                         free: taken,
-                        retired: self.retired.len(),
+                        retired: self.index.retired_rows(),
                         capacity: HostFleet::CAPACITY,
                     });
                 }
@@ -474,12 +248,12 @@ impl WorkerRegistry {
     /// Adds a worker: one fleet row per rank.
     pub(crate) fn add(&mut self, fleet: &HostFleet, record: WorkerRecord) -> Result<(), DiscoveryError> {
         record.validate()?;
-        if self.workers.contains_key(&record.worker_id) {
+        if self.index.get(record.worker_id).is_some() {
             return Err(DiscoveryError::DuplicateWorker {
                 worker_id: record.worker_id,
             });
         }
-        self.sweep(fleet);
+        self.index.sweep(fleet);
         self.check_fits(fleet, std::slice::from_ref(&record), false)?;
         self.add_checked(fleet, record)
     }
@@ -492,7 +266,7 @@ impl WorkerRegistry {
             ranks = entry.rows.len(),
             "worker added"
         );
-        self.install(entry);
+        self.index.add_rows(entry);
         Ok(())
     }
 
@@ -501,18 +275,18 @@ impl WorkerRegistry {
     /// booked); new ranks get rows.
     pub(crate) fn update(&mut self, fleet: &HostFleet, record: WorkerRecord) -> Result<(), DiscoveryError> {
         record.validate()?;
-        if !self.workers.contains_key(&record.worker_id) {
+        if self.index.get(record.worker_id).is_none() {
             return Err(DiscoveryError::UnknownWorker {
                 worker_id: record.worker_id,
             });
         }
-        self.sweep(fleet);
+        self.index.sweep(fleet);
         self.check_fits(fleet, std::slice::from_ref(&record), false)?;
         self.update_checked(fleet, record)
     }
 
     fn update_checked(&mut self, fleet: &HostFleet, record: WorkerRecord) -> Result<(), DiscoveryError> {
-        let Some(old) = self.workers.get(&record.worker_id).cloned() else {
+        let Some(old) = self.index.get(record.worker_id).cloned() else {
             return Err(DiscoveryError::UnknownWorker {
                 worker_id: record.worker_id,
             });
@@ -522,13 +296,13 @@ impl WorkerRegistry {
         let (now, new) = (old.record.dp_ranks(), record.dp_ranks());
         let (kept, dropped): (Vec<_>, Vec<_>) = old.rows.iter().partition(|(rank, _)| new.contains(rank));
         for &(rank, h) in &dropped {
-            self.forget_row(id, rank, h);
-            self.release_row(fleet, id, rank, h);
+            self.index.forget_row(id, rank, h);
+            self.index.release_row(fleet, id, rank, h);
         }
         let rows = match self.take_rows(fleet, &record, new.clone().filter(|r| !now.contains(r))) {
             Ok(taken) => {
-                for &(_, h) in &kept {
-                    fleet.update_row(h, &record);
+                for &(rank, h) in &kept {
+                    fleet.update_row(h, &row_spec(&record, rank), kernel_state(record.state));
                 }
                 let mut rows = kept;
                 rows.extend(taken);
@@ -546,21 +320,21 @@ impl WorkerRegistry {
                 }
                 rows.sort_unstable_by_key(|&(rank, _)| rank);
                 if rows.is_empty() {
-                    self.workers.remove(&id);
+                    self.index.remove_worker(id);
                     if overloaded {
                         self.overloaded_marks -= 1;
                     }
-                    self.recompute_traits();
+                    self.index.recompute_traits();
                 } else {
                     let entry = self.make_entry(old.record.clone(), rows, overloaded);
-                    self.install(entry);
+                    self.index.add_rows(entry);
                 }
                 return Err(e);
             }
         };
         let entry = self.make_entry(record, rows, overloaded);
         tracing::info!(worker = entry.record.worker_id, state = ?entry.record.state, "worker updated");
-        self.install(entry);
+        self.index.add_rows(entry);
         Ok(())
     }
 
@@ -570,21 +344,21 @@ impl WorkerRegistry {
     /// its bookings end; once they end it is freed by a later change.
     pub(crate) fn remove(&mut self, fleet: &HostFleet, worker_id: WorkerId) -> Result<(), DiscoveryError> {
         self.remove_entry(fleet, worker_id)?;
-        self.sweep(fleet);
-        self.recompute_traits();
+        self.index.sweep(fleet);
+        self.index.recompute_traits();
         Ok(())
     }
 
     fn remove_entry(&mut self, fleet: &HostFleet, worker_id: WorkerId) -> Result<Arc<WorkerEntry>, DiscoveryError> {
-        let Some(old) = self.workers.remove(&worker_id) else {
+        let Some(old) = self.index.remove_worker(worker_id) else {
             return Err(DiscoveryError::UnknownWorker { worker_id });
         };
         if old.overloaded.load(Ordering::Relaxed) {
             self.overloaded_marks -= 1;
         }
         for &(rank, h) in &old.rows {
-            self.forget_row(worker_id, rank, h);
-            self.release_row(fleet, worker_id, rank, h);
+            self.index.forget_row(worker_id, rank, h);
+            self.index.release_row(fleet, worker_id, rank, h);
         }
         tracing::info!(worker = worker_id, "worker removed");
         Ok(old)
@@ -597,7 +371,7 @@ impl WorkerRegistry {
         worker_id: WorkerId,
         state: WorkerState,
     ) -> Result<(), DiscoveryError> {
-        let Some(old) = self.workers.get(&worker_id) else {
+        let Some(old) = self.index.get(worker_id) else {
             return Err(DiscoveryError::UnknownWorker { worker_id });
         };
         let mut record = old.record.clone();
@@ -607,7 +381,7 @@ impl WorkerRegistry {
 
     /// Marks a worker overloaded (or clears the mark).
     pub(crate) fn set_overloaded(&mut self, worker_id: WorkerId, overloaded: bool) -> Result<(), DiscoveryError> {
-        let Some(e) = self.workers.get(&worker_id) else {
+        let Some(e) = self.index.get(worker_id) else {
             return Err(DiscoveryError::UnknownWorker { worker_id });
         };
         let was = e.overloaded.swap(overloaded, Ordering::Relaxed);
@@ -619,8 +393,9 @@ impl WorkerRegistry {
             (true, false) => self.overloaded_marks -= 1,
             _ => {}
         }
-        if was != overloaded && !self.deferred {
-            self.recompute_overloaded_rows();
+        if was != overloaded {
+            // Not inside `sync`: the index defers it to the end.
+            self.index.recompute_overloaded_rows();
         }
         Ok(())
     }
@@ -644,9 +419,9 @@ impl WorkerRegistry {
                 return Err(DiscoveryError::DuplicateInSnapshot { worker_id: r.worker_id });
             }
         }
-        self.sweep(fleet);
+        self.index.sweep(fleet);
         self.check_fits(fleet, &snapshot, true)?;
-        self.deferred = true;
+        self.index.set_deferred(true);
         let mut undo = Vec::new();
         // A panic part way (a metrics recorder or tracing subscriber called
         // while applying) is undone like an error, then resumed: the
@@ -658,8 +433,8 @@ impl WorkerRegistry {
         if failed {
             self.undo(fleet, undo);
         }
-        self.deferred = false;
-        self.recompute_traits();
+        self.index.set_deferred(false);
+        self.index.recompute_traits();
         match applied {
             Ok(result) => result,
             Err(payload) => std::panic::resume_unwind(payload),
@@ -675,9 +450,9 @@ impl WorkerRegistry {
     ) -> Result<SyncReport, DiscoveryError> {
         let mut report = SyncReport::default();
         let gone: Vec<WorkerId> = self
-            .workers
-            .keys()
-            .copied()
+            .index
+            .workers()
+            .map(|e| e.record.worker_id)
             .filter(|id| !ids.contains_key(id))
             .collect();
         for id in gone {
@@ -691,7 +466,7 @@ impl WorkerRegistry {
         let mut updates = Vec::new();
         let mut adds = Vec::new();
         for r in snapshot {
-            match self.workers.get(&r.worker_id) {
+            match self.index.get(r.worker_id) {
                 None => adds.push(r),
                 Some(e) if e.record != r => {
                     let (now, new) = (e.record.dp_ranks(), r.dp_ranks());
@@ -704,7 +479,11 @@ impl WorkerRegistry {
         }
         updates.sort_by_key(|(net, r)| (*net, r.worker_id));
         for (_, r) in updates {
-            let old = self.workers[&r.worker_id].record.clone();
+            let old = self
+                .index
+                .get(r.worker_id)
+                .map(|e| e.record.clone())
+                .ok_or(DiscoveryError::UnknownWorker { worker_id: r.worker_id })?;
             let id = r.worker_id;
             self.update_checked(fleet, r)?;
             undo.push(Undo::Updated(old));

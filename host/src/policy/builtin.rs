@@ -15,11 +15,11 @@ use selkie_kernel::lanes::{F32Source, U32Source};
 use selkie_kernel::mask;
 use selkie_kernel::Rng;
 
+use super::scratch::Scratch;
 use super::{Choice, DeviceAwareConfig, Env};
 use crate::error::SelectionError;
 use crate::explain::Branch;
 use crate::filter::for_each_row;
-use crate::service::scratch::Scratch;
 
 fn choice(row: usize, cost: f64, branch: Branch, candidates: usize) -> Choice {
     Choice {

@@ -18,6 +18,7 @@
 
 use selkie_kernel::lanes::{F32Source, U32Source};
 
+use super::scratch::Scratch;
 use super::{Choice, Composed, Env};
 use crate::contain::contain_message;
 use crate::error::{PluginKind, SelectionError, WorkerSelectionPolicyError};
@@ -27,7 +28,6 @@ use crate::plugin::{
     CandidateData, PickerColumns, ScoredWorkerCandidate, WorkerCacheInput, WorkerCandidate, WorkerCandidates,
     WorkerInputView, WorkerInputs, WorkerLoadInput, WorkerOccupancy,
 };
-use crate::service::scratch::Scratch;
 
 /// Runs one plugin call, turning a panic into an error.
 pub(crate) fn guarded<T>(

@@ -16,12 +16,12 @@ use selkie_kernel::kernels::pick::{explain, pick_in_range};
 use selkie_kernel::kernels::KernelError;
 use selkie_kernel::Rng;
 
+use super::scratch::Scratch;
 use super::{Choice, Env, KvRouterConfig};
 use crate::error::{SelectionError, WorkerSelectionPolicyError};
 use crate::explain::Branch;
 use crate::filter::for_each_row;
 use crate::request::WorkerOverlap;
-use crate::service::scratch::Scratch;
 use crate::types::WorkerType;
 
 /// Writes the request's overlaps into the scratch's per-row columns.

@@ -7,18 +7,31 @@
 //!   and `pick`.
 //! * `composed`: custom policies, with the contract enforced (finite costs,
 //!   in-range picks, caught panics).
+//! * `registry`: the policy registry, which builds a policy by type name
+//!   ([`WorkerSelectionPolicyRegistry`]).
+//! * `scratch`: the per-thread buffers the policies fill.
 //!
 //! A policy is built once per routing partition and shared by every thread
-//! of the service; it holds no per-request state.
+//! of the service; it holds no per-request state. A policy offers `choose`
+//! and `costs`; it must not book load, and nothing here names the service:
+//! the policies sit below it and above the hard filters, the plugin API,
+//! discovery and the fleet.
 
 pub(crate) mod builtin;
 pub(crate) mod composed;
 pub(crate) mod kv;
+mod registry;
+pub(crate) mod scratch;
 
 use serde::{Deserialize, Serialize};
 
 use crate::plugin::{WorkerFilter, WorkerInputs, WorkerPicker, WorkerScorer};
 use crate::types::WorkerType;
+
+pub use registry::{
+    WorkerSelectionPolicyFactory, WorkerSelectionPolicyParameters, WorkerSelectionPolicyProvider,
+    WorkerSelectionPolicyRegistry, BUILTIN_ALIASES, BUILTIN_POLICIES,
+};
 
 /// The KV policy's configuration (SPEC §4), with Dynamo's names and defaults.
 ///
@@ -328,11 +341,14 @@ impl std::fmt::Debug for WorkerSelectionPolicy {
 use crate::discovery::registry::WorkerRegistry;
 use crate::error::SelectionError;
 use crate::explain::Branch;
+use crate::filter::for_each_row;
 use crate::fleet::{HostFleet, FLEET_GROUPS};
 use crate::plugin::WorkerSelectionContext;
 use crate::request::SelectionRequest;
-use crate::service::scratch::Scratch;
+use crate::types::WorkerWithDpRank;
+use scratch::Scratch;
 use selkie_kernel::fleet::FleetView;
+use selkie_kernel::lanes::U32Source;
 use selkie_kernel::Rng;
 
 /// Everything a policy reads for one request.
@@ -377,5 +393,51 @@ impl WorkerSelectionPolicy {
             PolicyKind::Kv(c) => kv::choose(env, s, rng, c, self.worker_type),
             PolicyKind::Composed(c) => composed::choose(env, s, c),
         }
+    }
+
+    /// Whether this is the direct policy, which needs a pinned request.
+    #[inline]
+    pub(crate) fn is_direct(&self) -> bool {
+        matches!(self.kind, PolicyKind::Direct)
+    }
+
+    /// Appends every row of `s.mask` that the policy would consider, with
+    /// its cost as the policy sees it, to `out` (unsorted): the KV cost for
+    /// the KV policy, the summed scorer costs for a custom policy (after its
+    /// filters), in-flight requests per unit of weight for the load modes.
+    /// Books nothing and advances no cursor (the slow path of
+    /// `WorkerSelectionService::costs`).
+    pub(crate) fn costs(
+        &self,
+        env: &Env<'_>,
+        s: &mut Scratch,
+        out: &mut Vec<(WorkerWithDpRank, f64)>,
+    ) -> Result<(), SelectionError> {
+        let reg = env.reg;
+        match &self.kind {
+            PolicyKind::Kv(c) => {
+                let (_, rows, _) = kv::fill_costs(env, s, c, self.worker_type)?;
+                for_each_row(&s.mask, rows, |r| {
+                    if let Some(m) = reg.row(r) {
+                        out.push((m.worker(), f64::from(s.costs[r])));
+                    }
+                });
+            }
+            PolicyKind::Composed(c) => {
+                composed::score(env, s, c)?;
+                out.extend(s.candidates.iter().zip(&s.total).map(|(c, &t)| (c.worker, t)));
+            }
+            _ => {
+                let weighted = reg.traits().weighted;
+                for_each_row(&s.mask, env.rows, |r| {
+                    if let Some(m) = reg.row(r) {
+                        let a = f64::from(env.view.active_requests().value(r));
+                        let w = f64::from(m.entry.record.capacity_weight);
+                        out.push((m.worker(), if weighted { a / w } else { a }));
+                    }
+                });
+            }
+        }
+        Ok(())
     }
 }

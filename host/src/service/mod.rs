@@ -14,9 +14,15 @@
 //! row's `SlotId`, so a row that was reused since refuses the booking and
 //! the selection rescans. Booking is the kernel's lock-free protocol. With
 //! the built-in policies a warm thread allocates nothing per request.
+//!
+//! The service is the top of the host's layers (below only the
+//! configuration file and the simulator): it passes the thread's scratch to
+//! the policy and asks it to `choose` or give its `costs`, and it never
+//! reaches into a policy's internals. [`DiscoveryPoller`] (`poller`) drives
+//! a discovery source into a service on its own thread.
 
+mod poller;
 mod run;
-pub(crate) mod scratch;
 mod selection;
 mod session;
 mod snapshot;
@@ -39,12 +45,13 @@ use crate::error::{DiscoveryError, SelectionError};
 use crate::filter::{eligible_rows, is_busy};
 use crate::fleet::HostFleet;
 use crate::plugin::WorkerSelectionContext;
-use crate::policy::{Env, PolicyKind, WorkerSelectionPolicy};
+use crate::policy::scratch::{with_scratch, Scratch};
+use crate::policy::{Env, WorkerSelectionPolicy};
 use crate::request::SelectionRequest;
 use crate::types::{WorkerId, WorkerWithDpRank};
-use scratch::{with_scratch, Scratch};
 use session::SessionTable;
 
+pub use poller::{DiscoveryHealth, DiscoveryPoller};
 pub use selection::{Booked, FleetHandle, OwnedSelection, Preview, RankStatus, Selection, WorkerStatus};
 
 /// Settings of a [`WorkerSelectionService`].
@@ -387,11 +394,10 @@ impl WorkerSelectionService {
                 worker_type: self.policy.worker_type,
                 preview: true,
             };
-            let view = self.fleet.view(rows);
             let env = Env {
                 reg,
                 fleet: &self.fleet,
-                view,
+                view: self.fleet.view(rows),
                 req,
                 ctx: &ctx,
                 rows,
@@ -399,30 +405,7 @@ impl WorkerSelectionService {
                 explain: false,
             };
             let mut out = Vec::new();
-            match &self.policy.kind {
-                PolicyKind::Kv(c) => {
-                    let (_, rows, _) = crate::policy::kv::fill_costs(&env, s, c, self.policy.worker_type)?;
-                    crate::filter::for_each_row(&s.mask, rows, |r| {
-                        if let Some(m) = reg.row(r) {
-                            out.push((m.worker(), f64::from(s.costs[r])));
-                        }
-                    });
-                }
-                PolicyKind::Composed(c) => {
-                    crate::policy::composed::score(&env, s, c)?;
-                    out.extend(s.candidates.iter().zip(&s.total).map(|(c, &t)| (c.worker, t)));
-                }
-                _ => {
-                    let weighted = reg.traits().weighted;
-                    crate::filter::for_each_row(&s.mask, rows, |r| {
-                        if let Some(m) = reg.row(r) {
-                            let a = f64::from(view.active_requests().value(r));
-                            let w = f64::from(m.entry.record.capacity_weight);
-                            out.push((m.worker(), if weighted { a / w } else { a }));
-                        }
-                    });
-                }
-            }
+            self.policy.costs(&env, s, &mut out)?;
             out.sort_by_key(|(w, _)| *w);
             Ok(out)
         })

@@ -11,7 +11,6 @@ use std::time::Instant;
 use selkie_kernel::fleet::{BookLoad, Booking};
 use selkie_kernel::{mask, Rng};
 
-use super::scratch::{with_scratch, Scratch};
 use super::selection::{Booked, FleetHandle, Preview};
 use super::WorkerSelectionService;
 use crate::discovery::registry::WorkerRegistry;
@@ -20,7 +19,8 @@ use crate::error::SelectionError;
 use crate::explain::{Explanation, Route};
 use crate::filter::eligible_rows;
 use crate::plugin::WorkerSelectionContext;
-use crate::policy::{Env, PolicyKind};
+use crate::policy::scratch::{with_scratch, Scratch};
+use crate::policy::Env;
 use crate::request::{AffinityMode, Pin, SelectionRequest};
 use crate::types::WorkerWithDpRank;
 
@@ -116,7 +116,7 @@ impl WorkerSelectionService {
                 }
             }
         }
-        if matches!(self.policy.kind, PolicyKind::Direct) && pin.is_none() {
+        if self.policy.is_direct() && pin.is_none() {
             return Err(SelectionError::DirectWorkerMissing);
         }
         // The row count, the scratch buffers, the masks and every column

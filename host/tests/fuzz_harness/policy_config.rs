@@ -125,7 +125,10 @@ pub fn check(input: &Input) {
             return;
         }
         Err(ConfigError::TooDeep { depth, limit }) => {
-            assert!(depth > limit && limit == MAX_CONFIG_DEPTH, "too deep: {depth} > {limit}");
+            assert!(
+                depth > limit && limit == MAX_CONFIG_DEPTH,
+                "too deep: {depth} > {limit}"
+            );
             return;
         }
         Err(e) => panic!("parsing gave an unexpected error kind: {e:?}"),

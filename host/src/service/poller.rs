@@ -5,14 +5,19 @@
 //! It never blocks selection for longer than one registry update, and it
 //! survives its source: an error or a panic in a poll is counted, reported
 //! in the health, and followed by the next poll.
+//!
+//! It lives with the service because it drives a source into one: it is the
+//! only code that names both a [`Discovery`] source and a
+//! [`WorkerSelectionService`]. It must not touch the worker table itself;
+//! every change goes through [`WorkerSelectionService::refresh`].
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, SystemTime};
 
-use super::source::Discovery;
-use crate::service::WorkerSelectionService;
+use super::WorkerSelectionService;
+use crate::discovery::Discovery;
 
 /// How a [`DiscoveryPoller`] is doing (see [`DiscoveryPoller::health`]).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]

@@ -6,6 +6,11 @@
 //! per-worker load sums, custom-policy candidate tables). Buffers only grow.
 //! A re-entrant selection (a plugin that calls the service) gets a fresh,
 //! temporary scratch instead of a panic.
+//!
+//! The policies own these buffers (they are what the policies fill); the
+//! service only fetches a thread's scratch and passes it down. This module
+//! holds memory and nothing else: it must not select, filter or book, and it
+//! names nothing above the policies.
 
 use std::cell::RefCell;
 

@@ -1,16 +1,25 @@
-//! The host's handle on the kernel's fleet: the one module that creates the
-//! fleet and turns discovery records into kernel rows.
+//! The host's handle on the kernel's fleet, and the row index: the bottom
+//! of the host's layers above the plain types.
 //!
-//! The fleet is a `selkie_kernel::fleet::Fleet<FLEET_GROUPS>` (16,384 rows)
-//! built directly on the heap (no 700 KiB stack copy). Everything else in
-//! the host reads it through `Deref`. This module must not select.
+//! * [`HostFleet`]: the one place that creates the fleet and adds, changes
+//!   and removes its rows. The fleet is a
+//!   `selkie_kernel::fleet::Fleet<FLEET_GROUPS>` (16,384 rows) built
+//!   directly on the heap (no 700 KiB stack copy). Everything else in the
+//!   host reads it through `Deref`.
+//! * `rows`: the row index, which row holds which worker rank, the
+//!   per-row masks the hard filters start from, and the rows kept while
+//!   bookings hold them ([`rows::RowIndex`]).
+//!
+//! This module must not select or book, and it names nothing above it
+//! (discovery, filters, policies, the service): it speaks in kernel terms
+//! (`WorkerSpec`, the kernel's worker state) and worker ids, and what a
+//! worker *is* stays with discovery, as the row index's payload type.
+
+pub(crate) mod rows;
 
 use std::ops::Deref;
 
-use selkie_kernel::fleet::{Fleet, SlotId, WorkerSpec, WorkerState as KernelState, UNLIMITED};
-
-use crate::discovery::{WorkerRecord, WorkerState};
-use crate::types::DpRank;
+use selkie_kernel::fleet::{Fleet, SlotId, WorkerSpec, WorkerState};
 
 /// Lane groups of the host's fleet: `FLEET_GROUPS * 8` = 16,384 rows.
 pub const FLEET_GROUPS: usize = 2048;
@@ -28,14 +37,6 @@ pub(crate) struct RowHandle {
 /// The heap-allocated fleet.
 pub(crate) struct HostFleet {
     inner: Box<KernelFleet>,
-}
-
-fn kernel_state(s: WorkerState) -> KernelState {
-    match s {
-        WorkerState::Live => KernelState::Live,
-        WorkerState::Draining => KernelState::Draining,
-        WorkerState::Cordoned => KernelState::Cordoned,
-    }
 }
 
 impl HostFleet {
@@ -60,34 +61,28 @@ impl HostFleet {
         }
     }
 
-    /// Adds one rank of `record` as a row; `None` when the fleet is full.
-    pub(crate) fn add_row(&self, record: &WorkerRecord, rank: DpRank) -> Option<RowHandle> {
-        let spec = WorkerSpec {
-            worker_id: record.worker_id,
-            dp_rank: rank,
-            capacity_weight: record.capacity_weight,
-            admission_limit: record.max_active_requests.unwrap_or(UNLIMITED),
-        };
+    /// Adds one worker rank as a row, in `state`; `None` when the fleet is
+    /// full.
+    pub(crate) fn add_row(&self, spec: WorkerSpec, state: WorkerState) -> Option<RowHandle> {
         let slot = self.inner.add(spec).ok()?;
         let h = RowHandle {
             row: slot.row as usize,
             slot,
         };
-        if record.state != WorkerState::Live {
+        if state != WorkerState::Live {
             // The slot is ours and its generation current: this cannot fail.
-            let _ = self.inner.set_state(slot, kernel_state(record.state));
+            let _ = self.inner.set_state(slot, state);
         }
         Some(h)
     }
 
-    /// Applies a changed record to a row (weight, limit, state).
-    pub(crate) fn update_row(&self, h: RowHandle, record: &WorkerRecord) {
-        // The registry owns `h`, so the slot is current; errors cannot happen.
-        let _ = self.inner.set_capacity_weight(h.slot, record.capacity_weight);
-        let _ = self
-            .inner
-            .set_admission_limit(h.slot, record.max_active_requests.unwrap_or(UNLIMITED));
-        let _ = self.inner.set_state(h.slot, kernel_state(record.state));
+    /// Applies a changed worker to a row: `spec`'s weight and limit (its id
+    /// and rank are the row's already), and `state`.
+    pub(crate) fn update_row(&self, h: RowHandle, spec: &WorkerSpec, state: WorkerState) {
+        // The row index owns `h`, so the slot is current; errors cannot happen.
+        let _ = self.inner.set_capacity_weight(h.slot, spec.capacity_weight);
+        let _ = self.inner.set_admission_limit(h.slot, spec.admission_limit);
+        let _ = self.inner.set_state(h.slot, state);
     }
 
     /// Removes a row; bookings on it release into nothing.
@@ -99,8 +94,8 @@ impl HostFleet {
     /// cordoned, so no booking can start on it; bookings already on it keep
     /// releasing into it.
     pub(crate) fn retire_row(&self, h: RowHandle) {
-        // The registry owns `h`, so the slot is current; errors cannot happen.
-        let _ = self.inner.set_state(h.slot, KernelState::Cordoned);
+        // The row index owns `h`, so the slot is current; errors cannot happen.
+        let _ = self.inner.set_state(h.slot, WorkerState::Cordoned);
     }
 
     /// Whether no booking holds load on the row any more.

@@ -9,15 +9,19 @@
 //! The shapes are Dynamo's: a *provider* parses an instance's parameters
 //! once and returns a *factory*; the factory is called once per routing
 //! partition (model, routing group) to build the policy.
+//!
+//! It only builds policies: it must not hold workers or run selections, and
+//! it names nothing above the policies (no service, no configuration file
+//! format; `config` reads files and calls it). A provider's error type lives
+//! in `crate::error` with the other errors.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use serde::de::DeserializeOwned;
-use thiserror::Error;
 
-use crate::error::RegistryError;
-use crate::policy::{DeviceAwareConfig, KvRouterConfig, WorkerSelectionPolicy};
+use super::{DeviceAwareConfig, KvRouterConfig, WorkerSelectionPolicy};
+use crate::error::{RegistryError, WorkerSelectionPolicyProviderError};
 use crate::types::{RoutingPartitionRef, WorkerType};
 
 /// Builds one policy per routing partition.
@@ -55,22 +59,6 @@ impl WorkerSelectionPolicyParameters {
     /// The raw value.
     pub fn value(&self) -> &serde_yaml::Value {
         &self.0
-    }
-}
-
-/// A provider rejected its parameters.
-#[derive(Debug, Error, Clone, PartialEq, Eq)]
-#[error("{message}")]
-pub struct WorkerSelectionPolicyProviderError {
-    message: String,
-}
-
-impl WorkerSelectionPolicyProviderError {
-    /// An error with a message for start-up diagnostics.
-    pub fn new(message: impl Into<String>) -> Self {
-        WorkerSelectionPolicyProviderError {
-            message: message.into(),
-        }
     }
 }
 

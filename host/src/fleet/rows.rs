@@ -1,0 +1,425 @@
+//! The row index: which fleet row holds which worker rank, and the per-row
+//! facts the selection path reads without touching the workers.
+//!
+//! Each data-parallel rank of a worker is one fleet row. The index keeps,
+//! per row, a [`RowMeta`] (the worker's payload, its rank, its
+//! [`RowHandle`]); per worker rank, its row (hashed, and sorted for merging
+//! with sorted overlaps); per row, the row of its worker's first rank; and
+//! the row masks the hard filters start from (known rows, CPU rows, rows
+//! with a busy threshold, rows marked overloaded), with [`FleetTraits`] that
+//! let the selection path skip work.
+//!
+//! The index is generic over the per-worker payload `E` ([`RowOwner`]):
+//! discovery stores its worker entries here, so a selection reaches a row's
+//! worker in one pointer step, as before, and the index never names what a
+//! worker is. It must not decide which workers exist (discovery does), nor
+//! read or book load beyond asking the fleet whether a row is drained.
+//!
+//! # Retired rows
+//!
+//! A worker that leaves while requests are in flight on it must not forget
+//! them: if it comes back before they finish, its admission limit must still
+//! count them. So a row given up while a booking holds load on it (the
+//! worker removed, or the rank dropped by an update) is *retired*: cordoned
+//! in the fleet (no new bookings), absent from the worker table, and kept
+//! with its counters and generation. If the same worker rank is added again
+//! meanwhile, it gets that row back, and the old bookings release into it.
+//! Retired rows whose bookings have all ended are freed by [`RowIndex::sweep`]
+//! at the start of the next change.
+
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
+use std::sync::Arc;
+
+use super::{HostFleet, RowHandle};
+use crate::types::{DpRank, WorkerId, WorkerWithDpRank};
+
+/// What the row index needs from the worker that holds rows.
+pub(crate) trait RowOwner {
+    /// The worker's id.
+    fn worker_id(&self) -> WorkerId;
+    /// `(rank, row)` for each rank, in rank order.
+    fn rows(&self) -> &[(DpRank, RowHandle)];
+    /// This worker's share of the [`FleetTraits`].
+    fn traits(&self) -> FleetTraits;
+    /// Whether the worker runs on CPUs (device-aware policy).
+    fn is_cpu(&self) -> bool;
+    /// Whether the worker is marked overloaded from outside.
+    fn is_overloaded(&self) -> bool;
+}
+
+/// What the index keeps per fleet row.
+pub(crate) struct RowMeta<E> {
+    pub(crate) entry: Arc<E>,
+    pub(crate) dp_rank: DpRank,
+    /// The kernel occupancy this row meta describes (bookings check it).
+    pub(crate) handle: RowHandle,
+}
+
+impl<E> Clone for RowMeta<E> {
+    fn clone(&self) -> Self {
+        RowMeta {
+            entry: self.entry.clone(),
+            dp_rank: self.dp_rank,
+            handle: self.handle,
+        }
+    }
+}
+
+impl<E: RowOwner> RowMeta<E> {
+    #[inline]
+    pub(crate) fn worker(&self) -> WorkerWithDpRank {
+        WorkerWithDpRank::new(self.entry.worker_id(), self.dp_rank)
+    }
+}
+
+/// Facts about the whole fleet that let the selection path skip work.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct FleetTraits {
+    /// Some worker has more than one rank.
+    pub(crate) multi_rank: bool,
+    /// Some worker has a capacity weight other than 1.
+    pub(crate) weighted: bool,
+    /// Some worker has a busy threshold.
+    pub(crate) thresholds: bool,
+}
+
+impl FleetTraits {
+    /// The traits of a fleet holding the workers of both.
+    fn union(self, other: FleetTraits) -> FleetTraits {
+        FleetTraits {
+            multi_rank: self.multi_rank | other.multi_rank,
+            weighted: self.weighted | other.weighted,
+            thresholds: self.thresholds | other.thresholds,
+        }
+    }
+}
+
+/// A hasher for worker ids: one multiply and a fold (ids are not
+/// attacker-chosen, and the overlap scatter looks one up per overlap entry
+/// on the selection path, so SipHash's cost would show).
+#[derive(Default)]
+pub(crate) struct IdHasher(u64);
+
+impl Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        let m = (self.0 as u128).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        (m as u64) ^ ((m >> 64) as u64)
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(8)) ^ u64::from(b);
+        }
+    }
+    fn write_u64(&mut self, v: u64) {
+        self.0 = self.0.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ v;
+    }
+    fn write_u32(&mut self, v: u32) {
+        self.write_u64(u64::from(v));
+    }
+}
+
+/// A map keyed by worker ids (or worker ranks), hashed with [`IdHasher`].
+pub(crate) type IdMap<K, V> = HashMap<K, V, BuildHasherDefault<IdHasher>>;
+
+/// The row index (see the module docs), holding workers of type `E`.
+///
+/// Cloned into immutable snapshots for the selection path: a snapshot may
+/// be stale, so every row it names is booked with its `SlotId` and a reused
+/// row refuses the booking.
+pub(crate) struct RowIndex<E> {
+    workers: IdMap<WorkerId, Arc<E>>,
+    /// Row of each worker rank, stored inline (the overlap scatter looks
+    /// one up per overlap entry without touching the worker entries).
+    rank_rows: IdMap<WorkerWithDpRank, u32>,
+    /// The same, sorted by worker rank, for merging with sorted overlaps.
+    sorted_ranks: Vec<(WorkerWithDpRank, u32)>,
+    /// Per row: the row of its worker's first rank (per-worker load sums).
+    leaders: Vec<u32>,
+    rows: Vec<Option<RowMeta<E>>>,
+    traits: FleetTraits,
+    /// Rows of CPU workers (device-aware policy).
+    cpu_rows: Vec<u64>,
+    /// Rows this index has a [`RowMeta`] for.
+    known_rows: Vec<u64>,
+    /// Rows of workers marked overloaded.
+    overloaded_rows: Vec<u64>,
+    /// Rows of workers with a busy threshold (checked against their load).
+    threshold_rows: Vec<u64>,
+    /// One past the highest row with a [`RowMeta`], in whole lane groups:
+    /// the rows a selection on this snapshot scans. It shrinks when the top
+    /// rows go, and a refused add never raises it.
+    scan_rows: usize,
+    /// Rows given up (worker removed, rank dropped) while bookings held load
+    /// on them: cordoned in the fleet, absent from `rows`, freed once drained,
+    /// and given back if the same worker rank returns first.
+    retired: IdMap<WorkerWithDpRank, RowHandle>,
+    /// Inside a batch of changes: derived data is recomputed once at the end.
+    deferred: bool,
+}
+
+impl<E> Clone for RowIndex<E> {
+    fn clone(&self) -> Self {
+        RowIndex {
+            workers: self.workers.clone(),
+            rank_rows: self.rank_rows.clone(),
+            sorted_ranks: self.sorted_ranks.clone(),
+            leaders: self.leaders.clone(),
+            rows: self.rows.clone(),
+            traits: self.traits,
+            cpu_rows: self.cpu_rows.clone(),
+            known_rows: self.known_rows.clone(),
+            overloaded_rows: self.overloaded_rows.clone(),
+            threshold_rows: self.threshold_rows.clone(),
+            scan_rows: self.scan_rows,
+            retired: self.retired.clone(),
+            deferred: self.deferred,
+        }
+    }
+}
+
+impl<E: RowOwner> RowIndex<E> {
+    pub(crate) fn new() -> Self {
+        RowIndex {
+            workers: IdMap::default(),
+            rank_rows: IdMap::default(),
+            sorted_ranks: Vec::new(),
+            leaders: Vec::new(),
+            rows: Vec::new(),
+            traits: FleetTraits::default(),
+            cpu_rows: Vec::new(),
+            known_rows: Vec::new(),
+            overloaded_rows: Vec::new(),
+            threshold_rows: Vec::new(),
+            scan_rows: 0,
+            retired: IdMap::default(),
+            deferred: false,
+        }
+    }
+
+    /// Workers with rows.
+    pub(crate) fn len(&self) -> usize {
+        self.workers.len()
+    }
+
+    pub(crate) fn get(&self, worker_id: WorkerId) -> Option<&Arc<E>> {
+        self.workers.get(&worker_id)
+    }
+
+    pub(crate) fn workers(&self) -> impl Iterator<Item = &Arc<E>> {
+        self.workers.values()
+    }
+
+    #[inline]
+    pub(crate) fn row(&self, row: usize) -> Option<&RowMeta<E>> {
+        self.rows.get(row).and_then(Option::as_ref)
+    }
+
+    #[inline]
+    pub(crate) fn row_of(&self, w: WorkerWithDpRank) -> Option<usize> {
+        self.rank_rows.get(&w).map(|&r| r as usize)
+    }
+
+    /// Every worker rank and its row, sorted by worker rank.
+    pub(crate) fn sorted_ranks(&self) -> &[(WorkerWithDpRank, u32)] {
+        &self.sorted_ranks
+    }
+
+    fn index_rank(&mut self, w: WorkerWithDpRank, row: usize) {
+        self.rank_rows.insert(w, row as u32);
+        match self.sorted_ranks.binary_search_by_key(&w, |e| e.0) {
+            Ok(i) => self.sorted_ranks[i].1 = row as u32,
+            Err(i) => self.sorted_ranks.insert(i, (w, row as u32)),
+        }
+    }
+
+    fn unindex_rank(&mut self, w: WorkerWithDpRank) {
+        self.rank_rows.remove(&w);
+        if let Ok(i) = self.sorted_ranks.binary_search_by_key(&w, |e| e.0) {
+            self.sorted_ranks.remove(i);
+        }
+    }
+
+    pub(crate) fn traits(&self) -> FleetTraits {
+        self.traits
+    }
+
+    /// The row of `row`'s worker's first rank.
+    #[inline]
+    pub(crate) fn leader(&self, row: usize) -> Option<usize> {
+        self.leaders.get(row).map(|&l| l as usize)
+    }
+
+    /// Rows with a worker in this index, as mask words.
+    pub(crate) fn known_rows(&self) -> &[u64] {
+        &self.known_rows
+    }
+
+    /// Rows of CPU workers, as mask words.
+    pub(crate) fn cpu_rows(&self) -> &[u64] {
+        &self.cpu_rows
+    }
+
+    /// Rows of workers marked overloaded, as mask words.
+    pub(crate) fn overloaded_rows(&self) -> &[u64] {
+        &self.overloaded_rows
+    }
+
+    /// Rows of workers with a busy threshold, as mask words.
+    pub(crate) fn threshold_rows(&self) -> &[u64] {
+        &self.threshold_rows
+    }
+
+    /// The rows a selection on this index scans (see the field).
+    #[inline]
+    pub(crate) fn scan_rows(&self) -> usize {
+        self.scan_rows
+    }
+
+    /// Puts a worker in the index, with a [`RowMeta`] for each of its rows
+    /// (replacing the worker of the same id, if any).
+    pub(crate) fn add_rows(&mut self, entry: E) {
+        let entry = Arc::new(entry);
+        let id = entry.worker_id();
+        for &(rank, h) in entry.rows() {
+            if self.rows.len() <= h.row {
+                self.rows.resize(h.row + 1, None);
+            }
+            self.rows[h.row] = Some(RowMeta {
+                entry: entry.clone(),
+                dp_rank: rank,
+                handle: h,
+            });
+            self.index_rank(WorkerWithDpRank::new(id, rank), h.row);
+        }
+        self.workers.insert(id, entry);
+        self.recompute_traits();
+    }
+
+    /// Takes a worker out of the worker table; its rows stay until each is
+    /// forgotten ([`forget_row`](Self::forget_row)).
+    pub(crate) fn remove_worker(&mut self, worker_id: WorkerId) -> Option<Arc<E>> {
+        self.workers.remove(&worker_id)
+    }
+
+    /// Starts (`true`) or ends a batch of changes: inside one, the masks and
+    /// traits are recomputed only when the batch ends.
+    pub(crate) fn set_deferred(&mut self, deferred: bool) {
+        self.deferred = deferred;
+    }
+
+    /// Rebuilds the masks, leaders, scan length and traits from the
+    /// workers (not inside a batch).
+    pub(crate) fn recompute_traits(&mut self) {
+        if self.deferred {
+            return;
+        }
+        let mut t = FleetTraits::default();
+        let words = selkie_kernel::mask::words_for(self.rows.len());
+        self.cpu_rows.clear();
+        self.cpu_rows.resize(words, 0);
+        self.known_rows.clear();
+        self.known_rows.resize(words, 0);
+        self.leaders.clear();
+        self.leaders.resize(self.rows.len(), 0);
+        self.threshold_rows.clear();
+        self.threshold_rows.resize(words, 0);
+        let mut top = 0;
+        for (row, m) in self.rows.iter().enumerate() {
+            if let Some(m) = m {
+                self.known_rows[row / 64] |= 1 << (row % 64);
+                self.leaders[row] = m.entry.rows()[0].1.row as u32;
+                top = row + 1;
+            }
+        }
+        self.scan_rows = selkie_kernel::lanes::padded_rows(top);
+        for e in self.workers.values() {
+            let wt = e.traits();
+            if e.is_cpu() {
+                for &(_, h) in e.rows() {
+                    self.cpu_rows[h.row / 64] |= 1 << (h.row % 64);
+                }
+            }
+            if wt.thresholds {
+                for &(_, h) in e.rows() {
+                    self.threshold_rows[h.row / 64] |= 1 << (h.row % 64);
+                }
+            }
+            t = t.union(wt);
+        }
+        self.traits = t;
+        self.recompute_overloaded_rows();
+    }
+
+    /// Rebuilds the overloaded-rows mask from the workers' marks (not
+    /// inside a batch).
+    pub(crate) fn recompute_overloaded_rows(&mut self) {
+        if self.deferred {
+            return;
+        }
+        self.overloaded_rows.clear();
+        self.overloaded_rows
+            .resize(selkie_kernel::mask::words_for(self.rows.len()), 0);
+        for e in self.workers.values() {
+            if e.is_overloaded() {
+                for &(_, h) in e.rows() {
+                    self.overloaded_rows[h.row / 64] |= 1 << (h.row % 64);
+                }
+            }
+        }
+    }
+
+    /// Rows held now: every indexed rank, and every retired row.
+    pub(crate) fn rows_held(&self) -> usize {
+        self.workers.values().map(|e| e.rows().len()).sum::<usize>() + self.retired.len()
+    }
+
+    /// Rows kept for removed workers (or dropped ranks) until their
+    /// bookings end.
+    pub(crate) fn retired_rows(&self) -> usize {
+        self.retired.len()
+    }
+
+    /// Whether `w` has a retired row.
+    pub(crate) fn is_retired(&self, w: WorkerWithDpRank) -> bool {
+        self.retired.contains_key(&w)
+    }
+
+    /// Takes `w`'s retired row back (its counters intact), if it has one.
+    pub(crate) fn take_retired(&mut self, w: WorkerWithDpRank) -> Option<RowHandle> {
+        self.retired.remove(&w)
+    }
+
+    /// Frees the retired rows whose bookings have all ended.
+    pub(crate) fn sweep(&mut self, fleet: &HostFleet) {
+        self.retired.retain(|w, h| {
+            let drained = fleet.is_drained(*h);
+            if drained {
+                fleet.remove_row(*h);
+                tracing::debug!(worker = %w, row = h.row, "retired row freed");
+            }
+            !drained
+        });
+    }
+
+    /// Gives up a row of `worker_id`'s `rank` (already forgotten, or never
+    /// indexed): retired while a booking holds load on it, freed otherwise.
+    /// The row is cordoned first, so no booking can start on it between the
+    /// check and the removal.
+    pub(crate) fn release_row(&mut self, fleet: &HostFleet, worker_id: WorkerId, rank: DpRank, h: RowHandle) {
+        fleet.retire_row(h);
+        if fleet.is_drained(h) {
+            fleet.remove_row(h);
+        } else {
+            self.retired.insert(WorkerWithDpRank::new(worker_id, rank), h);
+        }
+    }
+
+    /// Drops a row from the index's tables (not from the fleet).
+    pub(crate) fn forget_row(&mut self, worker_id: WorkerId, rank: DpRank, h: RowHandle) {
+        if let Some(slot) = self.rows.get_mut(h.row) {
+            *slot = None;
+        }
+        self.unindex_rank(WorkerWithDpRank::new(worker_id, rank));
+    }
+}
