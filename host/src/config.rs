@@ -27,10 +27,11 @@
 //! ```
 //!
 //! Before parsing, the text is bounded: at most [`MAX_CONFIG_BYTES`] long
-//! and [`MAX_CONFIG_DEPTH`] levels deep (brackets and braces anywhere in
-//! the text, indentation and `- ` entries, counted in one pass over the raw
-//! text without interpreting quotes or comments), so a hostile file
-//! fails at once with [`ConfigError::TooLarge`] or [`ConfigError::TooDeep`]
+//! and [`MAX_CONFIG_DEPTH`] levels deep, with at most
+//! [`MAX_CONFIG_COLLECTIONS`] brackets and braces (counted in one pass over
+//! the raw text without interpreting quotes or comments), so a hostile file
+//! fails at once with [`ConfigError::TooLarge`], [`ConfigError::TooDeep`] or
+//! [`ConfigError::TooManyCollections`]
 //! instead of keeping the parser busy. Parsing checks the shape (unknown
 //! fields, duplicate or reserved instance names, roles naming undefined
 //! instances); [`WorkerSelectionConfig::resolve`]
@@ -52,22 +53,28 @@ pub const MAX_CONFIG_BYTES: usize = 1 << 20;
 /// The deepest nesting a config may have (a real one needs fewer than ten).
 pub const MAX_CONFIG_DEPTH: usize = 64;
 
-/// Refuses text over [`MAX_CONFIG_BYTES`] or nested deeper than
-/// [`MAX_CONFIG_DEPTH`], in time linear in its length.
+/// The most flow collections (`[` and `{`, wherever they stand) a config may
+/// have (a real one has a few per policy instance).
+pub const MAX_CONFIG_COLLECTIONS: usize = 4096;
+
+/// Refuses text over [`MAX_CONFIG_BYTES`], nested deeper than
+/// [`MAX_CONFIG_DEPTH`] or with more than [`MAX_CONFIG_COLLECTIONS`]
+/// brackets and braces, in time linear in its length, before any parser
+/// sees it.
 ///
-/// Depth is counted conservatively, without trying to understand the
-/// syntax (a scanner that tracked quotes, comments, tags or anchors could be
-/// talked into skipping nesting that the parser then sees):
+/// Nothing here interprets quotes, comments, tags or anchors (a scanner
+/// that did could be talked into skipping nesting that the parser then
+/// sees):
 ///
-/// * flow depth: every `[` and `{` in the text opens a level and every `]`
-///   and `}` closes one, wherever it stands, in strings and comments too;
-/// * for YAML (`indentation`), block depth: on each line that is not blank
-///   and does not start with `#`, the stack of indentation columns of the
-///   enclosing lines, one more per leading `- `.
-///
-/// A line's depth is the flow depth plus its block depth. The count never
-/// under-counts the parser's nesting; a config whose strings or comments
-/// hold more than [`MAX_CONFIG_DEPTH`] unclosed brackets is refused too.
+/// * every `[` and `{` in the text counts towards
+///   [`MAX_CONFIG_COLLECTIONS`], in strings and comments too. This bounds the
+///   parser's work whatever the text hides: a closing `]` inside a string
+///   can make the depth below look shallower than the real nesting, but
+///   never let more than this many levels through;
+/// * depth: every `[` and `{` opens a level and every `]` and `}` closes
+///   one; for YAML (`indentation`), plus the block depth of each line that
+///   is not blank and does not start with `#` (the stack of indentation
+///   columns of the enclosing lines, one more per leading `- `).
 fn check_bounds(text: &str, indentation: bool) -> Result<(), ConfigError> {
     if text.len() > MAX_CONFIG_BYTES {
         return Err(ConfigError::TooLarge {
@@ -85,6 +92,7 @@ fn check_bounds(text: &str, indentation: bool) -> Result<(), ConfigError> {
             Ok(())
         }
     };
+    let mut collections = 0usize;
     let mut columns: Vec<usize> = Vec::new();
     let mut flow = 0usize;
     for line in text.lines() {
@@ -108,6 +116,13 @@ fn check_bounds(text: &str, indentation: bool) -> Result<(), ConfigError> {
             match b {
                 b'[' | b'{' => {
                     flow += 1;
+                    collections += 1;
+                    if collections > MAX_CONFIG_COLLECTIONS {
+                        return Err(ConfigError::TooManyCollections {
+                            count: collections,
+                            limit: MAX_CONFIG_COLLECTIONS,
+                        });
+                    }
                     too_deep(flow + columns.len())?;
                 }
                 b']' | b'}' => flow = flow.saturating_sub(1),

@@ -418,6 +418,15 @@ pub enum ConfigError {
         /// The most levels a config may nest.
         limit: usize,
     },
+    /// The config has more flow collections (`[` and `{`, counted anywhere
+    /// in the text) than any real config needs.
+    #[error("worker-selection config has {count} '[' or '{{', over the limit of {limit}")]
+    TooManyCollections {
+        /// Brackets and braces counted when the limit was passed.
+        count: usize,
+        /// The most a config may have.
+        limit: usize,
+    },
     /// The config is well formed but inconsistent.
     #[error("invalid worker-selection config: {0}")]
     Validation(String),

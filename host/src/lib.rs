@@ -14,7 +14,9 @@ mod request;
 mod service;
 mod types;
 
-pub use config::{WorkerSelectionConfig, WorkerSelectionInstance, MAX_CONFIG_BYTES, MAX_CONFIG_DEPTH};
+pub use config::{
+    WorkerSelectionConfig, WorkerSelectionInstance, MAX_CONFIG_BYTES, MAX_CONFIG_COLLECTIONS, MAX_CONFIG_DEPTH,
+};
 pub use discovery::{
     BusyThresholds, DeviceKind, Discovery, FileDiscovery, InMemoryDiscovery, SyncReport, WorkerRecord, WorkerState,
 };

@@ -126,6 +126,37 @@ fn a_snapshot_that_fits_applies_whatever_the_order_of_its_records() {
     }
 }
 
+/// Ordering by the rows really freed: a worker whose dropped ranks are
+/// still booked frees nothing (its rows are retired), so it must wait for
+/// the worker that does free a row, whatever their ids.
+#[test]
+fn a_snapshot_frees_rows_before_taking_them_when_dropped_ranks_are_booked() {
+    let s = service();
+    s.sync(vec![
+        WorkerRecord::new(1).with_dp(0, 3),
+        WorkerRecord::new(2).with_dp(0, 2),
+        WorkerRecord::new(3).with_dp(0, CAPACITY - 6),
+    ])
+    .unwrap();
+    let held: Vec<_> = (0..3)
+        .map(|rank| {
+            s.select(&SelectionRequest::new(16).pinned_to_rank(WorkerWithDpRank::new(1, rank)))
+                .unwrap()
+        })
+        .collect();
+    // One row free. Worker 1 moves to ranks 3..5 (two new rows; its booked
+    // rows are retired), worker 2 drops a rank (one row freed): it fits.
+    let report = s
+        .sync(vec![
+            WorkerRecord::new(1).with_dp(3, 2),
+            WorkerRecord::new(2).with_dp(0, 1),
+            WorkerRecord::new(3).with_dp(0, CAPACITY - 6),
+        ])
+        .unwrap_or_else(|e| panic!("the snapshot fits: {e}"));
+    assert_eq!(report.updated, vec![1, 2]);
+    drop(held);
+}
+
 #[test]
 fn a_refused_snapshot_is_delivered_again() {
     let s = service();
@@ -382,6 +413,20 @@ fn a_deeply_nested_config_fails_fast() {
             &text[..40]
         );
     }
+    // Closing brackets inside strings cannot hide real nesting: the count
+    // of brackets bounds the parser's work whatever the depth count says.
+    let hidden = format!("{}\"{}\", ", "[".repeat(50), "]".repeat(50)).repeat(9_000);
+    let started = Instant::now();
+    let e = WorkerSelectionConfig::from_yaml_str(&hidden).unwrap_err();
+    assert!(
+        started.elapsed() < Duration::from_secs(1),
+        "took {:?}",
+        started.elapsed()
+    );
+    assert!(
+        matches!(e, ConfigError::TooManyCollections { count, limit: MAX_CONFIG_COLLECTIONS } if count == MAX_CONFIG_COLLECTIONS + 1),
+        "{e}"
+    );
     let toml = format!("a = {}", "[".repeat(80_000));
     let e = WorkerSelectionConfig::from_toml_str(&toml).unwrap_err();
     assert!(matches!(e, ConfigError::TooDeep { .. }), "{e}");

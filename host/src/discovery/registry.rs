@@ -146,12 +146,26 @@ impl WorkerRegistry {
         self.overloaded_marks > 0
     }
 
-    fn make_entry(&self, record: WorkerRecord, rows: Vec<(DpRank, RowHandle)>, overloaded: bool) -> WorkerEntry {
+    /// A worker's selection counter, registered with the metrics recorder.
+    /// Registered before any row is taken: a recorder that panics must not
+    /// interrupt a change half way (see `sync`).
+    fn selections_counter(worker_id: WorkerId) -> Counter {
+        metrics::counter!("selkie_worker_selections_total", "worker" => worker_id.to_string())
+    }
+
+    /// Builds an entry; calls nothing outside the crate.
+    fn make_entry(
+        &self,
+        record: WorkerRecord,
+        rows: Vec<(DpRank, RowHandle)>,
+        overloaded: bool,
+        selections: Counter,
+    ) -> WorkerEntry {
         let t = record.busy_thresholds.unwrap_or(self.defaults);
         WorkerEntry {
             decode_limit: t.active_decode_blocks.unwrap_or(u64::MAX),
             prefill_limit: t.prefill_limit(record.max_num_batched_tokens),
-            selections: metrics::counter!("selkie_worker_selections_total", "worker" => record.worker_id.to_string()),
+            selections,
             overloaded: AtomicBool::new(overloaded),
             record,
             rows,
@@ -255,17 +269,19 @@ impl WorkerRegistry {
         }
         self.index.sweep(fleet);
         self.check_fits(fleet, std::slice::from_ref(&record), false)?;
-        self.add_checked(fleet, record)
+        let (id, ranks) = (record.worker_id, record.data_parallel_size);
+        self.add_checked(fleet, record)?;
+        tracing::info!(worker = id, ranks, "worker added");
+        Ok(())
     }
 
+    /// Adds a checked record. Between taking fleet rows and indexing them it
+    /// calls no code outside the crate (metrics, tracing), so a panic there
+    /// cannot leave rows taken and unindexed; logging is the caller's.
     fn add_checked(&mut self, fleet: &HostFleet, record: WorkerRecord) -> Result<(), DiscoveryError> {
+        let selections = Self::selections_counter(record.worker_id);
         let rows = self.take_rows(fleet, &record, record.dp_ranks())?;
-        let entry = self.make_entry(record, rows, false);
-        tracing::info!(
-            worker = entry.record.worker_id,
-            ranks = entry.rows.len(),
-            "worker added"
-        );
+        let entry = self.make_entry(record, rows, false, selections);
         self.index.add_rows(entry);
         Ok(())
     }
@@ -282,7 +298,10 @@ impl WorkerRegistry {
         }
         self.index.sweep(fleet);
         self.check_fits(fleet, std::slice::from_ref(&record), false)?;
-        self.update_checked(fleet, record)
+        let (id, state) = (record.worker_id, record.state);
+        self.update_checked(fleet, record)?;
+        tracing::info!(worker = id, ?state, "worker updated");
+        Ok(())
     }
 
     fn update_checked(&mut self, fleet: &HostFleet, record: WorkerRecord) -> Result<(), DiscoveryError> {
@@ -293,6 +312,7 @@ impl WorkerRegistry {
         };
         let id = record.worker_id;
         let overloaded = old.overloaded.load(Ordering::Relaxed);
+        let selections = Self::selections_counter(id);
         let (now, new) = (old.record.dp_ranks(), record.dp_ranks());
         let (kept, dropped): (Vec<_>, Vec<_>) = old.rows.iter().partition(|(rank, _)| new.contains(rank));
         for &(rank, h) in &dropped {
@@ -314,10 +334,7 @@ impl WorkerRegistry {
                 // ones where they were free) and keep the old record.
                 let back = self.take_rows(fleet, &old.record, dropped.iter().map(|&(rank, _)| rank));
                 let mut rows = kept;
-                match back {
-                    Ok(back) => rows.extend(back),
-                    Err(_) => tracing::error!(worker = id, "cannot restore the rows of a refused update"),
-                }
+                let restored = back.map(|back| rows.extend(back)).is_ok();
                 rows.sort_unstable_by_key(|&(rank, _)| rank);
                 if rows.is_empty() {
                     self.index.remove_worker(id);
@@ -326,14 +343,16 @@ impl WorkerRegistry {
                     }
                     self.index.recompute_traits();
                 } else {
-                    let entry = self.make_entry(old.record.clone(), rows, overloaded);
+                    let entry = self.make_entry(old.record.clone(), rows, overloaded, old.selections.clone());
                     self.index.add_rows(entry);
+                }
+                if !restored {
+                    tracing::error!(worker = id, "cannot restore the rows of a refused update");
                 }
                 return Err(e);
             }
         };
-        let entry = self.make_entry(record, rows, overloaded);
-        tracing::info!(worker = entry.record.worker_id, state = ?entry.record.state, "worker updated");
+        let entry = self.make_entry(record, rows, overloaded, selections);
         self.index.add_rows(entry);
         Ok(())
     }
@@ -344,6 +363,7 @@ impl WorkerRegistry {
     /// its bookings end; once they end it is freed by a later change.
     pub(crate) fn remove(&mut self, fleet: &HostFleet, worker_id: WorkerId) -> Result<(), DiscoveryError> {
         self.remove_entry(fleet, worker_id)?;
+        tracing::info!(worker = worker_id, "worker removed");
         self.index.sweep(fleet);
         self.index.recompute_traits();
         Ok(())
@@ -360,7 +380,6 @@ impl WorkerRegistry {
             self.index.forget_row(worker_id, rank, h);
             self.index.release_row(fleet, worker_id, rank, h);
         }
-        tracing::info!(worker = worker_id, "worker removed");
         Ok(old)
     }
 
@@ -436,7 +455,16 @@ impl WorkerRegistry {
         self.index.set_deferred(false);
         self.index.recompute_traits();
         match applied {
-            Ok(result) => result,
+            Ok(Ok(report)) => {
+                tracing::info!(
+                    added = report.added.len(),
+                    updated = report.updated.len(),
+                    removed = report.removed.len(),
+                    "discovery snapshot applied"
+                );
+                Ok(report)
+            }
+            Ok(Err(e)) => Err(e),
             Err(payload) => std::panic::resume_unwind(payload),
         }
     }
@@ -469,9 +497,19 @@ impl WorkerRegistry {
             match self.index.get(r.worker_id) {
                 None => adds.push(r),
                 Some(e) if e.record != r => {
+                    // Rows it needs and rows it frees, counted as
+                    // `check_fits` counts them: a new rank with a retired
+                    // row needs none, a dropped rank still booked frees none.
                     let (now, new) = (e.record.dp_ranks(), r.dp_ranks());
-                    let needs = new.clone().filter(|k| !now.contains(k)).count() as i64;
-                    let frees = now.filter(|k| !new.contains(k)).count() as i64;
+                    let needs = new
+                        .clone()
+                        .filter(|&k| !now.contains(&k) && !self.index.is_retired(WorkerWithDpRank::new(r.worker_id, k)))
+                        .count() as i64;
+                    let frees = e
+                        .rows
+                        .iter()
+                        .filter(|&&(k, h)| !new.contains(&k) && fleet.is_drained(h))
+                        .count() as i64;
                     updates.push((needs - frees, r));
                 }
                 Some(_) => {}
@@ -504,9 +542,13 @@ impl WorkerRegistry {
     /// Reverts the changes of a snapshot that failed part way, newest first.
     /// Removed workers come back on their retired rows (bookings intact) or
     /// on new rows where theirs were free.
+    ///
+    /// Each step runs under its own panic guard (a metrics recorder or
+    /// tracing subscriber that panicked once may panic again), so every
+    /// step is tried.
     fn undo(&mut self, fleet: &HostFleet, undo: Vec<Undo>) {
         for step in undo.into_iter().rev() {
-            let result = match step {
+            let undone = crate::contain::contain_message(|| match step {
                 Undo::Added(id) => self.remove_entry(fleet, id).map(drop),
                 Undo::Updated(old) => self.update_checked(fleet, old),
                 Undo::Removed(old) => {
@@ -515,10 +557,15 @@ impl WorkerRegistry {
                     self.add_checked(fleet, old.record.clone())
                         .and_then(|()| self.set_overloaded(id, overloaded))
                 }
+            });
+            let failure = match undone {
+                Ok(Ok(())) => continue,
+                Ok(Err(e)) => e.to_string(),
+                Err(panic) => format!("panicked: {panic}"),
             };
-            if let Err(e) = result {
-                tracing::error!(error = %e, "cannot undo part of a refused discovery snapshot");
-            }
+            let _ = crate::contain::contain(|| {
+                tracing::error!(error = %failure, "cannot undo part of a refused discovery snapshot");
+            });
         }
     }
 }

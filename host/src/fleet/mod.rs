@@ -100,7 +100,8 @@ impl HostFleet {
 
     /// Whether no booking holds load on the row any more.
     pub(crate) fn is_drained(&self, h: RowHandle) -> bool {
-        self.inner.is_drained(h.row)
+        // A row that no longer holds `h`'s occupant holds nothing of it.
+        self.inner.slot_id(h.row) != Some(h.slot) || self.inner.is_drained(h.row)
     }
 }
 

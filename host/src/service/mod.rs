@@ -115,7 +115,9 @@ pub struct WorkerSelectionService {
     sessions: SessionTable,
     /// The last snapshot `refresh` could not apply, retried by later
     /// refreshes.
-    refused: Mutex<Option<Vec<WorkerRecord>>>,
+    /// With the registry version after its refusal: any later change of
+    /// the workers drops it.
+    refused: Mutex<Option<(u64, Vec<WorkerRecord>)>>,
     seed_counter: AtomicU64,
     selections: Counter,
 }
@@ -199,25 +201,32 @@ impl WorkerSelectionService {
     /// A snapshot that [`sync`](Self::sync) refuses changes nothing; the
     /// service keeps it and tries it again on every later refresh whose
     /// poll reports no change, until it applies (e.g. once the bookings that
-    /// held the rows it needs have ended) or the source delivers a newer
-    /// one. The source is told too ([`Discovery::snapshot_refused`]).
+    /// held the rows it needs have ended), the source delivers a newer one,
+    /// or the workers are changed some other way (then it is dropped). The
+    /// source is told when a snapshot it delivered is refused
+    /// ([`Discovery::snapshot_refused`]).
     pub fn refresh(&self, source: &mut dyn Discovery) -> Result<Option<SyncReport>, DiscoveryError> {
-        let snapshot = match source.poll()? {
-            Some(snapshot) => snapshot,
-            None => match self.refused.lock().unwrap_or_else(PoisonError::into_inner).clone() {
-                Some(refused) => refused,
-                None => return Ok(None),
+        let refused = || self.refused.lock().unwrap_or_else(PoisonError::into_inner);
+        let (snapshot, fresh) = match source.poll()? {
+            Some(snapshot) => (snapshot, true),
+            // Retried only while nothing else changed the workers since it
+            // was refused (a direct change, or a newer snapshot, wins).
+            None => match refused().take() {
+                Some((version, kept)) if version == self.version.load(Ordering::Acquire) => (kept, false),
+                _ => return Ok(None),
             },
         };
         let kept = snapshot.clone();
         match self.sync(snapshot) {
             Ok(report) => {
-                *self.refused.lock().unwrap_or_else(PoisonError::into_inner) = None;
+                *refused() = None;
                 Ok(Some(report))
             }
             Err(e) => {
-                *self.refused.lock().unwrap_or_else(PoisonError::into_inner) = Some(kept);
-                source.snapshot_refused(&e);
+                *refused() = Some((self.version.load(Ordering::Acquire), kept));
+                if fresh {
+                    source.snapshot_refused(&e);
+                }
                 Err(e)
             }
         }

@@ -72,30 +72,42 @@ pub struct DiscoveryPoller {
     thread: Option<JoinHandle<()>>,
 }
 
-/// One poll and apply, with its panic caught; records the outcome.
+/// One poll and apply, with its panic caught; records the outcome. The
+/// health lock is held only to update the numbers; logging and metrics run
+/// after it is released, under their own panic guard (a subscriber may read
+/// the health, and a recorder may panic).
 fn poll_once(service: &WorkerSelectionService, source: &mut dyn Discovery, health: &Mutex<DiscoveryHealth>) {
     let outcome = crate::contain::contain_message(|| service.refresh(source));
-    let mut h = health.lock().unwrap_or_else(PoisonError::into_inner);
-    h.polls += 1;
-    let (reason, message) = match outcome {
-        Ok(Ok(_)) => {
-            h.last_success = Some(SystemTime::now());
-            h.consecutive_failures = 0;
-            return;
-        }
-        Ok(Err(e)) => {
-            tracing::warn!(error = %e, "discovery poll failed");
-            (e.reason(), e.to_string())
-        }
-        Err(message) => {
-            tracing::error!(panic = %message, "discovery poll panicked; polling continues");
-            h.panics += 1;
-            ("panic", format!("discovery source panicked: {message}"))
-        }
+    let failure = match outcome {
+        Ok(Ok(_)) => None,
+        Ok(Err(e)) => Some((e.reason(), e.to_string(), false)),
+        Err(message) => Some(("panic", format!("discovery source panicked: {message}"), true)),
     };
-    metrics::counter!("selkie_discovery_errors_total", "reason" => reason).increment(1);
-    h.consecutive_failures += 1;
-    h.last_error = Some(message);
+    {
+        let mut h = health.lock().unwrap_or_else(PoisonError::into_inner);
+        h.polls += 1;
+        match &failure {
+            None => {
+                h.last_success = Some(SystemTime::now());
+                h.consecutive_failures = 0;
+            }
+            Some((_, message, panicked)) => {
+                h.consecutive_failures += 1;
+                h.panics += u64::from(*panicked);
+                h.last_error = Some(message.clone());
+            }
+        }
+    }
+    if let Some((reason, message, panicked)) = failure {
+        let _ = crate::contain::contain(|| {
+            if panicked {
+                tracing::error!(%message, "discovery poll panicked; polling continues");
+            } else {
+                tracing::warn!(error = %message, "discovery poll failed");
+            }
+            metrics::counter!("selkie_discovery_errors_total", "reason" => reason).increment(1);
+        });
+    }
 }
 
 impl DiscoveryPoller {

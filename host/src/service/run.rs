@@ -87,7 +87,8 @@ impl WorkerSelectionService {
         if self.config.block_size == 0 {
             return Err(SelectionError::InvalidRequest("block_size is 0"));
         }
-        let now = Instant::now();
+        // The clock is read only for requests that carry a session.
+        let now = req.session.map(|_| Instant::now());
         // Session affinity.
         let mut pin = req.pin;
         let mut route = if pin.is_some() { Route::Pinned } else { Route::Policy };
@@ -95,7 +96,7 @@ impl WorkerSelectionService {
         if let (None, Some(sess)) = (pin, req.session) {
             if let Some(w) = self
                 .sessions
-                .get(sess.id, now)
+                .get(sess.id, now.unwrap_or_else(Instant::now))
                 // A session whose worker left, or is draining or cordoned,
                 // moves on (and rebinds) instead of failing.
                 .filter(|w| {
@@ -161,7 +162,11 @@ impl WorkerSelectionService {
         };
         let request_blocks = req.request_blocks(self.config.block_size);
         // The soft session's try does not count against the attempts.
-        let mut attempts = self.config.max_booking_attempts.max(1) + u32::from(soft_row.is_some());
+        let mut attempts = self
+            .config
+            .max_booking_attempts
+            .max(1)
+            .saturating_add(u32::from(soft_row.is_some()));
         while attempts > 0 {
             attempts -= 1;
             // Leaves soft affinity: the rest of the eligible rows, without
@@ -173,9 +178,15 @@ impl WorkerSelectionService {
             };
             let choice = match self.policy.choose(&env, s, rng) {
                 Ok(c) => c,
-                Err(e) if soft_row.is_some() => {
+                Err(
+                    e @ (SelectionError::AllEligibleWorkersFiltered
+                    | SelectionError::AllEligibleWorkersOverloaded
+                    | SelectionError::NoEligibleWorkers { .. }),
+                ) if soft_row.is_some() => {
                     // The policy refused the session's worker (a custom
-                    // filter, say): a normal selection instead.
+                    // filter, say): a normal selection instead. Other
+                    // errors (a plugin's panic or NaN cost) are the
+                    // request's, as without a session.
                     tracing::debug!(error = %e, "soft session's worker refused by the policy");
                     leave_soft(s, soft_row.take().unwrap_or_default());
                     route = Route::Policy;
@@ -223,7 +234,7 @@ impl WorkerSelectionService {
                     meta.entry.selections.increment(1);
                     self.selections.increment(1);
                     if let Some(sess) = req.session {
-                        self.sessions.bind(sess.id, worker, now);
+                        self.sessions.bind(sess.id, worker, now.unwrap_or_else(Instant::now));
                     }
                     tracing::debug!(
                         worker = %worker,

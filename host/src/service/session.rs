@@ -112,17 +112,20 @@ impl SessionTable {
         for b in self.choices(key) {
             let mut bucket = Self::lock(&buckets[b]);
             if let Some(e) = bucket.iter_mut().find(|e| e.key == key) {
-                if self.expired(e, now) {
-                    *e = Entry::default();
-                    return None;
+                if !self.expired(e, now) {
+                    return e.worker;
                 }
-                return e.worker;
+                *e = Entry::default();
             }
         }
         None
     }
 
     /// Binds (or re-binds) a session and refreshes its idle clock.
+    ///
+    /// Both of the session's buckets are locked (the lower index first) for
+    /// the whole find-or-insert, so two first requests of one session
+    /// racing here leave one entry, not two.
     pub(crate) fn bind(&self, id: &str, worker: WorkerWithDpRank, now: Instant) {
         let key = self.key(id);
         let buckets = self.buckets.get_or_init(|| {
@@ -136,38 +139,37 @@ impl SessionTable {
             worker: Some(worker),
             last_used: now,
         };
-        let choices = self.choices(key);
+        let [first, second] = self.choices(key);
+        let (lo, hi) = (first.min(second), first.max(second));
+        let mut lo_guard = Self::lock(&buckets[lo]);
+        let mut hi_guard = (hi != lo).then(|| Self::lock(&buckets[hi]));
+        let mut locked: [Option<&mut [Entry; WAYS]>; 2] = [Some(&mut *lo_guard), hi_guard.as_deref_mut()];
         // Bound already: refresh it where it is.
-        for &b in &choices {
-            if let Some(e) = Self::lock(&buckets[b]).iter_mut().find(|e| e.key == key) {
+        for bucket in locked.iter_mut().flatten() {
+            if let Some(e) = bucket.iter_mut().find(|e| e.key == key) {
                 *e = fresh;
                 return;
             }
         }
         // The bucket with more free (or expired) entries takes it; when
-        // both are full of live sessions, the one whose least recently used
-        // session is older evicts it.
-        let mut free = [0usize; 2];
-        let mut oldest = [u64::MAX; 2];
-        for (i, &b) in choices.iter().enumerate() {
-            let bucket = Self::lock(&buckets[b]);
-            free[i] = bucket.iter().filter(|e| e.key == 0 || self.expired(e, now)).count();
-            oldest[i] = bucket.iter().map(|e| e.last_used).min().unwrap_or(0);
+        // both are full of live sessions, the least recently used of the
+        // two buckets goes.
+        let free = |e: &Entry| e.key == 0 || self.expired(e, now);
+        let free_in = |b: &Option<&mut [Entry; WAYS]>| b.as_ref().map_or(0, |b| b.iter().filter(|e| free(e)).count());
+        let pick = usize::from(free_in(&locked[1]) > free_in(&locked[0]));
+        if let Some(e) = locked[pick].as_mut().and_then(|b| b.iter_mut().find(|e| free(e))) {
+            *e = fresh;
+            return;
         }
-        let pick = if free[0] + free[1] > 0 {
-            usize::from(free[1] > free[0])
-        } else {
-            usize::from(oldest[1] < oldest[0])
-        };
-        let mut bucket = Self::lock(&buckets[choices[pick]]);
-        let slot = match bucket.iter().position(|e| e.key == 0 || self.expired(e, now)) {
-            Some(i) => i,
-            None => {
-                self.evictions.increment(1);
-                (0..WAYS).min_by_key(|&i| bucket[i].last_used).unwrap_or(0)
-            }
-        };
-        bucket[slot] = fresh;
+        let oldest = locked
+            .iter_mut()
+            .flatten()
+            .flat_map(|b| b.iter_mut())
+            .min_by_key(|e| e.last_used);
+        if let Some(e) = oldest {
+            *e = fresh;
+            self.evictions.increment(1);
+        }
     }
 
     /// Forgets a session.
@@ -243,5 +245,41 @@ mod tests {
         let table = SessionTable::new(Duration::from_secs(1), usize::MAX);
         assert_eq!(table.capacity(), MAX_CAPACITY);
         assert_eq!(SessionTable::new(Duration::from_secs(1), 0).capacity(), WAYS);
+    }
+
+    /// Concurrent first binds of the same sessions leave one entry each.
+    #[test]
+    fn racing_first_binds_leave_one_entry_per_session() {
+        let table = std::sync::Arc::new(SessionTable::new(Duration::from_secs(3600), 4096));
+        let now = Instant::now();
+        let threads: std::vec::Vec<_> = (0..4u64)
+            .map(|t| {
+                let table = table.clone();
+                std::thread::spawn(move || {
+                    for i in 0..3000 {
+                        table.bind(&format!("s{i}"), WorkerWithDpRank::new(t, 0), now);
+                    }
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+        let buckets = table.buckets.get().unwrap();
+        let mut duplicated = 0;
+        for i in 0..3000 {
+            let key = table.key(&format!("s{i}"));
+            let [a, b] = table.choices(key);
+            let mut copies = count_key(&buckets[a], key);
+            if b != a {
+                copies += count_key(&buckets[b], key);
+            }
+            duplicated += usize::from(copies > 1);
+        }
+        assert_eq!(duplicated, 0, "sessions with more than one entry");
+    }
+
+    fn count_key(bucket: &Bucket, key: u64) -> usize {
+        SessionTable::lock(bucket).iter().filter(|e| e.key == key).count()
     }
 }

@@ -30,11 +30,19 @@ thread_local! {
 
 impl WorkerSelectionService {
     /// Applies a change to the master registry and publishes it.
+    ///
+    /// The version moves even if `f` panics (a change undone part way may
+    /// have moved workers to other rows): selections then reload.
     pub(super) fn change<R>(&self, f: impl FnOnce(&mut WorkerRegistry, &HostFleet) -> R) -> R {
+        struct Bump<'a>(&'a AtomicU64);
+        impl Drop for Bump<'_> {
+            fn drop(&mut self) {
+                self.0.fetch_add(1, Ordering::Release);
+            }
+        }
         let mut master = self.read_registry();
-        let r = f(&mut master, &self.fleet);
-        self.version.fetch_add(1, Ordering::Release);
-        r
+        let _bump = Bump(&self.version);
+        f(&mut master, &self.fleet)
     }
 
     /// The current snapshot (slow path: after a change).

@@ -124,6 +124,13 @@ pub fn check(input: &Input) {
             assert!(len > limit && limit == MAX_CONFIG_BYTES, "too large: {len} > {limit}");
             return;
         }
+        Err(ConfigError::TooManyCollections { count, limit }) => {
+            assert!(
+                count > limit && limit == MAX_CONFIG_COLLECTIONS,
+                "too many: {count} > {limit}"
+            );
+            return;
+        }
         Err(ConfigError::TooDeep { depth, limit }) => {
             assert!(
                 depth > limit && limit == MAX_CONFIG_DEPTH,
