@@ -61,7 +61,7 @@ fn main() -> ExitCode {
     println!("per call: median of {ROUNDS} interleaved batches of ~{BATCH:?}; ratio = dynamo / selkie(fleet)");
     println!();
     println!(
-        "{:>7} {:>4} {:>13} {:>13} {:>8} {:>13} {:>13}  SPEC §6 target (>= 1,024 workers)",
+        "{:>7} {:>4} {:>13} {:>13} {:>8} {:>13} {:>13}  target (>= 1,024 workers)",
         "workers", "T", "dynamo ns/op", "selkie ns/op", "ratio", "selkie ns/wkr", "slices ns/op"
     );
     for &n in &WORKER_COUNTS {

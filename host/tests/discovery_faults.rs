@@ -321,7 +321,8 @@ fn a_panicking_source_is_contained_and_polled_again() {
     let poller =
         DiscoveryPoller::spawn(s.clone(), Box::new(PanicsFirst { left: 3 }), Duration::from_millis(2)).unwrap();
     let deadline = Instant::now() + Duration::from_secs(5);
-    while ids(&s) != [1] {
+    // The health is recorded just after the snapshot applies: wait for both.
+    while ids(&s) != [1] || poller.health().polls < 4 {
         assert!(Instant::now() < deadline, "the poller stopped polling");
         std::thread::sleep(Duration::from_millis(2));
     }

@@ -143,14 +143,17 @@ pub(crate) struct Plugin<P: ?Sized> {
     pub(crate) plugin: Box<P>,
 }
 
-/// The name a plugin gives, or a placeholder if asking panics.
-fn plugin_name(name: impl FnOnce() -> &'static str) -> &'static str {
-    crate::contain::contain(name).unwrap_or("<name() panicked>")
-}
-
-/// The inputs a plugin declares, or every input if asking panics.
-fn plugin_inputs(inputs: impl FnOnce() -> WorkerInputs) -> WorkerInputs {
-    crate::contain::contain(inputs).unwrap_or(WorkerInputs::ALL)
+impl<P: ?Sized> Plugin<P> {
+    /// Asks `plugin` its name and inputs once, each under a panic guard: a
+    /// name that panics reads as a placeholder, inputs that panic as every
+    /// input.
+    fn new(plugin: Box<P>, name: impl FnOnce(&P) -> &'static str, inputs: impl FnOnce(&P) -> WorkerInputs) -> Self {
+        Plugin {
+            inputs: crate::contain::contain(|| inputs(&plugin)).unwrap_or(WorkerInputs::ALL),
+            name: crate::contain::contain(|| name(&plugin)).unwrap_or("<name() panicked>"),
+            plugin,
+        }
+    }
 }
 
 pub(crate) struct Composed {
@@ -205,25 +208,13 @@ impl WorkerSelectionPolicy {
     ) -> Self {
         let filters: Vec<_> = filters
             .into_iter()
-            .map(|f| Plugin {
-                inputs: plugin_inputs(|| f.required_worker_inputs()),
-                name: plugin_name(|| f.name()),
-                plugin: f,
-            })
+            .map(|f| Plugin::new(f, |p| p.name(), |p| p.required_worker_inputs()))
             .collect();
         let scorers: Vec<_> = scorers
             .into_iter()
-            .map(|s| Plugin {
-                inputs: plugin_inputs(|| s.required_worker_inputs()),
-                name: plugin_name(|| s.name()),
-                plugin: s,
-            })
+            .map(|s| Plugin::new(s, |p| p.name(), |p| p.required_worker_inputs()))
             .collect();
-        let picker = Plugin {
-            inputs: plugin_inputs(|| picker.required_worker_inputs()),
-            name: plugin_name(|| picker.name()),
-            plugin: picker,
-        };
+        let picker = Plugin::new(picker, |p| p.name(), |p| p.required_worker_inputs());
         let inputs = filters
             .iter()
             .map(|f| f.inputs)

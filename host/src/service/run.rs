@@ -167,15 +167,15 @@ impl WorkerSelectionService {
             .max_booking_attempts
             .max(1)
             .saturating_add(u32::from(soft_row.is_some()));
+        // Leaves soft affinity: the rest of the eligible rows, without the
+        // session's row, go to the policy.
+        let leave_soft = |s: &mut Scratch, row: usize| {
+            let Scratch { mask: words, rest, .. } = s;
+            words[..nw].copy_from_slice(&rest[..nw]);
+            words[row / 64] &= !(1u64 << (row % 64));
+        };
         while attempts > 0 {
             attempts -= 1;
-            // Leaves soft affinity: the rest of the eligible rows, without
-            // the session's row, go to the policy.
-            let leave_soft = |s: &mut Scratch, row: usize| {
-                let Scratch { mask: words, rest, .. } = s;
-                words[..nw].copy_from_slice(&rest[..nw]);
-                words[row / 64] &= !(1u64 << (row % 64));
-            };
             let choice = match self.policy.choose(&env, s, rng) {
                 Ok(c) => c,
                 Err(
