@@ -1,18 +1,14 @@
 //! Lane width, column storage, and the one place the SIMD backend is chosen.
 //!
-//! # Backend choice
+//! # Lanes and backends
 //!
-//! selkie's SIMD kernels are written once against `wide`'s 8-lane types
-//! (`f32x8`, `u32x8`, `i32x8`). `wide` picks its implementation at compile
-//! time from the enabled target features: with AVX2 (the workspace builds
-//! x86-64 for `x86-64-v3`) each type is one `ymm` register; on baseline
-//! x86-64 it is a pair of SSE2 registers; on other targets (Cortex-M, miri)
-//! it is plain arrays that LLVM lowers as it can. Eight lanes is the widest
-//! that is native on the build target and still cheap everywhere else.
-//!
-//! There is no runtime dispatch on purpose: a router is built for the fleet
-//! machine it runs on, the hot path is a few hundred instructions long, and a
-//! function-pointer indirection per scan would cost more than it could win.
+//! selkie's SIMD kernels process eight rows per step, through the lane
+//! types of a SIMD backend ([`crate::simd`]): one `ymm` register with AVX2,
+//! a pair of SSE2 registers on baseline x86-64, one NEON pair on aarch64,
+//! plain arrays where there is no vector unit (Cortex-M, miri). Eight lanes
+//! is the widest that is native on AVX2 and still cheap everywhere else. The
+//! backend is chosen at run time on x86-64, in one place: see
+//! [`crate::simd`] and [`crate::simd_backend`].
 //!
 //! Every kernel has a scalar reference in the same file; the SIMD versions
 //! only need [`U32Source`] / [`F32Source`] to read a column, so they run
@@ -21,8 +17,8 @@
 //!
 //! This module must not contain selection logic.
 
+use crate::simd::{Simd, U32Lanes};
 use crate::sync::{load_lanes, AtomicU32, Ordering};
-use wide::{f32x8, i32x8, u32x8};
 
 /// Number of rows processed per SIMD step. Columns are padded to a multiple.
 pub const LANES: usize = 8;
@@ -42,12 +38,18 @@ pub trait U32Source {
     /// The value at `row` (`row < rows()`).
     fn value(&self, row: usize) -> u32;
     /// The `LANES` values of lane group `group` (`(group + 1) * LANES <= rows()`).
-    fn group(&self, group: usize) -> u32x8;
+    fn group(&self, group: usize) -> [u32; LANES];
+    /// [`group`](Self::group) as lanes of backend `s`. The default loads the
+    /// array; slices and the fleet's columns load directly.
+    #[inline(always)]
+    fn lanes<S: Simd>(&self, s: S, group: usize) -> S::U32 {
+        s.load_u32(&self.group(group))
+    }
     /// Eight lane groups (64 rows, one mask word) from `first_group`
     /// (`(first_group + 8) * LANES <= rows()`); one bounds check for all.
     #[inline(always)]
-    fn groups8(&self, first_group: usize) -> [u32x8; 8] {
-        core::array::from_fn(|i| self.group(first_group + i))
+    fn lanes8<S: Simd>(&self, s: S, first_group: usize) -> [S::U32; 8] {
+        core::array::from_fn(|i| self.lanes(s, first_group + i))
     }
 }
 
@@ -58,61 +60,74 @@ pub trait F32Source {
     /// The value at `row` (`row < rows()`).
     fn value(&self, row: usize) -> f32;
     /// The `LANES` values of lane group `group` (`(group + 1) * LANES <= rows()`).
-    fn group(&self, group: usize) -> f32x8;
+    fn group(&self, group: usize) -> [f32; LANES];
+    /// [`group`](Self::group) as lanes of backend `s`.
+    #[inline(always)]
+    fn lanes<S: Simd>(&self, s: S, group: usize) -> S::F32 {
+        s.load_f32(&self.group(group))
+    }
     /// Eight lane groups (64 rows, one mask word) from `first_group`.
     #[inline(always)]
-    fn groups8(&self, first_group: usize) -> [f32x8; 8] {
-        core::array::from_fn(|i| self.group(first_group + i))
+    fn lanes8<S: Simd>(&self, s: S, first_group: usize) -> [S::F32; 8] {
+        core::array::from_fn(|i| self.lanes(s, first_group + i))
     }
 }
 
 impl U32Source for [u32] {
-    #[inline]
+    #[inline(always)]
     fn rows(&self) -> usize {
         self.len()
     }
-    #[inline]
+    #[inline(always)]
     fn value(&self, row: usize) -> u32 {
         self[row]
     }
-    #[inline]
-    fn group(&self, group: usize) -> u32x8 {
+    #[inline(always)]
+    fn group(&self, group: usize) -> [u32; LANES] {
         // `as_chunks` gives LLVM the chunk count, so loops over `0..rows / LANES`
         // need no bounds check per group.
-        u32x8::from(self.as_chunks::<LANES>().0[group])
+        self.as_chunks::<LANES>().0[group]
     }
     #[inline(always)]
-    fn groups8(&self, first_group: usize) -> [u32x8; 8] {
+    fn lanes<S: Simd>(&self, s: S, group: usize) -> S::U32 {
+        s.load_u32(&self.as_chunks::<LANES>().0[group])
+    }
+    #[inline(always)]
+    fn lanes8<S: Simd>(&self, s: S, first_group: usize) -> [S::U32; 8] {
         let block: &[u32; 8 * LANES] = self.as_chunks::<{ 8 * LANES }>().0[..]
             .get(first_group / 8)
             .filter(|_| first_group.is_multiple_of(8))
             .unwrap_or_else(|| panic!("groups8({first_group}) out of range or unaligned"));
         let groups: &[[u32; LANES]; 8] = bytemuck::cast_ref(block);
-        groups.map(u32x8::from)
+        core::array::from_fn(|i| s.load_u32(&groups[i]))
     }
 }
 
 impl F32Source for [f32] {
-    #[inline]
+    #[inline(always)]
     fn rows(&self) -> usize {
         self.len()
     }
-    #[inline]
+    #[inline(always)]
     fn value(&self, row: usize) -> f32 {
         self[row]
     }
-    #[inline]
-    fn group(&self, group: usize) -> f32x8 {
-        f32x8::from(self.as_chunks::<LANES>().0[group])
+    #[inline(always)]
+    fn group(&self, group: usize) -> [f32; LANES] {
+        self.as_chunks::<LANES>().0[group]
     }
     #[inline(always)]
-    fn groups8(&self, first_group: usize) -> [f32x8; 8] {
+    fn lanes<S: Simd>(&self, s: S, group: usize) -> S::F32 {
+        s.load_f32(&self.as_chunks::<LANES>().0[group])
+    }
+    #[inline(always)]
+    fn lanes8<S: Simd>(&self, s: S, first_group: usize) -> [S::F32; 8] {
         let block: &[f32; 8 * LANES] = self.as_chunks::<{ 8 * LANES }>().0[..]
             .get(first_group / 8)
             .filter(|_| first_group.is_multiple_of(8))
             .unwrap_or_else(|| panic!("groups8({first_group}) out of range or unaligned"));
         let groups: &[[f32; LANES]; 8] = bytemuck::cast_ref(block);
-        groups.map(f32x8::from)
+        core::array::from_fn(|i| s.load_f32(&groups[i]))
     }
 }
 
@@ -212,7 +227,7 @@ pub struct AtomicView<'a> {
 }
 
 impl AtomicView<'_> {
-    #[inline]
+    #[inline(always)]
     fn decode_one(&self, w: u32) -> u32 {
         match self.decode {
             Decode::Raw => w,
@@ -220,83 +235,56 @@ impl AtomicView<'_> {
         }
     }
     #[inline(always)]
-    fn decode_lanes(&self, v: u32x8) -> u32x8 {
+    fn decode_lanes<U: U32Lanes>(&self, v: U) -> U {
         match self.decode {
             Decode::Raw => v,
-            Decode::Shift(s) => v >> s,
+            Decode::Shift(s) => v.shr(s),
         }
     }
 }
 
 impl U32Source for AtomicView<'_> {
-    #[inline]
+    #[inline(always)]
     fn rows(&self) -> usize {
         self.rows
     }
-    #[inline]
+    #[inline(always)]
     fn value(&self, row: usize) -> u32 {
         debug_assert!(row < self.rows);
         self.decode_one(self.groups[row / LANES].0[row % LANES].load(Ordering::Relaxed))
     }
-    #[inline]
-    fn group(&self, group: usize) -> u32x8 {
-        self.decode_lanes(u32x8::from(load_lanes(&self.groups[group].0)))
+    #[inline(always)]
+    fn group(&self, group: usize) -> [u32; LANES] {
+        load_lanes(&self.groups[group].0).map(|w| self.decode_one(w))
     }
     #[inline(always)]
-    fn groups8(&self, first_group: usize) -> [u32x8; 8] {
+    fn lanes<S: Simd>(&self, s: S, group: usize) -> S::U32 {
+        self.decode_lanes(s.load_atomic(&self.groups[group].0))
+    }
+    #[inline(always)]
+    fn lanes8<S: Simd>(&self, s: S, first_group: usize) -> [S::U32; 8] {
         // One bounds check for the block; the eight loads index a slice of
         // known length 8.
         let block = &self.groups[first_group..first_group + 8];
-        core::array::from_fn(|i| self.decode_lanes(u32x8::from(load_lanes(&block[i].0))))
+        core::array::from_fn(|i| self.decode_lanes(s.load_atomic(&block[i].0)))
     }
 }
 
 impl F32Source for AtomicView<'_> {
-    #[inline]
+    #[inline(always)]
     fn rows(&self) -> usize {
         self.rows
     }
-    #[inline]
+    #[inline(always)]
     fn value(&self, row: usize) -> f32 {
         f32::from_bits(self.groups[row / LANES].0[row % LANES].load(Ordering::Relaxed))
     }
-    #[inline]
-    fn group(&self, group: usize) -> f32x8 {
-        bytemuck_cast_f32(u32x8::from(load_lanes(&self.groups[group].0)))
+    #[inline(always)]
+    fn group(&self, group: usize) -> [f32; LANES] {
+        load_lanes(&self.groups[group].0).map(f32::from_bits)
     }
-}
-
-/// Reinterprets lanes of bits as lanes of `f32`.
-#[inline(always)]
-pub(crate) fn bytemuck_cast_f32(v: u32x8) -> f32x8 {
-    bytemuck::cast(v)
-}
-
-/// Converts lanes of `u32` to `f32` exactly as `x as f32` does (round to
-/// nearest): the high and low halves convert exactly and one add rounds once.
-#[inline(always)]
-pub(crate) fn u32_to_f32(v: u32x8) -> f32x8 {
-    let hi = bytemuck::cast::<u32x8, i32x8>(v >> 16u32).round_float();
-    let lo = bytemuck::cast::<u32x8, i32x8>(v & u32x8::splat(0xFFFF)).round_float();
-    hi * f32x8::splat(65536.0) + lo
-}
-
-/// Expands 8 eligibility bits (bit `i` = lane `i`) to an all-ones/all-zeros
-/// lane mask.
-#[inline(always)]
-pub(crate) fn lane_mask(bits: u8) -> u32x8 {
-    const BIT: u32x8 = u32x8::new([1, 2, 4, 8, 16, 32, 64, 128]);
-    (u32x8::splat(bits as u32) & BIT).cmp_eq(BIT)
-}
-
-/// Collapses a lane mask (all-ones/all-zeros lanes) to 8 bits.
-#[inline(always)]
-pub(crate) fn lane_bits(mask: u32x8) -> u8 {
-    bytemuck::cast::<u32x8, i32x8>(mask).move_mask() as u8
-}
-
-/// As [`lane_bits`], for an `f32x8` comparison mask.
-#[inline(always)]
-pub(crate) fn lane_bits_f32(mask: f32x8) -> u8 {
-    mask.move_mask() as u8
+    #[inline(always)]
+    fn lanes<S: Simd>(&self, s: S, group: usize) -> S::F32 {
+        s.load_atomic(&self.groups[group].0).cast_f32()
+    }
 }

@@ -14,7 +14,12 @@
 //!   KV cost, the pick (argmin or softmax) and device-aware weighted.
 //! * [`mask`]: eligibility bitmasks.
 //! * [`Rng`]: the seedable generator every random choice goes through.
-//! * [`lanes`]: the lane width, column access and the SIMD backend choice.
+//! * [`lanes`]: the lane width and column access.
+//! * [`simd`]: the SIMD backends (AVX2, and `wide`'s portable lanes) and the
+//!   one place the kernel chooses between them, at run time where `std`
+//!   allows; [`simd_backend`] names the choice. The `std` feature (default)
+//!   enables the run-time detection; `SELKIE_SIMD=portable` in the
+//!   environment forces the portable backend.
 //!
 //! ```
 //! use selkie_kernel::{kernels::least_loaded::least_loaded, Rng};
@@ -26,7 +31,7 @@
 #![deny(missing_docs)]
 #![warn(clippy::undocumented_unsafe_blocks)]
 
-#[cfg(test)]
+#[cfg(any(test, feature = "std"))]
 extern crate std;
 
 pub mod fleet;
@@ -34,6 +39,7 @@ pub mod kernels;
 pub mod lanes;
 pub mod mask;
 mod rng;
+pub mod simd;
 mod sync;
 
 pub use fleet::{
@@ -42,3 +48,4 @@ pub use fleet::{
 pub use kernels::KernelError;
 pub use mask::RowMask;
 pub use rng::Rng;
+pub use simd::simd_backend;

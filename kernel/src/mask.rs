@@ -14,7 +14,7 @@ pub const fn words_for(rows: usize) -> usize {
 }
 
 /// Whether row `row` is set in `mask`.
-#[inline]
+#[inline(always)]
 pub fn contains(mask: &[u64], row: usize) -> bool {
     mask.get(row / 64).is_some_and(|w| w >> (row % 64) & 1 == 1)
 }
@@ -29,7 +29,7 @@ pub fn group_bits(mask: &[u64], group: usize) -> u8 {
 }
 
 /// Number of set rows among the first `rows`.
-#[inline]
+#[inline(always)]
 pub fn count(mask: &[u64], rows: usize) -> usize {
     let full = rows / 64;
     let mut n: usize = mask.iter().take(full).map(|w| w.count_ones() as usize).sum();
@@ -44,7 +44,7 @@ pub fn count(mask: &[u64], rows: usize) -> usize {
 
 /// The row of the `n`-th (0-based) set bit among the first `rows`, walking
 /// whole words with `popcount` and then selecting inside one word.
-#[inline]
+#[inline(always)]
 pub fn nth(mask: &[u64], rows: usize, mut n: usize) -> Option<usize> {
     for (wi, &w) in mask.iter().enumerate() {
         let base = wi * 64;
@@ -66,7 +66,7 @@ pub fn nth(mask: &[u64], rows: usize, mut n: usize) -> Option<usize> {
 }
 
 /// Position of the `n`-th set bit of `w` (`n < w.count_ones()`).
-#[inline]
+#[inline(always)]
 fn select_in_word(mut w: u64, n: u32) -> u32 {
     // Byte-wise skip, then bit-wise: at most 8 + 8 steps, no BMI2 needed
     // (the same code runs on Cortex-M and baseline x86-64).

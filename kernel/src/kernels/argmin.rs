@@ -21,105 +21,93 @@
 //! 3 walk on, and if the chosen tie is gone altogether one scalar pass takes
 //! the least key it reads. The booking re-validates whatever row is chosen.
 
-use crate::lanes::{lane_bits, lane_bits_f32, lane_mask, LANES};
+use crate::lanes::LANES;
 use crate::mask::contains;
+use crate::simd::{F32Lanes, Simd, U32Lanes};
 use crate::Rng;
-use wide::{f32x8, i32x8, u32x8, CmpEq};
 
 /// A column of keys that the argmin can read one lane group at a time.
-pub trait ArgminKey {
+pub(crate) trait ArgminKey {
     /// Scalar key (`u32` or `f32`).
-    type Key: Copy + PartialOrd;
-    /// Lanes of keys.
-    type Lanes: Copy;
+    type Key: Key;
     /// Number of rows.
     fn rows(&self) -> usize;
     /// Key of one row.
     fn key(&self, row: usize) -> Self::Key;
     /// Keys of one lane group.
-    fn keys(&self, group: usize) -> Self::Lanes;
+    fn keys<S: Simd>(&self, s: S, group: usize) -> KeyLanes<S, Self::Key>;
     /// Keys of the eight lane groups of one full mask word (`first_group`
     /// is a multiple of 8 and `first_group + 8 <= rows() / LANES`).
     #[inline(always)]
-    fn keys8(&self, first_group: usize) -> [Self::Lanes; 8] {
-        core::array::from_fn(|i| self.keys(first_group + i))
+    fn keys8<S: Simd>(&self, s: S, first_group: usize) -> [KeyLanes<S, Self::Key>; 8] {
+        core::array::from_fn(|i| self.keys(s, first_group + i))
     }
 }
 
-/// Lane operations the argmin needs, for `u32` and `f32` keys.
-pub trait KeyLanes: Copy {
-    /// Scalar key.
-    type Key: Copy + PartialOrd;
-    /// Larger than every key.
-    const WORST: Self::Key;
-    /// All lanes `WORST`.
-    fn worst() -> Self;
-    /// Lane-wise min with ineligible lanes (bit clear in `bits`) ignored.
-    fn min_eligible(self, keys: Self, bits: u8) -> Self;
-    /// Bits of lanes equal to `k`.
-    fn eq_bits(self, k: Self::Key) -> u8;
+/// The lanes of backend `S` that hold keys of type `K`.
+pub(crate) type KeyLanes<S, K> = <K as Key>::Lanes<S>;
+
+/// A scalar key (`u32` or `f32`) and the lane operations the argmin needs.
+pub(crate) trait Key: Copy + PartialOrd {
+    /// The backend's lanes of this key.
+    type Lanes<S: Simd>: Copy;
+    /// All lanes larger than every key.
+    fn worst<S: Simd>(s: S) -> Self::Lanes<S>;
+    /// Lane-wise min of `acc` and `keys`, ineligible lanes (bit clear in
+    /// `bits`) ignored.
+    fn min_eligible<S: Simd>(s: S, acc: Self::Lanes<S>, keys: Self::Lanes<S>, bits: u8) -> Self::Lanes<S>;
     /// All-ones in lanes equal to `k`, zero elsewhere.
-    fn eq_lanes(self, k: Self::Key) -> u32x8;
+    fn eq_lanes<S: Simd>(s: S, keys: Self::Lanes<S>, k: Self) -> S::U32;
     /// Horizontal min.
-    fn reduce_min(self) -> Self::Key;
+    fn reduce_min<S: Simd>(lanes: Self::Lanes<S>) -> Self;
 }
 
-impl KeyLanes for u32x8 {
-    type Key = u32;
-    const WORST: u32 = u32::MAX;
+impl Key for u32 {
+    type Lanes<S: Simd> = S::U32;
     #[inline(always)]
-    fn worst() -> Self {
-        u32x8::splat(u32::MAX)
+    fn worst<S: Simd>(s: S) -> S::U32 {
+        s.splat_u32(u32::MAX)
     }
     #[inline(always)]
-    fn min_eligible(self, keys: Self, bits: u8) -> Self {
+    fn min_eligible<S: Simd>(s: S, acc: S::U32, keys: S::U32, bits: u8) -> S::U32 {
         if bits == 0xFF {
-            self.min(keys)
+            acc.min(keys)
         } else {
-            self.min(keys | !lane_mask(bits))
+            acc.min(keys | !s.lane_mask(bits))
         }
     }
     #[inline(always)]
-    fn eq_bits(self, k: u32) -> u8 {
-        lane_bits(self.cmp_eq(u32x8::splat(k)))
+    fn eq_lanes<S: Simd>(s: S, keys: S::U32, k: u32) -> S::U32 {
+        keys.cmp_eq(s.splat_u32(k))
     }
     #[inline(always)]
-    fn eq_lanes(self, k: u32) -> u32x8 {
-        self.cmp_eq(u32x8::splat(k))
-    }
-    #[inline(always)]
-    fn reduce_min(self) -> u32 {
-        self.to_array().into_iter().min().unwrap_or(u32::MAX)
+    fn reduce_min<S: Simd>(lanes: S::U32) -> u32 {
+        lanes.reduce_min()
     }
 }
 
-impl KeyLanes for f32x8 {
-    type Key = f32;
-    const WORST: f32 = f32::INFINITY;
+impl Key for f32 {
+    type Lanes<S: Simd> = S::F32;
     #[inline(always)]
-    fn worst() -> Self {
-        f32x8::splat(f32::INFINITY)
+    fn worst<S: Simd>(s: S) -> S::F32 {
+        s.splat_f32(f32::INFINITY)
     }
     #[inline(always)]
-    fn min_eligible(self, keys: Self, bits: u8) -> Self {
+    fn min_eligible<S: Simd>(s: S, acc: S::F32, keys: S::F32, bits: u8) -> S::F32 {
         if bits == 0xFF {
-            self.fast_min(keys)
+            acc.min(keys)
         } else {
-            let m: f32x8 = bytemuck::cast(lane_mask(bits));
-            self.fast_min(m.blend(keys, f32x8::splat(f32::INFINITY)))
+            let m = s.lane_mask(bits).cast_f32();
+            acc.min(m.blend(keys, s.splat_f32(f32::INFINITY)))
         }
     }
     #[inline(always)]
-    fn eq_bits(self, k: f32) -> u8 {
-        lane_bits_f32(self.cmp_eq(f32x8::splat(k)))
+    fn eq_lanes<S: Simd>(s: S, keys: S::F32, k: f32) -> S::U32 {
+        keys.cmp_eq(s.splat_f32(k)).cast_u32()
     }
     #[inline(always)]
-    fn eq_lanes(self, k: f32) -> u32x8 {
-        bytemuck::cast(self.cmp_eq(f32x8::splat(k)))
-    }
-    #[inline(always)]
-    fn reduce_min(self) -> f32 {
-        self.to_array().into_iter().fold(f32::INFINITY, f32::min)
+    fn reduce_min<S: Simd>(lanes: S::F32) -> f32 {
+        lanes.to_array().into_iter().fold(f32::INFINITY, f32::min)
     }
 }
 
@@ -137,22 +125,25 @@ fn word_span(mask: &[u64], w: usize, groups: usize) -> (usize, usize, u64) {
 
 /// Pass 1 over one mask word: folds its eligible keys into `acc`.
 #[inline(always)]
-fn min_of_word<C>(col: &C, mask: &[u64], w: usize, groups: usize, mut acc: C::Lanes) -> C::Lanes
-where
-    C: ArgminKey + ?Sized,
-    C::Lanes: KeyLanes<Key = C::Key>,
-{
+fn min_of_word<S: Simd, C: ArgminKey + ?Sized>(
+    s: S,
+    col: &C,
+    mask: &[u64],
+    w: usize,
+    groups: usize,
+    mut acc: KeyLanes<S, C::Key>,
+) -> KeyLanes<S, C::Key> {
     let (first, end, word) = word_span(mask, w, groups);
     if word == u64::MAX && end - first == 8 {
         // Constant trip count: unrolled, no mask work.
-        for keys in col.keys8(first) {
-            acc = acc.min_eligible(keys, 0xFF);
+        for keys in col.keys8(s, first) {
+            acc = C::Key::min_eligible(s, acc, keys, 0xFF);
         }
     } else if word != 0 {
         for g in first..end {
             let bits = (word >> ((g - first) * 8)) as u8;
             if bits != 0 {
-                acc = acc.min_eligible(col.keys(g), bits);
+                acc = C::Key::min_eligible(s, acc, col.keys(s, g), bits);
             }
         }
     }
@@ -161,51 +152,50 @@ where
 
 /// Number of eligible rows of mask word `w` whose key equals `min`.
 #[inline(always)]
-fn ties_in_word<C>(col: &C, mask: &[u64], w: usize, groups: usize, min: C::Key) -> usize
-where
-    C: ArgminKey + ?Sized,
-    C::Lanes: KeyLanes<Key = C::Key>,
-{
+fn ties_in_word<S: Simd, C: ArgminKey + ?Sized>(
+    s: S,
+    col: &C,
+    mask: &[u64],
+    w: usize,
+    groups: usize,
+    min: C::Key,
+) -> usize {
     let (first, end, word) = word_span(mask, w, groups);
     // Lane counters: an all-ones (equal) lane is -1, so subtracting adds one.
-    let mut lane_ties = u32x8::ZERO;
+    let mut lane_ties = s.splat_u32(0);
     if word == u64::MAX && end - first == 8 {
-        for keys in col.keys8(first) {
-            lane_ties -= keys.eq_lanes(min);
+        for keys in col.keys8(s, first) {
+            lane_ties = lane_ties - C::Key::eq_lanes(s, keys, min);
         }
     } else if word != 0 {
         for g in first..end {
             let bits = (word >> ((g - first) * 8)) as u8;
             if bits != 0 {
-                lane_ties -= col.keys(g).eq_lanes(min) & lane_mask(bits);
+                lane_ties = lane_ties - (C::Key::eq_lanes(s, col.keys(s, g), min) & s.lane_mask(bits));
             }
         }
     } else {
         return 0;
     }
-    bytemuck::cast::<u32x8, i32x8>(lane_ties).reduce_add() as usize
+    lane_ties.reduce_add() as usize
 }
 
 /// SIMD argmin with uniform random ties. See the module docs.
 ///
 /// Returns `None` when no row is eligible. Makes exactly one `rng.below`
 /// draw when more than one eligible row holds the minimum, none otherwise.
-#[inline]
-pub fn argmin<C>(col: &C, mask: &[u64], rng: &mut Rng) -> Option<usize>
-where
-    C: ArgminKey + ?Sized,
-    C::Lanes: KeyLanes<Key = C::Key>,
-{
+#[inline(always)]
+pub(crate) fn argmin<S: Simd, C: ArgminKey + ?Sized>(s: S, col: &C, mask: &[u64], rng: &mut Rng) -> Option<usize> {
     let rows = col.rows();
     let groups = rows / LANES;
     let words = groups.div_ceil(8);
     let tail = groups * LANES..rows;
     // Pass 1: minimum.
-    let mut acc = <C::Lanes as KeyLanes>::worst();
+    let mut acc = C::Key::worst(s);
     for w in 0..words {
-        acc = min_of_word(col, mask, w, groups, acc);
+        acc = min_of_word(s, col, mask, w, groups, acc);
     }
-    let mut min = acc.reduce_min();
+    let mut min = C::Key::reduce_min::<S>(acc);
     for row in tail {
         if contains(mask, row) {
             let k = col.key(row);
@@ -214,18 +204,20 @@ where
             }
         }
     }
-    argmin_given_min(col, mask, min, rng)
+    argmin_given_min(s, col, mask, min, rng)
 }
 
 /// Passes 2 and 3 of [`argmin`] for a caller that already knows the minimum
 /// key over eligible rows (e.g. from the pass that computed the keys).
 /// Returns `None` if no eligible row's key equals `min`.
-#[inline]
-pub fn argmin_given_min<C>(col: &C, mask: &[u64], min: C::Key, rng: &mut Rng) -> Option<usize>
-where
-    C: ArgminKey + ?Sized,
-    C::Lanes: KeyLanes<Key = C::Key>,
-{
+#[inline(always)]
+pub(crate) fn argmin_given_min<S: Simd, C: ArgminKey + ?Sized>(
+    s: S,
+    col: &C,
+    mask: &[u64],
+    min: C::Key,
+    rng: &mut Rng,
+) -> Option<usize> {
     let rows = col.rows();
     let groups = rows / LANES;
     let words = groups.div_ceil(8);
@@ -234,7 +226,7 @@ where
     let mut word_ties = [0u8; REMEMBERED_WORDS];
     let mut ties = 0usize;
     for w in 0..words {
-        let c = ties_in_word(col, mask, w, groups, min);
+        let c = ties_in_word(s, col, mask, w, groups, min);
         if let Some(slot) = word_ties.get_mut(w) {
             *slot = c as u8; // at most 64
         }
@@ -255,7 +247,7 @@ where
     for w in 0..words {
         let c = match word_ties.get(w) {
             Some(&c) => c as usize,
-            None => ties_in_word(col, mask, w, groups, min),
+            None => ties_in_word(s, col, mask, w, groups, min),
         };
         if k >= c {
             k -= c;
@@ -264,7 +256,7 @@ where
         let (first, end, word) = word_span(mask, w, groups);
         for g in first..end {
             let bits = (word >> ((g - first) * 8)) as u8;
-            let mut t = col.keys(g).eq_bits(min) & bits;
+            let mut t = C::Key::eq_lanes(s, col.keys(s, g), min).bits() & bits;
             let c = t.count_ones() as usize;
             if k < c {
                 for _ in 0..k {
@@ -301,7 +293,7 @@ fn settle<C: ArgminKey + ?Sized>(col: &C, mask: &[u64]) -> Option<usize> {
 }
 
 /// Scalar reference of [`argmin`]: same result, same draws.
-pub fn argmin_reference<C: ArgminKey + ?Sized>(col: &C, mask: &[u64], rng: &mut Rng) -> Option<usize> {
+pub(crate) fn argmin_reference<C: ArgminKey + ?Sized>(col: &C, mask: &[u64], rng: &mut Rng) -> Option<usize> {
     let mut min: Option<C::Key> = None;
     for row in 0..col.rows() {
         if contains(mask, row) {
@@ -324,7 +316,9 @@ pub fn argmin_reference<C: ArgminKey + ?Sized>(col: &C, mask: &[u64], rng: &mut 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kernels::least_loaded::{least_loaded, least_loaded_reference};
+    use crate::kernels::least_loaded::{least_loaded_on, least_loaded_reference};
+    use crate::lanes::U32Source;
+    use crate::simd::Backend;
     use core::cell::Cell;
     use std::vec::Vec;
 
@@ -343,17 +337,15 @@ mod tests {
         }
     }
 
-    impl ArgminKey for Shifting {
-        type Key = u32;
-        type Lanes = u32x8;
+    impl U32Source for Shifting {
         fn rows(&self) -> usize {
             self.rows
         }
-        fn key(&self, row: usize) -> u32 {
+        fn value(&self, row: usize) -> u32 {
             self.next(row)
         }
-        fn keys(&self, group: usize) -> u32x8 {
-            u32x8::from(core::array::from_fn::<u32, 8, _>(|i| self.next(group * 8 + i)))
+        fn group(&self, group: usize) -> [u32; LANES] {
+            core::array::from_fn(|i| self.next(group * 8 + i))
         }
     }
 
@@ -374,9 +366,14 @@ mod tests {
                     reads: Cell::new(seed as u32),
                 };
                 let any = (0..rows).any(|row| contains(&mask, row));
-                match argmin(&col, &mask, &mut r) {
-                    Some(row) => assert!(row < rows && contains(&mask, row), "rows {rows} seed {seed}: {row}"),
-                    None => assert!(!any, "rows {rows} seed {seed}: None with eligible rows"),
+                for backend in Backend::available() {
+                    match least_loaded_on(backend, &col, &mask, &mut r) {
+                        Some(row) => assert!(
+                            row < rows && contains(&mask, row),
+                            "{backend:?} rows {rows} seed {seed}: {row}"
+                        ),
+                        None => assert!(!any, "{backend:?} rows {rows} seed {seed}: None with eligible rows"),
+                    }
                 }
             }
         }
@@ -396,10 +393,13 @@ mod tests {
         let mut mask: Vec<u64> = std::vec![u64::MAX; rows.div_ceil(64)];
         mask[2] = 0xF0F0_F0F0_F0F0_F0F0; // a partial word
         for seed in 0..200 {
-            let (mut a, mut b) = (Rng::new(seed), Rng::new(seed));
-            let simd = least_loaded(&active[..], &mask, &mut a);
-            assert_eq!(simd, least_loaded_reference(&active[..], &mask, &mut b), "seed {seed}");
-            assert_eq!(a, b);
+            for backend in Backend::available() {
+                let (mut a, mut b) = (Rng::new(seed), Rng::new(seed));
+                let simd = least_loaded_on(backend, &active[..], &mask, &mut a);
+                let want = least_loaded_reference(&active[..], &mask, &mut b);
+                assert_eq!(simd, want, "{backend:?} seed {seed}");
+                assert_eq!(a, b);
+            }
         }
     }
 }

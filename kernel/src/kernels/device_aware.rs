@@ -37,10 +37,10 @@
 //! host's (rows past its end are accelerators, as Dynamo's default device).
 
 use super::KernelError;
-use crate::lanes::{lane_bits, lane_mask, U32Source, LANES};
+use crate::lanes::{U32Source, LANES};
 use crate::mask::{contains, group_bits};
+use crate::simd::{dispatch, Simd, U32Lanes};
 use crate::Rng;
-use wide::u32x8;
 
 /// The request's and the deployment's parameters.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -113,32 +113,35 @@ impl GroupStats {
 }
 
 /// Lane accumulators of one group's statistics.
-struct GroupLanes {
-    lo: u32x8,
-    hi: u32x8,
-    min: u32x8,
+struct GroupLanes<S: Simd> {
+    s: S,
+    lo: S::U32,
+    hi: S::U32,
+    min: S::U32,
     count: u64,
     total: u64,
 }
 
-impl GroupLanes {
-    fn new() -> Self {
+impl<S: Simd> GroupLanes<S> {
+    #[inline(always)]
+    fn new(s: S) -> Self {
         GroupLanes {
-            lo: u32x8::ZERO,
-            hi: u32x8::ZERO,
-            min: u32x8::splat(u32::MAX),
+            s,
+            lo: s.splat_u32(0),
+            hi: s.splat_u32(0),
+            min: s.splat_u32(u32::MAX),
             count: 0,
             total: 0,
         }
     }
     #[inline(always)]
-    fn add(&mut self, loads: u32x8, bits: u8) {
+    fn add(&mut self, loads: S::U32, bits: u8) {
         if bits == 0 {
             return;
         }
-        let on = lane_mask(bits);
-        self.lo += loads & on & u32x8::splat(0xFFFF);
-        self.hi += (loads >> 16) & on;
+        let on = self.s.lane_mask(bits);
+        self.lo = self.lo + (loads & on & self.s.splat_u32(0xFFFF));
+        self.hi = self.hi + (loads.shr(16) & on);
         self.min = self.min.min(loads | !on);
         self.count += bits.count_ones() as u64;
     }
@@ -147,16 +150,16 @@ impl GroupLanes {
         let lo: u64 = self.lo.to_array().iter().map(|&v| v as u64).sum();
         let hi: u64 = self.hi.to_array().iter().map(|&v| v as u64).sum();
         self.total += lo + (hi << 16);
-        self.lo = u32x8::ZERO;
-        self.hi = u32x8::ZERO;
+        self.lo = self.s.splat_u32(0);
+        self.hi = self.s.splat_u32(0);
     }
+    #[inline(always)]
     fn finish(mut self) -> GroupStats {
         self.flush();
-        let min = self.min.to_array().into_iter().min().unwrap_or(u32::MAX);
         GroupStats {
             count: self.count,
             total: self.total,
-            min,
+            min: self.min.reduce_min(),
         }
     }
 }
@@ -185,25 +188,40 @@ fn decide(full: GroupStats, cpu: GroupStats, accel: GroupStats, ratio: u32) -> O
 /// Rows at or past this many lane groups flush the 16-bit lane sums.
 const FLUSH_GROUPS: usize = 1 << 16;
 
-/// Device-aware weighted selection (SIMD). See the module docs.
-///
-/// `load`: in-flight requests per row (its length is the number of rows);
-/// `cache_hits`: the request's cache hits per row; `is_cpu`: CPU rows as a
-/// bitmask. `Err(ColumnTooShort)` if `cache_hits` is shorter than `load`;
-/// `Ok(None)` if no row is eligible. Makes one `rng.below` draw iff several
-/// rows of the chosen group share its minimum load.
-///
-/// ```
-/// use selkie_kernel::kernels::device_aware::{device_aware, DeviceAwareConfig, DeviceGroup};
-/// use selkie_kernel::Rng;
-/// let load = [0u32, 40, 30];
-/// let hits = [0u32, 0, 0];
-/// let is_cpu = [0b001u64]; // row 0 is a CPU worker
-/// // allowed CPU load = 70 * 1 / (8 * 2) = 4 > 0: the idle CPU row takes it.
-/// let pick = device_aware(&load[..], &hits[..], &is_cpu, &[0b111], &DeviceAwareConfig::default(), &mut Rng::new(1));
-/// assert_eq!(pick.unwrap().map(|c| (c.row, c.group)), Some((0, DeviceGroup::Cpu)));
-/// ```
-pub fn device_aware<L, H>(
+dispatch! {
+    /// Device-aware weighted selection (SIMD). See the module docs.
+    ///
+    /// `load`: in-flight requests per row (its length is the number of rows);
+    /// `cache_hits`: the request's cache hits per row; `is_cpu`: CPU rows as a
+    /// bitmask. `Err(ColumnTooShort)` if `cache_hits` is shorter than `load`;
+    /// `Ok(None)` if no row is eligible. Makes one `rng.below` draw iff several
+    /// rows of the chosen group share its minimum load.
+    ///
+    /// ```
+    /// use selkie_kernel::kernels::device_aware::{device_aware, DeviceAwareConfig, DeviceGroup};
+    /// use selkie_kernel::Rng;
+    /// let load = [0u32, 40, 30];
+    /// let hits = [0u32, 0, 0];
+    /// let is_cpu = [0b001u64]; // row 0 is a CPU worker
+    /// // allowed CPU load = 70 * 1 / (8 * 2) = 4 > 0: the idle CPU row takes it.
+    /// let pick = device_aware(&load[..], &hits[..], &is_cpu, &[0b111], &DeviceAwareConfig::default(), &mut Rng::new(1));
+    /// assert_eq!(pick.unwrap().map(|c| (c.row, c.group)), Some((0, DeviceGroup::Cpu)));
+    /// ```
+    pub fn device_aware / device_aware_on [L: U32Source + ?Sized, H: U32Source + ?Sized] (
+        load: &L,
+        cache_hits: &H,
+        is_cpu: &[u64],
+        mask: &[u64],
+        config: &DeviceAwareConfig,
+        rng: &mut Rng,
+    ) -> Result<Option<DeviceAwareChoice>, KernelError>
+        = |s| device_aware_in(s, load, cache_hits, is_cpu, mask, config, rng)
+}
+
+/// The body of [`device_aware`].
+#[inline(always)]
+fn device_aware_in<S: Simd, L, H>(
+    s: S,
     load: &L,
     cache_hits: &H,
     is_cpu: &[u64],
@@ -218,13 +236,13 @@ where
     let rows = checked_rows(load, cache_hits)?;
     let groups = rows / LANES;
     let required = config.required_cache_hits;
-    let req_lanes = u32x8::splat(required);
+    let req_lanes = s.splat_u32(required);
     // Eligible bits of lane group `g` in each device group.
     let bits_of = |g: usize, bits: u8| {
         let cpu = group_bits(is_cpu, g);
         let full = if required > 0 {
-            let hits = cache_hits.group(g);
-            lane_bits(hits.max(req_lanes).cmp_eq(hits)) & bits
+            let hits = cache_hits.lanes(s, g);
+            hits.max(req_lanes).cmp_eq(hits).bits() & bits
         } else {
             0
         };
@@ -235,11 +253,11 @@ where
         (required > 0 && cache_hits.value(r) >= required, cpu, !cpu)
     };
     // Pass 1: statistics.
-    let (mut full, mut cpu, mut accel) = (GroupLanes::new(), GroupLanes::new(), GroupLanes::new());
+    let (mut full, mut cpu, mut accel) = (GroupLanes::new(s), GroupLanes::new(s), GroupLanes::new(s));
     for g in 0..groups {
         let bits = group_bits(mask, g);
         if bits != 0 {
-            let loads = load.group(g);
+            let loads = load.lanes(s, g);
             let (f, c, a) = bits_of(g, bits);
             full.add(loads, f);
             cpu.add(loads, c);
@@ -284,7 +302,7 @@ where
             return 0;
         }
         let (f, c, a) = bits_of(g, bits);
-        lane_bits(load.group(g).cmp_eq(u32x8::splat(min))) & chosen(f, c, a)
+        load.lanes(s, g).cmp_eq(s.splat_u32(min)).bits() & chosen(f, c, a)
     };
     // Pass 2: rows of the chosen group at its minimum.
     let mut ties: usize = (0..groups).map(|g| ties_of(g).count_ones() as usize).sum();

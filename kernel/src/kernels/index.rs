@@ -38,21 +38,28 @@
 
 use crate::lanes::U32Source;
 use crate::mask::{contains, count, nth};
+use crate::simd::dispatch;
 use crate::Rng;
 
-/// One eligible row, uniformly at random (word-parallel).
-///
-/// Makes exactly one `rng.below(n)` draw when `n >= 1` rows among `0..rows`
-/// are eligible; returns `None` without drawing when none is.
-///
-/// ```
-/// use selkie_kernel::{kernels::index::random, Rng};
-/// let mask = [0b1010_0000u64];
-/// let row = random(8, &mask, &mut Rng::new(3)).unwrap();
-/// assert!(row == 5 || row == 7);
-/// ```
-#[inline]
-pub fn random(rows: usize, mask: &[u64], rng: &mut Rng) -> Option<usize> {
+dispatch! {
+    /// One eligible row, uniformly at random (word-parallel).
+    ///
+    /// Makes exactly one `rng.below(n)` draw when `n >= 1` rows among `0..rows`
+    /// are eligible; returns `None` without drawing when none is.
+    ///
+    /// ```
+    /// use selkie_kernel::{kernels::index::random, Rng};
+    /// let mask = [0b1010_0000u64];
+    /// let row = random(8, &mask, &mut Rng::new(3)).unwrap();
+    /// assert!(row == 5 || row == 7);
+    /// ```
+    pub fn random / random_on [] (rows: usize, mask: &[u64], rng: &mut Rng) -> Option<usize>
+        = |_s| random_in(rows, mask, rng)
+}
+
+/// The body of [`random`].
+#[inline(always)]
+fn random_in(rows: usize, mask: &[u64], rng: &mut Rng) -> Option<usize> {
     let n = count(mask, rows);
     if n == 0 {
         return None;
@@ -71,22 +78,28 @@ pub fn random_reference(rows: usize, mask: &[u64], rng: &mut Rng) -> Option<usiz
     (0..rows).filter(|&r| contains(mask, r)).nth(k)
 }
 
-/// Power-of-two choices (word-parallel): two distinct eligible rows drawn
-/// uniformly, the one with the lower `load` wins, equal loads go to the first
-/// draw. Rows are `0..load.rows()`.
-///
-/// Reads exactly two values of `load` (none with fewer than two eligible
-/// rows). Draws: none when no row or one row is eligible, otherwise exactly
-/// two `rng.below` draws (`below(n)` then `below(n - 1)`).
-///
-/// ```
-/// use selkie_kernel::{kernels::index::power_of_two, Rng};
-/// let in_flight = [9u32, 1];
-/// // With two eligible rows both are always drawn; the lighter one wins.
-/// assert_eq!(power_of_two(&in_flight[..], &[0b11], &mut Rng::new(5)), Some(1));
-/// ```
-#[inline]
-pub fn power_of_two<L: U32Source + ?Sized>(load: &L, mask: &[u64], rng: &mut Rng) -> Option<usize> {
+dispatch! {
+    /// Power-of-two choices (word-parallel): two distinct eligible rows drawn
+    /// uniformly, the one with the lower `load` wins, equal loads go to the first
+    /// draw. Rows are `0..load.rows()`.
+    ///
+    /// Reads exactly two values of `load` (none with fewer than two eligible
+    /// rows). Draws: none when no row or one row is eligible, otherwise exactly
+    /// two `rng.below` draws (`below(n)` then `below(n - 1)`).
+    ///
+    /// ```
+    /// use selkie_kernel::{kernels::index::power_of_two, Rng};
+    /// let in_flight = [9u32, 1];
+    /// // With two eligible rows both are always drawn; the lighter one wins.
+    /// assert_eq!(power_of_two(&in_flight[..], &[0b11], &mut Rng::new(5)), Some(1));
+    /// ```
+    pub fn power_of_two / power_of_two_on [L: U32Source + ?Sized] (load: &L, mask: &[u64], rng: &mut Rng) -> Option<usize>
+        = |_s| power_of_two_in(load, mask, rng)
+}
+
+/// The body of [`power_of_two`].
+#[inline(always)]
+fn power_of_two_in<L: U32Source + ?Sized>(load: &L, mask: &[u64], rng: &mut Rng) -> Option<usize> {
     let rows = load.rows();
     let n = count(mask, rows);
     if n <= 1 {
@@ -122,7 +135,7 @@ pub fn power_of_two_reference<L: U32Source + ?Sized>(load: &L, mask: &[u64], rng
 
 /// Two distinct positions in `0..n` (`n >= 2`), each pair equally likely,
 /// drawn the way Dynamo draws them (see the module docs).
-#[inline]
+#[inline(always)]
 fn two_distinct(n: usize, rng: &mut Rng) -> (usize, usize) {
     let k1 = rng.below(n as u64) as usize;
     let offset = 1 + rng.below(n as u64 - 1) as usize;
@@ -131,22 +144,28 @@ fn two_distinct(n: usize, rng: &mut Rng) -> (usize, usize) {
     (k1, if k2 >= n { k2 - n } else { k2 })
 }
 
-/// Round-robin (word-parallel): the `(ticket mod n)`-th of the `n` eligible
-/// rows among `0..rows`, so consecutive tickets visit every eligible row once
-/// per round. Makes no draws; `None` when no row is eligible.
-///
-/// `ticket` is the value of the caller's selection counter: the fleet takes it
-/// with a `fetch_add` to select and with a plain load to peek (see the module
-/// docs for why it counts selections rather than rows).
-///
-/// ```
-/// use selkie_kernel::kernels::index::round_robin;
-/// let mask = [0b1_0010_0100u64]; // rows 2, 5 and 8
-/// let picks: Vec<_> = (0..4).map(|t| round_robin(9, &mask, t).unwrap()).collect();
-/// assert_eq!(picks, [2, 5, 8, 2]);
-/// ```
-#[inline]
-pub fn round_robin(rows: usize, mask: &[u64], ticket: u64) -> Option<usize> {
+dispatch! {
+    /// Round-robin (word-parallel): the `(ticket mod n)`-th of the `n` eligible
+    /// rows among `0..rows`, so consecutive tickets visit every eligible row once
+    /// per round. Makes no draws; `None` when no row is eligible.
+    ///
+    /// `ticket` is the value of the caller's selection counter: the fleet takes it
+    /// with a `fetch_add` to select and with a plain load to peek (see the module
+    /// docs for why it counts selections rather than rows).
+    ///
+    /// ```
+    /// use selkie_kernel::kernels::index::round_robin;
+    /// let mask = [0b1_0010_0100u64]; // rows 2, 5 and 8
+    /// let picks: Vec<_> = (0..4).map(|t| round_robin(9, &mask, t).unwrap()).collect();
+    /// assert_eq!(picks, [2, 5, 8, 2]);
+    /// ```
+    pub fn round_robin / round_robin_on [] (rows: usize, mask: &[u64], ticket: u64) -> Option<usize>
+        = |_s| round_robin_in(rows, mask, ticket)
+}
+
+/// The body of [`round_robin`].
+#[inline(always)]
+fn round_robin_in(rows: usize, mask: &[u64], ticket: u64) -> Option<usize> {
     let n = count(mask, rows);
     if n == 0 {
         return None;

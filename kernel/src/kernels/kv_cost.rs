@@ -42,9 +42,10 @@
 //!
 //! # SIMD, reference, and precision
 //!
-//! [`kv_cost`] (`f32x8` lanes) and [`kv_cost_reference`] (scalar `f32`)
+//! [`kv_cost`] (eight `f32` lanes) and [`kv_cost_reference`] (scalar `f32`)
 //! perform the same IEEE operations in the same order, with no fused
-//! multiply-add, so they agree bit for bit on every target and build
+//! multiply-add, so they agree bit for bit on every target, build and SIMD
+//! backend
 //! ([`kv_cost`] finishes a partial last lane group with the reference's row
 //! function). [`kv_cost_f64_reference`] evaluates the formula above directly
 //! in `f64`, as Dynamo does, for the parity tests.
@@ -78,9 +79,9 @@ pub use config::{KvConfigError, KvConfigField, KvConfigProblem, KvCostConfig};
 pub use inputs::{KvLoad, KvOverlap, KvRequest, WorkerRole};
 pub use parity::{kv_cost_f64_reference, KvCostF64, KV_COST_PARITY_ULPS};
 
-use crate::lanes::{lane_mask, u32_to_f32, F32Source, U32Source, LANES};
+use crate::lanes::{F32Source, U32Source, LANES};
 use crate::mask::{contains, group_bits};
-use wide::{f32x8, u32x8, CmpGt, CmpLt};
+use crate::simd::{dispatch, F32Lanes, Simd, U32Lanes};
 
 /// A column [`kv_cost`] found too short.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -232,8 +233,9 @@ fn clamp0(x: f32) -> f32 {
 
 /// Lane-wise [`clamp0`].
 #[inline(always)]
-fn clamp0_lanes(x: f32x8) -> f32x8 {
-    x.cmp_gt(f32x8::ZERO).blend(x, f32x8::ZERO)
+fn clamp0_lanes<S: Simd>(s: S, x: S::F32) -> S::F32 {
+    let zero = s.splat_f32(0.0);
+    x.cmp_gt(zero).blend(x, zero)
 }
 
 /// One row's inputs, as the scalar row function reads them.
@@ -410,29 +412,44 @@ pub fn kv_cost_reference<L: U32Source + ?Sized>(
     Ok(range)
 }
 
-/// The default KV cost of every row (SIMD): writes `out[row]` for `row` in
-/// `0..rows` (`rows` = the length of `active_prefill_tokens`), `+inf` on
-/// ineligible rows, and returns the eligible rows' [`CostRange`]. See the
-/// module docs for the formula and its precision.
-///
-/// Errors: an invalid `config`, or a column (the output included) shorter
-/// than `rows`. Nothing is written then.
-///
-/// ```
-/// use core::num::NonZeroU32;
-/// use selkie_kernel::kernels::kv_cost::{kv_cost, KvCostConfig, KvLoad, KvOverlap, KvRequest, WorkerRole};
-/// let (prefill, decode, active) = ([0u32, 64], [2u32, 0], [0u32, 0]);
-/// let device = [4.0f32, 0.0];
-/// let request = KvRequest::new(128, NonZeroU32::new(16).unwrap(), true, WorkerRole::Prefill);
-/// let overlap = KvOverlap { device_blocks: Some(&device), ..KvOverlap::default() };
-/// let mut cost = [0.0f32; 2];
-/// let load = KvLoad::new(&prefill[..], &decode[..], &active[..]);
-/// let range = kv_cost(&KvCostConfig::default(), &request, &load, &overlap, &[0b11], &mut cost).unwrap();
-/// // row 0: 128/16 - 4 + 2 = 6; row 1: (64 + 128)/16 - 0 + 0 = 12
-/// assert_eq!(cost, [6.0, 12.0]);
-/// assert_eq!((range.min, range.max), (6.0, 12.0));
-/// ```
-pub fn kv_cost<L: U32Source + ?Sized>(
+dispatch! {
+    /// The default KV cost of every row (SIMD): writes `out[row]` for `row` in
+    /// `0..rows` (`rows` = the length of `active_prefill_tokens`), `+inf` on
+    /// ineligible rows, and returns the eligible rows' [`CostRange`]. See the
+    /// module docs for the formula and its precision.
+    ///
+    /// Errors: an invalid `config`, or a column (the output included) shorter
+    /// than `rows`. Nothing is written then.
+    ///
+    /// ```
+    /// use core::num::NonZeroU32;
+    /// use selkie_kernel::kernels::kv_cost::{kv_cost, KvCostConfig, KvLoad, KvOverlap, KvRequest, WorkerRole};
+    /// let (prefill, decode, active) = ([0u32, 64], [2u32, 0], [0u32, 0]);
+    /// let device = [4.0f32, 0.0];
+    /// let request = KvRequest::new(128, NonZeroU32::new(16).unwrap(), true, WorkerRole::Prefill);
+    /// let overlap = KvOverlap { device_blocks: Some(&device), ..KvOverlap::default() };
+    /// let mut cost = [0.0f32; 2];
+    /// let load = KvLoad::new(&prefill[..], &decode[..], &active[..]);
+    /// let range = kv_cost(&KvCostConfig::default(), &request, &load, &overlap, &[0b11], &mut cost).unwrap();
+    /// // row 0: 128/16 - 4 + 2 = 6; row 1: (64 + 128)/16 - 0 + 0 = 12
+    /// assert_eq!(cost, [6.0, 12.0]);
+    /// assert_eq!((range.min, range.max), (6.0, 12.0));
+    /// ```
+    pub fn kv_cost / kv_cost_on [L: U32Source + ?Sized] (
+        config: &KvCostConfig,
+        request: &KvRequest,
+        load: &KvLoad<'_, L>,
+        overlap: &KvOverlap<'_>,
+        mask: &[u64],
+        out: &mut [f32],
+    ) -> Result<CostRange, KvCostError>
+        = |s| kv_cost_in(s, config, request, load, overlap, mask, out)
+}
+
+/// The body of [`kv_cost`].
+#[inline(always)]
+fn kv_cost_in<S: Simd, L: U32Source + ?Sized>(
+    s: S,
     config: &KvCostConfig,
     request: &KvRequest,
     load: &KvLoad<'_, L>,
@@ -445,15 +462,15 @@ pub fn kv_cost<L: U32Source + ?Sized>(
     let groups = rows / LANES;
     let avail_bits = |g: usize| load.load_available.map_or(0xFF, |m| group_bits(m, g));
     if p.decay_on {
-        let mut m = u32x8::splat(u32::MAX);
+        let mut m = s.splat_u32(u32::MAX);
         for g in 0..groups {
             let bits = group_bits(mask, g);
             if bits != 0 {
-                let prefill = load.active_prefill_tokens.group(g) & lane_mask(avail_bits(g));
-                m = m.min(prefill | !lane_mask(bits));
+                let prefill = load.active_prefill_tokens.lanes(s, g) & s.lane_mask(avail_bits(g));
+                m = m.min(prefill | !s.lane_mask(bits));
             }
         }
-        let mut min = m.to_array().into_iter().min().unwrap_or(u32::MAX);
+        let mut min = m.reduce_min();
         for r in groups * LANES..rows {
             if contains(mask, r) {
                 let v = if available(load.load_available, r) {
@@ -471,9 +488,9 @@ pub fn kv_cost<L: U32Source + ?Sized>(
             min
         };
     }
-    let mut lo = f32x8::splat(f32::INFINITY);
-    let mut hi = f32x8::splat(f32::NEG_INFINITY);
-    let inf = f32x8::splat(f32::INFINITY);
+    let mut lo = s.splat_f32(f32::INFINITY);
+    let mut hi = s.splat_f32(f32::NEG_INFINITY);
+    let inf = s.splat_f32(f32::INFINITY);
     for g in 0..groups {
         let bits = group_bits(mask, g);
         let dst: &mut [f32; LANES] = (&mut out[g * LANES..][..LANES])
@@ -483,8 +500,8 @@ pub fn kv_cost<L: U32Source + ?Sized>(
             *dst = [f32::INFINITY; LANES];
             continue;
         }
-        let on: f32x8 = bytemuck::cast(lane_mask(bits));
-        let c = on.blend(cost_lanes(&p, load, overlap, g, avail_bits(g)), inf);
+        let on = s.lane_mask(bits).cast_f32();
+        let c = on.blend(cost_lanes(s, &p, load, overlap, g, avail_bits(g)), inf);
         lo = c.cmp_lt(lo).blend(c, lo);
         hi = (on & c.cmp_gt(hi)).blend(c, hi);
         *dst = c.to_array();
@@ -515,60 +532,61 @@ pub fn kv_cost<L: U32Source + ?Sized>(
 /// One full lane group of costs: [`row_cost`] lane-wise, operation for
 /// operation.
 #[inline(always)]
-fn cost_lanes<L: U32Source + ?Sized>(
+fn cost_lanes<S: Simd, L: U32Source + ?Sized>(
+    s: S,
     p: &Prepared,
     load: &KvLoad<'_, L>,
     overlap: &KvOverlap<'_>,
     g: usize,
     avail_bits: u8,
-) -> f32x8 {
-    let avail = lane_mask(avail_bits);
-    let f = |c: &[f32]| F32Source::group(c, g);
-    let prefill = load.active_prefill_tokens.group(g) & avail;
-    let decode = load.active_decode_blocks.group(g) & avail;
+) -> S::F32 {
+    let avail = s.lane_mask(avail_bits);
+    let f = |c: &[f32]| c.lanes(s, g);
+    let prefill = load.active_prefill_tokens.lanes(s, g) & avail;
+    let decode = load.active_decode_blocks.lanes(s, g) & avail;
     let added = overlap
         .added_decode_blocks
-        .map_or(u32x8::splat(p.added), |c| U32Source::group(c, g))
+        .map_or(s.splat_u32(p.added), |c| c.lanes(s, g))
         & avail;
+    let one = s.splat_f32(1.0);
     let eff = if p.decay_on {
-        let m = u32x8::splat(p.min_prefill);
-        let excess = u32_to_f32(prefill.max(m) - m);
-        let norm = excess / f32x8::splat(p.bs) / f32x8::splat(p.rb1);
-        f32x8::splat(p.credit) * (f32x8::ONE / (f32x8::ONE + f32x8::splat(p.decay_k) * norm))
+        let m = s.splat_u32(p.min_prefill);
+        let excess = (prefill.max(m) - m).to_f32();
+        let norm = excess / s.splat_f32(p.bs) / s.splat_f32(p.rb1);
+        s.splat_f32(p.credit) * (one / (one + s.splat_f32(p.decay_k) * norm))
     } else {
-        f32x8::splat(p.credit)
+        s.splat_f32(p.credit)
     };
     let mut credit = match overlap.device_blocks {
         Some(c) => eff * f(c),
-        None => f32x8::ZERO,
+        None => s.splat_f32(0.0),
     };
     if let Some(c) = overlap.host_blocks {
-        credit += f32x8::splat(p.host_w) * f(c);
+        credit = credit + s.splat_f32(p.host_w) * f(c);
     }
     if let Some(c) = overlap.disk_blocks {
-        credit += f32x8::splat(p.disk_w) * f(c);
+        credit = credit + s.splat_f32(p.disk_w) * f(c);
     }
     if let Some(c) = overlap.shared_beyond_device {
-        credit += f32x8::splat(p.shared_m) * f(c);
+        credit = credit + s.splat_f32(p.shared_m) * f(c);
     }
-    let decode_cost = u32_to_f32(decode) + u32_to_f32(added);
+    let decode_cost = decode.to_f32() + added.to_f32();
     let mut cost = if p.decode_formula {
-        clamp0_lanes(decode_cost - credit)
+        clamp0_lanes(s, decode_cost - credit)
     } else {
         let raw_blocks = if !p.track {
-            f32x8::ZERO
+            s.splat_f32(0.0)
         } else {
-            let isl = f32x8::splat(p.isl);
-            let cached = overlap.cached_tokens.map_or(f32x8::ZERO, f);
-            let with_load = (u32_to_f32(prefill) + cached.cmp_gt(isl).blend(cached, isl)) / f32x8::splat(p.bs);
-            let avail_f: f32x8 = bytemuck::cast(avail);
-            avail_f.blend(with_load, f32x8::splat(p.isl / p.bs))
+            let isl = s.splat_f32(p.isl);
+            let cached = overlap.cached_tokens.map_or(s.splat_f32(0.0), f);
+            let with_load = (prefill.to_f32() + cached.cmp_gt(isl).blend(cached, isl)) / s.splat_f32(p.bs);
+            avail.cast_f32().blend(with_load, s.splat_f32(p.isl / p.bs))
         };
-        f32x8::splat(p.scale) * clamp0_lanes(raw_blocks - credit) + decode_cost
+        s.splat_f32(p.scale) * clamp0_lanes(s, raw_blocks - credit) + decode_cost
     };
     if p.req_on {
-        let requests = load.active_requests.group(g) & avail;
-        cost += f32x8::splat(p.req_w) * u32_to_f32(requests);
+        let requests = load.active_requests.lanes(s, g) & avail;
+        cost = cost + s.splat_f32(p.req_w) * requests.to_f32();
     }
     match overlap.preferred_taint_multiplier {
         Some(c) => cost * f(c),

@@ -16,8 +16,6 @@ pub mod pick;
 #[cfg(test)]
 mod tests;
 
-pub use argmin::{argmin, argmin_given_min, argmin_reference, ArgminKey, KeyLanes};
-
 /// Why a kernel refused its input.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum KernelError {

@@ -25,10 +25,11 @@
 //! ```
 //!
 //! The SIMD kernel computes each exponent as `(c_min - c) * (1 / ((c_max -
-//! c_min) * T))` in `f32` and the weight with `wide`'s `exp` (a polynomial,
-//! evaluated with FMA when the target has it, and flushing `exp(x)` to 0 for
-//! `x <= -87.3`), sums each lane group in `f32` and walks the cumulative sum in
-//! `f64`, in two passes over the costs (sum, then walk until the target is
+//! c_min) * T))` in `f32` and the weight with the kernel's own `exp` (a
+//! polynomial evaluated with separate multiplies and adds, so that every SIMD
+//! backend computes the same bits, flushing `exp(x)` to 0 for `x <= -87.3`),
+//! sums each lane group in `f32` in a fixed order and walks the cumulative sum
+//! in `f64`, in two passes over the costs (sum, then walk until the target is
 //! reached) so it needs no scratch memory. The reference computes Dynamo's
 //! procedure in `f64` with `libm::exp`, normalising by the sum first. The two
 //! therefore agree to a relative `1e-5` per weight (absolute `1e-12` for
@@ -48,17 +49,16 @@
 
 use super::argmin::{argmin, argmin_given_min, argmin_reference, ArgminKey};
 use super::KernelError;
-use crate::lanes::{lane_bits_f32, lane_mask, F32Source, LANES};
+use crate::lanes::{F32Source, LANES};
 use crate::mask::{contains, count, group_bits, nth};
+use crate::simd::{dispatch, exp_lanes, F32Lanes, Simd, U32Lanes};
 use crate::Rng;
-use wide::{f32x8, CmpGt, CmpLt};
 
 /// A cost column as argmin keys.
 struct Costs<'a, C: ?Sized>(&'a C);
 
 impl<C: F32Source + ?Sized> ArgminKey for Costs<'_, C> {
     type Key = f32;
-    type Lanes = f32x8;
     #[inline(always)]
     fn rows(&self) -> usize {
         self.0.rows()
@@ -68,26 +68,33 @@ impl<C: F32Source + ?Sized> ArgminKey for Costs<'_, C> {
         self.0.value(row)
     }
     #[inline(always)]
-    fn keys(&self, group: usize) -> f32x8 {
-        self.0.group(group)
+    fn keys<S: Simd>(&self, s: S, group: usize) -> S::F32 {
+        self.0.lanes(s, group)
     }
 }
 
-/// The first eligible row, in row order, whose cost is NaN or infinite (SIMD).
-///
-/// ```
-/// use selkie_kernel::kernels::pick::first_non_finite;
-/// let costs = [1.0f32, f32::NAN, f32::INFINITY];
-/// assert_eq!(first_non_finite(&costs[..], &[0b101]), Some(2)); // row 1 is not eligible
-/// ```
-#[inline]
-pub fn first_non_finite<C: F32Source + ?Sized>(costs: &C, mask: &[u64]) -> Option<usize> {
+dispatch! {
+    /// The first eligible row, in row order, whose cost is NaN or infinite (SIMD).
+    ///
+    /// ```
+    /// use selkie_kernel::kernels::pick::first_non_finite;
+    /// let costs = [1.0f32, f32::NAN, f32::INFINITY];
+    /// assert_eq!(first_non_finite(&costs[..], &[0b101]), Some(2)); // row 1 is not eligible
+    /// ```
+    pub fn first_non_finite / first_non_finite_on [C: F32Source + ?Sized] (costs: &C, mask: &[u64])
+        -> Option<usize>
+        = |s| non_finite_in(s, costs, mask)
+}
+
+/// The body of [`first_non_finite`].
+#[inline(always)]
+fn non_finite_in<S: Simd, C: F32Source + ?Sized>(s: S, costs: &C, mask: &[u64]) -> Option<usize> {
     let rows = costs.rows();
     let groups = rows / LANES;
     for g in 0..groups {
         let bits = group_bits(mask, g);
         if bits != 0 {
-            let bad = !lane_bits_f32(costs.group(g).is_finite()) & bits;
+            let bad = !costs.lanes(s, g).is_finite().bits() & bits;
             if bad != 0 {
                 return Some(g * LANES + bad.trailing_zeros() as usize);
             }
@@ -101,24 +108,36 @@ pub fn first_non_finite_reference<C: F32Source + ?Sized>(costs: &C, mask: &[u64]
     (0..costs.rows()).find(|&r| contains(mask, r) && !costs.value(r).is_finite())
 }
 
-/// Temperature-0 pick (SIMD): the eligible row of minimum cost, ties
-/// uniformly at random.
-///
-/// `Err(NonFiniteCost)` if an eligible cost is NaN or infinite (no draw);
-/// `Ok(None)` if no row is eligible. Makes one `rng.below` draw iff several
-/// eligible rows hold the minimum (`-0.0` and `0.0` tie).
-///
-/// ```
-/// use selkie_kernel::{kernels::pick::pick_min, Rng};
-/// let costs = [3.0f32, 1.5, 2.0];
-/// assert_eq!(pick_min(&costs[..], &[0b111], &mut Rng::new(1)), Ok(Some(1)));
-/// ```
-#[inline]
-pub fn pick_min<C: F32Source + ?Sized>(costs: &C, mask: &[u64], rng: &mut Rng) -> Result<Option<usize>, KernelError> {
-    if let Some(row) = first_non_finite(costs, mask) {
+dispatch! {
+    /// Temperature-0 pick (SIMD): the eligible row of minimum cost, ties
+    /// uniformly at random.
+    ///
+    /// `Err(NonFiniteCost)` if an eligible cost is NaN or infinite (no draw);
+    /// `Ok(None)` if no row is eligible. Makes one `rng.below` draw iff several
+    /// eligible rows hold the minimum (`-0.0` and `0.0` tie).
+    ///
+    /// ```
+    /// use selkie_kernel::{kernels::pick::pick_min, Rng};
+    /// let costs = [3.0f32, 1.5, 2.0];
+    /// assert_eq!(pick_min(&costs[..], &[0b111], &mut Rng::new(1)), Ok(Some(1)));
+    /// ```
+    pub fn pick_min / pick_min_on [C: F32Source + ?Sized] (costs: &C, mask: &[u64], rng: &mut Rng)
+        -> Result<Option<usize>, KernelError>
+        = |s| pick_min_in(s, costs, mask, rng)
+}
+
+/// The body of [`pick_min`].
+#[inline(always)]
+fn pick_min_in<S: Simd, C: F32Source + ?Sized>(
+    s: S,
+    costs: &C,
+    mask: &[u64],
+    rng: &mut Rng,
+) -> Result<Option<usize>, KernelError> {
+    if let Some(row) = non_finite_in(s, costs, mask) {
         return Err(KernelError::NonFiniteCost { row });
     }
-    Ok(argmin(&Costs(costs), mask, rng))
+    Ok(argmin(s, &Costs(costs), mask, rng))
 }
 
 /// Scalar reference of [`pick_min`]: same result, same draws.
@@ -225,43 +244,75 @@ impl SoftmaxLanes {
     /// The weights of one lane group: `exp(x)` with `x = -(c - c_min) / ((c_max - c_min) T)`,
     /// 1 everywhere when `c_min == c_max`, 0 on lanes whose bit is clear.
     #[inline(always)]
-    pub(crate) fn weights(&self, costs: f32x8, bits: u8) -> f32x8 {
-        let on: f32x8 = bytemuck::cast(lane_mask(bits));
+    pub(crate) fn weights<S: Simd>(&self, s: S, costs: S::F32, bits: u8) -> S::F32 {
+        let on = s.lane_mask(bits).cast_f32();
         if self.flat {
-            return on & f32x8::ONE;
+            return on & s.splat_f32(1.0);
         }
         let x = if self.inv != 0.0 {
             let d = if self.pre == 1.0 {
-                costs - f32x8::splat(self.min)
+                costs - s.splat_f32(self.min)
             } else {
-                costs * f32x8::splat(self.pre) - f32x8::splat(self.min)
+                costs * s.splat_f32(self.pre) - s.splat_f32(self.min)
             };
-            d * f32x8::splat(self.inv)
+            d * s.splat_f32(self.inv)
         } else {
             let c = costs.to_array();
-            f32x8::from(core::array::from_fn::<f32, LANES, _>(|i| {
-                ((c[i] as f64 - self.min64) / self.denom64) as f32
-            }))
+            s.load_f32(&core::array::from_fn(|i| self.slow_exponent(c[i])))
         };
         // `0 - x`, not `-x`: the same lanes, and `exp` of either zero is 1.
-        on & (f32x8::ZERO - x).exp()
+        on & exp_lanes(s, s.splat_f32(0.0) - x)
     }
+
+    /// The exponent's magnitude on the slow path, per lane in `f64`.
+    #[inline]
+    fn slow_exponent(&self, c: f32) -> f32 {
+        ((c as f64 - self.min64) / self.denom64) as f32
+    }
+
+    /// [`weights`](Self::weights) for one eligible cost, operation for
+    /// operation: the lanes must equal it bit for bit on every backend.
+    #[cfg(test)]
+    pub(crate) fn weight_scalar(&self, c: f32) -> f32 {
+        if self.flat {
+            return 1.0;
+        }
+        let x = if self.inv != 0.0 {
+            let d = if self.pre == 1.0 {
+                c - self.min
+            } else {
+                c * self.pre - self.min
+            };
+            d * self.inv
+        } else {
+            self.slow_exponent(c)
+        };
+        crate::simd::exp_scalar(0.0 - x)
+    }
+}
+
+#[cfg(test)]
+dispatch! {
+    /// [`SoftmaxLanes::weights`] of one lane group, for the tests.
+    #[allow(dead_code)]
+    fn softmax_weights / softmax_weights_on [] (lanes: &SoftmaxLanes, costs: [f32; LANES], bits: u8) -> [f32; LANES]
+        = |s| lanes.weights(s, s.load_f32(&costs), bits).to_array()
 }
 
 /// The eligible rows' cost range as the SIMD kernel sees it: `(min, max,
 /// last eligible row)`, `None` when no row is eligible. Costs are finite.
-#[inline]
-fn range_and_last<C: F32Source + ?Sized>(costs: &C, mask: &[u64]) -> Option<(f32, f32, usize)> {
+#[inline(always)]
+fn range_and_last<S: Simd, C: F32Source + ?Sized>(s: S, costs: &C, mask: &[u64]) -> Option<(f32, f32, usize)> {
     let rows = costs.rows();
     let groups = rows / LANES;
-    let mut lo = f32x8::splat(f32::INFINITY);
-    let mut hi = f32x8::splat(f32::NEG_INFINITY);
+    let mut lo = s.splat_f32(f32::INFINITY);
+    let mut hi = s.splat_f32(f32::NEG_INFINITY);
     let mut last = None;
     for g in 0..groups {
         let bits = group_bits(mask, g);
         if bits != 0 {
-            let on: f32x8 = bytemuck::cast(lane_mask(bits));
-            let c = costs.group(g);
+            let on = s.lane_mask(bits).cast_f32();
+            let c = costs.lanes(s, g);
             lo = on.blend(c, lo).cmp_lt(lo).blend(c, lo);
             hi = on.blend(c, hi).cmp_gt(hi).blend(c, hi);
             last = Some(g * LANES + 7 - bits.leading_zeros() as usize);
@@ -293,10 +344,10 @@ fn range_and_last<C: F32Source + ?Sized>(costs: &C, mask: &[u64]) -> Option<(f32
 /// One lane group of costs, the partial last group padded with `pad` (whose
 /// lanes the caller masks off).
 #[inline(always)]
-fn cost_lanes<C: F32Source + ?Sized>(costs: &C, g: usize, pad: f32) -> f32x8 {
+fn cost_lanes<S: Simd, C: F32Source + ?Sized>(s: S, costs: &C, g: usize, pad: f32) -> S::F32 {
     let rows = costs.rows();
     if (g + 1) * LANES <= rows {
-        costs.group(g)
+        costs.lanes(s, g)
     } else {
         let mut a = [pad; LANES];
         for (i, v) in a.iter_mut().enumerate() {
@@ -305,26 +356,35 @@ fn cost_lanes<C: F32Source + ?Sized>(costs: &C, g: usize, pad: f32) -> f32x8 {
                 *v = costs.value(r);
             }
         }
-        f32x8::from(a)
+        s.load_f32(&a)
     }
 }
 
-/// Softmax pick at temperature `temperature > 0` (SIMD). See the module docs
-/// for the walk and how it matches Dynamo.
-///
-/// `Err(BadTemperature)` unless the temperature is finite and `> 0`;
-/// `Err(NonFiniteCost)` if an eligible cost is NaN or infinite (neither
-/// draws); `Ok(None)` if no row is eligible (no draw). Otherwise makes exactly
-/// one `rng.unit_f64` draw, even with a single eligible row, as Dynamo does.
-///
-/// ```
-/// use selkie_kernel::{kernels::pick::pick_softmax, Rng};
-/// let costs = [10.0f32, 0.0, 10.0];
-/// // At a low temperature the cheap row is almost always chosen.
-/// let row = pick_softmax(&costs[..], &[0b111], 0.01, &mut Rng::new(4)).unwrap();
-/// assert_eq!(row, Some(1));
-/// ```
-pub fn pick_softmax<C: F32Source + ?Sized>(
+dispatch! {
+    /// Softmax pick at temperature `temperature > 0` (SIMD). See the module docs
+    /// for the walk and how it matches Dynamo.
+    ///
+    /// `Err(BadTemperature)` unless the temperature is finite and `> 0`;
+    /// `Err(NonFiniteCost)` if an eligible cost is NaN or infinite (neither
+    /// draws); `Ok(None)` if no row is eligible (no draw). Otherwise makes exactly
+    /// one `rng.unit_f64` draw, even with a single eligible row, as Dynamo does.
+    ///
+    /// ```
+    /// use selkie_kernel::{kernels::pick::pick_softmax, Rng};
+    /// let costs = [10.0f32, 0.0, 10.0];
+    /// // At a low temperature the cheap row is almost always chosen.
+    /// let row = pick_softmax(&costs[..], &[0b111], 0.01, &mut Rng::new(4)).unwrap();
+    /// assert_eq!(row, Some(1));
+    /// ```
+    pub fn pick_softmax / pick_softmax_on [C: F32Source + ?Sized]
+        (costs: &C, mask: &[u64], temperature: f32, rng: &mut Rng) -> Result<Option<usize>, KernelError>
+        = |s| pick_softmax_in(s, costs, mask, temperature, rng)
+}
+
+/// The body of [`pick_softmax`].
+#[inline(always)]
+fn pick_softmax_in<S: Simd, C: F32Source + ?Sized>(
+    s: S,
     costs: &C,
     mask: &[u64],
     temperature: f32,
@@ -333,11 +393,11 @@ pub fn pick_softmax<C: F32Source + ?Sized>(
     if !softmax_temperature_ok(temperature) {
         return Err(KernelError::BadTemperature);
     }
-    if let Some(row) = first_non_finite(costs, mask) {
+    if let Some(row) = non_finite_in(s, costs, mask) {
         return Err(KernelError::NonFiniteCost { row });
     }
-    match range_and_last(costs, mask) {
-        Some((c_min, c_max, last)) => Ok(Some(softmax_walk(costs, mask, c_min, c_max, last, temperature, rng))),
+    match range_and_last(s, costs, mask) {
+        Some((c_min, c_max, last)) => Ok(Some(softmax_walk(s, costs, mask, c_min, c_max, last, temperature, rng))),
         None => Ok(None),
     }
 }
@@ -369,6 +429,32 @@ pub fn pick_in_range<C: F32Source + ?Sized>(
     temperature: f32,
     rng: &mut Rng,
 ) -> Result<Option<usize>, KernelError> {
+    pick_in_range_on(crate::simd::Backend::active(), costs, mask, range, temperature, rng)
+}
+
+dispatch! {
+    /// The body of [`pick_in_range`], dispatched after its checks.
+    #[allow(dead_code)]
+    fn pick_in_range_checked / pick_in_range_on_checked [C: F32Source + ?Sized]
+        (costs: &C, mask: &[u64], range: super::kv_cost::CostRange, temperature: f32, last: usize, rng: &mut Rng)
+        -> Option<usize>
+        = |s| if temperature == 0.0 {
+            argmin_given_min(s, &Costs(costs), mask, range.min, rng)
+        } else {
+            Some(softmax_walk(s, costs, mask, range.min, range.max, last, temperature, rng))
+        }
+}
+
+/// [`pick_in_range`] on backend `backend`.
+#[inline]
+pub(crate) fn pick_in_range_on<C: F32Source + ?Sized>(
+    backend: crate::simd::Backend,
+    costs: &C,
+    mask: &[u64],
+    range: super::kv_cost::CostRange,
+    temperature: f32,
+    rng: &mut Rng,
+) -> Result<Option<usize>, KernelError> {
     // As `pick`, the temperature is checked before anything else.
     if temperature != 0.0 && !softmax_temperature_ok(temperature) {
         return Err(KernelError::BadTemperature);
@@ -379,21 +465,23 @@ pub fn pick_in_range<C: F32Source + ?Sized>(
     if !(range.min.is_finite() && range.max.is_finite()) {
         return pick(costs, mask, temperature, rng);
     }
-    if temperature == 0.0 {
-        return Ok(argmin_given_min(&Costs(costs), mask, range.min, rng));
-    }
-    let Some(last) = last_eligible(mask, costs.rows()) else {
-        return Ok(None);
+    let last = if temperature == 0.0 {
+        0
+    } else {
+        match last_eligible(mask, costs.rows()) {
+            Some(last) => last,
+            None => return Ok(None),
+        }
     };
-    Ok(Some(softmax_walk(
+    Ok(pick_in_range_on_checked(
+        backend,
         costs,
         mask,
-        range.min,
-        range.max,
-        last,
+        range,
         temperature,
+        last,
         rng,
-    )))
+    ))
 }
 
 /// The last set row of `mask` below `rows`.
@@ -410,7 +498,10 @@ fn last_eligible(mask: &[u64], rows: usize) -> Option<usize> {
 
 /// The softmax draw and walk over eligible rows whose range is
 /// `[c_min, c_max]` and whose last row is `last` (one `unit_f64` draw).
-fn softmax_walk<C: F32Source + ?Sized>(
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn softmax_walk<S: Simd, C: F32Source + ?Sized>(
+    s: S,
     costs: &C,
     mask: &[u64],
     c_min: f32,
@@ -439,7 +530,7 @@ fn softmax_walk<C: F32Source + ?Sized>(
         if bits == 0 {
             None
         } else {
-            Some((bits, lanes.weights(cost_lanes(costs, g, c_min), bits)))
+            Some((bits, lanes.weights(s, cost_lanes(s, costs, g, c_min), bits)))
         }
     };
     // Pass 1: the total, as a sum of per-group f32 sums in f64.

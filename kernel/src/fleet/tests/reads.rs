@@ -15,13 +15,10 @@ fn views_decode_tagged_counters() {
     let active = fleet.active_requests();
     assert_eq!(U32Source::rows(&active), 16, "9 rows padded to 2 groups");
     assert_eq!(U32Source::value(&active, 8), 2);
-    assert_eq!(U32Source::group(&active, 1).to_array(), [2, 0, 0, 0, 0, 0, 0, 0]);
+    assert_eq!(U32Source::group(&active, 1), [2, 0, 0, 0, 0, 0, 0, 0]);
     assert_eq!(U32Source::value(&fleet.active_prefill_tokens(), 8), 6);
     assert_eq!(U32Source::value(&fleet.active_decode_blocks(), 8), 2);
-    assert_eq!(
-        F32Source::group(&fleet.inv_capacity_weight(), 1).to_array()[..2],
-        [1.0, 0.0]
-    );
+    assert_eq!(F32Source::group(&fleet.inv_capacity_weight(), 1)[..2], [1.0, 0.0]);
     // The raw word carries the generation tag (1) in its low byte.
     assert_eq!(fleet.active_requests.at(8).load(Ordering::Relaxed), 2 << 8 | 1);
 }

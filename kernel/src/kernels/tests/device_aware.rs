@@ -4,6 +4,7 @@ use super::{load_value, mask, rows};
 use crate::kernels::device_aware::*;
 use crate::kernels::KernelError;
 use crate::mask::contains;
+use crate::simd::Backend;
 use crate::Rng;
 use proptest::prelude::*;
 use std::vec;
@@ -21,6 +22,15 @@ fn choose(
     let slow = device_aware_reference(load, hits, is_cpu, mask, &config, &mut b).unwrap();
     assert_eq!(fast, slow);
     assert_eq!(a.state(), b.state());
+    for backend in Backend::available() {
+        let mut c = Rng::new(seed);
+        assert_eq!(
+            device_aware_on(backend, load, hits, is_cpu, mask, &config, &mut c).unwrap(),
+            slow,
+            "{backend:?}"
+        );
+        assert_eq!(c.state(), b.state());
+    }
     fast
 }
 
@@ -38,12 +48,14 @@ proptest! {
         ratio in prop_oneof![Just(0u32), Just(1u32), Just(8u32), any::<u32>()],
     ) {
         let config = DeviceAwareConfig { required_cache_hits: required, non_cpu_to_cpu_ratio: ratio };
-        let (mut a, mut b) = (Rng::new(seed), Rng::new(seed));
-        let fast = device_aware(&load[..], &hits[..], &is_cpu, &mask, &config, &mut a);
-        prop_assert_eq!(fast, device_aware_reference(&load[..], &hits[..], &is_cpu, &mask, &config, &mut b));
-        prop_assert_eq!(a.state(), b.state());
-        if let Ok(Some(c)) = fast {
-            prop_assert!(contains(&mask, c.row));
+        for backend in Backend::available() {
+            let (mut a, mut b) = (Rng::new(seed), Rng::new(seed));
+            let fast = device_aware_on(backend, &load[..], &hits[..], &is_cpu, &mask, &config, &mut a);
+            prop_assert_eq!(fast, device_aware_reference(&load[..], &hits[..], &is_cpu, &mask, &config, &mut b), "{:?}", backend);
+            prop_assert_eq!(a.state(), b.state());
+            if let Ok(Some(c)) = fast {
+                prop_assert!(contains(&mask, c.row));
+            }
         }
     }
 }
@@ -174,8 +186,8 @@ impl crate::lanes::U32Source for Shifting {
     fn value(&self, row: usize) -> u32 {
         self.next(row)
     }
-    fn group(&self, group: usize) -> wide::u32x8 {
-        wide::u32x8::from(core::array::from_fn::<u32, 8, _>(|i| self.next(group * 8 + i)))
+    fn group(&self, group: usize) -> [u32; crate::lanes::LANES] {
+        core::array::from_fn(|i| self.next(group * 8 + i))
     }
 }
 

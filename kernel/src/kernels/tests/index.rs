@@ -5,11 +5,11 @@ use crate::kernels::index::*;
 use crate::kernels::least_loaded::*;
 use crate::lanes::U32Source;
 use crate::mask::contains;
+use crate::simd::Backend;
 use crate::Rng;
 use core::cell::Cell;
 use proptest::prelude::*;
 use std::vec::Vec;
-use wide::u32x8;
 
 /// A load column that counts how it is read.
 struct CountingLoad<'a> {
@@ -26,7 +26,7 @@ impl U32Source for CountingLoad<'_> {
         self.reads.set(self.reads.get() + 1);
         self.values[row]
     }
-    fn group(&self, group: usize) -> u32x8 {
+    fn group(&self, group: usize) -> [u32; crate::lanes::LANES] {
         self.group_reads.set(self.group_reads.get() + 1);
         U32Source::group(self.values, group)
     }
@@ -68,9 +68,15 @@ proptest! {
 
     #[test]
     fn least_loaded_matches_reference((load, mask, seed) in column_case(load_value())) {
-        let (mut a, mut b) = (Rng::new(seed), Rng::new(seed));
-        prop_assert_eq!(least_loaded(&load[..], &mask, &mut a), least_loaded_reference(&load[..], &mask, &mut b));
-        prop_assert_eq!(a.state(), b.state());
+        for backend in Backend::available() {
+            let (mut a, mut b) = (Rng::new(seed), Rng::new(seed));
+            prop_assert_eq!(
+                least_loaded_on(backend, &load[..], &mask, &mut a),
+                least_loaded_reference(&load[..], &mask, &mut b),
+                "{:?}", backend
+            );
+            prop_assert_eq!(a.state(), b.state());
+        }
     }
 
     #[test]
@@ -82,12 +88,15 @@ proptest! {
             any::<u64>(),
         ))
     ) {
-        let (mut a, mut b) = (Rng::new(seed), Rng::new(seed));
-        prop_assert_eq!(
-            least_loaded_weighted(&load[..], &weights[..], &mask, &mut a),
-            least_loaded_weighted_reference(&load[..], &weights[..], &mask, &mut b)
-        );
-        prop_assert_eq!(a.state(), b.state());
+        for backend in Backend::available() {
+            let (mut a, mut b) = (Rng::new(seed), Rng::new(seed));
+            prop_assert_eq!(
+                least_loaded_weighted_on(backend, &load[..], &weights[..], &mask, &mut a),
+                least_loaded_weighted_reference(&load[..], &weights[..], &mask, &mut b),
+                "{:?}", backend
+            );
+            prop_assert_eq!(a.state(), b.state());
+        }
     }
 }
 

@@ -5,6 +5,7 @@
 use super::{load_value, mask, rows, same_f32};
 use crate::kernels::kv_cost::*;
 use crate::mask::contains;
+use crate::simd::Backend;
 use core::num::NonZeroU32;
 use proptest::prelude::*;
 use std::vec;
@@ -69,18 +70,33 @@ impl Case {
         }
     }
 
+    /// The SIMD costs, checked to be the same bits on every backend.
     fn simd(&self) -> (Vec<f32>, CostRange) {
-        let mut out = vec![f32::NAN; self.prefill.len()];
-        let range = kv_cost(
-            &self.config,
-            &self.request,
-            &self.load(),
-            &self.overlap(),
-            &self.mask,
-            &mut out,
-        )
-        .unwrap();
-        (out, range)
+        let mut first: Option<(Vec<f32>, CostRange)> = None;
+        for backend in Backend::available() {
+            let mut out = vec![f32::NAN; self.prefill.len()];
+            let range = kv_cost_on(
+                backend,
+                &self.config,
+                &self.request,
+                &self.load(),
+                &self.overlap(),
+                &self.mask,
+                &mut out,
+            )
+            .unwrap();
+            match &first {
+                None => first = Some((out, range)),
+                Some((o, r)) => {
+                    let same = o.iter().zip(&out).all(|(&a, &b)| same_f32(a, b));
+                    assert!(
+                        same && same_f32(r.min, range.min) && same_f32(r.max, range.max),
+                        "{backend:?}"
+                    );
+                }
+            }
+        }
+        first.expect("the portable backend is always available")
     }
 
     fn reference(&self) -> (Vec<f32>, CostRange) {

@@ -6,10 +6,10 @@ use crate::kernels::pick::*;
 use crate::kernels::KernelError;
 use crate::lanes::F32Source;
 use crate::mask::contains;
+use crate::simd::Backend;
 use crate::Rng;
 use proptest::prelude::*;
 use std::vec::Vec;
-use wide::f32x8;
 
 /// How far apart (in normalised cumulative probability) the SIMD and the
 /// reference softmax walks may be; see [`softmax_picks_consistent`].
@@ -80,19 +80,23 @@ fn temperature() -> impl Strategy<Value = f32> {
 proptest! {
     #[test]
     fn first_non_finite_matches_reference((costs, mask, _) in column_case(any_cost())) {
-        let fast = first_non_finite(&costs[..], &mask);
-        prop_assert_eq!(fast, first_non_finite_reference(&costs[..], &mask));
+        for backend in Backend::available() {
+            let fast = first_non_finite_on(backend, &costs[..], &mask);
+            prop_assert_eq!(fast, first_non_finite_reference(&costs[..], &mask), "{:?}", backend);
+        }
     }
 
     #[test]
     fn pick_min_matches_reference((costs, mask, seed) in column_case(any_cost())) {
-        let (mut a, mut b) = (Rng::new(seed), Rng::new(seed));
-        let fast = pick_min(&costs[..], &mask, &mut a);
-        prop_assert_eq!(fast, pick_min_reference(&costs[..], &mask, &mut b));
-        prop_assert_eq!(a.state(), b.state());
-        if let Ok(Some(r)) = fast {
-            let min = (0..costs.len()).filter(|&r| contains(&mask, r)).map(|r| costs[r]).fold(f32::INFINITY, f32::min);
-            prop_assert_eq!(costs[r], min);
+        for backend in Backend::available() {
+            let (mut a, mut b) = (Rng::new(seed), Rng::new(seed));
+            let fast = pick_min_on(backend, &costs[..], &mask, &mut a);
+            prop_assert_eq!(fast, pick_min_reference(&costs[..], &mask, &mut b), "{:?}", backend);
+            prop_assert_eq!(a.state(), b.state());
+            if let Ok(Some(r)) = fast {
+                let min = (0..costs.len()).filter(|&r| contains(&mask, r)).map(|r| costs[r]).fold(f32::INFINITY, f32::min);
+                prop_assert_eq!(costs[r], min);
+            }
         }
     }
 
@@ -102,6 +106,12 @@ proptest! {
         let u = Rng::new(seed).unit_f64();
         let fast = pick_softmax(&costs[..], &mask, t, &mut a);
         let slow = pick_softmax_reference(&costs[..], &mask, t, &mut b);
+        // Every backend computes the same weights, bit for bit: the same pick.
+        for backend in Backend::available() {
+            let mut c = Rng::new(seed);
+            prop_assert_eq!(pick_softmax_on(backend, &costs[..], &mask, t, &mut c), fast, "{:?}", backend);
+            prop_assert_eq!(c.state(), a.state());
+        }
         prop_assert_eq!(a.state(), b.state());
         match (fast, slow) {
             (Ok(Some(f)), Ok(Some(s))) => {
@@ -122,11 +132,16 @@ proptest! {
         let hi = costs.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         let mut lanes = [lo; 8];
         lanes[..costs.len()].copy_from_slice(&costs);
-        let w = SoftmaxLanes::new(lo, hi, t).weights(f32x8::from(lanes), 0xFF).to_array();
-        for (i, &c) in costs.iter().enumerate() {
-            let exact = softmax_weight_reference(c, lo, hi, t);
-            let err = (w[i] as f64 - exact).abs();
-            prop_assert!(err <= 1.0e-5 * exact + 1.0e-12, "cost {} weight {} exact {} (T = {})", c, w[i], exact, t);
+        let weights = SoftmaxLanes::new(lo, hi, t);
+        for backend in Backend::available() {
+            let w = softmax_weights_on(backend, &weights, lanes, 0xFF);
+            for (i, &c) in costs.iter().enumerate() {
+                let exact = softmax_weight_reference(c, lo, hi, t);
+                let err = (w[i] as f64 - exact).abs();
+                prop_assert!(err <= 1.0e-5 * exact + 1.0e-12, "{:?} cost {} weight {} exact {} (T = {})", backend, c, w[i], exact, t);
+                let scalar = weights.weight_scalar(c);
+                prop_assert_eq!(w[i].to_bits(), scalar.to_bits(), "{:?} cost {} lanes {} scalar {}", backend, c, w[i], scalar);
+            }
         }
     }
 
@@ -279,16 +294,22 @@ fn softmax_weights_survive_a_subnormal_denominator() {
     let t = 1.0e-45f32;
     let mut lanes = [0.0f32; 8];
     lanes[..3].copy_from_slice(&costs);
-    let w = SoftmaxLanes::new(0.0, 516_510.84, t)
-        .weights(f32x8::from(lanes), 0b111)
-        .to_array();
-    for (i, &c) in costs.iter().enumerate() {
-        let exact = softmax_weight_reference(c, 0.0, 516_510.84, t);
-        assert!(
-            (w[i] as f64 - exact).abs() <= 1.0e-5 * exact + 1.0e-12,
-            "cost {c}: {} vs {exact}",
-            w[i]
-        );
+    let weights = SoftmaxLanes::new(0.0, 516_510.84, t);
+    for backend in Backend::available() {
+        let w = softmax_weights_on(backend, &weights, lanes, 0b111);
+        for (i, &c) in costs.iter().enumerate() {
+            assert_eq!(
+                w[i].to_bits(),
+                weights.weight_scalar(c).to_bits(),
+                "{backend:?} cost {c}"
+            );
+            let exact = softmax_weight_reference(c, 0.0, 516_510.84, t);
+            assert!(
+                (w[i] as f64 - exact).abs() <= 1.0e-5 * exact + 1.0e-12,
+                "{backend:?} cost {c}: {} vs {exact}",
+                w[i]
+            );
+        }
     }
 }
 

@@ -1,0 +1,299 @@
+//! The AVX2 backend: hand-written 256-bit lane types over `core::arch`.
+//!
+//! # Why the safe lane operations are sound
+//!
+//! The intrinsics are `unsafe` because executing them on a CPU without AVX2
+//! is undefined behaviour. Every lane value of this module ([`U32x8`],
+//! [`F32x8`]) is created by a method of the [`Avx2`] token or of another lane
+//! value, and an `Avx2` token can only be created by
+//! [`Avx2::new_unchecked`], whose caller promises that the CPU has every
+//! feature an AVX2 entry point enables (avx2, fma, bmi1, bmi2, lzcnt,
+//! popcnt; the dispatchers call it only after detection found them, inside
+//! a `#[target_feature]` entry point). So holding a token or a lane value proves that the instructions
+//! may run, and each method below only needs that proof and in-bounds
+//! pointers. The methods are `#[inline(always)]` so that they compile as part
+//! of the entry point, with its features enabled.
+//!
+//! This module must not contain selection logic.
+
+use super::{F32Lanes, Sealed, Simd, U32Lanes};
+use crate::lanes::LANES;
+use crate::sync::AtomicU32;
+use core::arch::x86_64::*;
+use core::ops::{Add, BitAnd, BitOr, Div, Mul, Not, Sub};
+
+/// Proof that the CPU runs AVX2, FMA, BMI1, BMI2, LZCNT and POPCNT: the
+/// AVX2 backend's token.
+#[derive(Clone, Copy, Debug)]
+pub struct Avx2(());
+
+impl Avx2 {
+    /// The token.
+    ///
+    /// # Safety
+    ///
+    /// The CPU must support avx2, fma, bmi1, bmi2, lzcnt and popcnt.
+    #[inline(always)]
+    pub(crate) unsafe fn new_unchecked() -> Avx2 {
+        Avx2(())
+    }
+}
+
+/// Eight `u32` lanes in one `ymm` register (exists only on an AVX2 CPU).
+#[derive(Clone, Copy, Debug)]
+#[repr(transparent)]
+pub struct U32x8(__m256i);
+
+/// Eight `f32` lanes in one `ymm` register (exists only on an AVX2 CPU).
+#[derive(Clone, Copy, Debug)]
+#[repr(transparent)]
+pub struct F32x8(__m256);
+
+/// Runs an intrinsic expression. SAFETY (of every use): the token or a lane
+/// value of this module is in scope, which proves the CPU has AVX2 and the
+/// rest of the x86-64-v3 set (module docs); no use dereferences a pointer
+/// except the loads and stores, whose pointers come from references to
+/// exactly 32 bytes.
+macro_rules! avx {
+    ($e:expr) => {
+        // SAFETY: see the macro's docs: a token or lane value proves AVX2.
+        unsafe { $e }
+    };
+}
+
+impl Sealed for Avx2 {}
+
+impl Simd for Avx2 {
+    type U32 = U32x8;
+    type F32 = F32x8;
+    #[inline(always)]
+    fn splat_u32(self, v: u32) -> U32x8 {
+        U32x8(avx!(_mm256_set1_epi32(v as i32)))
+    }
+    #[inline(always)]
+    fn splat_f32(self, v: f32) -> F32x8 {
+        F32x8(avx!(_mm256_set1_ps(v)))
+    }
+    #[inline(always)]
+    fn load_u32(self, a: &[u32; LANES]) -> U32x8 {
+        U32x8(avx!(_mm256_loadu_si256(a.as_ptr().cast())))
+    }
+    #[inline(always)]
+    fn load_f32(self, a: &[f32; LANES]) -> F32x8 {
+        F32x8(avx!(_mm256_loadu_ps(a.as_ptr())))
+    }
+    #[inline(always)]
+    fn load_atomic(self, group: &[AtomicU32; LANES]) -> U32x8 {
+        let (lo, hi) = crate::sync::load_lanes_vex(self, group);
+        U32x8(avx!(_mm256_set_m128i(hi, lo)))
+    }
+    #[inline(always)]
+    fn lane_mask(self, bits: u8) -> U32x8 {
+        avx!({
+            let bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+            U32x8(_mm256_cmpeq_epi32(
+                _mm256_and_si256(_mm256_set1_epi32(bits as i32), bit),
+                bit,
+            ))
+        })
+    }
+}
+
+impl BitAnd for U32x8 {
+    type Output = Self;
+    #[inline(always)]
+    fn bitand(self, o: Self) -> Self {
+        U32x8(avx!(_mm256_and_si256(self.0, o.0)))
+    }
+}
+
+impl BitOr for U32x8 {
+    type Output = Self;
+    #[inline(always)]
+    fn bitor(self, o: Self) -> Self {
+        U32x8(avx!(_mm256_or_si256(self.0, o.0)))
+    }
+}
+
+impl Not for U32x8 {
+    type Output = Self;
+    #[inline(always)]
+    fn not(self) -> Self {
+        U32x8(avx!(_mm256_xor_si256(self.0, _mm256_set1_epi32(-1))))
+    }
+}
+
+impl Add for U32x8 {
+    type Output = Self;
+    #[inline(always)]
+    fn add(self, o: Self) -> Self {
+        U32x8(avx!(_mm256_add_epi32(self.0, o.0)))
+    }
+}
+
+impl Sub for U32x8 {
+    type Output = Self;
+    #[inline(always)]
+    fn sub(self, o: Self) -> Self {
+        U32x8(avx!(_mm256_sub_epi32(self.0, o.0)))
+    }
+}
+
+impl U32Lanes for U32x8 {
+    type F32 = F32x8;
+    #[inline(always)]
+    fn min(self, o: Self) -> Self {
+        U32x8(avx!(_mm256_min_epu32(self.0, o.0)))
+    }
+    #[inline(always)]
+    fn max(self, o: Self) -> Self {
+        U32x8(avx!(_mm256_max_epu32(self.0, o.0)))
+    }
+    #[inline(always)]
+    fn cmp_eq(self, o: Self) -> Self {
+        U32x8(avx!(_mm256_cmpeq_epi32(self.0, o.0)))
+    }
+    #[inline(always)]
+    fn shr(self, s: u32) -> Self {
+        U32x8(avx!(_mm256_srl_epi32(self.0, _mm_cvtsi32_si128(s as i32))))
+    }
+    #[inline(always)]
+    fn shl(self, s: u32) -> Self {
+        U32x8(avx!(_mm256_sll_epi32(self.0, _mm_cvtsi32_si128(s as i32))))
+    }
+    #[inline(always)]
+    fn to_f32(self) -> F32x8 {
+        avx!({
+            let hi = _mm256_cvtepi32_ps(_mm256_srli_epi32::<16>(self.0));
+            let lo = _mm256_cvtepi32_ps(_mm256_and_si256(self.0, _mm256_set1_epi32(0xFFFF)));
+            F32x8(_mm256_add_ps(_mm256_mul_ps(hi, _mm256_set1_ps(65536.0)), lo))
+        })
+    }
+    #[inline(always)]
+    fn cast_f32(self) -> F32x8 {
+        F32x8(avx!(_mm256_castsi256_ps(self.0)))
+    }
+    #[inline(always)]
+    fn bits(self) -> u8 {
+        avx!(_mm256_movemask_ps(_mm256_castsi256_ps(self.0))) as u8
+    }
+    #[inline(always)]
+    fn reduce_min(self) -> u32 {
+        avx!({
+            let m = _mm_min_epu32(_mm256_castsi256_si128(self.0), _mm256_extracti128_si256::<1>(self.0));
+            let m = _mm_min_epu32(m, _mm_shuffle_epi32::<0b01_00_11_10>(m));
+            let m = _mm_min_epu32(m, _mm_shuffle_epi32::<0b10_11_00_01>(m));
+            _mm_cvtsi128_si32(m) as u32
+        })
+    }
+    #[inline(always)]
+    fn reduce_add(self) -> u32 {
+        avx!({
+            let m = _mm_add_epi32(_mm256_castsi256_si128(self.0), _mm256_extracti128_si256::<1>(self.0));
+            let m = _mm_add_epi32(m, _mm_shuffle_epi32::<0b01_00_11_10>(m));
+            let m = _mm_add_epi32(m, _mm_shuffle_epi32::<0b10_11_00_01>(m));
+            _mm_cvtsi128_si32(m) as u32
+        })
+    }
+    #[inline(always)]
+    fn to_array(self) -> [u32; LANES] {
+        let mut a = [0u32; LANES];
+        avx!(_mm256_storeu_si256(a.as_mut_ptr().cast(), self.0));
+        a
+    }
+}
+
+impl Add for F32x8 {
+    type Output = Self;
+    #[inline(always)]
+    fn add(self, o: Self) -> Self {
+        F32x8(avx!(_mm256_add_ps(self.0, o.0)))
+    }
+}
+
+impl Sub for F32x8 {
+    type Output = Self;
+    #[inline(always)]
+    fn sub(self, o: Self) -> Self {
+        F32x8(avx!(_mm256_sub_ps(self.0, o.0)))
+    }
+}
+
+impl Mul for F32x8 {
+    type Output = Self;
+    #[inline(always)]
+    fn mul(self, o: Self) -> Self {
+        F32x8(avx!(_mm256_mul_ps(self.0, o.0)))
+    }
+}
+
+impl Div for F32x8 {
+    type Output = Self;
+    #[inline(always)]
+    fn div(self, o: Self) -> Self {
+        F32x8(avx!(_mm256_div_ps(self.0, o.0)))
+    }
+}
+
+impl BitAnd for F32x8 {
+    type Output = Self;
+    #[inline(always)]
+    fn bitand(self, o: Self) -> Self {
+        F32x8(avx!(_mm256_and_ps(self.0, o.0)))
+    }
+}
+
+impl F32Lanes for F32x8 {
+    type U32 = U32x8;
+    #[inline(always)]
+    fn min(self, o: Self) -> Self {
+        F32x8(avx!(_mm256_min_ps(self.0, o.0)))
+    }
+    #[inline(always)]
+    fn cmp_lt(self, o: Self) -> Self {
+        F32x8(avx!(_mm256_cmp_ps::<_CMP_LT_OQ>(self.0, o.0)))
+    }
+    #[inline(always)]
+    fn cmp_gt(self, o: Self) -> Self {
+        F32x8(avx!(_mm256_cmp_ps::<_CMP_GT_OQ>(self.0, o.0)))
+    }
+    #[inline(always)]
+    fn cmp_eq(self, o: Self) -> Self {
+        F32x8(avx!(_mm256_cmp_ps::<_CMP_EQ_OQ>(self.0, o.0)))
+    }
+    #[inline(always)]
+    fn is_finite(self) -> Self {
+        avx!({
+            let abs = _mm256_andnot_ps(_mm256_set1_ps(-0.0), self.0);
+            F32x8(_mm256_cmp_ps::<_CMP_LT_OQ>(abs, _mm256_set1_ps(f32::INFINITY)))
+        })
+    }
+    #[inline(always)]
+    fn blend(self, t: Self, f: Self) -> Self {
+        F32x8(avx!(_mm256_blendv_ps(f.0, t.0, self.0)))
+    }
+    #[inline(always)]
+    fn cast_u32(self) -> U32x8 {
+        U32x8(avx!(_mm256_castps_si256(self.0)))
+    }
+    #[inline(always)]
+    fn bits(self) -> u8 {
+        avx!(_mm256_movemask_ps(self.0)) as u8
+    }
+    #[inline(always)]
+    fn reduce_add(self) -> f32 {
+        avx!({
+            // [l0+l4, l1+l5, l2+l6, l3+l7], then lanes 0,1 + lanes 2,3, then
+            // lane 0 + lane 1: the order of `reduce_add_array`.
+            let q = _mm_add_ps(_mm256_castps256_ps128(self.0), _mm256_extractf128_ps::<1>(self.0));
+            let d = _mm_add_ps(q, _mm_movehl_ps(q, q));
+            _mm_cvtss_f32(_mm_add_ss(d, _mm_shuffle_ps::<0b01>(d, d)))
+        })
+    }
+    #[inline(always)]
+    fn to_array(self) -> [f32; LANES] {
+        let mut a = [0f32; LANES];
+        avx!(_mm256_storeu_ps(a.as_mut_ptr(), self.0));
+        a
+    }
+}
