@@ -72,10 +72,14 @@
 //! one output column.
 
 mod config;
+mod fused;
 mod inputs;
 mod parity;
 
 pub use config::{KvConfigError, KvConfigField, KvConfigProblem, KvCostConfig};
+#[cfg(test)]
+pub(crate) use fused::kv_cost_argmin_on;
+pub use fused::{kv_cost_argmin, kv_cost_argmin_reference, KvChoice};
 pub use inputs::{KvLoad, KvOverlap, KvRequest, WorkerRole};
 pub use parity::{kv_cost_f64_reference, KvCostF64, KV_COST_PARITY_ULPS};
 
@@ -122,6 +126,12 @@ pub enum KvCostError {
         /// The column's length.
         len: usize,
     },
+    /// An eligible row's cost is NaN or infinite, and the costs' range is
+    /// not finite ([`kv_cost_argmin`] only: the checked pick refuses it).
+    NonFiniteCost {
+        /// The first such row, in row order.
+        row: usize,
+    },
 }
 
 impl core::fmt::Display for KvCostError {
@@ -131,6 +141,7 @@ impl core::fmt::Display for KvCostError {
             KvCostError::ColumnTooShort { column, rows, len } => {
                 write!(f, "KV cost column {column:?} has {len} rows, scan needs {rows}")
             }
+            KvCostError::NonFiniteCost { row } => write!(f, "row {row} has a non-finite KV cost"),
         }
     }
 }
@@ -458,36 +469,9 @@ fn kv_cost_in<S: Simd, L: U32Source + ?Sized>(
     out: &mut [f32],
 ) -> Result<CostRange, KvCostError> {
     let rows = check(config, load, overlap, out.len())?;
-    let mut p = Prepared::new(config, request);
+    let p = prepare(s, config, request, load, mask, rows);
     let groups = rows / LANES;
     let avail_bits = |g: usize| load.load_available.map_or(0xFF, |m| group_bits(m, g));
-    if p.decay_on {
-        let mut m = s.splat_u32(u32::MAX);
-        for g in 0..groups {
-            let bits = group_bits(mask, g);
-            if bits != 0 {
-                let prefill = load.active_prefill_tokens.lanes(s, g) & s.lane_mask(avail_bits(g));
-                m = m.min(prefill | !s.lane_mask(bits));
-            }
-        }
-        let mut min = m.reduce_min();
-        for r in groups * LANES..rows {
-            if contains(mask, r) {
-                let v = if available(load.load_available, r) {
-                    load.active_prefill_tokens.value(r)
-                } else {
-                    0
-                };
-                min = min.min(v);
-            }
-        }
-        // No eligible row: nothing reads it; Dynamo uses 0.
-        p.min_prefill = if min == u32::MAX && !(0..rows).any(|r| contains(mask, r)) {
-            0
-        } else {
-            min
-        };
-    }
     let mut lo = s.splat_f32(f32::INFINITY);
     let mut hi = s.splat_f32(f32::NEG_INFINITY);
     let inf = s.splat_f32(f32::INFINITY);
@@ -527,6 +511,50 @@ fn kv_cost_in<S: Simd, L: U32Source + ?Sized>(
         };
     }
     Ok(range)
+}
+
+/// The per-request constants, with the decay's `min_prefill` (one SIMD pass
+/// over the eligible rows' prefill load, only when the decay is on).
+#[inline(always)]
+fn prepare<S: Simd, L: U32Source + ?Sized>(
+    s: S,
+    config: &KvCostConfig,
+    request: &KvRequest,
+    load: &KvLoad<'_, L>,
+    mask: &[u64],
+    rows: usize,
+) -> Prepared {
+    let mut p = Prepared::new(config, request);
+    let groups = rows / LANES;
+    let avail_bits = |g: usize| load.load_available.map_or(0xFF, |m| group_bits(m, g));
+    if p.decay_on {
+        let mut m = s.splat_u32(u32::MAX);
+        for g in 0..groups {
+            let bits = group_bits(mask, g);
+            if bits != 0 {
+                let prefill = load.active_prefill_tokens.lanes(s, g) & s.lane_mask(avail_bits(g));
+                m = m.min(prefill | !s.lane_mask(bits));
+            }
+        }
+        let mut min = m.reduce_min();
+        for r in groups * LANES..rows {
+            if contains(mask, r) {
+                let v = if available(load.load_available, r) {
+                    load.active_prefill_tokens.value(r)
+                } else {
+                    0
+                };
+                min = min.min(v);
+            }
+        }
+        // No eligible row: nothing reads it; Dynamo uses 0.
+        p.min_prefill = if min == u32::MAX && !(0..rows).any(|r| contains(mask, r)) {
+            0
+        } else {
+            min
+        };
+    }
+    p
 }
 
 /// One full lane group of costs: [`row_cost`] lane-wise, operation for

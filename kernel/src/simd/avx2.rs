@@ -250,6 +250,11 @@ impl F32Lanes for F32x8 {
         F32x8(avx!(_mm256_min_ps(self.0, o.0)))
     }
     #[inline(always)]
+    fn max(self, o: Self) -> Self {
+        // `vmaxps` returns its second operand when either is NaN.
+        F32x8(avx!(_mm256_max_ps(self.0, o.0)))
+    }
+    #[inline(always)]
     fn cmp_lt(self, o: Self) -> Self {
         F32x8(avx!(_mm256_cmp_ps::<_CMP_LT_OQ>(self.0, o.0)))
     }
@@ -260,6 +265,10 @@ impl F32Lanes for F32x8 {
     #[inline(always)]
     fn cmp_eq(self, o: Self) -> Self {
         F32x8(avx!(_mm256_cmp_ps::<_CMP_EQ_OQ>(self.0, o.0)))
+    }
+    #[inline(always)]
+    fn cmp_le(self, o: Self) -> Self {
+        F32x8(avx!(_mm256_cmp_ps::<_CMP_LE_OQ>(self.0, o.0)))
     }
     #[inline(always)]
     fn is_finite(self) -> Self {

@@ -135,12 +135,16 @@ pub trait F32Lanes:
     type U32;
     /// Lane-wise `if self < o { self } else { o }` (callers never pass NaN).
     fn min(self, o: Self) -> Self;
+    /// Lane-wise `if self > o { self } else { o }`: `o` where either is NaN.
+    fn max(self, o: Self) -> Self;
     /// All-ones where `self < o`.
     fn cmp_lt(self, o: Self) -> Self;
     /// All-ones where `self > o`.
     fn cmp_gt(self, o: Self) -> Self;
     /// All-ones where `self == o`.
     fn cmp_eq(self, o: Self) -> Self;
+    /// All-ones where `self <= o`.
+    fn cmp_le(self, o: Self) -> Self;
     /// All-ones where the lane is neither NaN nor infinite.
     fn is_finite(self) -> Self;
     /// `t` where this mask's lane is all-ones, `f` where it is zero.

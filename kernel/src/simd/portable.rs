@@ -122,6 +122,12 @@ impl F32Lanes for f32x8 {
         self.fast_min(o)
     }
     #[inline(always)]
+    fn max(self, o: Self) -> Self {
+        // Spelled out: `wide`'s `max`/`fast_max` differ in NaN handling
+        // between targets.
+        f32x8::blend(CmpGt::cmp_gt(self, o), self, o)
+    }
+    #[inline(always)]
     fn cmp_lt(self, o: Self) -> Self {
         CmpLt::cmp_lt(self, o)
     }
@@ -132,6 +138,10 @@ impl F32Lanes for f32x8 {
     #[inline(always)]
     fn cmp_eq(self, o: Self) -> Self {
         CmpEq::cmp_eq(self, o)
+    }
+    #[inline(always)]
+    fn cmp_le(self, o: Self) -> Self {
+        wide::CmpLe::cmp_le(self, o)
     }
     #[inline(always)]
     fn is_finite(self) -> Self {
