@@ -39,7 +39,10 @@ use selkie_kernel::kernels::device_aware::{
 use selkie_kernel::kernels::index::{
     power_of_two, power_of_two_reference, random, random_reference, round_robin, round_robin_reference,
 };
-use selkie_kernel::kernels::kv_cost::{kv_cost, kv_cost_reference, CostRange, KvLoad, KvOverlap};
+use selkie_kernel::kernels::kv_cost::{
+    kv_cost, kv_cost_argmin, kv_cost_argmin_reference, kv_cost_reference, CostRange, KvChoice, KvCostError, KvLoad,
+    KvOverlap,
+};
 use selkie_kernel::kernels::least_loaded::{
     least_loaded, least_loaded_reference, least_loaded_weighted, least_loaded_weighted_reference,
 };
@@ -311,10 +314,48 @@ fn kv_pick_t07_scalar(mut f: KernelFixture) -> (Picked, KernelFixture) {
     (row, f)
 }
 
+/// The fleet's KV cost and the temperature-0 pick in one pass (SIMD or
+/// reference), no cost column.
+#[inline(always)]
+fn fleet_kv_cost_argmin(f: &mut KernelFixture, simd: bool) -> Result<Option<KvChoice>, KvCostError> {
+    let fleet = &*f.fleet;
+    let (p, d, a) = (
+        fleet.active_prefill_tokens(),
+        fleet.active_decode_blocks(),
+        fleet.active_requests(),
+    );
+    let load = KvLoad::new(&p, &d, &a);
+    let overlap = KvOverlap {
+        device_blocks: Some(&f.device_blocks),
+        cached_tokens: Some(&f.cached_tokens),
+        ..KvOverlap::default()
+    };
+    let mask = black_box(&f.mask[..]);
+    if simd {
+        kv_cost_argmin(&f.config, &f.request, &load, &overlap, mask, &mut f.rng)
+    } else {
+        kv_cost_argmin_reference(&f.config, &f.request, &load, &overlap, mask, &mut f.rng)
+    }
+}
+
+#[library_benchmark]
+#[benches::workers(args = [1024, 10000], setup = fleet, teardown = release)]
+fn kv_cost_argmin_fleet_simd(mut f: KernelFixture) -> (Result<Option<KvChoice>, KvCostError>, KernelFixture) {
+    let choice = black_box(fleet_kv_cost_argmin(&mut f, true));
+    (choice, f)
+}
+
+#[library_benchmark]
+#[benches::workers(args = [1024, 10000], setup = fleet, teardown = release)]
+fn kv_cost_argmin_fleet_scalar(mut f: KernelFixture) -> (Result<Option<KvChoice>, KvCostError>, KernelFixture) {
+    let choice = black_box(fleet_kv_cost_argmin(&mut f, false));
+    (choice, f)
+}
+
 library_benchmark_group!(
     name = kv_group;
     benchmarks = kv_cost_simd, kv_cost_scalar, kv_cost_slices_simd, kv_cost_slices_scalar, kv_pick_t0_simd, kv_pick_t0_scalar, kv_pick_t07_simd,
-        kv_pick_t07_scalar
+        kv_pick_t07_scalar, kv_cost_argmin_fleet_simd, kv_cost_argmin_fleet_scalar
 );
 
 // ---- pickers over a cost column --------------------------------------------
