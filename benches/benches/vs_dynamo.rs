@@ -24,7 +24,8 @@
 //! [`ROUNDS`] rounds, and the table reports each call's median batch time
 //! per call and the ratio of the medians. Dynamo's crate is the one on
 //! crates.io, built with this workspace's bench profile (thin LTO, one
-//! codegen unit, `x86-64-v3`).
+//! codegen unit, no `target-cpu`: selkie's kernel picks its SIMD backend at
+//! run time).
 use std::hint::black_box;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};

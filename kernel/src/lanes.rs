@@ -1,4 +1,4 @@
-//! Lane width, column storage, and the one place the SIMD backend is chosen.
+//! Lane width and column storage: how the SIMD kernels read a column.
 //!
 //! # Lanes and backends
 //!

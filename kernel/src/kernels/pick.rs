@@ -1,7 +1,7 @@
 //! The pick: from a column of per-row costs (lower is better) to one row.
 //!
 //! * temperature 0 ([`pick_min`]): the minimum cost, ties uniformly at random
-//!   (the shared [`argmin`](super::argmin) core);
+//!   (the argmin core shared with least-loaded);
 //! * temperature `T > 0` ([`pick_softmax`]): row `i` with probability
 //!   proportional to `exp(-(c_i - c_min) / ((c_max - c_min) * T))`, every row
 //!   equally likely when `c_min == c_max`;
