@@ -20,6 +20,48 @@
 use crate::simd::{Simd, U32Lanes};
 use crate::sync::{load_lanes, AtomicU32, Ordering};
 
+/// `[e(0), e(1), ..., e(7)]` without a closure: a closure is compiled
+/// without the target features of the AVX2 entry point it is called from
+/// whenever LLVM declines to inline it.
+macro_rules! by_lane8 {
+    ($i:ident => $e:expr) => {
+        [
+            {
+                let $i = 0;
+                $e
+            },
+            {
+                let $i = 1;
+                $e
+            },
+            {
+                let $i = 2;
+                $e
+            },
+            {
+                let $i = 3;
+                $e
+            },
+            {
+                let $i = 4;
+                $e
+            },
+            {
+                let $i = 5;
+                $e
+            },
+            {
+                let $i = 6;
+                $e
+            },
+            {
+                let $i = 7;
+                $e
+            },
+        ]
+    };
+}
+
 /// Number of rows processed per SIMD step. Columns are padded to a multiple.
 pub const LANES: usize = 8;
 
@@ -49,7 +91,7 @@ pub trait U32Source {
     /// (`(first_group + 8) * LANES <= rows()`); one bounds check for all.
     #[inline(always)]
     fn lanes8<S: Simd>(&self, s: S, first_group: usize) -> [S::U32; 8] {
-        core::array::from_fn(|i| self.lanes(s, first_group + i))
+        by_lane8!(i => self.lanes(s, first_group + i))
     }
 }
 
@@ -69,7 +111,7 @@ pub trait F32Source {
     /// Eight lane groups (64 rows, one mask word) from `first_group`.
     #[inline(always)]
     fn lanes8<S: Simd>(&self, s: S, first_group: usize) -> [S::F32; 8] {
-        core::array::from_fn(|i| self.lanes(s, first_group + i))
+        by_lane8!(i => self.lanes(s, first_group + i))
     }
 }
 
@@ -99,7 +141,7 @@ impl U32Source for [u32] {
             .filter(|_| first_group.is_multiple_of(8))
             .unwrap_or_else(|| panic!("groups8({first_group}) out of range or unaligned"));
         let groups: &[[u32; LANES]; 8] = bytemuck::cast_ref(block);
-        core::array::from_fn(|i| s.load_u32(&groups[i]))
+        by_lane8!(i => s.load_u32(&groups[i]))
     }
 }
 
@@ -127,7 +169,7 @@ impl F32Source for [f32] {
             .filter(|_| first_group.is_multiple_of(8))
             .unwrap_or_else(|| panic!("groups8({first_group}) out of range or unaligned"));
         let groups: &[[f32; LANES]; 8] = bytemuck::cast_ref(block);
-        core::array::from_fn(|i| s.load_f32(&groups[i]))
+        by_lane8!(i => s.load_f32(&groups[i]))
     }
 }
 
@@ -266,7 +308,7 @@ impl U32Source for AtomicView<'_> {
         // One bounds check for the block; the eight loads index a slice of
         // known length 8.
         let block = &self.groups[first_group..first_group + 8];
-        core::array::from_fn(|i| self.decode_lanes(s.load_atomic(&block[i].0)))
+        by_lane8!(i => self.decode_lanes(s.load_atomic(&block[i].0)))
     }
 }
 
@@ -286,5 +328,10 @@ impl F32Source for AtomicView<'_> {
     #[inline(always)]
     fn lanes<S: Simd>(&self, s: S, group: usize) -> S::F32 {
         s.load_atomic(&self.groups[group].0).cast_f32()
+    }
+    #[inline(always)]
+    fn lanes8<S: Simd>(&self, s: S, first_group: usize) -> [S::F32; 8] {
+        let block = &self.groups[first_group..first_group + 8];
+        by_lane8!(i => s.load_atomic(&block[i].0).cast_f32())
     }
 }

@@ -40,7 +40,11 @@ pub(crate) trait ArgminKey {
     /// is a multiple of 8 and `first_group + 8 <= rows() / LANES`).
     #[inline(always)]
     fn keys8<S: Simd>(&self, s: S, first_group: usize) -> [KeyLanes<S, Self::Key>; 8] {
-        core::array::from_fn(|i| self.keys(s, first_group + i))
+        let mut keys = [self.keys(s, first_group); 8];
+        for (i, k) in keys.iter_mut().enumerate().skip(1) {
+            *k = self.keys(s, first_group + i);
+        }
+        keys
     }
 }
 

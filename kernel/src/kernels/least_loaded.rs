@@ -55,7 +55,11 @@ impl<A: U32Source + ?Sized, W: F32Source + ?Sized> ArgminKey for Weighted<'_, A,
     #[inline(always)]
     fn keys8<S: Simd>(&self, s: S, first_group: usize) -> [S::F32; 8] {
         let (active, inv_weight) = (self.0.lanes8(s, first_group), self.1.lanes8(s, first_group));
-        core::array::from_fn(|i| active[i].to_f32() * inv_weight[i])
+        let mut keys = [active[0].to_f32(); 8];
+        for (i, k) in keys.iter_mut().enumerate() {
+            *k = active[i].to_f32() * inv_weight[i];
+        }
+        keys
     }
 }
 

@@ -496,6 +496,30 @@ fn last_eligible(mask: &[u64], rows: usize) -> Option<usize> {
     })
 }
 
+/// The eligible bits and weights of lane group `g`, `None` when no row of it
+/// is eligible (a function, not a closure: closures do not inherit the AVX2
+/// entry point's target features when LLVM declines to inline them).
+#[inline(always)]
+fn group_weights<S: Simd, C: F32Source + ?Sized>(
+    s: S,
+    lanes: &SoftmaxLanes,
+    costs: &C,
+    mask: &[u64],
+    rows: usize,
+    c_min: f32,
+    g: usize,
+) -> Option<(u8, S::F32)> {
+    let mut bits = group_bits(mask, g);
+    if (g + 1) * LANES > rows {
+        bits &= (1u8 << (rows - g * LANES)) - 1;
+    }
+    if bits == 0 {
+        None
+    } else {
+        Some((bits, lanes.weights(s, cost_lanes(s, costs, g, c_min), bits)))
+    }
+}
+
 /// The softmax draw and walk over eligible rows whose range is
 /// `[c_min, c_max]` and whose last row is `last` (one `unit_f64` draw).
 #[allow(clippy::too_many_arguments)]
@@ -522,21 +546,10 @@ fn softmax_walk<S: Simd, C: F32Source + ?Sized>(
     }
     let lanes = SoftmaxLanes::new(c_min, c_max, temperature);
     let groups = rows.div_ceil(LANES);
-    let group_weights = |g: usize| {
-        let mut bits = group_bits(mask, g);
-        if (g + 1) * LANES > rows {
-            bits &= (1u8 << (rows - g * LANES)) - 1;
-        }
-        if bits == 0 {
-            None
-        } else {
-            Some((bits, lanes.weights(s, cost_lanes(s, costs, g, c_min), bits)))
-        }
-    };
     // Pass 1: the total, as a sum of per-group f32 sums in f64.
     let mut total = 0.0f64;
     for g in 0..groups {
-        if let Some((_, w)) = group_weights(g) {
+        if let Some((_, w)) = group_weights(s, &lanes, costs, mask, rows, c_min, g) {
             total += w.reduce_add() as f64;
         }
     }
@@ -545,7 +558,9 @@ fn softmax_walk<S: Simd, C: F32Source + ?Sized>(
     // then its lanes in row order.
     let mut cum = 0.0f64;
     for g in 0..groups {
-        let Some((bits, w)) = group_weights(g) else { continue };
+        let Some((bits, w)) = group_weights(s, &lanes, costs, mask, rows, c_min, g) else {
+            continue;
+        };
         let gs = w.reduce_add() as f64;
         if target <= cum + gs {
             let w = w.to_array();
