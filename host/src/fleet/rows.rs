@@ -3,8 +3,8 @@
 //!
 //! Each data-parallel rank of a worker is one fleet row. The index keeps,
 //! per row, a [`RowMeta`] (the worker's payload, its rank, its
-//! [`RowHandle`]); per worker rank, its row (hashed, and sorted for merging
-//! with sorted overlaps); per row, the row of its worker's first rank; and
+//! [`RowHandle`]); per worker rank, its row (hashed, and in a flat table
+//! for the overlap scatter) and the epoch of that assignment; per row, the row of its worker's first rank; and
 //! the row masks the hard filters start from (known rows, CPU rows, rows
 //! with a busy threshold, rows marked overloaded), with [`FleetTraits`] that
 //! let the selection path skip work.
@@ -29,6 +29,7 @@
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use super::{HostFleet, RowHandle};
@@ -122,6 +123,73 @@ impl Hasher for IdHasher {
 /// A map keyed by worker ids (or worker ranks), hashed with [`IdHasher`].
 pub(crate) type IdMap<K, V> = HashMap<K, V, BuildHasherDefault<IdHasher>>;
 
+/// Source of row-layout epochs (unique in the process).
+static LAYOUT_EPOCHS: AtomicU64 = AtomicU64::new(1);
+
+fn next_layout_epoch() -> u64 {
+    LAYOUT_EPOCHS.fetch_add(1, Ordering::Relaxed)
+}
+
+/// Worker rank -> row as a flat open-addressing table (linear probing,
+/// at most half full): one multiply, a shift and usually one compare per
+/// lookup, with no pointer chasing.
+#[derive(Clone, Default)]
+pub(crate) struct RankTable {
+    /// `(worker id, rank, row)`; `row == u32::MAX` marks an empty slot.
+    slots: Vec<(u64, u32, u32)>,
+    /// `64 - log2(slots.len())`.
+    shift: u32,
+}
+
+impl RankTable {
+    const EMPTY: u32 = u32::MAX;
+
+    fn build(rows: &IdMap<WorkerWithDpRank, u32>) -> Self {
+        if rows.is_empty() {
+            return RankTable::default();
+        }
+        let len = (rows.len() * 2).next_power_of_two().max(8);
+        let mut t = RankTable {
+            slots: vec![(0, 0, Self::EMPTY); len],
+            shift: 64 - len.trailing_zeros(),
+        };
+        for (w, &row) in rows {
+            let mask = len - 1;
+            let mut i = t.home(*w);
+            while t.slots[i].2 != Self::EMPTY {
+                i = (i + 1) & mask;
+            }
+            t.slots[i] = (w.worker_id, w.dp_rank, row);
+        }
+        t
+    }
+
+    #[inline(always)]
+    fn home(&self, w: WorkerWithDpRank) -> usize {
+        let k = w.worker_id ^ u64::from(w.dp_rank).rotate_left(32);
+        (k.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> self.shift) as usize
+    }
+
+    #[inline]
+    fn get(&self, w: WorkerWithDpRank) -> Option<usize> {
+        if self.slots.is_empty() {
+            return None;
+        }
+        let mask = self.slots.len() - 1;
+        let mut i = self.home(w);
+        loop {
+            let (id, rank, row) = self.slots[i];
+            if row == Self::EMPTY {
+                return None;
+            }
+            if id == w.worker_id && rank == w.dp_rank {
+                return Some(row as usize);
+            }
+            i = (i + 1) & mask;
+        }
+    }
+}
+
 /// The row index (see the module docs), holding workers of type `E`.
 ///
 /// Cloned into immutable snapshots for the selection path: a snapshot may
@@ -132,8 +200,12 @@ pub(crate) struct RowIndex<E> {
     /// Row of each worker rank, stored inline (the overlap scatter looks
     /// one up per overlap entry without touching the worker entries).
     rank_rows: IdMap<WorkerWithDpRank, u32>,
-    /// The same, sorted by worker rank, for merging with sorted overlaps.
-    sorted_ranks: Vec<(WorkerWithDpRank, u32)>,
+    /// The same as a flat open-addressing table, rebuilt with the masks:
+    /// what the overlap scatter reads, a few instructions per entry.
+    rank_table: RankTable,
+    /// Epoch of the row assignment: a fresh number whenever a worker rank
+    /// gets or loses a row (see [`layout_epoch`](Self::layout_epoch)).
+    layout_epoch: u64,
     /// Per row: the row of its worker's first rank (per-worker load sums).
     leaders: Vec<u32>,
     rows: Vec<Option<RowMeta<E>>>,
@@ -163,7 +235,8 @@ impl<E> Clone for RowIndex<E> {
         RowIndex {
             workers: self.workers.clone(),
             rank_rows: self.rank_rows.clone(),
-            sorted_ranks: self.sorted_ranks.clone(),
+            rank_table: self.rank_table.clone(),
+            layout_epoch: self.layout_epoch,
             leaders: self.leaders.clone(),
             rows: self.rows.clone(),
             traits: self.traits,
@@ -183,7 +256,8 @@ impl<E: RowOwner> RowIndex<E> {
         RowIndex {
             workers: IdMap::default(),
             rank_rows: IdMap::default(),
-            sorted_ranks: Vec::new(),
+            rank_table: RankTable::default(),
+            layout_epoch: next_layout_epoch(),
             leaders: Vec::new(),
             rows: Vec::new(),
             traits: FleetTraits::default(),
@@ -220,23 +294,30 @@ impl<E: RowOwner> RowIndex<E> {
         self.rank_rows.get(&w).map(|&r| r as usize)
     }
 
-    /// Every worker rank and its row, sorted by worker rank.
-    pub(crate) fn sorted_ranks(&self) -> &[(WorkerWithDpRank, u32)] {
-        &self.sorted_ranks
+    /// The row of `w` through the flat table (the selection path's
+    /// lookup; equal to [`row_of`](Self::row_of) outside a batch).
+    #[inline]
+    pub(crate) fn table_row_of(&self, w: WorkerWithDpRank) -> Option<usize> {
+        self.rank_table.get(w)
+    }
+
+    /// The epoch of the row assignment: it changes whenever a worker rank
+    /// gets or loses a row, and never otherwise. Epochs are unique in the
+    /// process, so two indexes never share one once either has changed.
+    #[inline]
+    pub(crate) fn layout_epoch(&self) -> u64 {
+        self.layout_epoch
     }
 
     fn index_rank(&mut self, w: WorkerWithDpRank, row: usize) {
-        self.rank_rows.insert(w, row as u32);
-        match self.sorted_ranks.binary_search_by_key(&w, |e| e.0) {
-            Ok(i) => self.sorted_ranks[i].1 = row as u32,
-            Err(i) => self.sorted_ranks.insert(i, (w, row as u32)),
+        if self.rank_rows.insert(w, row as u32) != Some(row as u32) {
+            self.layout_epoch = next_layout_epoch();
         }
     }
 
     fn unindex_rank(&mut self, w: WorkerWithDpRank) {
-        self.rank_rows.remove(&w);
-        if let Ok(i) = self.sorted_ranks.binary_search_by_key(&w, |e| e.0) {
-            self.sorted_ranks.remove(i);
+        if self.rank_rows.remove(&w).is_some() {
+            self.layout_epoch = next_layout_epoch();
         }
     }
 
@@ -333,6 +414,7 @@ impl<E: RowOwner> RowIndex<E> {
             }
         }
         self.scan_rows = selkie_kernel::lanes::padded_rows(top);
+        self.rank_table = RankTable::build(&self.rank_rows);
         for e in self.workers.values() {
             let wt = e.traits();
             if e.is_cpu() {

@@ -202,9 +202,18 @@ pub(crate) fn device_aware(
     let hits = &mut s.sums[..rows];
     hits.fill(0);
     if env.req.required_cache_hits > 0 {
-        for o in env.req.overlaps {
-            if let Some(row) = env.reg.row_of(o.worker).filter(|&r| r < rows) {
-                hits[row] = o.device_blocks;
+        if env.req.row_overlaps.is_some() {
+            let view = super::kv::overlap_view(env, &mut s.overlap)?;
+            if let Some(device) = view.device {
+                for (h, &d) in hits.iter_mut().zip(device) {
+                    *h = d as u32;
+                }
+            }
+        } else {
+            for o in env.req.overlaps {
+                if let Some(row) = env.reg.table_row_of(o.worker).filter(|&r| r < rows) {
+                    hits[row] = o.device_blocks;
+                }
             }
         }
     }

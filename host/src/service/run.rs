@@ -219,7 +219,10 @@ impl WorkerSelectionService {
                 tracing::debug!(worker = %worker, branch = choice.branch.as_str(), "previewed");
                 return Ok(Outcome::Previewed(Preview { worker, explanation }));
             }
-            let cached = cached_tokens(req.overlaps, worker);
+            let cached = match req.row_overlaps {
+                Some(r) => r.cached_tokens_at(choice.row),
+                None => cached_tokens(req.overlaps, worker),
+            };
             let prefill = if req.track_prefill_tokens {
                 req.isl_tokens.saturating_sub(cached)
             } else {
