@@ -47,6 +47,8 @@ pub(crate) trait RowOwner {
     fn is_cpu(&self) -> bool;
     /// Whether the worker is marked overloaded from outside.
     fn is_overloaded(&self) -> bool;
+    /// Whether the worker takes new requests (not draining or cordoned).
+    fn is_live(&self) -> bool;
 }
 
 /// What the index keeps per fleet row.
@@ -212,10 +214,15 @@ pub(crate) struct RowIndex<E> {
     traits: FleetTraits,
     /// Rows of CPU workers (device-aware policy).
     cpu_rows: Vec<u64>,
-    /// Rows this index has a [`RowMeta`] for.
-    known_rows: Vec<u64>,
     /// Rows of workers marked overloaded.
     overloaded_rows: Vec<u64>,
+    /// Rows of live workers (the hard filters' starting set), and how many.
+    live_rows: Vec<u64>,
+    live_count: usize,
+    /// Live rows not marked overloaded: the eligible set of a request
+    /// without constraints, as a mask and as a sorted list.
+    ready_rows: Vec<u64>,
+    ready_list: Vec<u32>,
     /// Rows of workers with a busy threshold (checked against their load).
     threshold_rows: Vec<u64>,
     /// One past the highest row with a [`RowMeta`], in whole lane groups:
@@ -241,8 +248,11 @@ impl<E> Clone for RowIndex<E> {
             rows: self.rows.clone(),
             traits: self.traits,
             cpu_rows: self.cpu_rows.clone(),
-            known_rows: self.known_rows.clone(),
             overloaded_rows: self.overloaded_rows.clone(),
+            live_rows: self.live_rows.clone(),
+            live_count: self.live_count,
+            ready_rows: self.ready_rows.clone(),
+            ready_list: self.ready_list.clone(),
             threshold_rows: self.threshold_rows.clone(),
             scan_rows: self.scan_rows,
             retired: self.retired.clone(),
@@ -262,8 +272,11 @@ impl<E: RowOwner> RowIndex<E> {
             rows: Vec::new(),
             traits: FleetTraits::default(),
             cpu_rows: Vec::new(),
-            known_rows: Vec::new(),
             overloaded_rows: Vec::new(),
+            live_rows: Vec::new(),
+            live_count: 0,
+            ready_rows: Vec::new(),
+            ready_list: Vec::new(),
             threshold_rows: Vec::new(),
             scan_rows: 0,
             retired: IdMap::default(),
@@ -331,11 +344,6 @@ impl<E: RowOwner> RowIndex<E> {
         self.leaders.get(row).map(|&l| l as usize)
     }
 
-    /// Rows with a worker in this index, as mask words.
-    pub(crate) fn known_rows(&self) -> &[u64] {
-        &self.known_rows
-    }
-
     /// Rows of CPU workers, as mask words.
     pub(crate) fn cpu_rows(&self) -> &[u64] {
         &self.cpu_rows
@@ -344,6 +352,20 @@ impl<E: RowOwner> RowIndex<E> {
     /// Rows of workers marked overloaded, as mask words.
     pub(crate) fn overloaded_rows(&self) -> &[u64] {
         &self.overloaded_rows
+    }
+
+    /// Rows of live workers, as mask words, and their count: what a
+    /// selection starts from (kept per change, not read per request).
+    #[inline]
+    pub(crate) fn live_rows(&self) -> (&[u64], usize) {
+        (&self.live_rows, self.live_count)
+    }
+
+    /// Live rows not marked overloaded, as mask words and as a sorted list
+    /// (the eligible rows of a request without constraints).
+    #[inline]
+    pub(crate) fn ready_rows(&self) -> (&[u64], &[u32]) {
+        (&self.ready_rows, &self.ready_list)
     }
 
     /// Rows of workers with a busy threshold, as mask words.
@@ -399,8 +421,6 @@ impl<E: RowOwner> RowIndex<E> {
         let words = selkie_kernel::mask::words_for(self.rows.len());
         self.cpu_rows.clear();
         self.cpu_rows.resize(words, 0);
-        self.known_rows.clear();
-        self.known_rows.resize(words, 0);
         self.leaders.clear();
         self.leaders.resize(self.rows.len(), 0);
         self.threshold_rows.clear();
@@ -408,7 +428,6 @@ impl<E: RowOwner> RowIndex<E> {
         let mut top = 0;
         for (row, m) in self.rows.iter().enumerate() {
             if let Some(m) = m {
-                self.known_rows[row / 64] |= 1 << (row % 64);
                 self.leaders[row] = m.entry.rows()[0].1.row as u32;
                 top = row + 1;
             }
@@ -433,8 +452,8 @@ impl<E: RowOwner> RowIndex<E> {
         self.recompute_overloaded_rows();
     }
 
-    /// Rebuilds the overloaded-rows mask from the workers' marks (not
-    /// inside a batch).
+    /// Rebuilds the overloaded-rows mask from the workers' marks, and the
+    /// live and ready rows from their states (not inside a batch).
     pub(crate) fn recompute_overloaded_rows(&mut self) {
         if self.deferred {
             return;
@@ -442,11 +461,30 @@ impl<E: RowOwner> RowIndex<E> {
         self.overloaded_rows.clear();
         self.overloaded_rows
             .resize(selkie_kernel::mask::words_for(self.rows.len()), 0);
+        let words = selkie_kernel::mask::words_for(self.rows.len());
+        self.live_rows.clear();
+        self.live_rows.resize(words, 0);
         for e in self.workers.values() {
-            if e.is_overloaded() {
-                for &(_, h) in e.rows() {
+            let live = e.is_live();
+            for &(_, h) in e.rows() {
+                if e.is_overloaded() {
                     self.overloaded_rows[h.row / 64] |= 1 << (h.row % 64);
                 }
+                if live {
+                    self.live_rows[h.row / 64] |= 1 << (h.row % 64);
+                }
+            }
+        }
+        self.live_count = selkie_kernel::mask::count(&self.live_rows, self.rows.len());
+        self.ready_rows.clear();
+        self.ready_rows
+            .extend(self.live_rows.iter().zip(&self.overloaded_rows).map(|(l, o)| l & !o));
+        self.ready_list.clear();
+        for (i, &w) in self.ready_rows.iter().enumerate() {
+            let mut w = w;
+            while w != 0 {
+                self.ready_list.push((i * 64 + w.trailing_zeros() as usize) as u32);
+                w &= w - 1;
             }
         }
     }

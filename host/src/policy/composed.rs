@@ -56,11 +56,9 @@ pub(crate) fn materialize(env: &Env<'_>, s: &mut Scratch, inputs: WorkerInputs) 
         fleet.active_decode_blocks(),
         fleet.capacity_weight(),
     );
+    let mask = env.mask;
     let Scratch {
-        mask,
-        candidates,
-        overlap,
-        ..
+        candidates, overlap, ..
     } = s;
     let view = if want_cache {
         Some(super::kv::overlap_view(env, overlap)?)

@@ -185,19 +185,16 @@ pub(crate) fn fill_costs(
     let rows = env.rows;
     let taints = !env.pinned && !env.req.preferred_taints.is_empty();
     if taints {
-        let Scratch { mask, taint, .. } = &mut *s;
-        for_each_row(mask, rows, |row| {
+        let taint = &mut s.taint;
+        for_each_row(env.mask, rows, |row| {
             taint[row] = env.reg.row(row).map_or(1.0, |m| {
                 preferred_taint_multiplier(env.req.preferred_taints, &m.entry.record.taints) as f32
             });
         });
     }
+    let mask = env.mask;
     let Scratch {
-        mask,
-        costs,
-        overlap,
-        taint,
-        ..
+        costs, overlap, taint, ..
     } = &mut *s;
     let view = overlap_view(env, overlap)?;
     let kover = KvOverlap {
@@ -226,7 +223,7 @@ pub(crate) fn choose(
     worker_type: WorkerType,
 ) -> Result<Choice, SelectionError> {
     let (kcfg, rows, range) = fill_costs(env, s, cfg, worker_type)?;
-    let Scratch { mask, costs, .. } = &mut *s;
+    let (mask, costs) = (env.mask, &mut s.costs);
     let t = kcfg.router_temperature;
     // `kv_cost` returned the eligible range while writing the costs: the pick
     // skips its own finiteness and min/max passes (non-finite ranges fall

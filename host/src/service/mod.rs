@@ -417,8 +417,9 @@ impl WorkerSelectionService {
             s.prepare(rows);
             #[cfg(test)]
             tests::hooks::after_rows_read(rows);
+            let Scratch { mask: words, aux, .. } = &mut *s;
+            let mut mask = std::mem::take(words);
             let outcome = {
-                let Scratch { mask: words, aux, .. } = &mut *s;
                 eligible_rows(
                     reg,
                     &self.fleet,
@@ -426,10 +427,26 @@ impl WorkerSelectionService {
                     req,
                     req.pin,
                     self.config.lora_required,
-                    words,
+                    &mut mask,
                     aux,
-                )?
+                )
             };
+            let result = outcome.and_then(|outcome| self.costs_on(reg, req, s, &mask, rows, outcome.pinned));
+            s.mask = mask;
+            result
+        })
+    }
+
+    fn costs_on(
+        &self,
+        reg: &WorkerRegistry,
+        req: &SelectionRequest<'_>,
+        s: &mut Scratch,
+        mask: &[u64],
+        rows: usize,
+        pinned: bool,
+    ) -> Result<Vec<(WorkerWithDpRank, f64)>, SelectionError> {
+        {
             let ctx = WorkerSelectionContext {
                 request: req,
                 block_size: self.config.block_size,
@@ -439,17 +456,19 @@ impl WorkerSelectionService {
             let env = Env {
                 reg,
                 fleet: &self.fleet,
+                mask,
+                list: None,
                 view: self.fleet.view(rows),
                 req,
                 ctx: &ctx,
                 rows,
-                pinned: outcome.pinned,
+                pinned,
                 explain: false,
             };
             let mut out = Vec::new();
             self.policy.costs(&env, s, &mut out)?;
             out.sort_by_key(|(w, _)| *w);
             Ok(out)
-        })
+        }
     }
 }
