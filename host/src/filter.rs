@@ -115,19 +115,20 @@ pub(crate) fn eligible_rows(
         to[..n].copy_from_slice(&from[..n]);
         to[n..].fill(0);
     };
+    let unconstrained = req.allowed_worker_ids.is_none() && req.required_taints.is_empty() && req.lora.is_none();
+    if pin.is_none() && reg.len() != 0 && live != 0 && unconstrained {
+        // No constraint: every live row is eligible; the overload marks
+        // are already out of the snapshot's ready rows.
+        let (ready, list) = reg.ready_rows();
+        copy(words, ready);
+        return busy_rows(reg, fleet, rows, words, aux, live, live - list.len(), true);
+    }
     copy(words, live_rows);
     if let Some(pin) = pin {
         return pinned_rows(reg, fleet, req, pin, rows, words, aux);
     }
     if reg.len() == 0 || live == 0 {
         return Err(SelectionError::NoEndpoints);
-    }
-    if req.allowed_worker_ids.is_none() && req.required_taints.is_empty() && req.lora.is_none() {
-        // No constraint: every live row is eligible; the overload marks
-        // are already out of the snapshot's ready rows.
-        let (ready, list) = reg.ready_rows();
-        copy(words, ready);
-        return busy_rows(reg, fleet, rows, words, aux, live, live - list.len(), true);
     }
     if let Some(ids) = req.allowed_worker_ids {
         aux.copy_from_slice(words);

@@ -91,12 +91,21 @@ pub(crate) struct Scratch {
     pub(crate) loads: Vec<WorkerLoadInput>,
     pub(crate) caches: Vec<WorkerCacheInput>,
     pub(crate) rng: Option<Rng>,
+    /// Rows every buffer covers already (they only grow).
+    prepared: usize,
 }
 
 impl Scratch {
     /// Makes every buffer cover `rows` rows.
     pub(crate) fn prepare(&mut self, rows: usize) {
         let words = words_for(rows);
+        // The mask leaves the scratch during a selection: checked too, so
+        // a selection that unwound without putting it back cannot leave it
+        // short.
+        if rows <= self.prepared && self.mask.len() >= words {
+            return;
+        }
+        self.prepared = self.prepared.max(rows);
         for m in [&mut self.mask, &mut self.aux, &mut self.aux2, &mut self.rest] {
             if m.len() < words {
                 m.resize(words, 0);
