@@ -19,8 +19,10 @@
 //!   pure-kernel cases (the cost column for the pickers is the fleet's KV
 //!   cost, computed in setup).
 //! * `service_MODE(n)` (`service_random`, ..., `service_kv_t0`,
-//!   `service_kv_t07`): a `WorkerSelectionService` with that built-in policy
-//!   ([`HostFixture`]); the measured call is `select` + drop of the booking.
+//!   `service_kv_t07`, `service_kv_keyed_t0`): a `WorkerSelectionService`
+//!   with that built-in policy ([`HostFixture`]); the measured call is
+//!   `select` + drop of the booking. The `kv` cases send row-indexed
+//!   overlaps on every worker; `host_kv_keyed_t0` sends them keyed by worker.
 //!
 //! Callgrind runs without cache simulation: only instruction counts are
 //! reported and budgeted.
@@ -485,6 +487,11 @@ fn service_kv_t0(n: usize) -> HostFixture {
 fn service_kv_t07(n: usize) -> HostFixture {
     HostFixture::new(Mode::Kv, n, f64::from(T))
 }
+/// `kv` at temperature 0 with the overlaps keyed by worker rank (mapped to
+/// rows through the row index's table) instead of row columns.
+fn service_kv_keyed_t0(n: usize) -> HostFixture {
+    HostFixture::new(Mode::Kv, n, 0.0).worker_keyed()
+}
 
 /// The measured host call.
 #[inline(always)]
@@ -557,10 +564,16 @@ fn host_kv_t07(f: HostFixture) -> (WorkerWithDpRank, HostFixture) {
     select_and_release(f)
 }
 
+#[library_benchmark]
+#[benches::workers(args = [1024, 10000], setup = service_kv_keyed_t0, teardown = release)]
+fn host_kv_keyed_t0(f: HostFixture) -> (WorkerWithDpRank, HostFixture) {
+    select_and_release(f)
+}
+
 library_benchmark_group!(
     name = host_group;
     benchmarks = host_random, host_round_robin, host_least_loaded, host_least_loaded_marked, host_power_of_two,
-        host_device_aware, host_direct, host_kv_t0, host_kv_t07
+        host_device_aware, host_direct, host_kv_t0, host_kv_t07, host_kv_keyed_t0
 );
 
 main!(

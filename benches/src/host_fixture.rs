@@ -8,8 +8,10 @@
 //! `select_owned`), so the load counters are non-zero and least-loaded has
 //! ties among a third of the fleet. The request: 2,048 prompt tokens; for
 //! `kv`, Dynamo's fixture overlap on every worker (`(id % 32) * 4` device
-//! blocks, cached tokens = blocks * 16) and the temperature of the case;
-//! for `direct`, pinned to worker `n / 2`. The seed is fixed, so a
+//! blocks, cached tokens = blocks * 16) as row-indexed columns
+//! ([`RowOverlaps`], what a KV indexer produces; or keyed by worker with
+//! [`HostFixture::worker_keyed`]) and the temperature of the case; for
+//! `direct`, pinned to worker `n / 2`. The seed is fixed, so a
 //! single-threaded run replays exactly.
 //!
 //! Building a fixture is not measured; a measured call is one
@@ -18,8 +20,9 @@
 use std::sync::Arc;
 
 use selkie::{
-    DeviceAwareConfig, DeviceKind, KvRouterConfig, OwnedSelection, SelectionRequest, ServiceConfig, WorkerOverlap,
-    WorkerRecord, WorkerSelectionPolicy, WorkerSelectionService, WorkerType, WorkerWithDpRank,
+    DeviceAwareConfig, DeviceKind, KvRouterConfig, OwnedSelection, RowLayout, RowOverlaps, SelectionRequest,
+    ServiceConfig, WorkerOverlap, WorkerRecord, WorkerSelectionPolicy, WorkerSelectionService, WorkerType,
+    WorkerWithDpRank,
 };
 
 /// Prompt length of the measured request, in tokens.
@@ -93,6 +96,11 @@ pub struct HostFixture {
     /// The bookings that hold the fixture's load.
     held: Vec<OwnedSelection>,
     overlaps: Vec<WorkerOverlap>,
+    /// The same overlaps as row columns: the layout, device blocks and
+    /// cached tokens.
+    rows: (RowLayout, Vec<f32>, Vec<f32>),
+    /// Send the worker-keyed overlaps instead of the row columns.
+    keyed: bool,
     mode: Mode,
     temperature: f64,
     workers: usize,
@@ -129,19 +137,35 @@ impl HostFixture {
                 held.push(service.select_owned(&req).expect("an unlimited worker admits"));
             }
         }
-        let overlaps = (0..n as u32)
+        let overlaps: Vec<WorkerOverlap> = (0..n as u32)
             .map(|id| WorkerOverlap::device(WorkerWithDpRank::new(u64::from(id), 0), (id % 32) * 4, 16))
             .collect();
+        let layout = service.row_layout();
+        let (mut device, mut cached) = (vec![0.0; layout.rows()], vec![0.0; layout.rows()]);
+        for o in &overlaps {
+            let row = service.row_of(o.worker).expect("every worker has a row");
+            (device[row], cached[row]) = (o.device_blocks as f32, o.cached_tokens as f32);
+        }
         let fixture = HostFixture {
             service,
             held,
             overlaps,
+            rows: (layout, device, cached),
+            keyed: false,
             mode,
             temperature,
             workers: n,
         };
         fixture.select_and_release();
         fixture
+    }
+
+    /// The same fixture, sending the `kv` overlaps keyed by worker rank
+    /// ([`SelectionRequest::with_overlaps`]) instead of as row columns.
+    pub fn worker_keyed(mut self) -> Self {
+        self.keyed = true;
+        self.select_and_release();
+        self
     }
 
     /// Number of workers.
@@ -154,7 +178,12 @@ impl HostFixture {
     pub fn request(&self) -> SelectionRequest<'_> {
         let req = SelectionRequest::new(PROMPT_TOKENS);
         match self.mode {
-            Mode::Kv => req.with_overlaps(&self.overlaps).with_temperature(self.temperature),
+            Mode::Kv if self.keyed => req.with_overlaps(&self.overlaps).with_temperature(self.temperature),
+            Mode::Kv => {
+                let (layout, device, cached) = &self.rows;
+                let overlaps = RowOverlaps::new(*layout, device).with_cached_tokens(cached);
+                req.with_row_overlaps(overlaps).with_temperature(self.temperature)
+            }
             Mode::Direct => req.pinned_to_worker((self.workers / 2) as u64),
             _ => req,
         }

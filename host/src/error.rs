@@ -106,6 +106,29 @@ pub enum SelectionError {
     /// A request field is out of range (negative temperature, zero block size, ...).
     #[error("invalid request: {0}")]
     InvalidRequest(&'static str),
+    /// The request's [`RowOverlaps`](crate::RowOverlaps) were computed
+    /// against another row layout than the service's now (a worker got or
+    /// lost a row since): recompute them against
+    /// [`row_layout`](crate::WorkerSelectionService::row_layout).
+    #[error("row overlaps computed for row layout {expected}, but the service's layout is {found}")]
+    StaleRowLayout {
+        /// The epoch the overlaps carry.
+        expected: u64,
+        /// The service's epoch.
+        found: u64,
+    },
+    /// A column of the request's [`RowOverlaps`](crate::RowOverlaps) is
+    /// shorter than the rows the selection scans.
+    #[error("row overlap column {column} has {len} rows, the selection scans {rows}")]
+    OverlapColumnTooShort {
+        /// The column (`device_blocks`, `cached_tokens`, `host_blocks`,
+        /// `disk_blocks` or `shared_blocks`).
+        column: &'static str,
+        /// Its length.
+        len: usize,
+        /// Rows it must cover ([`RowLayout::rows`](crate::RowLayout::rows)).
+        rows: usize,
+    },
     /// The policy broke its contract or failed.
     #[error(transparent)]
     Policy(#[from] WorkerSelectionPolicyError),
@@ -134,6 +157,8 @@ impl SelectionError {
             Self::DpRankUnavailable { .. } => "dp_rank_unavailable",
             Self::DirectWorkerMissing => "direct_worker_missing",
             Self::InvalidRequest(_) => "invalid_request",
+            Self::StaleRowLayout { .. } => "stale_row_layout",
+            Self::OverlapColumnTooShort { .. } => "overlap_column_too_short",
             Self::Policy(p) => p.reason(),
         }
     }

@@ -2,7 +2,8 @@
 //! row. They build the eligibility mask the kernel scans.
 //!
 //! Order (each step only narrows):
-//! 1. live rows of the fleet (draining and cordoned workers are out);
+//! 1. live rows of the registry snapshot (draining and cordoned workers are
+//!    out), kept per change rather than read per request;
 //! 2. a pin (explicit, direct routing or hard session affinity) replaces the
 //!    row set by the pinned worker's rows, after checking it is allowed,
 //!    present, has the rank, and carries the required taints;
@@ -33,6 +34,9 @@ pub(crate) struct FilterOutcome {
     pub(crate) eligible: usize,
     /// The request is pinned to one worker.
     pub(crate) pinned: bool,
+    /// The mask is the snapshot's ready rows, unchanged (see
+    /// `RowIndex::ready_rows`).
+    pub(crate) ready: bool,
 }
 
 /// Calls `f` for every set row below `rows`.
@@ -103,16 +107,26 @@ pub(crate) fn eligible_rows(
 ) -> Result<FilterOutcome, SelectionError> {
     let nw = mask::words_for(rows);
     let (words, aux) = (&mut words[..nw], &mut aux[..nw]);
-    fleet.selectable(words);
-    // Only rows this (possibly stale) registry snapshot knows.
-    let known = reg.known_rows();
-    for (i, w) in words.iter_mut().enumerate() {
-        *w &= known.get(i).copied().unwrap_or(0);
+    // The live rows of this (possibly stale) registry snapshot, kept per
+    // change: a row that left since is refused by its booking.
+    let (live_rows, live) = reg.live_rows();
+    let copy = |to: &mut [u64], from: &[u64]| {
+        let n = from.len().min(to.len());
+        to[..n].copy_from_slice(&from[..n]);
+        to[n..].fill(0);
+    };
+    let unconstrained = req.allowed_worker_ids.is_none() && req.required_taints.is_empty() && req.lora.is_none();
+    if pin.is_none() && reg.len() != 0 && live != 0 && unconstrained {
+        // No constraint: every live row is eligible; the overload marks
+        // are already out of the snapshot's ready rows.
+        let (ready, list) = reg.ready_rows();
+        copy(words, ready);
+        return busy_rows(reg, fleet, rows, words, aux, live, live - list.len(), true);
     }
+    copy(words, live_rows);
     if let Some(pin) = pin {
         return pinned_rows(reg, fleet, req, pin, rows, words, aux);
     }
-    let live = mask::count(words, rows);
     if reg.len() == 0 || live == 0 {
         return Err(SelectionError::NoEndpoints);
     }
@@ -164,8 +178,7 @@ pub(crate) fn eligible_rows(
         return Err(SelectionError::NoEligibleWorkers { rejected: live });
     }
     // Busy: the overload marks are a mask of the snapshot (one AND-NOT per
-    // word); only rows whose worker has a busy threshold are checked
-    // against their load, one row at a time.
+    // word).
     let mut busy = 0usize;
     if reg.any_overloaded_mark() {
         let marked = reg.overloaded_rows();
@@ -175,6 +188,25 @@ pub(crate) fn eligible_rows(
             *w &= !m;
         }
     }
+    busy_rows(reg, fleet, rows, words, aux, eligible, busy, false)
+}
+
+/// The last hard filter: of `eligible` rows, `marked` were marked
+/// overloaded (already out of `words`); only rows whose worker has a busy
+/// threshold are checked against their load, one row at a time. `ready`:
+/// `words` holds the snapshot's ready rows.
+#[allow(clippy::too_many_arguments)]
+fn busy_rows(
+    reg: &WorkerRegistry,
+    fleet: &HostFleet,
+    rows: usize,
+    words: &mut [u64],
+    aux: &mut [u64],
+    eligible: usize,
+    marked: usize,
+    ready: bool,
+) -> Result<FilterOutcome, SelectionError> {
+    let mut busy = marked;
     if reg.traits().thresholds {
         let limited = reg.threshold_rows();
         for (i, a) in aux.iter_mut().enumerate() {
@@ -196,6 +228,8 @@ pub(crate) fn eligible_rows(
     Ok(FilterOutcome {
         eligible: eligible - busy,
         pinned: false,
+        // The snapshot's ready rows exactly: no constraint, no threshold.
+        ready: ready && busy == marked,
     })
 }
 
@@ -264,5 +298,6 @@ fn pinned_rows(
     Ok(FilterOutcome {
         eligible: left,
         pinned: true,
+        ready: false,
     })
 }

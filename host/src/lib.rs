@@ -35,7 +35,9 @@ pub use policy::{
     WorkerSelectionPolicyParameters, WorkerSelectionPolicyProvider, WorkerSelectionPolicyRegistry, BUILTIN_ALIASES,
     BUILTIN_POLICIES,
 };
-pub use request::{AffinityMode, KvCostOverrides, Pin, SelectionRequest, SessionAffinity, WorkerOverlap};
+pub use request::{
+    AffinityMode, KvCostOverrides, Pin, RowLayout, RowOverlaps, SelectionRequest, SessionAffinity, WorkerOverlap,
+};
 pub use service::{
     Booked, DiscoveryHealth, DiscoveryPoller, FleetHandle, OwnedSelection, Preview, RankStatus, Selection,
     ServiceConfig, WorkerSelectionService, WorkerStatus,

@@ -1,5 +1,7 @@
 //! What a router hands selkie for one request: [`SelectionRequest`] and the
-//! per-worker cache overlaps it may carry.
+//! cache overlaps it may carry, keyed by worker rank ([`WorkerOverlap`]) or
+//! indexed by the service's rows ([`RowOverlaps`], what a KV indexer that
+//! mirrors the service's row layout produces).
 //!
 //! Everything is borrowed, so building a request allocates nothing.
 
@@ -34,6 +36,128 @@ impl WorkerOverlap {
             cached_tokens: device_blocks.saturating_mul(block_size),
             ..Default::default()
         }
+    }
+}
+
+/// The service's row layout at one moment: which epoch of the row
+/// assignment (worker rank -> row) it is, and how many rows a per-row
+/// column must cover.
+///
+/// Read it with
+/// [`WorkerSelectionService::row_layout`](crate::WorkerSelectionService::row_layout)
+/// *before* reading rows with
+/// [`row_of`](crate::WorkerSelectionService::row_of); a selection whose
+/// [`RowOverlaps`] carry another epoch than the service's is refused with
+/// [`SelectionError::StaleRowLayout`](crate::SelectionError::StaleRowLayout),
+/// so a row given to another worker in between never credits the wrong
+/// worker. The epoch changes only when a worker rank gets or loses a row
+/// (workers added or removed, ranks changed), not on state or load changes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct RowLayout {
+    pub(crate) epoch: u64,
+    pub(crate) rows: usize,
+}
+
+impl RowLayout {
+    /// The epoch of the row assignment.
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// Rows every column of a [`RowOverlaps`] must cover (at least; longer
+    /// columns are fine). It only grows within one epoch.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+}
+
+/// A request's cache overlaps as per-row columns, indexed by the service's
+/// rows: column `[row]` is the overlap with the worker rank in `row`
+/// ([`WorkerSelectionService::row_of`](crate::WorkerSelectionService::row_of)).
+///
+/// The KV policy reads these columns as they are: nothing is copied,
+/// translated or cleared per request. Every column given must be at least
+/// [`RowLayout::rows`] long (else the selection fails with
+/// [`SelectionError::OverlapColumnTooShort`](crate::SelectionError::OverlapColumnTooShort),
+/// which names the column); rows without overlap hold 0. A missing
+/// optional column counts as all zeros; without `cached_tokens` no tokens
+/// count as cached (neither in the cost nor in the prefill tokens booked).
+///
+/// ```
+/// use selkie::*;
+/// let service = WorkerSelectionService::new(
+///     WorkerSelectionPolicy::kv(KvRouterConfig::default(), WorkerType::Aggregated),
+///     ServiceConfig::default(),
+/// );
+/// service.add_worker(WorkerRecord::new(1))?;
+/// service.add_worker(WorkerRecord::new(2))?;
+/// let layout = service.row_layout(); // first the layout, then the rows
+/// let mut device = vec![0.0f32; layout.rows()];
+/// let mut cached = vec![0.0f32; layout.rows()];
+/// let row = service.row_of(WorkerWithDpRank::new(2, 0)).unwrap();
+/// (device[row], cached[row]) = (64.0, 1024.0);
+/// let overlaps = RowOverlaps::new(layout, &device).with_cached_tokens(&cached);
+/// let req = SelectionRequest::new(1024).with_row_overlaps(overlaps);
+/// assert_eq!(service.select(&req)?.worker(), WorkerWithDpRank::new(2, 0));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RowOverlaps<'a> {
+    /// The layout the columns were computed against.
+    pub layout: RowLayout,
+    /// Prompt blocks resident on the device, per row.
+    pub device_blocks: &'a [f32],
+    /// Estimated prompt tokens already cached, per row.
+    pub cached_tokens: Option<&'a [f32]>,
+    /// Prompt blocks in the host (CPU-pinned) tier, per row.
+    pub host_blocks: Option<&'a [f32]>,
+    /// Prompt blocks in the disk tier, per row.
+    pub disk_blocks: Option<&'a [f32]>,
+    /// Shared-cache blocks beyond the device overlap, per row.
+    pub shared_blocks: Option<&'a [f32]>,
+}
+
+impl<'a> RowOverlaps<'a> {
+    /// Device-tier overlaps computed against `layout`; no other tier.
+    pub fn new(layout: RowLayout, device_blocks: &'a [f32]) -> Self {
+        RowOverlaps {
+            layout,
+            device_blocks,
+            cached_tokens: None,
+            host_blocks: None,
+            disk_blocks: None,
+            shared_blocks: None,
+        }
+    }
+
+    /// Sets the cached tokens per row.
+    pub fn with_cached_tokens(mut self, c: &'a [f32]) -> Self {
+        self.cached_tokens = Some(c);
+        self
+    }
+
+    /// Sets the host-tier blocks per row.
+    pub fn with_host_blocks(mut self, c: &'a [f32]) -> Self {
+        self.host_blocks = Some(c);
+        self
+    }
+
+    /// Sets the disk-tier blocks per row.
+    pub fn with_disk_blocks(mut self, c: &'a [f32]) -> Self {
+        self.disk_blocks = Some(c);
+        self
+    }
+
+    /// Sets the shared-cache blocks beyond the device overlap per row.
+    pub fn with_shared_blocks(mut self, c: &'a [f32]) -> Self {
+        self.shared_blocks = Some(c);
+        self
+    }
+
+    /// Cached tokens on `row` (0 without the column).
+    #[inline]
+    pub(crate) fn cached_tokens_at(&self, row: usize) -> usize {
+        self.cached_tokens.and_then(|c| c.get(row)).map_or(0, |&t| t as usize)
     }
 }
 
@@ -111,10 +235,13 @@ pub struct KvCostOverrides {
 pub struct SelectionRequest<'a> {
     /// Prompt length in tokens.
     pub isl_tokens: usize,
-    /// Cache overlaps, for the workers that have any. Any order is
-    /// accepted; sorted by worker rank is fastest (merged with the
-    /// registry's index instead of one hash lookup per entry).
+    /// Cache overlaps, for the workers that have any, in any order (each
+    /// entry is mapped to its row through a flat table, a few instructions
+    /// per entry).
     pub overlaps: &'a [WorkerOverlap],
+    /// Cache overlaps indexed by row; when set, the policies read these
+    /// and not [`overlaps`](Self::overlaps).
+    pub row_overlaps: Option<RowOverlaps<'a>>,
     /// Only these workers may serve the request (`None`: any).
     pub allowed_worker_ids: Option<&'a [WorkerId]>,
     /// A worker or rank the request must go to.
@@ -150,6 +277,7 @@ impl<'a> SelectionRequest<'a> {
         SelectionRequest {
             isl_tokens,
             overlaps: &[],
+            row_overlaps: None,
             allowed_worker_ids: None,
             pin: None,
             required_taints: &[],
@@ -168,6 +296,13 @@ impl<'a> SelectionRequest<'a> {
     /// Sets the cache overlaps.
     pub fn with_overlaps(mut self, overlaps: &'a [WorkerOverlap]) -> Self {
         self.overlaps = overlaps;
+        self
+    }
+
+    /// Sets the cache overlaps as per-row columns (see [`RowOverlaps`]);
+    /// they take precedence over [`with_overlaps`](Self::with_overlaps).
+    pub fn with_row_overlaps(mut self, overlaps: RowOverlaps<'a>) -> Self {
+        self.row_overlaps = Some(overlaps);
         self
     }
 

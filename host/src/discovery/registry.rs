@@ -68,6 +68,9 @@ impl RowOwner for WorkerEntry {
     fn is_overloaded(&self) -> bool {
         self.overloaded.load(Ordering::Relaxed)
     }
+    fn is_live(&self) -> bool {
+        self.record.state == WorkerState::Live
+    }
 }
 
 /// What the row index keeps per fleet row: a worker entry, its rank and

@@ -3,8 +3,8 @@
 //!
 //! Each data-parallel rank of a worker is one fleet row. The index keeps,
 //! per row, a [`RowMeta`] (the worker's payload, its rank, its
-//! [`RowHandle`]); per worker rank, its row (hashed, and sorted for merging
-//! with sorted overlaps); per row, the row of its worker's first rank; and
+//! [`RowHandle`]); per worker rank, its row (hashed, and in a flat table
+//! for the overlap scatter) and the epoch of that assignment; per row, the row of its worker's first rank; and
 //! the row masks the hard filters start from (known rows, CPU rows, rows
 //! with a busy threshold, rows marked overloaded), with [`FleetTraits`] that
 //! let the selection path skip work.
@@ -29,6 +29,7 @@
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use super::{HostFleet, RowHandle};
@@ -46,6 +47,8 @@ pub(crate) trait RowOwner {
     fn is_cpu(&self) -> bool;
     /// Whether the worker is marked overloaded from outside.
     fn is_overloaded(&self) -> bool;
+    /// Whether the worker takes new requests (not draining or cordoned).
+    fn is_live(&self) -> bool;
 }
 
 /// What the index keeps per fleet row.
@@ -122,6 +125,73 @@ impl Hasher for IdHasher {
 /// A map keyed by worker ids (or worker ranks), hashed with [`IdHasher`].
 pub(crate) type IdMap<K, V> = HashMap<K, V, BuildHasherDefault<IdHasher>>;
 
+/// Source of row-layout epochs (unique in the process).
+static LAYOUT_EPOCHS: AtomicU64 = AtomicU64::new(1);
+
+fn next_layout_epoch() -> u64 {
+    LAYOUT_EPOCHS.fetch_add(1, Ordering::Relaxed)
+}
+
+/// Worker rank -> row as a flat open-addressing table (linear probing,
+/// at most half full): one multiply, a shift and usually one compare per
+/// lookup, with no pointer chasing.
+#[derive(Clone, Default)]
+pub(crate) struct RankTable {
+    /// `(worker id, rank, row)`; `row == u32::MAX` marks an empty slot.
+    slots: Vec<(u64, u32, u32)>,
+    /// `64 - log2(slots.len())`.
+    shift: u32,
+}
+
+impl RankTable {
+    const EMPTY: u32 = u32::MAX;
+
+    fn build(rows: &IdMap<WorkerWithDpRank, u32>) -> Self {
+        if rows.is_empty() {
+            return RankTable::default();
+        }
+        let len = (rows.len() * 2).next_power_of_two().max(8);
+        let mut t = RankTable {
+            slots: vec![(0, 0, Self::EMPTY); len],
+            shift: 64 - len.trailing_zeros(),
+        };
+        for (w, &row) in rows {
+            let mask = len - 1;
+            let mut i = t.home(*w);
+            while t.slots[i].2 != Self::EMPTY {
+                i = (i + 1) & mask;
+            }
+            t.slots[i] = (w.worker_id, w.dp_rank, row);
+        }
+        t
+    }
+
+    #[inline(always)]
+    fn home(&self, w: WorkerWithDpRank) -> usize {
+        let k = w.worker_id ^ u64::from(w.dp_rank).rotate_left(32);
+        (k.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> self.shift) as usize
+    }
+
+    #[inline]
+    fn get(&self, w: WorkerWithDpRank) -> Option<usize> {
+        if self.slots.is_empty() {
+            return None;
+        }
+        let mask = self.slots.len() - 1;
+        let mut i = self.home(w);
+        loop {
+            let (id, rank, row) = self.slots[i];
+            if row == Self::EMPTY {
+                return None;
+            }
+            if id == w.worker_id && rank == w.dp_rank {
+                return Some(row as usize);
+            }
+            i = (i + 1) & mask;
+        }
+    }
+}
+
 /// The row index (see the module docs), holding workers of type `E`.
 ///
 /// Cloned into immutable snapshots for the selection path: a snapshot may
@@ -132,18 +202,27 @@ pub(crate) struct RowIndex<E> {
     /// Row of each worker rank, stored inline (the overlap scatter looks
     /// one up per overlap entry without touching the worker entries).
     rank_rows: IdMap<WorkerWithDpRank, u32>,
-    /// The same, sorted by worker rank, for merging with sorted overlaps.
-    sorted_ranks: Vec<(WorkerWithDpRank, u32)>,
+    /// The same as a flat open-addressing table, rebuilt with the masks:
+    /// what the overlap scatter reads, a few instructions per entry.
+    rank_table: RankTable,
+    /// Epoch of the row assignment: a fresh number whenever a worker rank
+    /// gets or loses a row (see [`layout_epoch`](Self::layout_epoch)).
+    layout_epoch: u64,
     /// Per row: the row of its worker's first rank (per-worker load sums).
     leaders: Vec<u32>,
     rows: Vec<Option<RowMeta<E>>>,
     traits: FleetTraits,
     /// Rows of CPU workers (device-aware policy).
     cpu_rows: Vec<u64>,
-    /// Rows this index has a [`RowMeta`] for.
-    known_rows: Vec<u64>,
     /// Rows of workers marked overloaded.
     overloaded_rows: Vec<u64>,
+    /// Rows of live workers (the hard filters' starting set), and how many.
+    live_rows: Vec<u64>,
+    live_count: usize,
+    /// Live rows not marked overloaded: the eligible set of a request
+    /// without constraints, as a mask and as a sorted list.
+    ready_rows: Vec<u64>,
+    ready_list: Vec<u32>,
     /// Rows of workers with a busy threshold (checked against their load).
     threshold_rows: Vec<u64>,
     /// One past the highest row with a [`RowMeta`], in whole lane groups:
@@ -163,13 +242,17 @@ impl<E> Clone for RowIndex<E> {
         RowIndex {
             workers: self.workers.clone(),
             rank_rows: self.rank_rows.clone(),
-            sorted_ranks: self.sorted_ranks.clone(),
+            rank_table: self.rank_table.clone(),
+            layout_epoch: self.layout_epoch,
             leaders: self.leaders.clone(),
             rows: self.rows.clone(),
             traits: self.traits,
             cpu_rows: self.cpu_rows.clone(),
-            known_rows: self.known_rows.clone(),
             overloaded_rows: self.overloaded_rows.clone(),
+            live_rows: self.live_rows.clone(),
+            live_count: self.live_count,
+            ready_rows: self.ready_rows.clone(),
+            ready_list: self.ready_list.clone(),
             threshold_rows: self.threshold_rows.clone(),
             scan_rows: self.scan_rows,
             retired: self.retired.clone(),
@@ -183,13 +266,17 @@ impl<E: RowOwner> RowIndex<E> {
         RowIndex {
             workers: IdMap::default(),
             rank_rows: IdMap::default(),
-            sorted_ranks: Vec::new(),
+            rank_table: RankTable::default(),
+            layout_epoch: next_layout_epoch(),
             leaders: Vec::new(),
             rows: Vec::new(),
             traits: FleetTraits::default(),
             cpu_rows: Vec::new(),
-            known_rows: Vec::new(),
             overloaded_rows: Vec::new(),
+            live_rows: Vec::new(),
+            live_count: 0,
+            ready_rows: Vec::new(),
+            ready_list: Vec::new(),
             threshold_rows: Vec::new(),
             scan_rows: 0,
             retired: IdMap::default(),
@@ -220,23 +307,30 @@ impl<E: RowOwner> RowIndex<E> {
         self.rank_rows.get(&w).map(|&r| r as usize)
     }
 
-    /// Every worker rank and its row, sorted by worker rank.
-    pub(crate) fn sorted_ranks(&self) -> &[(WorkerWithDpRank, u32)] {
-        &self.sorted_ranks
+    /// The row of `w` through the flat table (the selection path's
+    /// lookup; equal to [`row_of`](Self::row_of) outside a batch).
+    #[inline]
+    pub(crate) fn table_row_of(&self, w: WorkerWithDpRank) -> Option<usize> {
+        self.rank_table.get(w)
+    }
+
+    /// The epoch of the row assignment: it changes whenever a worker rank
+    /// gets or loses a row, and never otherwise. Epochs are unique in the
+    /// process, so two indexes never share one once either has changed.
+    #[inline]
+    pub(crate) fn layout_epoch(&self) -> u64 {
+        self.layout_epoch
     }
 
     fn index_rank(&mut self, w: WorkerWithDpRank, row: usize) {
-        self.rank_rows.insert(w, row as u32);
-        match self.sorted_ranks.binary_search_by_key(&w, |e| e.0) {
-            Ok(i) => self.sorted_ranks[i].1 = row as u32,
-            Err(i) => self.sorted_ranks.insert(i, (w, row as u32)),
+        if self.rank_rows.insert(w, row as u32) != Some(row as u32) {
+            self.layout_epoch = next_layout_epoch();
         }
     }
 
     fn unindex_rank(&mut self, w: WorkerWithDpRank) {
-        self.rank_rows.remove(&w);
-        if let Ok(i) = self.sorted_ranks.binary_search_by_key(&w, |e| e.0) {
-            self.sorted_ranks.remove(i);
+        if self.rank_rows.remove(&w).is_some() {
+            self.layout_epoch = next_layout_epoch();
         }
     }
 
@@ -250,11 +344,6 @@ impl<E: RowOwner> RowIndex<E> {
         self.leaders.get(row).map(|&l| l as usize)
     }
 
-    /// Rows with a worker in this index, as mask words.
-    pub(crate) fn known_rows(&self) -> &[u64] {
-        &self.known_rows
-    }
-
     /// Rows of CPU workers, as mask words.
     pub(crate) fn cpu_rows(&self) -> &[u64] {
         &self.cpu_rows
@@ -263,6 +352,20 @@ impl<E: RowOwner> RowIndex<E> {
     /// Rows of workers marked overloaded, as mask words.
     pub(crate) fn overloaded_rows(&self) -> &[u64] {
         &self.overloaded_rows
+    }
+
+    /// Rows of live workers, as mask words, and their count: what a
+    /// selection starts from (kept per change, not read per request).
+    #[inline]
+    pub(crate) fn live_rows(&self) -> (&[u64], usize) {
+        (&self.live_rows, self.live_count)
+    }
+
+    /// Live rows not marked overloaded, as mask words and as a sorted list
+    /// (the eligible rows of a request without constraints).
+    #[inline]
+    pub(crate) fn ready_rows(&self) -> (&[u64], &[u32]) {
+        (&self.ready_rows, &self.ready_list)
     }
 
     /// Rows of workers with a busy threshold, as mask words.
@@ -318,8 +421,6 @@ impl<E: RowOwner> RowIndex<E> {
         let words = selkie_kernel::mask::words_for(self.rows.len());
         self.cpu_rows.clear();
         self.cpu_rows.resize(words, 0);
-        self.known_rows.clear();
-        self.known_rows.resize(words, 0);
         self.leaders.clear();
         self.leaders.resize(self.rows.len(), 0);
         self.threshold_rows.clear();
@@ -327,12 +428,12 @@ impl<E: RowOwner> RowIndex<E> {
         let mut top = 0;
         for (row, m) in self.rows.iter().enumerate() {
             if let Some(m) = m {
-                self.known_rows[row / 64] |= 1 << (row % 64);
                 self.leaders[row] = m.entry.rows()[0].1.row as u32;
                 top = row + 1;
             }
         }
         self.scan_rows = selkie_kernel::lanes::padded_rows(top);
+        self.rank_table = RankTable::build(&self.rank_rows);
         for e in self.workers.values() {
             let wt = e.traits();
             if e.is_cpu() {
@@ -351,8 +452,8 @@ impl<E: RowOwner> RowIndex<E> {
         self.recompute_overloaded_rows();
     }
 
-    /// Rebuilds the overloaded-rows mask from the workers' marks (not
-    /// inside a batch).
+    /// Rebuilds the overloaded-rows mask from the workers' marks, and the
+    /// live and ready rows from their states (not inside a batch).
     pub(crate) fn recompute_overloaded_rows(&mut self) {
         if self.deferred {
             return;
@@ -360,11 +461,30 @@ impl<E: RowOwner> RowIndex<E> {
         self.overloaded_rows.clear();
         self.overloaded_rows
             .resize(selkie_kernel::mask::words_for(self.rows.len()), 0);
+        let words = selkie_kernel::mask::words_for(self.rows.len());
+        self.live_rows.clear();
+        self.live_rows.resize(words, 0);
         for e in self.workers.values() {
-            if e.is_overloaded() {
-                for &(_, h) in e.rows() {
+            let live = e.is_live();
+            for &(_, h) in e.rows() {
+                if e.is_overloaded() {
                     self.overloaded_rows[h.row / 64] |= 1 << (h.row % 64);
                 }
+                if live {
+                    self.live_rows[h.row / 64] |= 1 << (h.row % 64);
+                }
+            }
+        }
+        self.live_count = selkie_kernel::mask::count(&self.live_rows, self.rows.len());
+        self.ready_rows.clear();
+        self.ready_rows
+            .extend(self.live_rows.iter().zip(&self.overloaded_rows).map(|(l, o)| l & !o));
+        self.ready_list.clear();
+        for (i, &w) in self.ready_rows.iter().enumerate() {
+            let mut w = w;
+            while w != 0 {
+                self.ready_list.push((i * 64 + w.trailing_zeros() as usize) as u32);
+                w &= w - 1;
             }
         }
     }

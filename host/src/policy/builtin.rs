@@ -56,9 +56,9 @@ fn load_runner_up(env: &Env<'_>, words: &[u64], chosen: usize) -> Option<(usize,
     best
 }
 
-fn finish(env: &Env<'_>, s: &Scratch, mut c: Choice) -> Choice {
+fn finish(env: &Env<'_>, mut c: Choice) -> Choice {
     if env.explain {
-        c.runner_up = load_runner_up(env, &s.mask, c.row);
+        c.runner_up = load_runner_up(env, env.mask, c.row);
     }
     c
 }
@@ -67,21 +67,32 @@ fn none() -> SelectionError {
     SelectionError::AllEligibleWorkersOverloaded
 }
 
-pub(crate) fn random(env: &Env<'_>, s: &mut Scratch, rng: &mut Rng) -> Result<Choice, SelectionError> {
-    let n = mask::count(&s.mask, env.rows);
-    let row = index::random(env.rows, &s.mask, rng).ok_or_else(none)?;
-    Ok(finish(env, s, choice(row, load_of(env, row), Branch::Random, n)))
+pub(crate) fn random(env: &Env<'_>, _s: &mut Scratch, rng: &mut Rng) -> Result<Choice, SelectionError> {
+    let (n, row) = match env.list {
+        // The k-th eligible row, as the kernel draws it, without the scan.
+        Some(list) if !list.is_empty() => (list.len(), list[rng.below(list.len() as u64) as usize] as usize),
+        _ => (
+            mask::count(env.mask, env.rows),
+            index::random(env.rows, env.mask, rng).ok_or_else(none)?,
+        ),
+    };
+    Ok(finish(env, choice(row, load_of(env, row), Branch::Random, n)))
 }
 
-pub(crate) fn round_robin(env: &Env<'_>, s: &mut Scratch) -> Result<Choice, SelectionError> {
-    let n = mask::count(&s.mask, env.rows);
+pub(crate) fn round_robin(env: &Env<'_>, _s: &mut Scratch) -> Result<Choice, SelectionError> {
     let ticket = u64::from(if env.ctx.is_preview() {
         env.fleet.peek_ticket()
     } else {
         env.fleet.next_ticket()
     });
-    let row = index::round_robin(env.rows, &s.mask, ticket).ok_or_else(none)?;
-    Ok(finish(env, s, choice(row, load_of(env, row), Branch::RoundRobin, n)))
+    let (n, row) = match env.list {
+        Some(list) if !list.is_empty() => (list.len(), list[(ticket % list.len() as u64) as usize] as usize),
+        _ => (
+            mask::count(env.mask, env.rows),
+            index::round_robin(env.rows, env.mask, ticket).ok_or_else(none)?,
+        ),
+    };
+    Ok(finish(env, choice(row, load_of(env, row), Branch::RoundRobin, n)))
 }
 
 /// Least-loaded row among `words` (weighted when the fleet has weights).
@@ -105,7 +116,7 @@ fn sum_by_worker(env: &Env<'_>, s: &mut Scratch) -> usize {
     s.aux[..nw].fill(0);
     let (sums, aux) = (&mut s.sums, &mut s.aux);
     let mut workers = 0;
-    for_each_row(&s.mask[..nw], rows, |row| {
+    for_each_row(&env.mask[..nw], rows, |row| {
         if let Some(leader) = env.reg.leader(row) {
             sums[leader] = sums[leader].saturating_add(U32Source::value(&active, row));
             if !mask::contains(aux, leader) {
@@ -123,7 +134,7 @@ fn rank_within(env: &Env<'_>, s: &mut Scratch, leader: usize, rng: &mut Rng) -> 
     s.aux2[..nw].fill(0);
     let m = env.reg.row(leader)?;
     for &(_, h) in &m.entry.rows {
-        if mask::contains(&s.mask, h.row) {
+        if mask::contains(env.mask, h.row) {
             s.aux2[h.row / 64] |= 1 << (h.row % 64);
         }
     }
@@ -144,44 +155,58 @@ fn pick_leader_least_loaded(env: &Env<'_>, s: &Scratch, rng: &mut Rng) -> Option
 }
 
 pub(crate) fn least_loaded(env: &Env<'_>, s: &mut Scratch, rng: &mut Rng) -> Result<Choice, SelectionError> {
-    let n = mask::count(&s.mask, env.rows);
+    let n = mask::count(env.mask, env.rows);
     if by_worker(env) {
         sum_by_worker(env, s);
         let leader = pick_leader_least_loaded(env, s, rng).ok_or_else(none)?;
         let row = rank_within(env, s, leader, rng).ok_or_else(none)?;
         return Ok(finish(
             env,
-            s,
             choice(row, load_of(env, row), Branch::LeastLoadedWorkerThenRank, n),
         ));
     }
-    let row = least_loaded_rows(env, &s.mask, rng).ok_or_else(none)?;
-    Ok(finish(env, s, choice(row, load_of(env, row), Branch::LeastLoaded, n)))
+    let row = least_loaded_rows(env, env.mask, rng).ok_or_else(none)?;
+    Ok(finish(env, choice(row, load_of(env, row), Branch::LeastLoaded, n)))
 }
 
 pub(crate) fn power_of_two(env: &Env<'_>, s: &mut Scratch, rng: &mut Rng) -> Result<Choice, SelectionError> {
-    let n = mask::count(&s.mask, env.rows);
+    let n = mask::count(env.mask, env.rows);
     if by_worker(env) {
         sum_by_worker(env, s);
         let leader = index::power_of_two(&s.sums[..env.rows], &s.aux, rng).ok_or_else(none)?;
         let row = rank_within(env, s, leader, rng).ok_or_else(none)?;
         return Ok(finish(
             env,
-            s,
             choice(row, load_of(env, row), Branch::PowerOfTwoWorkerThenRank, n),
         ));
     }
-    let row = index::power_of_two(&env.view.active_requests(), &s.mask, rng).ok_or_else(none)?;
-    Ok(finish(env, s, choice(row, load_of(env, row), Branch::PowerOfTwo, n)))
+    let active = env.view.active_requests();
+    let row = match env.list {
+        Some(list) if list.len() >= 2 => {
+            // The kernel's draws (Dynamo's): two distinct positions, the
+            // lighter row wins, ties to the first draw.
+            let n = list.len();
+            let k1 = rng.below(n as u64) as usize;
+            let k2 = k1 + 1 + rng.below(n as u64 - 1) as usize;
+            let (a, b) = (list[k1] as usize, list[if k2 >= n { k2 - n } else { k2 }] as usize);
+            if U32Source::value(&active, a) <= U32Source::value(&active, b) {
+                a
+            } else {
+                b
+            }
+        }
+        _ => index::power_of_two(&active, env.mask, rng).ok_or_else(none)?,
+    };
+    Ok(finish(env, choice(row, load_of(env, row), Branch::PowerOfTwo, n)))
 }
 
-pub(crate) fn direct(env: &Env<'_>, s: &mut Scratch, rng: &mut Rng) -> Result<Choice, SelectionError> {
+pub(crate) fn direct(env: &Env<'_>, _s: &mut Scratch, rng: &mut Rng) -> Result<Choice, SelectionError> {
     if !env.pinned {
         return Err(SelectionError::DirectWorkerMissing);
     }
-    let n = mask::count(&s.mask, env.rows);
-    let row = ll(&env.view.active_requests(), &s.mask, rng).ok_or_else(none)?;
-    Ok(finish(env, s, choice(row, load_of(env, row), Branch::Direct, n)))
+    let n = mask::count(env.mask, env.rows);
+    let row = ll(&env.view.active_requests(), env.mask, rng).ok_or_else(none)?;
+    Ok(finish(env, choice(row, load_of(env, row), Branch::Direct, n)))
 }
 
 /// Device-aware weighted (SPEC §5) on the kernel's `device_aware`: a row
@@ -198,13 +223,22 @@ pub(crate) fn device_aware(
     cfg: &DeviceAwareConfig,
 ) -> Result<Choice, SelectionError> {
     let rows = env.rows;
-    let n = mask::count(&s.mask, rows);
+    let n = mask::count(env.mask, rows);
     let hits = &mut s.sums[..rows];
     hits.fill(0);
     if env.req.required_cache_hits > 0 {
-        for o in env.req.overlaps {
-            if let Some(row) = env.reg.row_of(o.worker).filter(|&r| r < rows) {
-                hits[row] = o.device_blocks;
+        if env.req.row_overlaps.is_some() {
+            let view = super::kv::overlap_view(env, &mut s.overlap)?;
+            if let Some(device) = view.device {
+                for (h, &d) in hits.iter_mut().zip(device) {
+                    *h = d as u32;
+                }
+            }
+        } else {
+            for o in env.req.overlaps {
+                if let Some(row) = env.reg.table_row_of(o.worker).filter(|&r| r < rows) {
+                    hits[row] = o.device_blocks;
+                }
             }
         }
     }
@@ -216,7 +250,7 @@ pub(crate) fn device_aware(
         &env.view.active_requests(),
         &*hits,
         env.reg.cpu_rows(),
-        &s.mask,
+        env.mask,
         &kcfg,
         rng,
     )
@@ -227,5 +261,5 @@ pub(crate) fn device_aware(
         DeviceGroup::Cpu => Branch::DeviceAwareCpu,
         DeviceGroup::Accelerator => Branch::DeviceAwareAccelerator,
     };
-    Ok(finish(env, s, choice(picked.row, load_of(env, picked.row), branch, n)))
+    Ok(finish(env, choice(picked.row, load_of(env, picked.row), branch, n)))
 }

@@ -42,13 +42,10 @@ pub(crate) fn guarded<T>(
 }
 
 /// Fills `s.candidates` with the eligible rows' declared signals.
-pub(crate) fn materialize(env: &Env<'_>, s: &mut Scratch, inputs: WorkerInputs) {
+pub(crate) fn materialize(env: &Env<'_>, s: &mut Scratch, inputs: WorkerInputs) -> Result<(), SelectionError> {
     let want_cache = inputs.contains(WorkerInputs::CACHE);
     let want_taint =
         inputs.contains(WorkerInputs::PREFERRED_TAINT) && !env.pinned && !env.req.preferred_taints.is_empty();
-    if want_cache {
-        super::kv::scatter_overlaps(env, s);
-    }
     let want_load = inputs.contains(WorkerInputs::LOAD);
     let want_occ = inputs.contains(WorkerInputs::OCCUPANCY);
     let request_blocks = env.ctx.request_blocks() as f64;
@@ -59,12 +56,16 @@ pub(crate) fn materialize(env: &Env<'_>, s: &mut Scratch, inputs: WorkerInputs) 
         fleet.active_decode_blocks(),
         fleet.capacity_weight(),
     );
+    let mask = env.mask;
     let Scratch {
-        mask,
-        candidates,
-        overlap,
-        ..
+        candidates, overlap, ..
     } = s;
+    let view = if want_cache {
+        Some(super::kv::overlap_view(env, overlap)?)
+    } else {
+        None
+    };
+    let at = |c: Option<&[f32]>, row: usize| c.map_or(0.0, |c| c[row]);
     candidates.clear();
     for_each_row(mask, env.rows, |row| {
         let Some(meta) = env.reg.row(row) else { return };
@@ -88,13 +89,13 @@ pub(crate) fn materialize(env: &Env<'_>, s: &mut Scratch, inputs: WorkerInputs) 
                 capacity_weight: F32Source::value(&weight, row),
             };
         }
-        if want_cache {
+        if let Some(v) = &view {
             c.cache = WorkerCacheInput {
-                device_blocks: overlap.device[row] as f64,
-                host_blocks: overlap.host[row] as f64,
-                disk_blocks: overlap.disk[row] as f64,
-                shared_blocks: overlap.shared[row] as f64,
-                cached_tokens: overlap.cached_tokens[row] as usize,
+                device_blocks: at(v.device, row) as f64,
+                host_blocks: at(v.host, row) as f64,
+                disk_blocks: at(v.disk, row) as f64,
+                shared_blocks: at(v.shared, row) as f64,
+                cached_tokens: at(v.cached_tokens, row) as usize,
             };
         }
         if want_taint {
@@ -105,15 +106,16 @@ pub(crate) fn materialize(env: &Env<'_>, s: &mut Scratch, inputs: WorkerInputs) 
         }
         candidates.push(c);
     });
-    if want_cache {
-        s.overlap.reset();
+    if view.is_some_and(|v| v.scattered) {
+        overlap.reset();
     }
+    Ok(())
 }
 
 /// Materialises, filters and scores: leaves the surviving candidates in
 /// `s.candidates` and their summed costs in `s.total`.
 pub(crate) fn score(env: &Env<'_>, s: &mut Scratch, c: &Composed) -> Result<(), SelectionError> {
-    materialize(env, s, c.inputs);
+    materialize(env, s, c.inputs)?;
     let ctx = env.ctx;
     let Scratch {
         candidates,

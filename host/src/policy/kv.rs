@@ -16,73 +16,94 @@ use selkie_kernel::kernels::pick::{explain, pick_in_range};
 use selkie_kernel::kernels::KernelError;
 use selkie_kernel::Rng;
 
-use super::scratch::Scratch;
+use super::scratch::{OverlapColumns, Scratch};
 use super::{Choice, Env, KvRouterConfig};
 use crate::error::{SelectionError, WorkerSelectionPolicyError};
 use crate::explain::Branch;
 use crate::filter::for_each_row;
-use crate::request::WorkerOverlap;
 use crate::types::WorkerType;
 
-/// Writes the request's overlaps into the scratch's per-row columns.
-/// Returns whether any of them landed on a known row.
+/// Writes the request's worker-keyed overlaps into the scratch's per-row
+/// columns. Returns whether any of them landed on a known row.
 ///
-/// Overlaps sorted by worker rank (as an indexer that walks workers in
-/// order produces them) are merged with the registry's sorted rank index:
-/// a forward walk with galloping, cache-friendly at any density. Unsorted
-/// overlaps fall back to one hash lookup each.
-pub(crate) fn scatter_overlaps(env: &Env<'_>, s: &mut Scratch) -> bool {
-    let o = &mut s.overlap;
-    let overlaps = env.req.overlaps;
-    let mut put = |row: usize, w: &WorkerOverlap| {
-        if row < o.device.len() {
-            o.device[row] = w.device_blocks as f32;
-            o.cached_tokens[row] = w.cached_tokens as f32;
-            // The lower tiers are often empty: write them only when set.
-            if w.host_blocks != 0 {
-                o.host[row] = w.host_blocks as f32;
-                o.any_host = true;
-            }
-            if w.disk_blocks != 0 {
-                o.disk[row] = w.disk_blocks as f32;
-                o.any_disk = true;
-            }
-            if w.shared_blocks != 0 {
-                o.shared[row] = w.shared_blocks as f32;
-                o.any_shared = true;
-            }
-            o.touched.push(row as u32);
+/// Each entry is mapped to its row through the row index's flat table (a
+/// multiply, a shift and a compare); the lower tiers are written only when
+/// set, and the rows written are remembered so that `reset` clears only
+/// them.
+pub(crate) fn scatter_overlaps(env: &Env<'_>, o: &mut OverlapColumns) -> bool {
+    let limit = o.device.len().min(env.rows);
+    for w in env.req.overlaps {
+        let Some(row) = env.reg.table_row_of(w.worker).filter(|&r| r < limit) else {
+            continue;
+        };
+        o.device[row] = w.device_blocks as f32;
+        o.cached_tokens[row] = w.cached_tokens as f32;
+        if (w.host_blocks | w.disk_blocks | w.shared_blocks) != 0 {
+            o.host[row] = w.host_blocks as f32;
+            o.disk[row] = w.disk_blocks as f32;
+            o.shared[row] = w.shared_blocks as f32;
+            o.any_host |= w.host_blocks != 0;
+            o.any_disk |= w.disk_blocks != 0;
+            o.any_shared |= w.shared_blocks != 0;
+            o.any_lower = true;
         }
-    };
-    if overlaps.windows(2).all(|p| p[0].worker < p[1].worker) {
-        let index = env.reg.sorted_ranks();
-        let mut pos = 0;
-        for w in overlaps {
-            // Gallop forward to the first entry >= w.worker, then search.
-            let mut step = 1;
-            let mut hi = pos;
-            while hi < index.len() && index[hi].0 < w.worker {
-                pos = hi + 1;
-                hi += step;
-                step *= 2;
-            }
-            let hi = hi.min(index.len());
-            pos += index[pos..hi].partition_point(|e| e.0 < w.worker);
-            if let Some(&(k, row)) = index.get(pos) {
-                if k == w.worker {
-                    put(row as usize, w);
-                    pos += 1;
-                }
-            }
-        }
-    } else {
-        for w in overlaps {
-            if let Some(row) = env.reg.row_of(w.worker) {
-                put(row, w);
-            }
-        }
+        o.touched.push(row as u32);
     }
     !o.touched.is_empty()
+}
+
+/// The overlap columns a policy reads for this request, over `env.rows`
+/// rows: the request's [`RowOverlaps`](crate::RowOverlaps) as they are
+/// (checked against the snapshot's row layout and length), or the
+/// worker-keyed overlaps scattered into `o` (the caller then calls
+/// `o.reset()`). `None` for a column that is all zeros.
+pub(crate) struct OverlapView<'a> {
+    pub(crate) device: Option<&'a [f32]>,
+    pub(crate) cached_tokens: Option<&'a [f32]>,
+    pub(crate) host: Option<&'a [f32]>,
+    pub(crate) disk: Option<&'a [f32]>,
+    pub(crate) shared: Option<&'a [f32]>,
+    /// The columns are the scratch's (reset them after use).
+    pub(crate) scattered: bool,
+}
+
+pub(crate) fn overlap_view<'a>(env: &Env<'a>, o: &'a mut OverlapColumns) -> Result<OverlapView<'a>, SelectionError> {
+    let rows = env.rows;
+    if let Some(r) = env.req.row_overlaps {
+        let found = env.reg.layout_epoch();
+        if r.layout.epoch != found {
+            return Err(SelectionError::StaleRowLayout {
+                expected: r.layout.epoch,
+                found,
+            });
+        }
+        let check = |column: &'static str, c: Option<&'a [f32]>| match c {
+            Some(c) if c.len() < rows => Err(SelectionError::OverlapColumnTooShort {
+                column,
+                len: c.len(),
+                rows,
+            }),
+            c => Ok(c.map(|c| &c[..rows])),
+        };
+        return Ok(OverlapView {
+            device: check("device_blocks", Some(r.device_blocks))?,
+            cached_tokens: check("cached_tokens", r.cached_tokens)?,
+            host: check("host_blocks", r.host_blocks)?,
+            disk: check("disk_blocks", r.disk_blocks)?,
+            shared: check("shared_blocks", r.shared_blocks)?,
+            scattered: false,
+        });
+    }
+    let any = scatter_overlaps(env, o);
+    let o = &*o;
+    Ok(OverlapView {
+        device: col(any, &o.device, rows),
+        cached_tokens: col(any, &o.cached_tokens, rows),
+        host: col(o.any_host, &o.host, rows),
+        disk: col(o.any_disk, &o.disk, rows),
+        shared: col(o.any_shared, &o.shared, rows),
+        scattered: true,
+    })
 }
 
 /// Dynamo's `exp(-tanh(sum of the weights of the preferred taints the
@@ -162,35 +183,34 @@ pub(crate) fn fill_costs(
         fleet.active_requests(),
     );
     let rows = env.rows;
-    let has_overlap = scatter_overlaps(env, s);
     let taints = !env.pinned && !env.req.preferred_taints.is_empty();
     if taints {
-        let Scratch { mask, taint, .. } = &mut *s;
-        for_each_row(mask, rows, |row| {
+        let taint = &mut s.taint;
+        for_each_row(env.mask, rows, |row| {
             taint[row] = env.reg.row(row).map_or(1.0, |m| {
                 preferred_taint_multiplier(env.req.preferred_taints, &m.entry.record.taints) as f32
             });
         });
     }
+    let mask = env.mask;
     let Scratch {
-        mask,
-        costs,
-        overlap,
-        taint,
-        ..
+        costs, overlap, taint, ..
     } = &mut *s;
+    let view = overlap_view(env, overlap)?;
     let kover = KvOverlap {
-        device_blocks: col(has_overlap, &overlap.device, rows),
-        cached_tokens: col(has_overlap, &overlap.cached_tokens, rows),
-        host_blocks: col(overlap.any_host, &overlap.host, rows),
-        disk_blocks: col(overlap.any_disk, &overlap.disk, rows),
-        shared_beyond_device: col(overlap.any_shared, &overlap.shared, rows),
+        device_blocks: view.device,
+        cached_tokens: view.cached_tokens,
+        host_blocks: view.host,
+        disk_blocks: view.disk,
+        shared_beyond_device: view.shared,
         added_decode_blocks: None,
         preferred_taint_multiplier: taints.then(|| &taint[..rows]),
     };
     let load = KvLoad::new(&prefill, &decode, &active);
     let result = kv_cost(&kcfg, &kreq, &load, &kover, mask, &mut costs[..rows]);
-    overlap.reset();
+    if view.scattered {
+        overlap.reset();
+    }
     let range = result.map_err(|_| SelectionError::InvalidRequest("KV cost inputs rejected by the kernel"))?;
     Ok((kcfg, rows, range))
 }
@@ -203,7 +223,7 @@ pub(crate) fn choose(
     worker_type: WorkerType,
 ) -> Result<Choice, SelectionError> {
     let (kcfg, rows, range) = fill_costs(env, s, cfg, worker_type)?;
-    let Scratch { mask, costs, .. } = &mut *s;
+    let (mask, costs) = (env.mask, &mut s.costs);
     let t = kcfg.router_temperature;
     // `kv_cost` returned the eligible range while writing the costs: the pick
     // skips its own finiteness and min/max passes (non-finite ranges fall

@@ -346,6 +346,13 @@ use selkie_kernel::Rng;
 pub(crate) struct Env<'a> {
     pub(crate) reg: &'a WorkerRegistry,
     pub(crate) fleet: &'a HostFleet,
+    /// The eligible rows (at least `mask::words_for(rows)` words): the
+    /// policy chooses among them.
+    pub(crate) mask: &'a [u64],
+    /// The eligible rows as a sorted list, when the caller has one that
+    /// matches `mask` exactly (the snapshot's request-independent set):
+    /// random, round-robin and power-of-two then draw in O(1).
+    pub(crate) list: Option<&'a [u32]>,
     /// Every load column, over exactly `rows` rows.
     pub(crate) view: FleetView<'a, FLEET_GROUPS>,
     pub(crate) req: &'a SelectionRequest<'a>,
@@ -372,7 +379,7 @@ pub(crate) struct Choice {
 }
 
 impl WorkerSelectionPolicy {
-    /// Chooses one row among the set bits of `s.mask`.
+    /// Chooses one row among the set bits of `env.mask`.
     pub(crate) fn choose(&self, env: &Env<'_>, s: &mut Scratch, rng: &mut Rng) -> Result<Choice, SelectionError> {
         match &self.kind {
             PolicyKind::Random => builtin::random(env, s, rng),
@@ -392,7 +399,7 @@ impl WorkerSelectionPolicy {
         matches!(self.kind, PolicyKind::Direct)
     }
 
-    /// Appends every row of `s.mask` that the policy would consider, with
+    /// Appends every row of `env.mask` that the policy would consider, with
     /// its cost as the policy sees it, to `out` (unsorted): the KV cost for
     /// the KV policy, the summed scorer costs for a custom policy (after its
     /// filters), in-flight requests per unit of weight for the load modes.
@@ -408,7 +415,7 @@ impl WorkerSelectionPolicy {
         match &self.kind {
             PolicyKind::Kv(c) => {
                 let (_, rows, _) = kv::fill_costs(env, s, c, self.worker_type)?;
-                for_each_row(&s.mask, rows, |r| {
+                for_each_row(env.mask, rows, |r| {
                     if let Some(m) = reg.row(r) {
                         out.push((m.worker(), f64::from(s.costs[r])));
                     }
@@ -420,7 +427,7 @@ impl WorkerSelectionPolicy {
             }
             _ => {
                 let weighted = reg.traits().weighted;
-                for_each_row(&s.mask, env.rows, |r| {
+                for_each_row(env.mask, env.rows, |r| {
                     if let Some(m) = reg.row(r) {
                         let a = f64::from(env.view.active_requests().value(r));
                         let w = f64::from(m.entry.record.capacity_weight);

@@ -33,6 +33,9 @@ pub(crate) struct OverlapColumns {
     pub(crate) any_host: bool,
     pub(crate) any_disk: bool,
     pub(crate) any_shared: bool,
+    /// Whether any entry had a lower tier (those rows were written in all
+    /// three lower columns).
+    pub(crate) any_lower: bool,
 }
 
 impl OverlapColumns {
@@ -57,19 +60,14 @@ impl OverlapColumns {
             self.device[r] = 0.0;
             self.cached_tokens[r] = 0.0;
         }
-        for (any, col) in [
-            (self.any_host, &mut self.host),
-            (self.any_disk, &mut self.disk),
-            (self.any_shared, &mut self.shared),
-        ] {
-            if any {
-                for &r in &self.touched {
-                    col[r as usize] = 0.0;
-                }
+        if self.any_lower {
+            for &r in &self.touched {
+                let r = r as usize;
+                (self.host[r], self.disk[r], self.shared[r]) = (0.0, 0.0, 0.0);
             }
         }
         self.touched.clear();
-        (self.any_host, self.any_disk, self.any_shared) = (false, false, false);
+        (self.any_host, self.any_disk, self.any_shared, self.any_lower) = (false, false, false, false);
     }
 }
 
@@ -93,12 +91,21 @@ pub(crate) struct Scratch {
     pub(crate) loads: Vec<WorkerLoadInput>,
     pub(crate) caches: Vec<WorkerCacheInput>,
     pub(crate) rng: Option<Rng>,
+    /// Rows every buffer covers already (they only grow).
+    prepared: usize,
 }
 
 impl Scratch {
     /// Makes every buffer cover `rows` rows.
     pub(crate) fn prepare(&mut self, rows: usize) {
         let words = words_for(rows);
+        // The mask leaves the scratch during a selection: checked too, so
+        // a selection that unwound without putting it back cannot leave it
+        // short.
+        if rows <= self.prepared && self.mask.len() >= words {
+            return;
+        }
+        self.prepared = self.prepared.max(rows);
         for m in [&mut self.mask, &mut self.aux, &mut self.aux2, &mut self.rest] {
             if m.len() < words {
                 m.resize(words, 0);

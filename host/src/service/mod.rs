@@ -47,7 +47,7 @@ use crate::fleet::HostFleet;
 use crate::plugin::WorkerSelectionContext;
 use crate::policy::scratch::{with_scratch, Scratch};
 use crate::policy::{Env, WorkerSelectionPolicy};
-use crate::request::SelectionRequest;
+use crate::request::{RowLayout, SelectionRequest};
 use crate::types::{WorkerId, WorkerWithDpRank};
 use session::SessionTable;
 
@@ -292,6 +292,39 @@ impl WorkerSelectionService {
         Self::new(factory(kv_config, worker_type, partition), config)
     }
 
+    // ---- rows --------------------------------------------------------
+
+    /// The row layout selections use now: its epoch and the rows a
+    /// [`RowOverlaps`](crate::RowOverlaps) column must cover. Read it
+    /// before [`row_of`](Self::row_of) (see [`RowLayout`]). Lock-free on a
+    /// warm thread.
+    ///
+    /// ```
+    /// use selkie::*;
+    /// let service = WorkerSelectionService::new(WorkerSelectionPolicy::random(), ServiceConfig::default());
+    /// let before = service.row_layout();
+    /// service.add_worker(WorkerRecord::new(7))?;
+    /// let after = service.row_layout();
+    /// assert_ne!(before.epoch(), after.epoch(), "a worker got a row");
+    /// assert!(after.rows() > service.row_of(WorkerWithDpRank::new(7, 0)).unwrap());
+    /// service.set_worker_state(7, WorkerState::Draining)?;
+    /// assert_eq!(service.row_layout().epoch(), after.epoch(), "state changes keep the rows");
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn row_layout(&self) -> RowLayout {
+        self.with_snapshot(|reg| RowLayout {
+            epoch: reg.layout_epoch(),
+            rows: reg.scan_rows(),
+        })
+    }
+
+    /// The row of a worker rank in the current layout, the index of its
+    /// value in a [`RowOverlaps`](crate::RowOverlaps) column; `None` if the
+    /// rank has no row.
+    pub fn row_of(&self, worker: WorkerWithDpRank) -> Option<usize> {
+        self.with_snapshot(|reg| reg.row_of(worker))
+    }
+
     // ---- sessions ----------------------------------------------------
 
     /// Forgets a session's worker; returns whether it was bound.
@@ -384,8 +417,9 @@ impl WorkerSelectionService {
             s.prepare(rows);
             #[cfg(test)]
             tests::hooks::after_rows_read(rows);
+            let Scratch { mask: words, aux, .. } = &mut *s;
+            let mut mask = std::mem::take(words);
             let outcome = {
-                let Scratch { mask: words, aux, .. } = &mut *s;
                 eligible_rows(
                     reg,
                     &self.fleet,
@@ -393,10 +427,26 @@ impl WorkerSelectionService {
                     req,
                     req.pin,
                     self.config.lora_required,
-                    words,
+                    &mut mask,
                     aux,
-                )?
+                )
             };
+            let result = outcome.and_then(|outcome| self.costs_on(reg, req, s, &mask, rows, outcome.pinned));
+            s.mask = mask;
+            result
+        })
+    }
+
+    fn costs_on(
+        &self,
+        reg: &WorkerRegistry,
+        req: &SelectionRequest<'_>,
+        s: &mut Scratch,
+        mask: &[u64],
+        rows: usize,
+        pinned: bool,
+    ) -> Result<Vec<(WorkerWithDpRank, f64)>, SelectionError> {
+        {
             let ctx = WorkerSelectionContext {
                 request: req,
                 block_size: self.config.block_size,
@@ -406,17 +456,19 @@ impl WorkerSelectionService {
             let env = Env {
                 reg,
                 fleet: &self.fleet,
+                mask,
+                list: None,
                 view: self.fleet.view(rows),
                 req,
                 ctx: &ctx,
                 rows,
-                pinned: outcome.pinned,
+                pinned,
                 explain: false,
             };
             let mut out = Vec::new();
             self.policy.costs(&env, s, &mut out)?;
             out.sort_by_key(|(w, _)| *w);
             Ok(out)
-        })
+        }
     }
 }

@@ -8,7 +8,7 @@ use std::ops::Deref;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
-use selkie_kernel::fleet::{BookLoad, Booking};
+use selkie_kernel::fleet::{BookLoad, Booking, SelectError, SlotPick};
 use selkie_kernel::{mask, Rng};
 
 use super::selection::{Booked, FleetHandle, Preview};
@@ -127,99 +127,178 @@ impl WorkerSelectionService {
         s.prepare(rows);
         #[cfg(test)]
         super::tests::hooks::after_rows_read(rows);
+        // The mask leaves the scratch for the selection (the kernel's
+        // select-and-book clears refused rows in it while the policy reads
+        // the rest of the scratch) and goes back afterwards, whatever the
+        // outcome: nothing is allocated.
+        let mut mask = std::mem::take(&mut s.mask);
+        let r = self.select_on(
+            reg, req, preview, s, rng, handle, rows, &mut mask, pin, route, soft, now,
+        );
+        s.mask = mask;
+        r
+    }
+
+    /// The hard filters, the policy and the booking on `mask` (see
+    /// `run_with`).
+    #[allow(clippy::too_many_arguments)]
+    fn select_on<H: Deref<Target = Self>>(
+        &self,
+        reg: &WorkerRegistry,
+        req: &SelectionRequest<'_>,
+        preview: bool,
+        s: &mut Scratch,
+        rng: &mut Rng,
+        handle: &impl Fn() -> H,
+        rows: usize,
+        mask: &mut [u64],
+        pin: Option<Pin>,
+        mut route: Route,
+        soft: Option<WorkerWithDpRank>,
+        now: Option<Instant>,
+    ) -> Result<Outcome<H>, SelectionError> {
         let nw = mask::words_for(rows);
-        let outcome = {
-            let Scratch { mask: words, aux, .. } = &mut *s;
-            eligible_rows(reg, &self.fleet, rows, req, pin, self.config.lora_required, words, aux)?
-        };
+        let mask = &mut mask[..nw];
+        let outcome = eligible_rows(
+            reg,
+            &self.fleet,
+            rows,
+            req,
+            pin,
+            self.config.lora_required,
+            mask,
+            &mut s.aux,
+        )?;
         // Soft affinity: try the session's row first; if it refuses the
         // booking, fall back to the rest of the eligible rows.
         let mut soft_row = None;
         if let Some(w) = soft {
-            if let Some(row) = reg.row_of(w).filter(|&r| r < rows && mask::contains(&s.mask, r)) {
-                s.rest[..nw].copy_from_slice(&s.mask[..nw]);
-                s.mask[..nw].fill(0);
-                s.mask[row / 64] |= 1 << (row % 64);
+            if let Some(row) = reg.row_of(w).filter(|&r| r < rows && mask::contains(mask, r)) {
+                s.rest[..nw].copy_from_slice(mask);
+                mask.fill(0);
+                mask[row / 64] |= 1 << (row % 64);
                 route = Route::SessionSoft;
                 soft_row = Some(row);
             }
         }
+        // The snapshot's ready rows as a list, while the mask is exactly
+        // them (no constraint, no soft row, no refusal yet).
+        let list = (outcome.ready && soft_row.is_none()).then(|| reg.ready_rows().1);
         let ctx = WorkerSelectionContext {
             request: req,
             block_size: self.config.block_size,
             worker_type: self.policy.worker_type,
             preview,
         };
-        let env = Env {
-            reg,
-            fleet: &self.fleet,
-            view: self.fleet.view(rows),
-            req,
-            ctx: &ctx,
-            rows,
-            pinned: outcome.pinned,
-            explain: req.explain || preview,
+        let view = self.fleet.view(rows);
+        let explain = req.explain || preview;
+        // Leaves soft affinity: the rest of the eligible rows, without the
+        // session's row, go to the policy.
+        let leave_soft = |mask: &mut [u64], rest: &[u64], row: usize| {
+            mask.copy_from_slice(&rest[..nw]);
+            mask[row / 64] &= !(1u64 << (row % 64));
         };
-        let request_blocks = req.request_blocks(self.config.block_size);
+        // One choice; a policy that refuses the soft session's worker (a
+        // custom filter, say) gets the rest of the fleet instead. Other
+        // errors (a plugin's panic or NaN cost) are the request's, as
+        // without a session.
+        let mut choose = |mask: &mut [u64],
+                          list: Option<&[u32]>,
+                          s: &mut Scratch,
+                          soft_row: &mut Option<usize>,
+                          route: &mut Route|
+         -> Result<crate::policy::Choice, SelectionError> {
+            loop {
+                let env = Env {
+                    reg,
+                    fleet: &self.fleet,
+                    mask,
+                    list,
+                    view,
+                    req,
+                    ctx: &ctx,
+                    rows,
+                    pinned: outcome.pinned,
+                    explain,
+                };
+                match self.policy.choose(&env, s, rng) {
+                    Err(
+                        e @ (SelectionError::AllEligibleWorkersFiltered
+                        | SelectionError::AllEligibleWorkersOverloaded
+                        | SelectionError::NoEligibleWorkers { .. }),
+                    ) if soft_row.is_some() => {
+                        tracing::debug!(error = %e, "soft session's worker refused by the policy");
+                        leave_soft(mask, &s.rest, soft_row.take().unwrap_or_default());
+                        *route = Route::Policy;
+                    }
+                    r => return r,
+                }
+            }
+        };
+        let explanation = |choice: &crate::policy::Choice, worker, route| Explanation {
+            policy: self.policy.name(),
+            route,
+            branch: choice.branch,
+            chosen: worker,
+            cost: choice.cost,
+            runner_up: choice.runner_up.and_then(|(r, c)| reg.row(r).map(|m| (m.worker(), c))),
+            candidates: choice.candidates,
+            temperature: choice.temperature,
+        };
+        if preview {
+            loop {
+                let choice = choose(mask, list, s, &mut soft_row, &mut route)?;
+                let worker = reg
+                    .row(choice.row)
+                    .ok_or(SelectionError::AllEligibleWorkersOverloaded)?
+                    .worker();
+                if soft_row.is_some() && self.at_admission_limit(choice.row) {
+                    // What select would do: the session's worker would
+                    // refuse the booking, so the request would go elsewhere.
+                    leave_soft(mask, &s.rest, choice.row);
+                    (soft_row, route) = (None, Route::Policy);
+                    continue;
+                }
+                tracing::debug!(worker = %worker, branch = choice.branch.as_str(), "previewed");
+                let explanation = explanation(&choice, worker, route);
+                return Ok(Outcome::Previewed(Preview { worker, explanation }));
+            }
+        }
+        let request_blocks = u32::try_from(req.request_blocks(self.config.block_size)).unwrap_or(u32::MAX);
         // The soft session's try does not count against the attempts.
-        let mut attempts = self
+        let attempts = self
             .config
             .max_booking_attempts
             .max(1)
             .saturating_add(u32::from(soft_row.is_some()));
-        // Leaves soft affinity: the rest of the eligible rows, without the
-        // session's row, go to the policy.
-        let leave_soft = |s: &mut Scratch, row: usize| {
-            let Scratch { mask: words, rest, .. } = s;
-            words[..nw].copy_from_slice(&rest[..nw]);
-            words[row / 64] &= !(1u64 << (row % 64));
-        };
-        while attempts > 0 {
-            attempts -= 1;
-            let choice = match self.policy.choose(&env, s, rng) {
-                Ok(c) => c,
-                Err(
-                    e @ (SelectionError::AllEligibleWorkersFiltered
-                    | SelectionError::AllEligibleWorkersOverloaded
-                    | SelectionError::NoEligibleWorkers { .. }),
-                ) if soft_row.is_some() => {
-                    // The policy refused the session's worker (a custom
-                    // filter, say): a normal selection instead. Other
-                    // errors (a plugin's panic or NaN cost) are the
-                    // request's, as without a session.
-                    tracing::debug!(error = %e, "soft session's worker refused by the policy");
-                    leave_soft(s, soft_row.take().unwrap_or_default());
-                    route = Route::Policy;
-                    continue;
+        let mut picked = None;
+        let booked = Booking::select_slot(FleetHandle(handle()), mask, attempts, |mask, last| {
+            let list = match last {
+                None => list,
+                Some(e) => {
+                    tracing::debug!(error = %e, "booking refused; rescanning");
+                    metrics::counter!("selkie_rejections_total", "reason" => "booking_refused").increment(1);
+                    if let Some(row) = soft_row.take() {
+                        // The session's worker is full: the rest of the
+                        // fleet, without the refused row, by the policy.
+                        leave_soft(mask, &s.rest, row);
+                        route = Route::Policy;
+                    }
+                    if mask::count(mask, rows) == 0 {
+                        return Ok::<_, SelectionError>(None);
+                    }
+                    None
                 }
-                Err(e) => return Err(e),
             };
+            let choice = choose(mask, list, s, &mut soft_row, &mut route)?;
             let meta = reg
                 .row(choice.row)
                 .ok_or(SelectionError::AllEligibleWorkersOverloaded)?;
-            let worker = meta.worker();
-            if preview && soft_row.is_some() && self.at_admission_limit(choice.row) {
-                // What select would do: the session's worker would refuse
-                // the booking, so the request would go elsewhere.
-                leave_soft(s, choice.row);
-                (soft_row, route) = (None, Route::Policy);
-                continue;
-            }
-            let explanation = Explanation {
-                policy: self.policy.name(),
-                route,
-                branch: choice.branch,
-                chosen: worker,
-                cost: choice.cost,
-                runner_up: choice.runner_up.and_then(|(r, c)| reg.row(r).map(|m| (m.worker(), c))),
-                candidates: choice.candidates,
-                temperature: choice.temperature,
+            let cached = match req.row_overlaps {
+                Some(r) => r.cached_tokens_at(choice.row),
+                None if req.track_prefill_tokens => cached_tokens(req.overlaps, meta.worker()),
+                None => 0,
             };
-            if preview {
-                tracing::debug!(worker = %worker, branch = choice.branch.as_str(), "previewed");
-                return Ok(Outcome::Previewed(Preview { worker, explanation }));
-            }
-            let cached = cached_tokens(req.overlaps, worker);
             let prefill = if req.track_prefill_tokens {
                 req.isl_tokens.saturating_sub(cached)
             } else {
@@ -227,49 +306,46 @@ impl WorkerSelectionService {
             };
             let load = BookLoad {
                 prefill_tokens: u32::try_from(prefill).unwrap_or(u32::MAX),
-                decode_blocks: u32::try_from(request_blocks).unwrap_or(u32::MAX),
+                decode_blocks: request_blocks,
             };
-            match Booking::new_for_slot(FleetHandle(handle()), meta.handle.slot, load) {
-                Ok(booking) => {
-                    meta.entry.selections.increment(1);
-                    self.selections.increment(1);
-                    if let Some(sess) = req.session {
-                        self.sessions.bind(sess.id, worker, now.unwrap_or_else(Instant::now));
-                    }
-                    tracing::debug!(
-                        worker = %worker,
-                        cost = choice.cost,
-                        branch = choice.branch.as_str(),
-                        "selected"
-                    );
-                    return Ok(Outcome::Booked(Booked {
-                        booking,
-                        worker,
-                        explanation,
-                    }));
+            picked = Some((choice, meta));
+            Ok(Some(SlotPick {
+                slot: meta.handle.slot,
+                load,
+            }))
+        })?;
+        match (booked, picked) {
+            (Ok(booking), Some((choice, meta))) => {
+                let worker = meta.worker();
+                meta.entry.selections.increment(1);
+                self.selections.increment(1);
+                if let Some(sess) = req.session {
+                    self.sessions.bind(sess.id, worker, now.unwrap_or_else(Instant::now));
                 }
-                Err(e) => {
-                    tracing::debug!(worker = %worker, error = %e, "booking refused; rescanning");
-                    metrics::counter!("selkie_rejections_total", "reason" => "booking_refused").increment(1);
-                    s.mask[choice.row / 64] &= !(1u64 << (choice.row % 64));
-                    if soft_row.take().is_some() {
-                        // The session's worker is full: the rest of the
-                        // fleet, without the refused row, by the policy.
-                        leave_soft(s, choice.row);
-                        route = Route::Policy;
-                    }
-                    if mask::count(&s.mask, rows) == 0 {
-                        break;
-                    }
+                tracing::debug!(
+                    worker = %worker,
+                    cost = choice.cost,
+                    branch = choice.branch.as_str(),
+                    "selected"
+                );
+                Ok(Outcome::Booked(Booked {
+                    booking,
+                    worker,
+                    explanation: explanation(&choice, worker, route),
+                }))
+            }
+            (booked, _) => {
+                if let Err(SelectError::BadPick { row }) = booked {
+                    tracing::error!(row, "the policy chose a row outside the eligible rows");
                 }
+                Err(match pin {
+                    Some(p) => SelectionError::PinnedWorkerOverloaded {
+                        worker_id: p.worker_id(),
+                    },
+                    None => SelectionError::AllEligibleWorkersOverloaded,
+                })
             }
         }
-        Err(match pin {
-            Some(p) => SelectionError::PinnedWorkerOverloaded {
-                worker_id: p.worker_id(),
-            },
-            None => SelectionError::AllEligibleWorkersOverloaded,
-        })
     }
 }
 

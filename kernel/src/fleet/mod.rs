@@ -108,6 +108,7 @@ pub use booking::BookLoad;
 pub use counter::COUNTER_MAX;
 pub use error::{BookError, FleetError, SelectError};
 pub use guard::Booking;
+pub use select::SlotPick;
 pub use slots::capacity_weight_ok;
 pub use state::{Outstanding, SlotId, SlotState, WorkerInfo, WorkerSpec, WorkerState, UNLIMITED};
 

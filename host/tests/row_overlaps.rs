@@ -1,0 +1,171 @@
+//! Row-indexed overlaps (`RowOverlaps`): read as the KV policy's columns,
+//! equal to the worker-keyed form, refused on a stale row layout or a short
+//! column, and used for the prefill tokens booked.
+
+use selkie::*;
+
+fn kv() -> WorkerSelectionService {
+    WorkerSelectionService::new(
+        WorkerSelectionPolicy::kv(KvRouterConfig::default(), WorkerType::Aggregated),
+        ServiceConfig {
+            seed: Some(3),
+            ..ServiceConfig::default()
+        },
+    )
+}
+
+fn w(id: u64, rank: u32) -> WorkerWithDpRank {
+    WorkerWithDpRank::new(id, rank)
+}
+
+/// Worker-keyed overlaps and the row columns an indexer would produce for
+/// them.
+fn both(s: &WorkerSelectionService, ids: &[u64]) -> (Vec<WorkerOverlap>, RowLayout, Vec<f32>, Vec<f32>, Vec<f32>) {
+    let layout = s.row_layout();
+    let (mut device, mut cached, mut host) = (
+        vec![0.0; layout.rows()],
+        vec![0.0; layout.rows()],
+        vec![0.0; layout.rows()],
+    );
+    let mut keyed = Vec::new();
+    for &id in ids {
+        for rank in 0..2 {
+            // One clear best (the first rank of the first worker), so the
+            // choice does not depend on how ties are broken.
+            let best = id == ids[0] && rank == 0;
+            let blocks = if best { 12 } else { (id as u32 * 3 + rank) % 7 };
+            let host_blocks = (id as u32 + rank) % 3;
+            keyed.push(WorkerOverlap {
+                worker: w(id, rank),
+                device_blocks: blocks,
+                host_blocks,
+                cached_tokens: blocks * 16,
+                ..Default::default()
+            });
+            let row = s.row_of(w(id, rank)).unwrap();
+            (device[row], cached[row], host[row]) = (blocks as f32, (blocks * 16) as f32, host_blocks as f32);
+        }
+    }
+    // Unsorted on purpose: the worker-keyed form accepts any order.
+    keyed.reverse();
+    (keyed, layout, device, cached, host)
+}
+
+#[test]
+fn row_overlaps_cost_what_worker_overlaps_cost() {
+    let s = kv();
+    let ids: Vec<u64> = (1..=12).map(|i| i * 1_000_003).collect();
+    for &id in &ids {
+        s.add_worker(WorkerRecord::new(id).with_dp(0, 2)).unwrap();
+    }
+    let (keyed, layout, device, cached, host) = both(&s, &ids);
+    let rows = RowOverlaps::new(layout, &device)
+        .with_cached_tokens(&cached)
+        .with_host_blocks(&host);
+    let by_worker = s.costs(&SelectionRequest::new(256).with_overlaps(&keyed)).unwrap();
+    let by_row = s.costs(&SelectionRequest::new(256).with_row_overlaps(rows)).unwrap();
+    assert_eq!(by_worker, by_row);
+    let none = s.costs(&SelectionRequest::new(256)).unwrap();
+    assert_ne!(by_row, none, "the overlaps change the costs");
+    // The same choice, and the same prefill tokens booked.
+    let a = s.select(&SelectionRequest::new(256).with_overlaps(&keyed)).unwrap();
+    let (wa, pa) = (a.worker(), a.prefill_tokens());
+    drop(a);
+    let b = s.select(&SelectionRequest::new(256).with_row_overlaps(rows)).unwrap();
+    assert_eq!((b.worker(), b.prefill_tokens()), (wa, pa));
+    assert!(pa < 256, "cached tokens were credited");
+}
+
+#[test]
+fn a_row_given_to_another_worker_is_a_stale_layout() {
+    let s = kv();
+    for id in 1..=3 {
+        s.add_worker(WorkerRecord::new(id)).unwrap();
+    }
+    let layout = s.row_layout();
+    let row = s.row_of(w(2, 0)).unwrap();
+    let mut device = vec![0.0; layout.rows()];
+    device[row] = 1_000.0;
+    // Worker 2 leaves; worker 9 takes its row.
+    s.remove_worker(2).unwrap();
+    s.add_worker(WorkerRecord::new(9)).unwrap();
+    assert_eq!(s.row_of(w(9, 0)), Some(row), "the row was reused");
+    let req = SelectionRequest::new(4096).with_row_overlaps(RowOverlaps::new(layout, &device));
+    let err = s.select(&req).unwrap_err();
+    assert_eq!(
+        err,
+        SelectionError::StaleRowLayout {
+            expected: layout.epoch(),
+            found: s.row_layout().epoch()
+        }
+    );
+    // Recomputed against the new layout, the row credits worker 9.
+    let layout = s.row_layout();
+    let req = SelectionRequest::new(4096).with_row_overlaps(RowOverlaps::new(layout, &device));
+    assert_eq!(s.select(&req).unwrap().worker(), w(9, 0));
+}
+
+#[test]
+fn state_changes_keep_the_layout() {
+    let s = kv();
+    for id in 1..=3 {
+        s.add_worker(WorkerRecord::new(id)).unwrap();
+    }
+    let layout = s.row_layout();
+    s.set_worker_state(1, WorkerState::Draining).unwrap();
+    s.set_overloaded(3, true).unwrap();
+    assert_eq!(s.row_layout(), layout);
+    let device = vec![0.0; layout.rows()];
+    let req = SelectionRequest::new(64).with_row_overlaps(RowOverlaps::new(layout, &device));
+    assert_eq!(s.select(&req).unwrap().worker(), w(2, 0));
+}
+
+#[test]
+fn a_short_column_is_named() {
+    let s = kv();
+    for id in 1..=3 {
+        s.add_worker(WorkerRecord::new(id)).unwrap();
+    }
+    let layout = s.row_layout();
+    let device = vec![0.0; layout.rows()];
+    let cached = vec![0.0; 2];
+    let req =
+        SelectionRequest::new(64).with_row_overlaps(RowOverlaps::new(layout, &device).with_cached_tokens(&cached));
+    assert_eq!(
+        s.select(&req).unwrap_err(),
+        SelectionError::OverlapColumnTooShort {
+            column: "cached_tokens",
+            len: 2,
+            rows: layout.rows()
+        }
+    );
+    let req = SelectionRequest::new(64).with_row_overlaps(RowOverlaps::new(layout, &device[..1]));
+    assert!(matches!(
+        s.select(&req).unwrap_err(),
+        SelectionError::OverlapColumnTooShort {
+            column: "device_blocks",
+            len: 1,
+            ..
+        }
+    ));
+}
+
+#[test]
+fn device_aware_reads_row_overlaps() {
+    let s = WorkerSelectionService::new(
+        WorkerSelectionPolicy::device_aware_weighted(DeviceAwareConfig::default()),
+        ServiceConfig::default(),
+    );
+    for id in 1..=4 {
+        s.add_worker(WorkerRecord::new(id)).unwrap();
+    }
+    let layout = s.row_layout();
+    let mut device = vec![0.0; layout.rows()];
+    device[s.row_of(w(3, 0)).unwrap()] = 8.0;
+    let req = SelectionRequest::new(64)
+        .with_required_cache_hits(8)
+        .with_row_overlaps(RowOverlaps::new(layout, &device));
+    let sel = s.select(&req).unwrap();
+    assert_eq!(sel.worker(), w(3, 0));
+    assert_eq!(sel.explanation().branch, Branch::DeviceAwareCacheHit);
+}
