@@ -9,9 +9,10 @@ use std::collections::BTreeSet;
 use std::num::NonZeroU32;
 
 use selkie_kernel::kernels::kv_cost::{
-    kv_cost, preferred_taint_multiplier as kernel_multiplier, CostRange, KvCostConfig, KvLoad, KvOverlap, KvRequest,
-    WorkerRole,
+    kv_cost, kv_cost_argmin, preferred_taint_multiplier as kernel_multiplier, CostRange, KvCostConfig, KvCostError,
+    KvLoad, KvOverlap, KvRequest, WorkerRole,
 };
+use selkie_kernel::lanes::AtomicView;
 use selkie_kernel::kernels::pick::{explain, pick_in_range};
 use selkie_kernel::kernels::KernelError;
 use selkie_kernel::Rng;
@@ -156,14 +157,18 @@ fn non_finite(row: usize) -> SelectionError {
     .into()
 }
 
-/// Writes every row's KV cost into `s.costs` (`+inf` on ineligible rows);
-/// returns the effective configuration and the rows covered.
-pub(crate) fn fill_costs(
+/// Builds the kernel's inputs for this request (the policy's configuration
+/// with the request's overrides, the fleet's load columns, the overlap
+/// columns, the preferred-taint multipliers) and runs `kernel` on them with
+/// the scratch's cost column; returns the effective configuration and what
+/// `kernel` returned.
+fn with_kernel_inputs<R>(
     env: &Env<'_>,
     s: &mut Scratch,
     cfg: &KvRouterConfig,
     worker_type: WorkerType,
-) -> Result<(KvCostConfig, usize, CostRange), SelectionError> {
+    kernel: impl FnOnce(&KvCostConfig, &KvRequest, &KvLoad<'_, AtomicView<'_>>, &KvOverlap<'_>, &mut [f32]) -> R,
+) -> Result<(KvCostConfig, R), SelectionError> {
     let kcfg = effective_config(cfg, env);
     if kcfg.validate().is_err() {
         return Err(SelectionError::InvalidRequest(
@@ -192,7 +197,6 @@ pub(crate) fn fill_costs(
             });
         });
     }
-    let mask = env.mask;
     let Scratch {
         costs, overlap, taint, ..
     } = &mut *s;
@@ -207,12 +211,59 @@ pub(crate) fn fill_costs(
         preferred_taint_multiplier: taints.then(|| &taint[..rows]),
     };
     let load = KvLoad::new(&prefill, &decode, &active);
-    let result = kv_cost(&kcfg, &kreq, &load, &kover, mask, &mut costs[..rows]);
+    let result = kernel(&kcfg, &kreq, &load, &kover, &mut costs[..rows]);
     if view.scattered {
         overlap.reset();
     }
+    Ok((kcfg, result))
+}
+
+/// Writes every row's KV cost into `s.costs` (`+inf` on ineligible rows);
+/// returns the effective configuration and the rows covered.
+pub(crate) fn fill_costs(
+    env: &Env<'_>,
+    s: &mut Scratch,
+    cfg: &KvRouterConfig,
+    worker_type: WorkerType,
+) -> Result<(KvCostConfig, usize, CostRange), SelectionError> {
+    let mask = env.mask;
+    let (kcfg, result) = with_kernel_inputs(env, s, cfg, worker_type, |kcfg, kreq, load, kover, costs| {
+        kv_cost(kcfg, kreq, load, kover, mask, costs)
+    })?;
     let range = result.map_err(|_| SelectionError::InvalidRequest("KV cost inputs rejected by the kernel"))?;
-    Ok((kcfg, rows, range))
+    Ok((kcfg, env.rows, range))
+}
+
+/// Temperature 0 without an explanation: the kernel's cost and argmin in
+/// one pass, no cost column. `None` when the effective temperature is not 0.
+fn choose_minimum(
+    env: &Env<'_>,
+    s: &mut Scratch,
+    rng: &mut Rng,
+    cfg: &KvRouterConfig,
+    worker_type: WorkerType,
+) -> Result<Option<Choice>, SelectionError> {
+    let mask = env.mask;
+    let (kcfg, result) = with_kernel_inputs(env, s, cfg, worker_type, |kcfg, kreq, load, kover, _| {
+        (kcfg.router_temperature == 0.0).then(|| kv_cost_argmin(kcfg, kreq, load, kover, mask, rng))
+    })?;
+    let Some(result) = result else {
+        return Ok(None);
+    };
+    let choice = match result {
+        Ok(Some(c)) => c,
+        Ok(None) => return Err(SelectionError::AllEligibleWorkersOverloaded),
+        Err(KvCostError::NonFiniteCost { row }) => return Err(non_finite(row)),
+        Err(_) => return Err(SelectionError::InvalidRequest("KV cost inputs rejected by the kernel")),
+    };
+    Ok(Some(Choice {
+        row: choice.row,
+        cost: f64::from(choice.cost),
+        runner_up: None,
+        branch: Branch::KvMinimum,
+        candidates: selkie_kernel::mask::count(mask, env.rows),
+        temperature: f64::from(kcfg.router_temperature),
+    }))
 }
 
 pub(crate) fn choose(
@@ -222,6 +273,12 @@ pub(crate) fn choose(
     cfg: &KvRouterConfig,
     worker_type: WorkerType,
 ) -> Result<Choice, SelectionError> {
+    let t = effective_config(cfg, env).router_temperature;
+    if t == 0.0 && !env.explain {
+        if let Some(choice) = choose_minimum(env, s, rng, cfg, worker_type)? {
+            return Ok(choice);
+        }
+    }
     let (kcfg, rows, range) = fill_costs(env, s, cfg, worker_type)?;
     let (mask, costs) = (env.mask, &mut s.costs);
     let t = kcfg.router_temperature;
