@@ -12,9 +12,9 @@ use selkie_kernel::kernels::kv_cost::{
     kv_cost, kv_cost_argmin, preferred_taint_multiplier as kernel_multiplier, CostRange, KvCostConfig, KvCostError,
     KvLoad, KvOverlap, KvRequest, WorkerRole,
 };
-use selkie_kernel::lanes::AtomicView;
 use selkie_kernel::kernels::pick::{explain, pick_in_range};
 use selkie_kernel::kernels::KernelError;
+use selkie_kernel::lanes::AtomicView;
 use selkie_kernel::Rng;
 
 use super::scratch::{OverlapColumns, Scratch};
