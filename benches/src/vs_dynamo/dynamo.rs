@@ -1,5 +1,5 @@
-//! Dynamo's side: its `worker_selection` fixture built exactly as
-//! dynamo-kv-router 1.6.1's own bench builds it (`benches/worker_selection.rs`,
+//! Dynamo's side: a [`Scenario`] built the way dynamo-kv-router 1.6.1's own
+//! bench builds its `worker_selection` fixture (`benches/worker_selection.rs`,
 //! `fixture_with_preferred_taints` with no taints), the call it measures, and
 //! a way to read back the exact `f64` cost Dynamo gave a worker.
 //!
@@ -15,9 +15,9 @@
 //! call is O(1) rather than a scan of a 10,000-entry allowlist), under a
 //! scoped subscriber that keeps only that field, and returns it: Dynamo's own
 //! arithmetic, bit for bit. Narrowing the candidates changes no cost term in
-//! this fixture: the only term that depends on the eligible set is the
+//! any scenario: the only term that depends on the eligible set is the
 //! credit decay's minimum active prefill, and the decay is off
-//! (`overlap_score_credit_decay = 0`, Dynamo's default and the fixture's
+//! (`overlap_score_credit_decay = 0`, Dynamo's default and its fixture's
 //! `direct` group). [`DynamoFixture::choose_with_cost`] reads the cost of the
 //! worker an unrestricted selection picks the same way.
 //!
@@ -40,17 +40,21 @@ use tracing::span::{Attributes, Id, Record};
 use tracing::subscriber::Interest;
 use tracing::{Event, Metadata, Subscriber};
 
-use super::{FixtureWorker, BLOCK_SIZE, PROMPT_TOKENS, TOTAL_KV_BLOCKS};
+use super::{Scenario, BLOCK_SIZE, PROMPT_TOKENS, TOTAL_KV_BLOCKS};
 
-/// Dynamo's fixture for `n` workers: the worker map and the request.
+/// A scenario as Dynamo sees it: the worker map and the request.
 pub struct DynamoFixture {
     workers: HashMap<WorkerId, SimpleWorkerConfig>,
     request: SchedulingRequest,
 }
 
 impl DynamoFixture {
-    /// Builds the fixture for workers `0..n`, as Dynamo's bench does.
-    pub fn new(n: usize) -> Self {
+    /// Builds the worker map and the request for `scenario`'s workers
+    /// (worker `id` is `scenario.workers()[id]`), as Dynamo's bench does:
+    /// an overlap entry for each worker with a cache hit, a load entry for
+    /// every worker.
+    pub fn new(scenario: &Scenario) -> Self {
+        let n = scenario.len();
         let mut workers = HashMap::with_capacity(n);
         let mut overlap = OverlapSignals::default();
         let mut request = SchedulingRequest {
@@ -79,9 +83,8 @@ impl DynamoFixture {
             worker_loads: Default::default(),
             resp_tx: None,
         };
-        for id in 0..n as u32 {
-            let f = FixtureWorker::of(id);
-            let worker_id = WorkerId::from(id);
+        for (id, f) in scenario.workers().iter().enumerate() {
+            let worker_id = WorkerId::from(id as u32);
             let w = WorkerWithDpRank::from_worker_id(worker_id);
             workers.insert(
                 worker_id,
@@ -90,11 +93,12 @@ impl DynamoFixture {
                     ..Default::default()
                 },
             );
-            // Dynamo's bench: `cached as f64 / block_size as f64`.
-            overlap
-                .effective_overlap_blocks
-                .insert(w, f.cached_tokens as f64 / BLOCK_SIZE as f64);
-            overlap.effective_cached_tokens.insert(w, f.cached_tokens as usize);
+            if let Some(hit) = f.hit {
+                // Dynamo's bench: `cached as f64 / block_size as f64`, the
+                // device blocks for every scenario.
+                overlap.effective_overlap_blocks.insert(w, f64::from(hit.device_blocks));
+                overlap.effective_cached_tokens.insert(w, hit.cached_tokens as usize);
+            }
             request.worker_loads.insert(
                 w,
                 WorkerLoadProjection {

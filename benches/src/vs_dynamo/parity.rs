@@ -1,5 +1,6 @@
 //! The parity check the side-by-side benchmark runs before it times
-//! anything, and that `tests/dynamo_parity.rs` runs on its own (SPEC §4):
+//! anything, on every [`Scenario`] it times (Dynamo's fixture and the random
+//! fleets), and that `tests/dynamo_parity.rs` runs on its own (SPEC §4):
 //!
 //! 1. every worker's selkie cost equals Dynamo's exact `f64` cost within
 //!    [`REL_TOLERANCE`] relative;
@@ -11,14 +12,16 @@
 //!    Dynamo cost of the picked workers is within [`SIGMAS`] standard errors
 //!    of its exact expectation.
 //!
-//! selkie is checked twice, reading its load columns from each
-//! [`LoadSource`] (a kernel `Fleet`, plain slices).
+//! selkie is checked three times: its kernel path reading its load columns
+//! from each [`LoadSource`] (a kernel `Fleet`, plain slices), and its public
+//! service ([`ServiceFixture`], the request built by
+//! [`kv_request`](super::kv_request)).
 //!
 //! This module must not time anything.
 
 use std::fmt;
 
-use super::{DynamoFixture, LoadSource, SelkieFixture};
+use super::{Case, Drivers, DynamoFixture, LoadSource, Scenario, SelkieFixture, ServiceFixture};
 
 /// Largest accepted `|selkie - dynamo| / |dynamo|` per worker (SPEC §4).
 pub const REL_TOLERANCE: f64 = 1e-6;
@@ -28,19 +31,25 @@ pub const SIGMAS: f64 = 6.0;
 /// The temperature the sampling check uses.
 pub const SAMPLING_TEMPERATURE: f64 = 0.7;
 
-/// What the check found for one worker count.
+/// How parity reports name selkie's public service.
+pub const SERVICE: &str = "selkie/service";
+
+/// What the check found for one scenario.
 #[derive(Clone, Debug)]
 pub struct ParityReport {
+    /// The scenario's case.
+    pub case: Case,
     /// Workers compared.
     pub workers: usize,
-    /// Largest relative cost difference over all workers and load sources.
+    /// Largest relative cost difference over all workers and selkie paths.
     pub max_rel_error: f64,
     /// Dynamo's minimum cost.
     pub min_cost: f64,
     /// Worker Dynamo chose at temperature 0.
     pub dynamo_pick: u64,
-    /// Worker selkie chose at temperature 0, per load source.
-    pub selkie_picks: Vec<(LoadSource, u64)>,
+    /// Worker selkie chose at temperature 0, per path
+    /// (`"selkie/fleet"`, `"selkie/slices"`, [`SERVICE`]).
+    pub selkie_picks: Vec<(&'static str, u64)>,
     /// Sampling check at [`SAMPLING_TEMPERATURE`]; `None` when skipped.
     pub sampling: Option<SamplingReport>,
 }
@@ -56,19 +65,23 @@ pub struct SamplingReport {
     pub standard_error: f64,
     /// Dynamo's mean picked cost.
     pub dynamo: f64,
-    /// selkie's mean picked cost, per load source.
-    pub selkie: Vec<(LoadSource, f64)>,
+    /// selkie's mean picked cost, per path.
+    pub selkie: Vec<(&'static str, f64)>,
 }
 
 impl fmt::Display for ParityReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "{:>6} workers: max rel err {:.1e}; T=0 min cost {}, picked by dynamo {}",
-            self.workers, self.max_rel_error, self.min_cost, self.dynamo_pick
+            "{:<7} {:>6} workers: max rel err {:.1e}; T=0 min cost {}, picked by dynamo {}",
+            self.case.name(),
+            self.workers,
+            self.max_rel_error,
+            self.min_cost,
+            self.dynamo_pick
         )?;
-        for (source, pick) in &self.selkie_picks {
-            write!(f, ", selkie/{} {pick}", source.name())?;
+        for (who, pick) in &self.selkie_picks {
+            write!(f, ", {who} {pick}")?;
         }
         if let Some(s) = &self.sampling {
             write!(
@@ -76,8 +89,8 @@ impl fmt::Display for ParityReport {
                 "; T={SAMPLING_TEMPERATURE} mean picked cost over {} picks: expected {:.2} (s.e. {:.2}), dynamo {:.2}",
                 s.samples, s.expected, s.standard_error, s.dynamo
             )?;
-            for (source, mean) in &s.selkie {
-                write!(f, ", selkie/{} {mean:.2}", source.name())?;
+            for (who, mean) in &s.selkie {
+                write!(f, ", {who} {mean:.2}")?;
             }
         }
         Ok(())
@@ -89,8 +102,8 @@ impl fmt::Display for ParityReport {
 pub enum ParityError {
     /// A worker's costs differ by more than [`REL_TOLERANCE`].
     Cost {
-        /// selkie's load source.
-        source: LoadSource,
+        /// `"selkie/fleet"`, `"selkie/slices"` or [`SERVICE`].
+        who: &'static str,
         /// The worker.
         worker: u64,
         /// Dynamo's cost.
@@ -100,7 +113,7 @@ pub enum ParityError {
     },
     /// A temperature-0 pick does not have the minimum cost.
     NotMinimum {
-        /// `"dynamo"`, `"selkie/fleet"` or `"selkie/slices"`.
+        /// `"dynamo"`, `"selkie/fleet"`, `"selkie/slices"` or [`SERVICE`].
         who: &'static str,
         /// The picked worker.
         worker: u64,
@@ -111,7 +124,7 @@ pub enum ParityError {
     },
     /// A sampler's mean cost is off its expectation.
     Sampling {
-        /// `"dynamo"`, `"selkie/fleet"` or `"selkie/slices"`.
+        /// `"dynamo"`, `"selkie/fleet"`, `"selkie/slices"` or [`SERVICE`].
         who: &'static str,
         /// Observed mean cost.
         mean: f64,
@@ -126,14 +139,13 @@ impl fmt::Display for ParityError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             ParityError::Cost {
-                source,
+                who,
                 worker,
                 dynamo,
                 selkie,
             } => write!(
                 f,
-                "worker {worker}: selkie/{} cost {selkie} vs dynamo {dynamo} (rel err {:.2e} > {REL_TOLERANCE:e})",
-                source.name(),
+                "worker {worker}: {who} cost {selkie} vs dynamo {dynamo} (rel err {:.2e} > {REL_TOLERANCE:e})",
                 rel_error(*selkie, *dynamo)
             ),
             ParityError::NotMinimum { who, worker, cost, min } => write!(
@@ -197,17 +209,34 @@ impl DynamoTruth {
     }
 }
 
-/// Checks 1 and 2 for one selkie fixture: returns the largest relative cost
-/// error and selkie's temperature-0 pick.
+/// Checks 1 and 2 for selkie's kernel path: returns the largest relative
+/// cost error and selkie's temperature-0 pick.
 pub fn check_selkie(truth: &DynamoTruth, selkie: &mut SelkieFixture) -> Result<(f64, u64), ParityError> {
-    let source = selkie.load_source();
+    let who = who(selkie.load_source());
+    let max_rel_error = check_costs(truth, who, &selkie.costs())?;
+    let row = selkie.select(0.0);
+    let pick = check_minimum(truth, who, selkie.worker_of(row))?;
+    Ok((max_rel_error, pick))
+}
+
+/// Checks 1 and 2 for selkie's public service: returns the largest relative
+/// cost error and the service's temperature-0 pick.
+pub fn check_service(truth: &DynamoTruth, service: &ServiceFixture) -> Result<(f64, u64), ParityError> {
+    let max_rel_error = check_costs(truth, SERVICE, &service.costs())?;
+    let pick = check_minimum(truth, SERVICE, service.select(0.0))?;
+    Ok((max_rel_error, pick))
+}
+
+/// Check 1: every cost within [`REL_TOLERANCE`]; returns the largest error.
+fn check_costs(truth: &DynamoTruth, who: &'static str, costs: &[f32]) -> Result<f64, ParityError> {
+    assert_eq!(costs.len(), truth.costs.len(), "{who}: one cost per worker");
     let mut max_rel_error = 0.0f64;
-    for (id, (&d, &s)) in truth.costs.iter().zip(&selkie.costs()).enumerate() {
+    for (id, (&d, &s)) in truth.costs.iter().zip(costs).enumerate() {
         let e = rel_error(s, d);
         // NaN (a non-finite cost on either side) fails too.
         if e.is_nan() || e > REL_TOLERANCE {
             return Err(ParityError::Cost {
-                source,
+                who,
                 worker: id as u64,
                 dynamo: d,
                 selkie: s,
@@ -215,11 +244,13 @@ pub fn check_selkie(truth: &DynamoTruth, selkie: &mut SelkieFixture) -> Result<(
         }
         max_rel_error = max_rel_error.max(e);
     }
-    let row = selkie.select(0.0);
-    let pick = selkie.worker_of(row);
+    Ok(max_rel_error)
+}
+
+/// Check 2: a temperature-0 pick has Dynamo's minimum cost.
+fn check_minimum(truth: &DynamoTruth, who: &'static str, pick: u64) -> Result<u64, ParityError> {
     let cost = truth.costs[pick as usize];
     if cost != truth.min {
-        let who = who(source);
         return Err(ParityError::NotMinimum {
             who,
             worker: pick,
@@ -227,7 +258,7 @@ pub fn check_selkie(truth: &DynamoTruth, selkie: &mut SelkieFixture) -> Result<(
             min: truth.min,
         });
     }
-    Ok((max_rel_error, pick))
+    Ok(pick)
 }
 
 fn who(source: LoadSource) -> &'static str {
@@ -237,26 +268,35 @@ fn who(source: LoadSource) -> &'static str {
     }
 }
 
-/// Runs the check for `n` workers, against selkie reading its load from
-/// every [`LoadSource`]; `samples` picks per sampler for the
-/// temperature-0.7 check (0 skips it).
-pub fn check(n: usize, samples: usize) -> Result<ParityReport, ParityError> {
-    let dynamo = DynamoFixture::new(n);
-    let truth = DynamoTruth::new(&dynamo, n)?;
-    let mut selkies: Vec<SelkieFixture> = LoadSource::ALL.iter().map(|&s| SelkieFixture::new(n, s)).collect();
+/// Runs the check on `scenario`, against selkie's kernel path reading its
+/// load from every [`LoadSource`] and against its public service;
+/// `samples` picks per sampler for the temperature-0.7 check (0 skips it).
+pub fn check(scenario: &Scenario, samples: usize) -> Result<ParityReport, ParityError> {
+    check_drivers(scenario, &mut Drivers::new(scenario), samples)
+}
+
+/// [`check`] on drivers already built from `scenario` (the bench times the
+/// same drivers afterwards).
+pub fn check_drivers(scenario: &Scenario, drivers: &mut Drivers, samples: usize) -> Result<ParityReport, ParityError> {
+    let n = scenario.len();
+    let truth = DynamoTruth::new(&drivers.dynamo, n)?;
     let mut max_rel_error = 0.0f64;
     let mut selkie_picks = Vec::new();
-    for selkie in &mut selkies {
+    for selkie in &mut drivers.kernel {
         let (e, pick) = check_selkie(&truth, selkie)?;
         max_rel_error = max_rel_error.max(e);
-        selkie_picks.push((selkie.load_source(), pick));
+        selkie_picks.push((who(selkie.load_source()), pick));
     }
+    let (e, pick) = check_service(&truth, &drivers.service)?;
+    max_rel_error = max_rel_error.max(e);
+    selkie_picks.push((SERVICE, pick));
     let sampling = if samples == 0 {
         None
     } else {
-        Some(check_sampling(&dynamo, &mut selkies, &truth.costs, samples)?)
+        Some(check_sampling(drivers, &truth.costs, samples)?)
     };
     Ok(ParityReport {
+        case: scenario.case(),
         workers: n,
         max_rel_error,
         min_cost: truth.min,
@@ -267,12 +307,12 @@ pub fn check(n: usize, samples: usize) -> Result<ParityReport, ParityError> {
 }
 
 /// Check 3 (see the module docs).
-fn check_sampling(
-    dynamo: &DynamoFixture,
-    selkies: &mut [SelkieFixture],
-    costs: &[f64],
-    samples: usize,
-) -> Result<SamplingReport, ParityError> {
+fn check_sampling(drivers: &mut Drivers, costs: &[f64], samples: usize) -> Result<SamplingReport, ParityError> {
+    let Drivers {
+        dynamo,
+        kernel: selkies,
+        service,
+    } = drivers;
     let t = SAMPLING_TEMPERATURE;
     let lo = costs.iter().copied().fold(f64::INFINITY, f64::min);
     let hi = costs.iter().copied().fold(f64::NEG_INFINITY, f64::max);
@@ -315,8 +355,14 @@ fn check_sampling(
             })
             .sum::<f64>()
             / samples as f64;
-        selkie.push((s.load_source(), judge(who(s.load_source()), mean)?));
+        let who = who(s.load_source());
+        selkie.push((who, judge(who, mean)?));
     }
+    let mean = (0..samples)
+        .map(|_| costs[service.select(t as f32) as usize])
+        .sum::<f64>()
+        / samples as f64;
+    selkie.push((SERVICE, judge(SERVICE, mean)?));
     Ok(SamplingReport {
         samples,
         expected,

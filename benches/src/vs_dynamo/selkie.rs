@@ -1,4 +1,4 @@
-//! selkie's side: the same fixture as load columns, the request's overlap as
+//! selkie's kernel path: a [`Scenario`] as load columns, the request's overlap as
 //! a sparse list of hits, and the measured call, [`SelkieFixture::select`],
 //! which does all the per-request work Dynamo's `select_worker` does:
 //!
@@ -11,8 +11,9 @@
 //! ```
 //!
 //! The load columns come from a [`LoadSource`]: a real kernel `Fleet` whose
-//! counters hold the fixture's load as bookings (the default), or plain
-//! `u32` slices (the same numbers, no atomics).
+//! counters hold the scenario's load as bookings (the default), or plain
+//! `u32` slices (the same numbers, no atomics). The public service's path is
+//! [`ServiceFixture`](super::ServiceFixture).
 //!
 //! A hit names its worker by fleet row: selkie's host translates worker ids
 //! to rows once, when it records the cache index, not per request (SPEC §2:
@@ -30,10 +31,10 @@ use selkie_kernel::kernels::pick::pick;
 use selkie_kernel::lanes::{padded_rows, U32Source};
 use selkie_kernel::Rng;
 
-use super::{FixtureWorker, BLOCK_SIZE, PROMPT_TOKENS};
+use super::{Scenario, ScenarioWorker, BLOCK_SIZE, PROMPT_TOKENS};
 
 /// Lane groups of the benchmark's fleet: 1,280 * 8 = 10,240 rows, enough for
-/// the largest fixture.
+/// the largest scenario.
 pub const FLEET_GROUPS: usize = 1_280;
 
 /// The benchmark's fleet type.
@@ -44,7 +45,7 @@ pub type BenchFleet = Fleet<FLEET_GROUPS>;
 pub struct OverlapHit {
     /// The worker's fleet row.
     pub row: u32,
-    /// Device overlap blocks (Dynamo's effective overlap: the fixture has no
+    /// Device overlap blocks (Dynamo's effective overlap: no scenario has
     /// per-tier overlaps).
     pub device_blocks: f32,
     /// Estimated cached tokens.
@@ -54,7 +55,7 @@ pub struct OverlapHit {
 /// Where selkie reads the load columns from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum LoadSource {
-    /// A kernel [`Fleet`]: one slot per worker, the fixture's load held by
+    /// A kernel [`Fleet`]: one slot per worker, the scenario's load held by
     /// [`Booking`] guards in its tagged atomic counters, read through
     /// `AtomicView`s; the eligibility mask is copied from the fleet's
     /// selectable rows on every call.
@@ -92,7 +93,8 @@ impl LoadSource {
 enum Loads {
     Fleet {
         fleet: Arc<BenchFleet>,
-        /// The guards that hold the fixture's load; dropping them releases it.
+        /// The guards that hold the scenario's load; dropping them releases
+        /// it.
         _bookings: Vec<Booking<Arc<BenchFleet>, FLEET_GROUPS>>,
     },
     Slices {
@@ -102,7 +104,8 @@ enum Loads {
     },
 }
 
-/// The fixture as selkie sees it, with the preallocated per-request scratch.
+/// A scenario as selkie's kernel sees it, with the preallocated per-request
+/// scratch.
 pub struct SelkieFixture {
     workers: usize,
     loads: Loads,
@@ -122,19 +125,20 @@ struct Scratch {
 }
 
 impl SelkieFixture {
-    /// The fixture for workers `0..n` (row `id` is worker `id`), every row
-    /// eligible, default cost config, the request's hits in row order.
+    /// `scenario`'s workers (row `id` is worker `id`), every row eligible,
+    /// default cost config, the request's hits in row order.
     ///
     /// # Panics
-    /// If `n` exceeds the fleet's capacity, or the fleet refuses a worker or
-    /// a booking.
-    pub fn new(n: usize, source: LoadSource) -> Self {
+    /// If the scenario exceeds the fleet's capacity, or the fleet refuses a
+    /// worker or a booking.
+    pub fn new(scenario: &Scenario, source: LoadSource) -> Self {
+        let n = scenario.len();
         let rows = padded_rows(n);
-        let workers: Vec<FixtureWorker> = (0..n as u32).map(FixtureWorker::of).collect();
+        let workers = scenario.workers();
         let loads = match source {
-            LoadSource::Fleet => fleet_loads(&workers),
+            LoadSource::Fleet => fleet_loads(workers),
             LoadSource::Slices => {
-                let column = |f: fn(&FixtureWorker) -> u32| {
+                let column = |f: fn(&ScenarioWorker) -> u32| {
                     let mut c: Vec<u32> = workers.iter().map(f).collect();
                     c.resize(rows, 0);
                     c
@@ -146,14 +150,14 @@ impl SelkieFixture {
                 }
             }
         };
-        // Dynamo's fixture has an overlap entry for every worker, zero hits
-        // included; so does this list.
-        let hits = (0..n as u32)
-            .zip(&workers)
-            .map(|(row, w)| OverlapHit {
+        // One hit per overlap entry Dynamo gets (its fixture has one for
+        // every worker, zero hits included).
+        let hits = scenario
+            .hits()
+            .map(|(row, hit)| OverlapHit {
                 row,
-                device_blocks: w.overlap_blocks(),
-                cached_tokens: w.cached_tokens,
+                device_blocks: hit.device_blocks as f32,
+                cached_tokens: hit.cached_tokens,
             })
             .collect();
         SelkieFixture {
@@ -288,7 +292,7 @@ impl SelkieFixture {
         self.scratch.costs[..self.workers].to_vec()
     }
 
-    /// The worker at `row` (rows are worker ids in this fixture).
+    /// The worker at `row` (rows are worker ids here).
     pub fn worker_of(&self, row: usize) -> u64 {
         row as u64
     }
@@ -309,22 +313,23 @@ fn cost_into<L: U32Source + ?Sized>(
         ..KvOverlap::default()
     };
     kv_cost(config, request, load, &overlap, eligible, &mut scratch.costs)
-        .expect("the fixture's columns are consistent")
+        .expect("the scenario's columns are consistent")
 }
 
-/// A fleet holding the fixture: worker `id` in row `id`, its load booked.
+/// A fleet holding a scenario: worker `id` in row `id`, its load booked.
 ///
 /// A booking carries one request, so a worker with prefill tokens or decode
-/// blocks but no requests (ids that are multiples of 17) holds one request
-/// instead of none. No cost term reads active requests at the default
-/// `decode_active_request_weight` of 0, so the costs are the fixture's.
-fn fleet_loads(workers: &[FixtureWorker]) -> Loads {
+/// blocks but no requests (in Dynamo's fixture, ids that are multiples of
+/// 17) holds one request instead of none. No cost term reads active
+/// requests at the default `decode_active_request_weight` of 0, so the
+/// costs are the scenario's.
+fn fleet_loads(workers: &[ScenarioWorker]) -> Loads {
     let fleet = new_fleet();
     let mut bookings = Vec::new();
     for (id, w) in workers.iter().enumerate() {
         let slot = fleet
             .add(WorkerSpec::new(id as u64))
-            .expect("the fleet has room for the fixture");
+            .expect("the fleet has room for the scenario");
         let row = slot.row as usize;
         assert_eq!(row, id, "the fleet fills rows in order");
         let load = BookLoad {
@@ -345,7 +350,7 @@ fn fleet_loads(workers: &[FixtureWorker]) -> Loads {
         assert_eq!(
             (held.requests, held.prefill_tokens, held.decode_blocks),
             (requests, w.active_prefill_tokens, w.active_decode_blocks),
-            "row {row} holds the fixture's load"
+            "row {row} holds the scenario's load"
         );
     }
     Loads::Fleet {
