@@ -7,9 +7,9 @@
 //! # The overlap input
 //!
 //! [`OverlapInput`], [`overlap_input`] and [`kv_request`] are the one place
-//! that decides how the request's overlaps reach the service (today a
-//! `&[WorkerOverlap]` sorted by worker rank, through
-//! `SelectionRequest::with_overlaps`). Every selkie-service row of the
+//! that decides how the request's overlaps reach the service (per-row
+//! columns, `RowOverlaps`, through `SelectionRequest::with_row_overlaps`,
+//! as a KV indexer would hand them over). Every selkie-service row of the
 //! benchmark, the parity check included, goes through them, so switching to
 //! another overlap form changes these three items and nothing else.
 //!
@@ -52,28 +52,40 @@
 use std::sync::Arc;
 
 use selkie::{
-    KvRouterConfig, OwnedSelection, SelectionRequest, ServiceConfig, WorkerOverlap, WorkerRecord,
-    WorkerSelectionPolicy, WorkerSelectionService, WorkerType, WorkerWithDpRank,
+    KvRouterConfig, OwnedSelection, RowLayout, RowOverlaps, SelectionRequest, ServiceConfig, WorkerOverlap,
+    WorkerRecord, WorkerSelectionPolicy, WorkerSelectionService, WorkerType, WorkerWithDpRank,
 };
 
 use super::{Scenario, BLOCK_SIZE, PROMPT_TOKENS};
 
-/// The form in which the measured request carries its overlaps (see the
-/// module docs).
-pub type OverlapInput = Vec<WorkerOverlap>;
+/// The request's overlaps as the service takes them fastest: per-row
+/// columns (what a KV indexer produces), for the row layout they were
+/// computed against. Empty columns: nothing cached.
+pub struct OverlapInput {
+    layout: RowLayout,
+    device_blocks: Vec<f32>,
+    cached_tokens: Vec<f32>,
+}
 
-/// `scenario`'s cache hits in the form [`kv_request`] takes: one entry per
-/// worker with a hit, sorted by worker rank (the service's fast path).
-pub fn overlap_input(scenario: &Scenario) -> OverlapInput {
-    scenario
-        .hits()
-        .map(|(id, hit)| WorkerOverlap {
-            worker: WorkerWithDpRank::new(u64::from(id), 0),
-            device_blocks: hit.device_blocks,
-            cached_tokens: hit.cached_tokens,
-            ..WorkerOverlap::default()
-        })
-        .collect()
+/// `scenario`'s cache hits in the form [`kv_request`] takes: device blocks
+/// and cached tokens per row of `service`'s current row layout (worker `id`
+/// of the scenario is worker id `first_id + id`, rank 0).
+pub fn overlap_input(service: &WorkerSelectionService, scenario: Option<&Scenario>, first_id: u64) -> OverlapInput {
+    let layout = service.row_layout();
+    let mut device_blocks = vec![0.0; layout.rows()];
+    let mut cached_tokens = vec![0.0; layout.rows()];
+    for (id, hit) in scenario.into_iter().flat_map(|s| s.hits()) {
+        let row = service
+            .row_of(WorkerWithDpRank::new(first_id + u64::from(id), 0))
+            .expect("every scenario worker has a row");
+        device_blocks[row] = hit.device_blocks as f32;
+        cached_tokens[row] = hit.cached_tokens as f32;
+    }
+    OverlapInput {
+        layout,
+        device_blocks,
+        cached_tokens,
+    }
 }
 
 /// The measured request: `isl_tokens` prompt tokens, `overlaps`, the router
@@ -81,8 +93,9 @@ pub fn overlap_input(scenario: &Scenario) -> OverlapInput {
 /// nothing.
 #[inline]
 pub fn kv_request(isl_tokens: u32, overlaps: &OverlapInput, temperature: f32) -> SelectionRequest<'_> {
+    let rows = RowOverlaps::new(overlaps.layout, &overlaps.device_blocks).with_cached_tokens(&overlaps.cached_tokens);
     SelectionRequest::new(isl_tokens as usize)
-        .with_overlaps(overlaps)
+        .with_row_overlaps(rows)
         .with_temperature(f64::from(temperature))
 }
 
@@ -107,7 +120,7 @@ impl ServiceFixture {
     /// If the service refuses a worker or a booking, or holds other than
     /// the load it was given.
     pub fn new(scenario: &Scenario) -> Self {
-        let mut fixture = Self::with_workers(0, scenario.len(), PROMPT_TOKENS, overlap_input(scenario));
+        let mut fixture = Self::with_workers(0, scenario.len(), PROMPT_TOKENS, Some(scenario));
         for (id, w) in scenario.workers().iter().enumerate() {
             let load = ServiceLoad::of(w.active_prefill_tokens, w.active_decode_blocks, w.active_requests);
             fixture.hold(id as u64, load);
@@ -122,12 +135,12 @@ impl ServiceFixture {
     /// # Panics
     /// If the service refuses a worker.
     pub fn idle(first_id: u64, n: usize, isl_tokens: u32) -> Self {
-        let fixture = Self::with_workers(first_id, n, isl_tokens, OverlapInput::new());
+        let fixture = Self::with_workers(first_id, n, isl_tokens, None);
         fixture.select(0.0);
         fixture
     }
 
-    fn with_workers(first_id: u64, n: usize, isl_tokens: u32, overlaps: OverlapInput) -> Self {
+    fn with_workers(first_id: u64, n: usize, isl_tokens: u32, scenario: Option<&Scenario>) -> Self {
         let config = ServiceConfig {
             block_size: BLOCK_SIZE,
             seed: Some(0x5e1c_1e5e),
@@ -137,6 +150,7 @@ impl ServiceFixture {
         let service = Arc::new(WorkerSelectionService::new(policy, config));
         let records = (first_id..first_id + n as u64).map(WorkerRecord::new).collect();
         service.sync(records).expect("the service has room for every worker");
+        let overlaps = overlap_input(&service, scenario, first_id);
         ServiceFixture {
             service,
             held: Vec::new(),
