@@ -72,6 +72,7 @@
 //! one output column.
 
 mod config;
+mod fast;
 mod fused;
 mod inputs;
 mod parity;
