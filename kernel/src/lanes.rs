@@ -93,6 +93,26 @@ pub trait U32Source {
     fn lanes8<S: Simd>(&self, s: S, first_group: usize) -> [S::U32; 8] {
         by_lane8!(i => self.lanes(s, first_group + i))
     }
+    /// The number of low bits of each stored word below the value (`value =
+    /// word >> word_shift()`): 0 (the default) for a column that stores its
+    /// values.
+    #[inline(always)]
+    fn word_shift(&self) -> u32 {
+        0
+    }
+    /// The stored words of eight lane groups (as [`lanes8`](Self::lanes8)),
+    /// before the [`word_shift`](Self::word_shift): ordered like the values
+    /// (a value sits in the high bits), so a scan for the least value can
+    /// take the least word and shift it once. Default: the values.
+    #[inline(always)]
+    fn words8<S: Simd>(&self, s: S, first_group: usize) -> [S::U32; 8] {
+        self.lanes8(s, first_group)
+    }
+    /// The stored words of one lane group (see [`words8`](Self::words8)).
+    #[inline(always)]
+    fn words<S: Simd>(&self, s: S, group: usize) -> S::U32 {
+        self.lanes(s, group)
+    }
     /// The first `words` mask words' lane groups (`8 * words` groups) as a
     /// [`GroupWords`], bounds checked once here so that a kernel's inner
     /// loop indexes them without checks; `None` (the default) when the
@@ -376,6 +396,22 @@ impl U32Source for AtomicView<'_> {
         // known length 8.
         let block = &self.groups[first_group..first_group + 8];
         by_lane8!(i => self.decode_lanes(s.load_atomic(&block[i].0)))
+    }
+    #[inline(always)]
+    fn word_shift(&self) -> u32 {
+        match self.decode {
+            Decode::Raw => 0,
+            Decode::Shift(s) => s,
+        }
+    }
+    #[inline(always)]
+    fn words8<S: Simd>(&self, s: S, first_group: usize) -> [S::U32; 8] {
+        let block = &self.groups[first_group..first_group + 8];
+        by_lane8!(i => s.load_atomic(&block[i].0))
+    }
+    #[inline(always)]
+    fn words<S: Simd>(&self, s: S, group: usize) -> S::U32 {
+        s.load_atomic(&self.groups[group].0)
     }
     #[inline(always)]
     fn group_words(&self, words: usize) -> Option<GroupWords<'_>> {

@@ -439,7 +439,7 @@ dispatch! {
         (costs: &C, mask: &[u64], range: super::kv_cost::CostRange, temperature: f32, last: usize, rng: &mut Rng)
         -> Option<usize>
         = |s| if temperature == 0.0 {
-            argmin_given_min(s, &Costs(costs), mask, range.min, rng)
+            argmin_given_min(s, &Costs(costs), mask, range.min, &[], rng)
         } else {
             Some(softmax_walk(s, costs, mask, range.min, range.max, last, temperature, rng))
         }
