@@ -1,6 +1,8 @@
-//! The fused KV cost + argmin's inner loop for the common cost shapes,
-//! compiled once per shape with no branch per lane group on a configuration
-//! flag, an optional column or a column's encoding.
+//! The inner loops of [`kv_cost`](super::kv_cost) (the cost column) and of
+//! the fused KV cost + argmin for the common cost shapes, compiled once per
+//! shape with no branch per lane group on a configuration flag, an optional
+//! column or a column's encoding, and no bounds check per group (every
+//! column is cut to whole mask words once).
 //!
 //! A shape is what [`cost_lanes`](super::cost_lanes) would branch on per
 //! group, resolved once per call: the formula (prefill blocks tracked
@@ -10,7 +12,8 @@
 //! because a shifted counter is below `2^31`). The shape takes the device
 //! overlap column and, for the prefill formula, the cached tokens; any other
 //! optional column, a load-availability mask, the decay or a prefill pool
-//! without tracking take the general loop in `fused`.
+//! without tracking take the general loops (`kv_cost_in`, `fused`); so do
+//! the lane groups past the last whole mask word.
 //!
 //! [`fast_cost_lanes`] performs [`cost_lanes`](super::cost_lanes)'
 //! operations for its shape in the same order, so the costs are the same
@@ -20,7 +23,7 @@
 //! when either is NaN.
 //!
 //! This module must not pick or book: it computes costs and hands each
-//! lane group to the running minimum of `fused`.
+//! lane group to the running minimum of `fused` or to the output column.
 
 use super::fused::Ties;
 use super::{KvLoad, KvOverlap, Prepared};
@@ -104,6 +107,24 @@ impl<'a> Plan<'a> {
     /// `fused`'s general loop does.
     #[inline(always)]
     pub(super) fn scan<S: Simd>(&self, s: S, mask: &[u64], ties: &mut Ties, hi: &mut S::F32) {
+        let mut job: Job<'_, S> = Job::Argmin { ties, hi };
+        self.run(s, mask, &mut job);
+    }
+
+    /// Writes the costs of the plan's lane groups into `out` (`+inf` on
+    /// ineligible rows) and folds them into the lane-wise range `lo`, `hi`,
+    /// as `kv_cost`'s general loop does. `out` holds at least the plan's rows.
+    #[inline(always)]
+    pub(super) fn write<S: Simd>(&self, s: S, mask: &[u64], out: &mut [f32], lo: &mut S::F32, hi: &mut S::F32) {
+        let n = self.device.len();
+        let out = &mut out.as_chunks_mut::<LANES>().0.as_chunks_mut::<8>().0[..n];
+        let mut job: Job<'_, S> = Job::Column { out, lo, hi };
+        self.run(s, mask, &mut job);
+    }
+
+    /// Runs `job` in the loop compiled for the plan's column form and shape.
+    #[inline(always)]
+    fn run<S: Simd>(&self, s: S, mask: &[u64], job: &mut Job<'_, S>) {
         // Every column sliced to the same length: one bound for the loop and
         // no check per group.
         let n = self.device.len();
@@ -117,7 +138,7 @@ impl<'a> Plan<'a> {
                     device: self.device,
                     cached,
                 };
-                self.scan_shape(s, cols, mask, ties, hi);
+                self.run_shape(s, cols, mask, job);
             }
             (Words::Counter(p, ps), Words::Counter(d, ds), Words::Counter(r, rs)) => {
                 let cols = Cols {
@@ -127,27 +148,48 @@ impl<'a> Plan<'a> {
                     device: self.device,
                     cached,
                 };
-                self.scan_shape(s, cols, mask, ties, hi);
+                self.run_shape(s, cols, mask, job);
             }
             _ => unreachable!("the load columns of one call share their type"),
         }
     }
 
-    /// [`scan`](Self::scan) for one column form: picks the formula's loop.
+    /// [`run`](Self::run) for one column form: picks the formula's loop.
     #[inline(always)]
-    fn scan_shape<S: Simd, W: GroupValues>(
-        &self,
+    fn run_shape<S: Simd, W: GroupValues>(&self, s: S, cols: Cols<'_, W>, mask: &[u64], job: &mut Job<'_, S>) {
+        match (self.decode_formula, self.req_on) {
+            (false, false) => job.run::<W, false, false>(s, self, cols, mask),
+            (false, true) => job.run::<W, false, true>(s, self, cols, mask),
+            (true, false) => job.run::<W, true, false>(s, self, cols, mask),
+            (true, true) => job.run::<W, true, true>(s, self, cols, mask),
+        }
+    }
+}
+
+/// What a fast loop does with the costs.
+enum Job<'j, S: Simd> {
+    /// The fused argmin's running minimum and maximum.
+    Argmin { ties: &'j mut Ties, hi: &'j mut S::F32 },
+    /// `kv_cost`'s output column and lane-wise range.
+    Column {
+        out: &'j mut [[[f32; LANES]; 8]],
+        lo: &'j mut S::F32,
+        hi: &'j mut S::F32,
+    },
+}
+
+impl<S: Simd> Job<'_, S> {
+    #[inline(always)]
+    fn run<W: GroupValues, const DECODE: bool, const REQ: bool>(
+        &mut self,
         s: S,
+        plan: &Plan<'_>,
         cols: Cols<'_, W>,
         mask: &[u64],
-        ties: &mut Ties,
-        hi: &mut S::F32,
     ) {
-        match (self.decode_formula, self.req_on) {
-            (false, false) => scan_loop::<S, W, false, false>(s, self, cols, mask, ties, hi),
-            (false, true) => scan_loop::<S, W, false, true>(s, self, cols, mask, ties, hi),
-            (true, false) => scan_loop::<S, W, true, false>(s, self, cols, mask, ties, hi),
-            (true, true) => scan_loop::<S, W, true, true>(s, self, cols, mask, ties, hi),
+        match self {
+            Job::Argmin { ties, hi } => scan_loop::<S, W, DECODE, REQ>(s, plan, cols, mask, ties, hi),
+            Job::Column { out, lo, hi } => column_loop::<S, W, DECODE, REQ>(s, plan, cols, mask, out, lo, hi),
         }
     }
 }
@@ -278,4 +320,48 @@ fn next_candidate<S: Simd, W: GroupValues, const DECODE: bool, const REQ: bool>(
     }
     *hi = acc;
     found
+}
+
+/// `kv_cost`'s loop in one shape: each lane group's costs (`+inf` on
+/// ineligible rows) stored and folded into the lane-wise `lo` (`<`) and
+/// `hi` (`>`, eligible lanes only), as its general loop does.
+#[inline(always)]
+fn column_loop<S: Simd, W: GroupValues, const DECODE: bool, const REQ: bool>(
+    s: S,
+    plan: &Plan<'_>,
+    cols: Cols<'_, W>,
+    mask: &[u64],
+    out: &mut [[[f32; LANES]; 8]],
+    lo: &mut S::F32,
+    hi: &mut S::F32,
+) {
+    let k = Consts::new(s, plan);
+    let inf = s.splat_f32(f32::INFINITY);
+    let (mut l, mut h) = (*lo, *hi);
+    let words = cols.device.len().min(out.len());
+    for (w, dst) in out[..words].iter_mut().enumerate() {
+        let word = mask.get(w).copied().unwrap_or(0);
+        if word == u64::MAX {
+            for (i, dst) in dst.iter_mut().enumerate() {
+                let c = fast_cost_lanes::<S, W, DECODE, REQ>(s, &k, &cols, w, i);
+                l = c.cmp_lt(l).blend(c, l);
+                h = c.cmp_gt(h).blend(c, h);
+                *dst = c.to_array();
+            }
+        } else {
+            for (i, dst) in dst.iter_mut().enumerate() {
+                let bits = (word >> (i * 8)) as u8;
+                if bits == 0 {
+                    *dst = [f32::INFINITY; LANES];
+                    continue;
+                }
+                let on = s.lane_mask(bits).cast_f32();
+                let c = on.blend(fast_cost_lanes::<S, W, DECODE, REQ>(s, &k, &cols, w, i), inf);
+                l = c.cmp_lt(l).blend(c, l);
+                h = (on & c.cmp_gt(h)).blend(c, h);
+                *dst = c.to_array();
+            }
+        }
+    }
+    (*lo, *hi) = (l, h);
 }

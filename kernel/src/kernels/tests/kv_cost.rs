@@ -686,6 +686,36 @@ fn check_fused_on_counters(case: &Case, seed: u64) -> Result<(), TestCaseError> 
     };
     let overlap = case.overlap();
     for backend in Backend::available() {
+        let (mut on_slices, mut on_counters) = (vec![f32::NAN; rows], vec![f32::NAN; rows]);
+        let slices_range = kv_cost_on(
+            backend,
+            &case.config,
+            &case.request,
+            &case.load(),
+            &overlap,
+            &case.mask,
+            &mut on_slices,
+        );
+        let counters_range = kv_cost_on(
+            backend,
+            &case.config,
+            &case.request,
+            &load,
+            &overlap,
+            &case.mask,
+            &mut on_counters,
+        );
+        prop_assert_eq!(slices_range, counters_range, "{:?}", backend);
+        for r in 0..rows {
+            prop_assert!(
+                same_f32(on_slices[r], on_counters[r]),
+                "{:?} row {}: slices {} counters {}",
+                backend,
+                r,
+                on_slices[r],
+                on_counters[r]
+            );
+        }
         let (mut a, mut b) = (crate::Rng::new(seed), crate::Rng::new(seed));
         let on_slices = kv_cost_argmin_on(
             backend,
@@ -752,10 +782,17 @@ proptest! {
         check_fused_on_counters(&case, seed)?;
     }
 
-    /// The same in the shapes of the fused kernel's specialised loops, on
-    /// slices and on fleet counters.
+    /// The same in the shapes of the specialised loops (`kv_cost::fast`),
+    /// on slices and on fleet counters, and `kv_cost` against its reference
+    /// in them.
     #[test]
     fn kv_cost_argmin_fast_shapes_equal_kv_cost_then_pick(case in fast_case(), seed in any::<u64>()) {
+        let (simd, range) = case.simd();
+        let (reference, ref_range) = case.reference();
+        for r in 0..simd.len() {
+            prop_assert!(same_f32(simd[r], reference[r]), "row {}: simd {} reference {}", r, simd[r], reference[r]);
+        }
+        prop_assert_eq!(range, ref_range);
         check_fused(&case, seed)?;
         check_fused_on_counters(&case, seed)?;
     }
