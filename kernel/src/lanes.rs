@@ -93,6 +93,84 @@ pub trait U32Source {
     fn lanes8<S: Simd>(&self, s: S, first_group: usize) -> [S::U32; 8] {
         by_lane8!(i => self.lanes(s, first_group + i))
     }
+    /// The number of low bits of each stored word below the value (`value =
+    /// word >> word_shift()`): 0 (the default) for a column that stores its
+    /// values.
+    #[inline(always)]
+    fn word_shift(&self) -> u32 {
+        0
+    }
+    /// The stored words of eight lane groups (as [`lanes8`](Self::lanes8)),
+    /// before the [`word_shift`](Self::word_shift): ordered like the values
+    /// (a value sits in the high bits), so a scan for the least value can
+    /// take the least word and shift it once. Default: the values.
+    #[inline(always)]
+    fn words8<S: Simd>(&self, s: S, first_group: usize) -> [S::U32; 8] {
+        self.lanes8(s, first_group)
+    }
+    /// The stored words of one lane group (see [`words8`](Self::words8)).
+    #[inline(always)]
+    fn words<S: Simd>(&self, s: S, group: usize) -> S::U32 {
+        self.lanes(s, group)
+    }
+    /// The first `words` mask words' lane groups (`8 * words` groups) as a
+    /// [`GroupWords`], bounds checked once here so that a kernel's inner
+    /// loop indexes them without checks; `None` (the default) when the
+    /// column has no such form or is shorter, and the kernel then reads it
+    /// with [`lanes`](Self::lanes).
+    #[inline(always)]
+    fn group_words(&self, words: usize) -> Option<GroupWords<'_>> {
+        let _ = words;
+        None
+    }
+}
+
+/// The first lane groups of a `u32` column in the form a kernel's inner
+/// loop reads without a bounds check or a decode branch per group (from
+/// [`U32Source::group_words`]).
+#[derive(Clone, Copy)]
+pub struct GroupWords<'a>(pub(crate) Words<'a>);
+
+/// The two forms of [`GroupWords`].
+#[derive(Clone, Copy)]
+pub(crate) enum Words<'a> {
+    /// A plain column: the words are the values.
+    Plain(&'a [[[u32; LANES]; 8]]),
+    /// A fleet counter column: `value = word >> shift`, `1 <= shift < 32`,
+    /// so every value is below `2^31`.
+    Counter(&'a [[AtomicGroup; 8]], u32),
+}
+
+/// A column's lane groups as values, converted to `f32` exactly as
+/// `x as f32` would, indexed by mask word (eight groups) and group within
+/// it: the readers of [`Words`], one per form, so that a kernel's loop is
+/// compiled once per form with no branch or bounds check per group.
+pub(crate) trait GroupValues: Copy {
+    /// Group `i` (`< 8`) of word `w` as `f32` lanes.
+    fn values_f32<S: Simd>(self, s: S, w: usize, i: usize) -> S::F32;
+}
+
+/// [`Words::Plain`]'s reader: the full `u32` range, two-part conversion.
+#[derive(Clone, Copy)]
+pub(crate) struct PlainValues<'a>(pub(crate) &'a [[[u32; LANES]; 8]]);
+
+impl GroupValues for PlainValues<'_> {
+    #[inline(always)]
+    fn values_f32<S: Simd>(self, s: S, w: usize, i: usize) -> S::F32 {
+        s.load_u32(&self.0[w][i]).to_f32()
+    }
+}
+
+/// [`Words::Counter`]'s reader: one shift, then one signed conversion
+/// (exact `x as f32` because the shifted value is below `2^31`).
+#[derive(Clone, Copy)]
+pub(crate) struct CounterValues<'a>(pub(crate) &'a [[AtomicGroup; 8]], pub(crate) u32);
+
+impl GroupValues for CounterValues<'_> {
+    #[inline(always)]
+    fn values_f32<S: Simd>(self, s: S, w: usize, i: usize) -> S::F32 {
+        s.load_atomic(&self.0[w][i].0).shr(self.1).small_to_f32()
+    }
 }
 
 /// A column of `f32` values a kernel can read one lane group at a time.
@@ -142,6 +220,15 @@ impl U32Source for [u32] {
             .unwrap_or_else(|| panic!("groups8({first_group}) out of range or unaligned"));
         let groups: &[[u32; LANES]; 8] = bytemuck::cast_ref(block);
         by_lane8!(i => s.load_u32(&groups[i]))
+    }
+    #[inline(always)]
+    fn group_words(&self, words: usize) -> Option<GroupWords<'_>> {
+        self.as_chunks::<LANES>()
+            .0
+            .as_chunks::<8>()
+            .0
+            .get(..words)
+            .map(|g| GroupWords(Words::Plain(g)))
     }
 }
 
@@ -309,6 +396,30 @@ impl U32Source for AtomicView<'_> {
         // known length 8.
         let block = &self.groups[first_group..first_group + 8];
         by_lane8!(i => self.decode_lanes(s.load_atomic(&block[i].0)))
+    }
+    #[inline(always)]
+    fn word_shift(&self) -> u32 {
+        match self.decode {
+            Decode::Raw => 0,
+            Decode::Shift(s) => s,
+        }
+    }
+    #[inline(always)]
+    fn words8<S: Simd>(&self, s: S, first_group: usize) -> [S::U32; 8] {
+        let block = &self.groups[first_group..first_group + 8];
+        by_lane8!(i => s.load_atomic(&block[i].0))
+    }
+    #[inline(always)]
+    fn words<S: Simd>(&self, s: S, group: usize) -> S::U32 {
+        s.load_atomic(&self.groups[group].0)
+    }
+    #[inline(always)]
+    fn group_words(&self, words: usize) -> Option<GroupWords<'_>> {
+        let g = self.groups.as_chunks::<8>().0.get(..words)?;
+        Some(GroupWords(match self.decode {
+            Decode::Shift(s) if (1..32).contains(&s) => Words::Counter(g, s),
+            Decode::Shift(_) | Decode::Raw => return None,
+        }))
     }
 }
 

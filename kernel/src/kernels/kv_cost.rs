@@ -72,6 +72,7 @@
 //! one output column.
 
 mod config;
+mod fast;
 mod fused;
 mod inputs;
 mod parity;
@@ -475,7 +476,15 @@ fn kv_cost_in<S: Simd, L: U32Source + ?Sized>(
     let mut lo = s.splat_f32(f32::INFINITY);
     let mut hi = s.splat_f32(f32::NEG_INFINITY);
     let inf = s.splat_f32(f32::INFINITY);
-    for g in 0..groups {
+    // Whole mask words in the loop compiled for the call's shape, when it
+    // has one (see `fast`); the rest group by group.
+    let words = groups / 8;
+    let mut start = 0;
+    if let Some(plan) = fast::Plan::new(&p, load, overlap, words) {
+        plan.write(s, mask, out, &mut lo, &mut hi);
+        start = words * 8;
+    }
+    for g in start..groups {
         let bits = group_bits(mask, g);
         let dst: &mut [f32; LANES] = (&mut out[g * LANES..][..LANES])
             .try_into()

@@ -34,6 +34,18 @@ impl<A: U32Source + ?Sized> ArgminKey for Active<'_, A> {
     fn keys8<S: Simd>(&self, s: S, first_group: usize) -> [S::U32; 8] {
         self.0.lanes8(s, first_group)
     }
+    #[inline(always)]
+    fn ordered<S: Simd>(&self, s: S, group: usize) -> S::U32 {
+        self.0.words(s, group)
+    }
+    #[inline(always)]
+    fn ordered8<S: Simd>(&self, s: S, first_group: usize) -> [S::U32; 8] {
+        self.0.words8(s, first_group)
+    }
+    #[inline(always)]
+    fn key_of_ordered(&self, k: u32) -> u32 {
+        k >> self.0.word_shift()
+    }
 }
 
 struct Weighted<'a, A: ?Sized, W: ?Sized>(&'a A, &'a W);

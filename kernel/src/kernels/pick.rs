@@ -30,8 +30,10 @@
 //! backend computes the same bits, flushing `exp(x)` to 0 for `x <= -87.3`),
 //! sums each lane group in `f32` in a fixed order and walks the cumulative sum
 //! in `f64`, in two passes over the costs (sum, then walk until the target is
-//! reached) so it needs no scratch memory. The reference computes Dynamo's
-//! procedure in `f64` with `libm::exp`, normalising by the sum first. The two
+//! reached) with no heap memory: the first pass keeps the first 1,024 group
+//! sums on the stack, and the walk recomputes weights only in the group where
+//! it stops (and in groups past those it kept). The reference computes
+//! Dynamo's procedure in `f64` with `libm::exp`, normalising by the sum first. The two
 //! therefore agree to a relative `1e-5` per weight (absolute `1e-12` for
 //! weights below about `e^-40`, which cannot move a pick) rather than bit for
 //! bit; their picks differ only when the draw lies within about `2e-5` of a
@@ -439,7 +441,7 @@ dispatch! {
         (costs: &C, mask: &[u64], range: super::kv_cost::CostRange, temperature: f32, last: usize, rng: &mut Rng)
         -> Option<usize>
         = |s| if temperature == 0.0 {
-            argmin_given_min(s, &Costs(costs), mask, range.min, rng)
+            argmin_given_min(s, &Costs(costs), mask, range.min, &[], rng)
         } else {
             Some(softmax_walk(s, costs, mask, range.min, range.max, last, temperature, rng))
         }
@@ -520,6 +522,11 @@ fn group_weights<S: Simd, C: F32Source + ?Sized>(
     }
 }
 
+/// Lane groups whose weight sums the softmax's first pass remembers on the
+/// stack (4 KiB: 8,192 rows), so that the walk recomputes weights only in the
+/// group where it stops; past them it recomputes every group it walks.
+const REMEMBERED_GROUP_SUMS: usize = 1024;
+
 /// The softmax draw and walk over eligible rows whose range is
 /// `[c_min, c_max]` and whose last row is `last` (one `unit_f64` draw).
 #[allow(clippy::too_many_arguments)]
@@ -546,18 +553,34 @@ fn softmax_walk<S: Simd, C: F32Source + ?Sized>(
     }
     let lanes = SoftmaxLanes::new(c_min, c_max, temperature);
     let groups = rows.div_ceil(LANES);
-    // Pass 1: the total, as a sum of per-group f32 sums in f64.
+    // Pass 1: the total, as a sum of per-group f32 sums in f64, remembering
+    // the first groups' sums (0 for a group without eligible rows).
+    let mut sums = [0.0f32; REMEMBERED_GROUP_SUMS];
     let mut total = 0.0f64;
     for g in 0..groups {
         if let Some((_, w)) = group_weights(s, &lanes, costs, mask, rows, c_min, g) {
-            total += w.reduce_add() as f64;
+            let gs = w.reduce_add();
+            if let Some(slot) = sums.get_mut(g) {
+                *slot = gs;
+            }
+            total += gs as f64;
         }
     }
     let target = u * total;
-    // Pass 2: walk the same group sums until the group that crosses the target,
-    // then its lanes in row order.
+    // Pass 2: walk the same group sums (remembered, or recomputed past them)
+    // until the group that crosses the target, then its lanes in row order.
     let mut cum = 0.0f64;
     for g in 0..groups {
+        if let Some(&gs) = sums.get(g) {
+            // A remembered sum: the group's weights are recomputed only
+            // where the walk stops. An empty group adds 0.0, as skipping it
+            // does (`cum` is never -0.0).
+            let gs = gs as f64;
+            if target > cum + gs {
+                cum += gs;
+                continue;
+            }
+        }
         let Some((bits, w)) = group_weights(s, &lanes, costs, mask, rows, c_min, g) else {
             continue;
         };

@@ -170,6 +170,10 @@ impl U32Lanes for U32x8 {
         })
     }
     #[inline(always)]
+    fn small_to_f32(self) -> F32x8 {
+        F32x8(avx!(_mm256_cvtepi32_ps(self.0)))
+    }
+    #[inline(always)]
     fn cast_f32(self) -> F32x8 {
         F32x8(avx!(_mm256_castsi256_ps(self.0)))
     }

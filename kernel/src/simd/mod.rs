@@ -115,6 +115,9 @@ pub trait U32Lanes:
     /// Each lane converted as `x as f32` does (round to nearest): the high
     /// and low halves convert exactly, and one add rounds once.
     fn to_f32(self) -> Self::F32;
+    /// Each lane converted as `x as f32` does, for lanes below `2^31` (one
+    /// signed conversion; a lane at or above `2^31` converts as negative).
+    fn small_to_f32(self) -> Self::F32;
     /// The same bits as `f32` lanes.
     fn cast_f32(self) -> Self::F32;
     /// The top bit of each lane, lane `i` in bit `i`.

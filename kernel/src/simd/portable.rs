@@ -92,6 +92,10 @@ impl U32Lanes for u32x8 {
         hi * f32x8::splat(65536.0) + lo
     }
     #[inline(always)]
+    fn small_to_f32(self) -> f32x8 {
+        bytemuck::cast::<u32x8, i32x8>(self).round_float()
+    }
+    #[inline(always)]
     fn cast_f32(self) -> f32x8 {
         bytemuck::cast(self)
     }

@@ -22,6 +22,7 @@
 //!
 //! This module must not book or allocate.
 
+use super::fast::Plan;
 use super::{
     available, check, cost_lanes, prepare, row_cost, row_inputs, CostRange, KvCostConfig, KvCostError, KvLoad,
     KvOverlap, KvRequest, Prepared,
@@ -85,8 +86,8 @@ dispatch! {
 }
 
 /// The running minimum and its ties.
-struct Ties {
-    best: f32,
+pub(super) struct Ties {
+    pub(super) best: f32,
     count: usize,
     groups: [(u32, u8); REMEMBERED_TIE_GROUPS],
     listed: usize,
@@ -100,6 +101,13 @@ impl Ties {
     #[cold]
     #[inline(never)]
     fn fold(&mut self, g: usize, c: [f32; LANES], bits: u8) {
+        self.fold_inline(g, c, bits);
+    }
+
+    /// [`fold`](Self::fold), inlined: for a loop that must keep its vector
+    /// registers (a call clobbers them all).
+    #[inline(always)]
+    pub(super) fn fold_inline(&mut self, g: usize, c: [f32; LANES], bits: u8) {
         let mut m = f32::INFINITY;
         let mut b = bits;
         while b != 0 {
@@ -170,8 +178,16 @@ fn kv_cost_argmin_in<S: Simd, L: U32Source + ?Sized>(
         overflow: false,
     };
     let mut hi = s.splat_f32(f32::NEG_INFINITY);
-    let mut best = s.splat_f32(f32::INFINITY);
-    for g in 0..groups {
+    // The full lane groups in one loop compiled for the call's shape, when
+    // it has one (see `fast`); the rest group by group.
+    let mut start = 0;
+    let words = rows / LANES / 8;
+    if let Some(plan) = Plan::new(&p, load, overlap, words) {
+        plan.scan(s, mask, &mut ties, &mut hi);
+        start = words * 8;
+    }
+    let mut best = s.splat_f32(ties.best);
+    for g in start..groups {
         let (bits, c) = group(g);
         if bits == 0 {
             continue;

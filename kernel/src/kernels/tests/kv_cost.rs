@@ -607,35 +607,194 @@ proptest! {
     }
 }
 
+/// The fused cost-and-argmin returns what the cost column and the
+/// temperature-0 pick over it return (row, draw, error), on every backend,
+/// and so does its scalar reference.
+fn check_fused(case: &Case, seed: u64) -> Result<(), TestCaseError> {
+    let (costs, range) = case.simd();
+    let mut a = crate::Rng::new(seed);
+    let unfused = crate::kernels::pick::pick_in_range(&costs[..], &case.mask, range, 0.0, &mut a);
+    let expect = match unfused {
+        Ok(Some(row)) => Ok(Some(row)),
+        Ok(None) => Ok(None),
+        Err(crate::kernels::KernelError::NonFiniteCost { row }) => Err(KvCostError::NonFiniteCost { row }),
+        Err(e) => panic!("unexpected {e:?}"),
+    };
+    let (load, overlap) = (case.load(), case.overlap());
+    let mut b = crate::Rng::new(seed);
+    let reference = kv_cost_argmin_reference(&case.config, &case.request, &load, &overlap, &case.mask, &mut b);
+    prop_assert_eq!(reference.map(|c| c.map(|c| c.row)), expect);
+    prop_assert_eq!(a.state(), b.state());
+    for backend in Backend::available() {
+        let mut c = crate::Rng::new(seed);
+        let fused = kv_cost_argmin_on(
+            backend,
+            &case.config,
+            &case.request,
+            &load,
+            &overlap,
+            &case.mask,
+            &mut c,
+        );
+        prop_assert_eq!(fused.map(|c| c.map(|c| c.row)), expect, "{:?}", backend);
+        if let Ok(Some(choice)) = fused {
+            prop_assert!(
+                choice.cost == costs[choice.row],
+                "{:?} cost {} column {}",
+                backend,
+                choice.cost,
+                costs[choice.row]
+            );
+        }
+        prop_assert_eq!(c.state(), a.state(), "{:?}", backend);
+    }
+    Ok(())
+}
+
+/// Lane groups of the fleet-like columns of [`check_fused_on_counters`].
+const COUNTER_GROUPS: usize = 128;
+
+/// [`check_fused`]'s fused call on the case's load held as tagged fleet
+/// counters (`value << 8 | tag`, read with a decode shift): the same row,
+/// cost and draw as on plain slices. Loads are cut to 24 bits, as a counter
+/// holds them.
+fn check_fused_on_counters(case: &Case, seed: u64) -> Result<(), TestCaseError> {
+    use crate::lanes::{Column, Decode};
+    let rows = case.prefill.len();
+    prop_assume!(rows <= COUNTER_GROUPS * crate::lanes::LANES);
+    let mut case = case.clone();
+    let columns = [
+        Column::<COUNTER_GROUPS>::new(0),
+        Column::<COUNTER_GROUPS>::new(0),
+        Column::<COUNTER_GROUPS>::new(0),
+    ];
+    for (column, values) in columns
+        .iter()
+        .zip([&mut case.prefill, &mut case.decode, &mut case.requests])
+    {
+        for (row, v) in values.iter_mut().enumerate() {
+            *v &= 0xFF_FFFF;
+            column
+                .at(row)
+                .store(*v << 8 | (row as u32 & 0xFF), core::sync::atomic::Ordering::Relaxed);
+        }
+    }
+    let views = columns.each_ref().map(|c| c.view(rows, Decode::Shift(8)));
+    let load = KvLoad {
+        load_available: case.available.as_deref(),
+        ..KvLoad::new(&views[0], &views[1], &views[2])
+    };
+    let overlap = case.overlap();
+    for backend in Backend::available() {
+        let (mut on_slices, mut on_counters) = (vec![f32::NAN; rows], vec![f32::NAN; rows]);
+        let slices_range = kv_cost_on(
+            backend,
+            &case.config,
+            &case.request,
+            &case.load(),
+            &overlap,
+            &case.mask,
+            &mut on_slices,
+        );
+        let counters_range = kv_cost_on(
+            backend,
+            &case.config,
+            &case.request,
+            &load,
+            &overlap,
+            &case.mask,
+            &mut on_counters,
+        );
+        prop_assert_eq!(slices_range, counters_range, "{:?}", backend);
+        for r in 0..rows {
+            prop_assert!(
+                same_f32(on_slices[r], on_counters[r]),
+                "{:?} row {}: slices {} counters {}",
+                backend,
+                r,
+                on_slices[r],
+                on_counters[r]
+            );
+        }
+        let (mut a, mut b) = (crate::Rng::new(seed), crate::Rng::new(seed));
+        let on_slices = kv_cost_argmin_on(
+            backend,
+            &case.config,
+            &case.request,
+            &case.load(),
+            &overlap,
+            &case.mask,
+            &mut a,
+        );
+        let on_counters = kv_cost_argmin_on(
+            backend,
+            &case.config,
+            &case.request,
+            &load,
+            &overlap,
+            &case.mask,
+            &mut b,
+        );
+        prop_assert_eq!(on_slices, on_counters, "{:?}", backend);
+        prop_assert_eq!(a, b, "{:?}", backend);
+    }
+    Ok(())
+}
+
+/// A case in one of the shapes the fused kernel compiles a loop for (see
+/// `kv_cost::fast`): device overlap and cached tokens given, no other
+/// optional column, no load-availability mask, no decay; whole mask words.
+fn fast_case() -> impl Strategy<Value = Case> {
+    let rows = prop_oneof![3 => 64usize..=300, 1 => Just(1000usize)];
+    (case(true), rows, any::<bool>(), any::<u64>()).prop_map(|(mut c, rows, tracked, fill)| {
+        let resize = |v: &mut Vec<u32>| v.resize(rows, (fill % 7) as u32);
+        resize(&mut c.prefill);
+        resize(&mut c.decode);
+        resize(&mut c.requests);
+        c.mask.resize(
+            rows.div_ceil(64) + 1,
+            if fill % 3 == 0 { 0x0F0F_F0F0_0000_FFFF } else { u64::MAX },
+        );
+        c.config.overlap_score_credit_decay = 0.0;
+        c.request = KvRequest::new(
+            c.request.isl_tokens(),
+            c.request.block_size(),
+            tracked,
+            c.request.role(),
+        )
+        .with_added_decode_blocks(c.request.added_decode_blocks());
+        let column = |col: Option<Vec<f32>>| {
+            let mut col = col.unwrap_or_default();
+            col.resize(rows, (fill % 11) as f32 * 4.0);
+            Some(col)
+        };
+        c.device = column(c.device.take());
+        c.cached = column(c.cached.take());
+        (c.available, c.host, c.disk, c.shared, c.added, c.taint) = (None, None, None, None, None, None);
+        c
+    })
+}
+
 proptest! {
-    /// The fused cost-and-argmin returns what the cost column and the
-    /// temperature-0 pick over it return (row, draw, error), on every
-    /// backend, and so does its scalar reference.
     #[test]
     fn kv_cost_argmin_equals_kv_cost_then_pick(case in case(true), seed in any::<u64>()) {
-        let (costs, range) = case.simd();
-        let mut a = crate::Rng::new(seed);
-        let unfused = crate::kernels::pick::pick_in_range(&costs[..], &case.mask, range, 0.0, &mut a);
-        let expect = match unfused {
-            Ok(Some(row)) => Ok(Some(row)),
-            Ok(None) => Ok(None),
-            Err(crate::kernels::KernelError::NonFiniteCost { row }) => Err(KvCostError::NonFiniteCost { row }),
-            Err(e) => panic!("unexpected {e:?}"),
-        };
-        let (load, overlap) = (case.load(), case.overlap());
-        let mut b = crate::Rng::new(seed);
-        let reference = kv_cost_argmin_reference(&case.config, &case.request, &load, &overlap, &case.mask, &mut b);
-        prop_assert_eq!(reference.map(|c| c.map(|c| c.row)), expect);
-        prop_assert_eq!(a.state(), b.state());
-        for backend in Backend::available() {
-            let mut c = crate::Rng::new(seed);
-            let fused = kv_cost_argmin_on(backend, &case.config, &case.request, &load, &overlap, &case.mask, &mut c);
-            prop_assert_eq!(fused.map(|c| c.map(|c| c.row)), expect, "{:?}", backend);
-            if let Ok(Some(choice)) = fused {
-                prop_assert!(choice.cost == costs[choice.row], "{:?} cost {} column {}", backend, choice.cost, costs[choice.row]);
-            }
-            prop_assert_eq!(c.state(), a.state(), "{:?}", backend);
+        check_fused(&case, seed)?;
+        check_fused_on_counters(&case, seed)?;
+    }
+
+    /// The same in the shapes of the specialised loops (`kv_cost::fast`),
+    /// on slices and on fleet counters, and `kv_cost` against its reference
+    /// in them.
+    #[test]
+    fn kv_cost_argmin_fast_shapes_equal_kv_cost_then_pick(case in fast_case(), seed in any::<u64>()) {
+        let (simd, range) = case.simd();
+        let (reference, ref_range) = case.reference();
+        for r in 0..simd.len() {
+            prop_assert!(same_f32(simd[r], reference[r]), "row {}: simd {} reference {}", r, simd[r], reference[r]);
         }
+        prop_assert_eq!(range, ref_range);
+        check_fused(&case, seed)?;
+        check_fused_on_counters(&case, seed)?;
     }
 }
 

@@ -337,3 +337,33 @@ proptest! {
         prop_assert_eq!(a, b);
     }
 }
+
+/// Columns longer than the group sums the softmax's first pass keeps (1,024
+/// lane groups): walks that stop before, at and past that boundary, with
+/// empty groups and a partial last group, agree with the reference on every
+/// backend.
+#[test]
+fn softmax_walks_past_the_remembered_group_sums() {
+    let rows: usize = 1024 * 8 * 2 + 13;
+    let costs: Vec<f32> = (0..rows).map(|r| ((r * 7919) % 97) as f32).collect();
+    let mut mask: Vec<u64> = std::vec![u64::MAX; rows.div_ceil(64)];
+    mask[3] = 0; // empty groups
+    mask[130] = 0x00FF_0000_F0F0_0001;
+    for seed in 0..200 {
+        // Low temperatures favour early rows, high ones spread the walk.
+        let t = [0.05f32, 0.7, 4.0][seed as usize % 3];
+        let u = Rng::new(seed).unit_f64();
+        let (mut a, mut b) = (Rng::new(seed), Rng::new(seed));
+        let fast = pick_softmax(&costs[..], &mask, t, &mut a).unwrap().unwrap();
+        let slow = pick_softmax_reference(&costs[..], &mask, t, &mut b).unwrap().unwrap();
+        for backend in Backend::available() {
+            let mut c = Rng::new(seed);
+            assert_eq!(pick_softmax_on(backend, &costs[..], &mask, t, &mut c), Ok(Some(fast)));
+        }
+        let cum = reference_cumulative(&costs, &mask, t);
+        assert!(
+            softmax_picks_consistent(fast, slow, &cum, u, CUMULATIVE_EPS),
+            "seed {seed}: simd {fast} reference {slow} u {u}"
+        );
+    }
+}
