@@ -215,6 +215,9 @@ pub(crate) fn fill_costs(
     Ok((kcfg, rows, range))
 }
 
+// Kept out of line: inlined into the policy dispatch, its cost kernel's
+// code depends on everything else the dispatch inlines.
+#[inline(never)]
 pub(crate) fn choose(
     env: &Env<'_>,
     s: &mut Scratch,

@@ -15,7 +15,6 @@
 use std::cell::RefCell;
 
 use selkie_kernel::mask::words_for;
-use selkie_kernel::Rng;
 
 use crate::plugin::{CandidateData, ScoredWorkerCandidate, WorkerCacheInput, WorkerLoadInput};
 
@@ -71,6 +70,52 @@ impl OverlapColumns {
     }
 }
 
+/// SplitMix64's finaliser: spreads a seed over every bit.
+pub(crate) fn mix(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// The thread's random generator for services without a seed: seeded
+/// from the clock and a process-wide counter (two threads started in the
+/// same nanosecond still differ) on the thread's first selection; later
+/// selections take it and put it back, one thread-local read and write
+/// each. A re-entrant selection (a plugin that selects) finds it taken and
+/// seeds its own.
+pub(crate) mod thread_rng {
+    use std::cell::Cell;
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    use selkie_kernel::Rng;
+
+    thread_local! {
+        static RNG: Cell<Option<Rng>> = const { Cell::new(None) };
+    }
+
+    fn seeded() -> Rng {
+        static THREAD_SEEDS: AtomicU64 = AtomicU64::new(0);
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+        Rng::new(super::mix(
+            t ^ THREAD_SEEDS.fetch_add(0x9E37_79B9_7F4A_7C15, Ordering::Relaxed),
+        ))
+    }
+
+    /// The thread's generator (seeded now if the thread has none).
+    #[inline]
+    pub(crate) fn take() -> Rng {
+        RNG.with(Cell::take).unwrap_or_else(seeded)
+    }
+
+    /// Gives the generator back to the thread.
+    #[inline]
+    pub(crate) fn put(rng: Rng) {
+        RNG.with(|c| c.set(Some(rng)));
+    }
+}
+
 /// Reusable buffers for one thread's selections.
 #[derive(Default)]
 pub(crate) struct Scratch {
@@ -90,7 +135,6 @@ pub(crate) struct Scratch {
     pub(crate) scored: Vec<ScoredWorkerCandidate>,
     pub(crate) loads: Vec<WorkerLoadInput>,
     pub(crate) caches: Vec<WorkerCacheInput>,
-    pub(crate) rng: Option<Rng>,
     /// Rows every buffer covers already (they only grow).
     prepared: usize,
 }
