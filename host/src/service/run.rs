@@ -24,7 +24,7 @@ use crate::discovery::registry::{RowMeta, WorkerRegistry};
 use crate::discovery::WorkerState;
 use crate::error::SelectionError;
 use crate::explain::{Explanation, Route};
-use crate::filter::eligible_rows;
+use crate::filter::{eligible_rows, Rejections};
 use crate::fleet::FLEET_GROUPS;
 use crate::plugin::WorkerSelectionContext;
 use crate::policy::scratch::{mix, thread_rng, with_scratch, Scratch};
@@ -153,7 +153,7 @@ impl WorkerSelectionService {
         match Booking::new_for_slot(FleetHandle(handle()), meta.handle.slot, load) {
             Ok(booking) => Some(Ok(self.booked(req, booking, &choice, None, meta, Route::Policy, None))),
             Err(e) => {
-                refused(&e);
+                refused(&self.rejections, &e);
                 Some(Err(choice.row))
             }
         }
@@ -312,6 +312,7 @@ impl WorkerSelectionService {
             req,
             pin,
             self.config.lora_required,
+            &self.rejections,
             mask,
             &mut s.aux,
         )?;
@@ -436,7 +437,7 @@ impl WorkerSelectionService {
             let list = match last {
                 None => list,
                 Some(e) => {
-                    refused(&e);
+                    refused(&self.rejections, &e);
                     if let Some(row) = soft_row.take() {
                         // The session's worker is full: the rest of the
                         // fleet, without the refused row, by the policy.
@@ -476,9 +477,9 @@ impl WorkerSelectionService {
 }
 
 /// A booking was refused: logged and counted; the selection rescans.
-fn refused(e: &BookError) {
+fn refused(rejections: &Rejections, e: &BookError) {
     tracing::debug!(error = %e, "booking refused; rescanning");
-    metrics::counter!("selkie_rejections_total", "reason" => "booking_refused").increment(1);
+    rejections.booking_refused.increment(1);
 }
 
 /// Every booking tried was refused.
