@@ -75,7 +75,7 @@ fn none() -> SelectionError {
 ///
 /// `advance`: take the round-robin ticket (a selection) rather than read it
 /// (a preview).
-#[inline]
+#[inline(always)]
 pub(crate) fn draw_from_list(
     kind: &PolicyKind,
     reg: &WorkerRegistry,

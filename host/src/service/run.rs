@@ -168,6 +168,7 @@ impl WorkerSelectionService {
         let prefill = if req.track_prefill_tokens {
             let cached = match req.row_overlaps {
                 Some(r) => r.cached_tokens_at(row),
+                None if req.overlaps.is_empty() => 0,
                 None => cached_tokens(req.overlaps, worker),
             };
             req.isl_tokens.saturating_sub(cached)
@@ -182,7 +183,7 @@ impl WorkerSelectionService {
 
     /// A booking made: counts it, binds the session, and wraps it.
     #[allow(clippy::too_many_arguments)]
-    #[inline]
+    #[inline(always)]
     fn booked<H: Deref<Target = Self>>(
         &self,
         req: &SelectionRequest<'_>,
