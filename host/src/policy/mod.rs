@@ -393,14 +393,13 @@ impl WorkerSelectionPolicy {
         }
     }
 
-    /// Whether the policy can draw from the snapshot's ready rows without a
-    /// mask ([`draw_ready`](Self::draw_ready)).
+    /// Whether the policy chooses among the snapshot's ready rows as they
+    /// are (the built-in policies that need no pin): the selection's fast
+    /// path, with [`draw_ready`](Self::draw_ready) or the ready mask
+    /// itself.
     #[inline]
-    pub(crate) fn draws_from_ready_rows(&self) -> bool {
-        matches!(
-            self.kind,
-            PolicyKind::Random | PolicyKind::RoundRobin | PolicyKind::PowerOfTwo
-        )
+    pub(crate) fn reads_ready_rows(&self) -> bool {
+        !matches!(self.kind, PolicyKind::Direct | PolicyKind::Composed(_))
     }
 
     /// The choice of random, round-robin or power-of-two for a request

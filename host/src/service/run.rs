@@ -2,9 +2,10 @@
 //! policy, and booking with bounded rescans.
 //!
 //! A plain request (no pin, session, constraint, explanation or preview)
-//! under random, round-robin or power-of-two takes a fast path: the policy
-//! draws from the snapshot's ready rows and the row is booked directly,
-//! without the scratch, a mask or a scan; a refused booking continues on
+//! under a built-in policy takes a fast path: random, round-robin and
+//! power-of-two draw from the snapshot's ready rows (no scratch, mask or
+//! scan), the other policies read the snapshot's ready mask as it is (no
+//! copy), and the row is booked directly; a refused booking continues on
 //! the general path without that row. Tracing costs one level check when
 //! debug logging is off.
 //!
@@ -102,7 +103,11 @@ impl WorkerSelectionService {
                     self.keep_rng(rng);
                     return Ok(outcome);
                 }
-                Some(Err(row)) => skip = Some(row),
+                Some(Err(Fallback::Refused(row))) => skip = Some(row),
+                Some(Err(Fallback::Failed(e))) => {
+                    self.keep_rng(rng);
+                    return Err(e);
+                }
                 None => {}
             }
         }
@@ -112,14 +117,14 @@ impl WorkerSelectionService {
     }
 
     /// The fast path of a plain selection: no pin, session, constraint,
-    /// explanation or preview, a snapshot whose ready rows are exactly its
-    /// live rows (no overload mark, no busy threshold), and a policy that
-    /// draws from them in O(1) (random, round-robin, power-of-two). Books
-    /// the drawn row directly: no mask, no scan, the same row and the same
-    /// random numbers as the general path.
+    /// explanation or preview, under a built-in policy, on a snapshot whose
+    /// ready rows are exactly its live rows (no overload mark, no busy
+    /// threshold). Random, round-robin and power-of-two draw from the ready
+    /// rows in O(1); the other policies read the snapshot's ready mask as
+    /// it is (no copy). The row is booked directly: the same row, from the
+    /// same random numbers, as the general path.
     ///
-    /// `None`: not such a request (the general path runs). `Some(Err(row))`:
-    /// the booking was refused at `row`; the general path runs without it.
+    /// `None`: not such a request (the general path runs).
     #[inline]
     fn select_ready<H: Deref<Target = Self>>(
         &self,
@@ -127,8 +132,8 @@ impl WorkerSelectionService {
         req: &SelectionRequest<'_>,
         rng: &mut Rng,
         handle: &impl Fn() -> H,
-    ) -> Option<Result<Outcome<H>, usize>> {
-        if !self.policy.draws_from_ready_rows()
+    ) -> Option<Result<Outcome<H>, Fallback>> {
+        if !self.policy.reads_ready_rows()
             || req.pin.is_some()
             || req.session.is_some()
             || req.explain
@@ -139,24 +144,71 @@ impl WorkerSelectionService {
         {
             return None;
         }
-        let (_, list) = reg.ready_rows();
-        if list.len() != reg.live_rows().1 {
+        let (ready, list) = reg.ready_rows();
+        if list.is_empty() || list.len() != reg.live_rows().1 {
             return None;
         }
         let rows = reg.scan_rows();
+        let nw = mask::words_for(rows);
+        if ready.len() < nw {
+            return None;
+        }
         #[cfg(test)]
         super::tests::hooks::after_rows_read(rows);
         let view = self.fleet.view(rows);
-        let choice = self.policy.draw_ready(reg, &self.fleet, &view, list, rng)?;
+        let choice = match self.policy.draw_ready(reg, &self.fleet, &view, list, rng) {
+            Some(choice) => choice,
+            None => match self.choose_on_ready(reg, req, rng, &ready[..nw], list, rows) {
+                Ok(choice) => choice,
+                Err(e) => return Some(Err(Fallback::Failed(e))),
+            },
+        };
         let meta = reg.row(choice.row)?;
         let load = self.book_load(req, choice.row, meta.worker());
         match Booking::new_for_slot(FleetHandle(handle()), meta.handle.slot, load) {
             Ok(booking) => Some(Ok(self.booked(req, booking, &choice, None, meta, Route::Policy, None))),
             Err(e) => {
                 refused(&self.rejections, &e);
-                Some(Err(choice.row))
+                Some(Err(Fallback::Refused(choice.row)))
             }
         }
+    }
+
+    /// The fast path's choice for the policies that scan: the policy reads
+    /// the snapshot's ready mask `ready` (and list) as the eligible rows.
+    /// Out of line, so the O(1) draws stay short.
+    #[inline(never)]
+    fn choose_on_ready(
+        &self,
+        reg: &WorkerRegistry,
+        req: &SelectionRequest<'_>,
+        rng: &mut Rng,
+        ready: &[u64],
+        list: &[u32],
+        rows: usize,
+    ) -> Result<Choice, SelectionError> {
+        let ctx = WorkerSelectionContext {
+            request: req,
+            block_size: self.config.block_size,
+            worker_type: self.policy.worker_type,
+            preview: false,
+        };
+        with_scratch(|s| {
+            s.prepare(rows);
+            let env = Env {
+                reg,
+                fleet: &self.fleet,
+                mask: ready,
+                list: Some(list),
+                view: self.fleet.view(rows),
+                req,
+                ctx: &ctx,
+                rows,
+                pinned: false,
+                explain: false,
+            };
+            self.policy.choose(&env, s, rng)
+        })
     }
 
     /// The load a booking of `req` on `row` (`worker`) carries: its decode
@@ -475,6 +527,15 @@ impl WorkerSelectionService {
             }
         }
     }
+}
+
+/// How the fast path ended when it booked nothing.
+enum Fallback {
+    /// The booking at this row was refused: the general path runs without
+    /// it.
+    Refused(usize),
+    /// The policy failed (as it would on the general path).
+    Failed(SelectionError),
 }
 
 /// A booking was refused: logged and counted; the selection rescans.
