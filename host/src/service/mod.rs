@@ -21,6 +21,7 @@
 //! reaches into a policy's internals. [`DiscoveryPoller`] (`poller`) drives
 //! a discovery source into a service on its own thread.
 
+mod fast;
 mod poller;
 mod run;
 mod selection;

@@ -2,11 +2,8 @@
 //! policy, and booking with bounded rescans.
 //!
 //! A plain request (no pin, session, constraint, explanation or preview)
-//! under a built-in policy takes a fast path: random, round-robin and
-//! power-of-two draw from the snapshot's ready rows (no scratch, mask or
-//! scan), the other policies read the snapshot's ready mask as it is (no
-//! copy), and the row is booked directly; a refused booking continues on
-//! the general path without that row. Tracing costs one level check when
+//! under a built-in policy first takes the fast path (`fast`); a booking
+//! it is refused continues here without that row. Tracing costs one level check when
 //! debug logging is off.
 //!
 //! Runs on the thread's registry snapshot and scratch; allocates nothing
@@ -19,6 +16,7 @@ use std::time::Instant;
 use selkie_kernel::fleet::{BookError, BookLoad, Booking, SelectError, SlotPick};
 use selkie_kernel::{mask, Rng};
 
+use super::fast::Fallback;
 use super::selection::{Booked, FleetHandle, Preview};
 use super::WorkerSelectionService;
 use crate::discovery::registry::{RowMeta, WorkerRegistry};
@@ -116,106 +114,11 @@ impl WorkerSelectionService {
         r
     }
 
-    /// The fast path of a plain selection: no pin, session, constraint,
-    /// explanation or preview, under a built-in policy, on a snapshot whose
-    /// ready rows are exactly its live rows (no overload mark, no busy
-    /// threshold). Random, round-robin and power-of-two draw from the ready
-    /// rows in O(1); the other policies read the snapshot's ready mask as
-    /// it is (no copy). The row is booked directly: the same row, from the
-    /// same random numbers, as the general path.
-    ///
-    /// `None`: not such a request (the general path runs).
-    #[inline]
-    fn select_ready<H: Deref<Target = Self>>(
-        &self,
-        reg: &WorkerRegistry,
-        req: &SelectionRequest<'_>,
-        rng: &mut Rng,
-        handle: &impl Fn() -> H,
-    ) -> Option<Result<Outcome<H>, Fallback>> {
-        if !self.policy.reads_ready_rows()
-            || req.pin.is_some()
-            || req.session.is_some()
-            || req.explain
-            || req.allowed_worker_ids.is_some()
-            || !req.required_taints.is_empty()
-            || req.lora.is_some()
-            || reg.traits().thresholds
-        {
-            return None;
-        }
-        let (ready, list) = reg.ready_rows();
-        if list.is_empty() || list.len() != reg.live_rows().1 {
-            return None;
-        }
-        let rows = reg.scan_rows();
-        let nw = mask::words_for(rows);
-        if ready.len() < nw {
-            return None;
-        }
-        #[cfg(test)]
-        super::tests::hooks::after_rows_read(rows);
-        let view = self.fleet.view(rows);
-        let choice = match self.policy.draw_ready(reg, &self.fleet, &view, list, rng) {
-            Some(choice) => choice,
-            None => match self.choose_on_ready(reg, req, rng, &ready[..nw], list, rows) {
-                Ok(choice) => choice,
-                Err(e) => return Some(Err(Fallback::Failed(e))),
-            },
-        };
-        let meta = reg.row(choice.row)?;
-        let load = self.book_load(req, choice.row, meta.worker());
-        match Booking::new_for_slot(FleetHandle(handle()), meta.handle.slot, load) {
-            Ok(booking) => Some(Ok(self.booked(req, booking, &choice, None, meta, Route::Policy, None))),
-            Err(e) => {
-                refused(&self.rejections, &e);
-                Some(Err(Fallback::Refused(choice.row)))
-            }
-        }
-    }
-
-    /// The fast path's choice for the policies that scan: the policy reads
-    /// the snapshot's ready mask `ready` (and list) as the eligible rows.
-    /// Out of line, so the O(1) draws stay short.
-    #[inline(never)]
-    fn choose_on_ready(
-        &self,
-        reg: &WorkerRegistry,
-        req: &SelectionRequest<'_>,
-        rng: &mut Rng,
-        ready: &[u64],
-        list: &[u32],
-        rows: usize,
-    ) -> Result<Choice, SelectionError> {
-        let ctx = WorkerSelectionContext {
-            request: req,
-            block_size: self.config.block_size,
-            worker_type: self.policy.worker_type,
-            preview: false,
-        };
-        with_scratch(|s| {
-            s.prepare(rows);
-            let env = Env {
-                reg,
-                fleet: &self.fleet,
-                mask: ready,
-                list: Some(list),
-                view: self.fleet.view(rows),
-                req,
-                ctx: &ctx,
-                rows,
-                pinned: false,
-                explain: false,
-            };
-            self.policy.choose(&env, s, rng)
-        })
-    }
-
     /// The load a booking of `req` on `row` (`worker`) carries: its decode
     /// blocks, and its prefill tokens beyond the cached ones when the
     /// request tracks them.
     #[inline]
-    fn book_load(&self, req: &SelectionRequest<'_>, row: usize, worker: WorkerWithDpRank) -> BookLoad {
+    pub(super) fn book_load(&self, req: &SelectionRequest<'_>, row: usize, worker: WorkerWithDpRank) -> BookLoad {
         let request_blocks = u32::try_from(req.request_blocks(self.config.block_size)).unwrap_or(u32::MAX);
         let prefill = if req.track_prefill_tokens {
             let cached = match req.row_overlaps {
@@ -236,7 +139,7 @@ impl WorkerSelectionService {
     /// A booking made: counts it, binds the session, and wraps it.
     #[allow(clippy::too_many_arguments)]
     #[inline(always)]
-    fn booked<H: Deref<Target = Self>>(
+    pub(super) fn booked<H: Deref<Target = Self>>(
         &self,
         req: &SelectionRequest<'_>,
         booking: Booking<FleetHandle<H>, FLEET_GROUPS>,
@@ -529,17 +432,8 @@ impl WorkerSelectionService {
     }
 }
 
-/// How the fast path ended when it booked nothing.
-enum Fallback {
-    /// The booking at this row was refused: the general path runs without
-    /// it.
-    Refused(usize),
-    /// The policy failed (as it would on the general path).
-    Failed(SelectionError),
-}
-
 /// A booking was refused: logged and counted; the selection rescans.
-fn refused(rejections: &Rejections, e: &BookError) {
+pub(super) fn refused(rejections: &Rejections, e: &BookError) {
     tracing::debug!(error = %e, "booking refused; rescanning");
     rejections.booking_refused.increment(1);
 }
