@@ -84,6 +84,29 @@ fn over_threshold(meta: &RowMeta, fleet: &HostFleet, row: usize) -> bool {
         || (e.prefill_limit != u64::MAX && u64::from(o.prefill_tokens) > e.prefill_limit)
 }
 
+/// The rejection counters a selection may bump on its way to a booking
+/// (`selkie_rejections_total` by reason), registered once per service: a
+/// `metrics::counter!` call builds its key and asks the recorder for the
+/// counter every time.
+pub(crate) struct Rejections {
+    /// `reason=busy`: rows skipped as over a busy threshold or marked
+    /// overloaded.
+    pub(crate) busy: metrics::Counter,
+    /// `reason=booking_refused`: bookings the fleet refused (the selection
+    /// rescans).
+    pub(crate) booking_refused: metrics::Counter,
+}
+
+impl Rejections {
+    /// Registers the counters with the current recorder.
+    pub(crate) fn register() -> Self {
+        Rejections {
+            busy: metrics::counter!("selkie_rejections_total", "reason" => "busy"),
+            booking_refused: metrics::counter!("selkie_rejections_total", "reason" => "booking_refused"),
+        }
+    }
+}
+
 fn unavailable(worker_id: u64, reason: UnavailableReason) -> SelectionError {
     metrics::counter!("selkie_rejections_total", "reason" => reason.as_str()).increment(1);
     SelectionError::PinnedWorkerUnavailable { worker_id, reason }
@@ -102,6 +125,7 @@ pub(crate) fn eligible_rows(
     req: &SelectionRequest<'_>,
     pin: Option<Pin>,
     lora_required: bool,
+    rejections: &Rejections,
     words: &mut [u64],
     aux: &mut [u64],
 ) -> Result<FilterOutcome, SelectionError> {
@@ -121,7 +145,7 @@ pub(crate) fn eligible_rows(
         // are already out of the snapshot's ready rows.
         let (ready, list) = reg.ready_rows();
         copy(words, ready);
-        return busy_rows(reg, fleet, rows, words, aux, live, live - list.len(), true);
+        return busy_rows(reg, fleet, rows, words, aux, live, live - list.len(), true, rejections);
     }
     copy(words, live_rows);
     if let Some(pin) = pin {
@@ -188,7 +212,7 @@ pub(crate) fn eligible_rows(
             *w &= !m;
         }
     }
-    busy_rows(reg, fleet, rows, words, aux, eligible, busy, false)
+    busy_rows(reg, fleet, rows, words, aux, eligible, busy, false, rejections)
 }
 
 /// The last hard filter: of `eligible` rows, `marked` were marked
@@ -205,6 +229,7 @@ fn busy_rows(
     eligible: usize,
     marked: usize,
     ready: bool,
+    rejections: &Rejections,
 ) -> Result<FilterOutcome, SelectionError> {
     let mut busy = marked;
     if reg.traits().thresholds {
@@ -220,7 +245,7 @@ fn busy_rows(
         });
     }
     if busy > 0 {
-        metrics::counter!("selkie_rejections_total", "reason" => "busy").increment(busy as u64);
+        rejections.busy.increment(busy as u64);
     }
     if busy == eligible {
         return Err(SelectionError::AllEligibleWorkersOverloaded);

@@ -169,3 +169,48 @@ fn device_aware_reads_row_overlaps() {
     assert_eq!(sel.worker(), w(3, 0));
     assert_eq!(sel.explanation().branch, Branch::DeviceAwareCacheHit);
 }
+
+/// The worker-keyed form costs what the row form costs, and leaves nothing
+/// in the next request's columns, whether the ids are small (looked up by
+/// id) or spread out (hashed), and whether the scatter clears its rows one
+/// by one (few entries against the rows) or its columns whole (many), with
+/// and without lower tiers.
+#[test]
+fn keyed_overlaps_cost_as_rows_and_leave_nothing_behind() {
+    for spread in [1, 1_000_003] {
+        let s = kv();
+        let ids: Vec<u64> = (0..200).map(|i| i * spread).collect();
+        for &id in &ids {
+            s.add_worker(WorkerRecord::new(id).with_dp(0, 2)).unwrap();
+        }
+        let plain = s.costs(&SelectionRequest::new(256)).unwrap();
+        // 400 entries on 400 rows (columns cleared whole), then 4 (rows
+        // cleared from a list).
+        for some in [&ids[..], &ids[10..12]] {
+            let (keyed, layout, device, cached, host) = both(&s, some);
+            for tiers in [false, true] {
+                let keyed: Vec<_> = keyed
+                    .iter()
+                    .map(|o| WorkerOverlap {
+                        host_blocks: if tiers { o.host_blocks } else { 0 },
+                        ..*o
+                    })
+                    .collect();
+                let zeros = vec![0.0; host.len()];
+                let rows = RowOverlaps::new(layout, &device)
+                    .with_cached_tokens(&cached)
+                    .with_host_blocks(if tiers { &host } else { &zeros });
+                let by_worker = s.costs(&SelectionRequest::new(256).with_overlaps(&keyed)).unwrap();
+                let by_row = s.costs(&SelectionRequest::new(256).with_row_overlaps(rows)).unwrap();
+                let what = format!("spread {spread}, {} entries, tiers {tiers}", keyed.len());
+                assert_eq!(by_worker, by_row, "{what}");
+                assert_ne!(by_worker, plain, "{what}: the overlaps count");
+                assert_eq!(
+                    s.costs(&SelectionRequest::new(256)).unwrap(),
+                    plain,
+                    "{what}: left behind"
+                );
+            }
+        }
+    }
+}

@@ -361,3 +361,28 @@ fn tracing_spans_and_events() {
         assert!(log.iter().any(|l| l == want), "{want:?} not in {log:?}");
     }
 }
+
+/// A booking the fleet refuses is counted once, on the fast path of a
+/// plain request as on the general path (an explained request): both see
+/// the same refusals.
+#[test]
+fn refused_bookings_are_counted() {
+    let refusals = [false, true].map(|explained| {
+        let rec = TestRecorder::default();
+        metrics::with_local_recorder(&rec, || {
+            let s = svc(WorkerSelectionPolicy::round_robin());
+            s.add_worker(WorkerRecord::new(1).with_max_active_requests(1)).unwrap();
+            s.add_worker(WorkerRecord::new(2)).unwrap();
+            let _full = s.select(&SelectionRequest::new(1).pinned_to_worker(1)).unwrap();
+            for _ in 0..4 {
+                let req = SelectionRequest::new(1);
+                let req = if explained { req.explained() } else { req };
+                assert_eq!(s.select(&req).unwrap().worker().worker_id, 2);
+            }
+        });
+        assert_eq!(rec.get("selkie_worker_selections_total{worker=2}"), 4);
+        rec.get("selkie_rejections_total{reason=booking_refused}")
+    });
+    assert_eq!(refusals[0], refusals[1], "fast and general paths");
+    assert!(refusals[0] > 0, "round robin draws the full worker");
+}

@@ -135,16 +135,28 @@ fn next_layout_epoch() -> u64 {
 /// Worker rank -> row as a flat open-addressing table (linear probing,
 /// at most half full): one multiply, a shift and usually one compare per
 /// lookup, with no pointer chasing.
+///
+/// When every worker id is small (below `DENSE_PER_RANK` times the ranks,
+/// plus `DENSE_SLACK`: ids handed out by a counter, say), rank 0 of each
+/// worker is also kept in an array indexed by the id: one bounds check and
+/// one load per lookup, no hashing. Other ids and ranks go through the
+/// table.
 #[derive(Clone, Default)]
 pub(crate) struct RankTable {
     /// `(worker id, rank, row)`; `row == u32::MAX` marks an empty slot.
     slots: Vec<(u64, u32, u32)>,
     /// `64 - log2(slots.len())`.
     shift: u32,
+    /// Rank 0's row by worker id (`u32::MAX`: none), or empty.
+    dense: Vec<u32>,
 }
 
 impl RankTable {
     const EMPTY: u32 = u32::MAX;
+    /// Array entries allowed per worker rank (4 bytes each).
+    const DENSE_PER_RANK: usize = 4;
+    /// Array entries allowed beyond that, for small fleets.
+    const DENSE_SLACK: usize = 64;
 
     fn build(rows: &IdMap<WorkerWithDpRank, u32>) -> Self {
         if rows.is_empty() {
@@ -154,6 +166,7 @@ impl RankTable {
         let mut t = RankTable {
             slots: vec![(0, 0, Self::EMPTY); len],
             shift: 64 - len.trailing_zeros(),
+            dense: Vec::new(),
         };
         for (w, &row) in rows {
             let mask = len - 1;
@@ -162,6 +175,19 @@ impl RankTable {
                 i = (i + 1) & mask;
             }
             t.slots[i] = (w.worker_id, w.dp_rank, row);
+        }
+        let max_id = rows.keys().map(|w| w.worker_id).max().unwrap_or(0);
+        let bound = rows
+            .len()
+            .saturating_mul(Self::DENSE_PER_RANK)
+            .saturating_add(Self::DENSE_SLACK);
+        if max_id < bound as u64 {
+            t.dense = vec![Self::EMPTY; max_id as usize + 1];
+            for (w, &row) in rows {
+                if w.dp_rank == 0 {
+                    t.dense[w.worker_id as usize] = row;
+                }
+            }
         }
         t
     }
@@ -174,21 +200,55 @@ impl RankTable {
 
     #[inline]
     fn get(&self, w: WorkerWithDpRank) -> Option<usize> {
+        let row = self.lookup().row(w);
+        (row != Self::EMPTY).then_some(row as usize)
+    }
+
+    /// The table as a per-request reader.
+    #[inline]
+    fn lookup(&self) -> RankLookup<'_> {
+        RankLookup {
+            dense: &self.dense,
+            table: self,
+        }
+    }
+
+    /// The probe of the open-addressing table; `EMPTY` if `w` has no row.
+    fn probe(&self, w: WorkerWithDpRank) -> u32 {
         if self.slots.is_empty() {
-            return None;
+            return Self::EMPTY;
         }
         let mask = self.slots.len() - 1;
         let mut i = self.home(w);
         loop {
             let (id, rank, row) = self.slots[i];
-            if row == Self::EMPTY {
-                return None;
-            }
-            if id == w.worker_id && rank == w.dp_rank {
-                return Some(row as usize);
+            if row == Self::EMPTY || (id == w.worker_id && rank == w.dp_rank) {
+                return row;
             }
             i = (i + 1) & mask;
         }
+    }
+}
+
+/// Worker rank -> row lookups for one request's overlap entries, with the
+/// id-indexed array at hand (see [`RankTable`]).
+#[derive(Clone, Copy)]
+pub(crate) struct RankLookup<'a> {
+    dense: &'a [u32],
+    table: &'a RankTable,
+}
+
+impl RankLookup<'_> {
+    /// The row of `w`, or `u32::MAX` (above every row) if it has none: a
+    /// caller's one bounds check covers both.
+    #[inline(always)]
+    pub(crate) fn row(&self, w: WorkerWithDpRank) -> u32 {
+        if w.dp_rank == 0 {
+            if let Some(&row) = usize::try_from(w.worker_id).ok().and_then(|id| self.dense.get(id)) {
+                return row;
+            }
+        }
+        self.table.probe(w)
     }
 }
 
@@ -312,6 +372,13 @@ impl<E: RowOwner> RowIndex<E> {
     #[inline]
     pub(crate) fn table_row_of(&self, w: WorkerWithDpRank) -> Option<usize> {
         self.rank_table.get(w)
+    }
+
+    /// The flat table as a reader for many lookups in a row (the overlap
+    /// scatter's).
+    #[inline]
+    pub(crate) fn rank_lookup(&self) -> RankLookup<'_> {
+        self.rank_table.lookup()
     }
 
     /// The epoch of the row assignment: it changes whenever a worker rank
@@ -541,5 +608,45 @@ impl<E: RowOwner> RowIndex<E> {
             *slot = None;
         }
         self.unindex_rank(WorkerWithDpRank::new(worker_id, rank));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The flat table (with or without its id-indexed array) answers
+    /// exactly as the map it was built from, for present and absent ranks.
+    #[test]
+    fn the_rank_table_answers_as_its_map() {
+        let fleets: [Vec<(u64, u32)>; 4] = [
+            // Small ids, one rank each: the array holds every worker.
+            (0..100).map(|id| (id, 0)).collect(),
+            // Small ids with data-parallel ranks (ranks > 0 are probed).
+            (0..40).flat_map(|id| (0..3).map(move |r| (id * 2, r))).collect(),
+            // Ids too spread out for the array.
+            (0..50).map(|id| (id * 1_000_003 + 7, id as u32 % 2)).collect(),
+            // Small ids, none of them with a rank 0.
+            (0..20).map(|id| (id, 1)).collect(),
+        ];
+        for (f, ranks) in fleets.iter().enumerate() {
+            let mut map = IdMap::default();
+            for (row, &(id, rank)) in ranks.iter().enumerate() {
+                map.insert(WorkerWithDpRank::new(id, rank), (row * 3 + 1) as u32);
+            }
+            let table = RankTable::build(&map);
+            let near = ranks.iter().flat_map(|r| [r.0, r.0 + 1]);
+            for id in (0..300).chain(near).chain([u64::MAX, u64::from(u32::MAX) + 1]) {
+                for rank in 0..4 {
+                    let w = WorkerWithDpRank::new(id, rank);
+                    assert_eq!(table.get(w), map.get(&w).map(|&r| r as usize), "fleet {f}: {w:?}");
+                }
+            }
+        }
+        let mut map = IdMap::default();
+        map.insert(WorkerWithDpRank::new(5, 0), 9);
+        assert!(!RankTable::build(&map).dense.is_empty(), "a small id uses the array");
+        map.insert(WorkerWithDpRank::new(1 << 40, 0), 10);
+        assert!(RankTable::build(&map).dense.is_empty(), "a large id does not");
     }
 }

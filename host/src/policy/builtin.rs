@@ -15,11 +15,15 @@ use selkie_kernel::lanes::{F32Source, U32Source};
 use selkie_kernel::mask;
 use selkie_kernel::Rng;
 
+use selkie_kernel::fleet::FleetView;
+
 use super::scratch::Scratch;
-use super::{Choice, DeviceAwareConfig, Env};
+use super::{Choice, DeviceAwareConfig, Env, PolicyKind};
+use crate::discovery::registry::WorkerRegistry;
 use crate::error::SelectionError;
 use crate::explain::Branch;
 use crate::filter::for_each_row;
+use crate::fleet::{HostFleet, FLEET_GROUPS};
 
 fn choice(row: usize, cost: f64, branch: Branch, candidates: usize) -> Choice {
     Choice {
@@ -34,12 +38,7 @@ fn choice(row: usize, cost: f64, branch: Branch, candidates: usize) -> Choice {
 
 /// In-flight requests per unit of weight of `row`.
 fn load_of(env: &Env<'_>, row: usize) -> f64 {
-    let a = U32Source::value(&env.view.active_requests(), row) as f64;
-    if env.reg.traits().weighted {
-        a * F32Source::value(&env.view.inv_capacity_weight(), row) as f64
-    } else {
-        a
-    }
+    row_load(env.reg, &env.view, row)
 }
 
 /// The cheapest eligible row other than `chosen`, by load.
@@ -67,32 +66,110 @@ fn none() -> SelectionError {
     SelectionError::AllEligibleWorkersOverloaded
 }
 
-pub(crate) fn random(env: &Env<'_>, _s: &mut Scratch, rng: &mut Rng) -> Result<Choice, SelectionError> {
-    let (n, row) = match env.list {
-        // The k-th eligible row, as the kernel draws it, without the scan.
-        Some(list) if !list.is_empty() => (list.len(), list[rng.below(list.len() as u64) as usize] as usize),
-        _ => (
-            mask::count(env.mask, env.rows),
-            index::random(env.rows, env.mask, rng).ok_or_else(none)?,
-        ),
-    };
-    Ok(finish(env, choice(row, load_of(env, row), Branch::Random, n)))
+/// The draw of random, round-robin and power-of-two from `list`, the
+/// eligible rows as a sorted list (the snapshot's ready rows): O(1), the
+/// same row the kernel's scan of the matching mask would give for the same
+/// random numbers and ticket. `None` when the policy does not draw from a
+/// list or the list is too short for it (power-of-two needs two rows, and
+/// a fleet of data-parallel workers, where it chooses by worker first).
+///
+/// `advance`: take the round-robin ticket (a selection) rather than read it
+/// (a preview).
+#[inline(always)]
+pub(crate) fn draw_from_list(
+    kind: &PolicyKind,
+    reg: &WorkerRegistry,
+    fleet: &HostFleet,
+    view: &FleetView<'_, FLEET_GROUPS>,
+    list: &[u32],
+    advance: bool,
+    rng: &mut Rng,
+) -> Option<(usize, Branch)> {
+    let n = list.len();
+    match kind {
+        PolicyKind::Random if n != 0 => Some((list[rng.below(n as u64) as usize] as usize, Branch::Random)),
+        PolicyKind::RoundRobin if n != 0 => {
+            let ticket = u64::from(if advance {
+                fleet.next_ticket()
+            } else {
+                fleet.peek_ticket()
+            });
+            Some((list[(ticket % n as u64) as usize] as usize, Branch::RoundRobin))
+        }
+        PolicyKind::PowerOfTwo if n >= 2 && !reg.traits().multi_rank => {
+            // The kernel's draws (Dynamo's): two distinct positions, the
+            // lighter row wins, ties to the first draw.
+            let active = view.active_requests();
+            let k1 = rng.below(n as u64) as usize;
+            let k2 = k1 + 1 + rng.below(n as u64 - 1) as usize;
+            let (a, b) = (list[k1] as usize, list[if k2 >= n { k2 - n } else { k2 }] as usize);
+            let row = if U32Source::value(&active, a) <= U32Source::value(&active, b) {
+                a
+            } else {
+                b
+            };
+            Some((row, Branch::PowerOfTwo))
+        }
+        _ => None,
+    }
 }
 
-pub(crate) fn round_robin(env: &Env<'_>, _s: &mut Scratch) -> Result<Choice, SelectionError> {
-    let ticket = u64::from(if env.ctx.is_preview() {
-        env.fleet.peek_ticket()
+/// In-flight requests per unit of weight of `row`, from the snapshot's
+/// traits and the fleet's columns.
+pub(crate) fn row_load(reg: &WorkerRegistry, view: &FleetView<'_, FLEET_GROUPS>, row: usize) -> f64 {
+    let a = U32Source::value(&view.active_requests(), row) as f64;
+    if reg.traits().weighted {
+        a * F32Source::value(&view.inv_capacity_weight(), row) as f64
     } else {
-        env.fleet.next_ticket()
-    });
-    let (n, row) = match env.list {
-        Some(list) if !list.is_empty() => (list.len(), list[(ticket % list.len() as u64) as usize] as usize),
-        _ => (
-            mask::count(env.mask, env.rows),
-            index::round_robin(env.rows, env.mask, ticket).ok_or_else(none)?,
-        ),
+        a
+    }
+}
+
+/// Random, round-robin or power-of-two over `env`: the O(1) draw from
+/// `env.list` when there is one, else the kernel's scan of `env.mask`.
+fn from_list_or_scan(
+    env: &Env<'_>,
+    kind: &PolicyKind,
+    rng: &mut Rng,
+    scan: impl FnOnce(&mut Rng) -> Option<usize>,
+    branch: Branch,
+) -> Result<Choice, SelectionError> {
+    let advance = !env.ctx.is_preview();
+    let (n, row) = match env.list.and_then(|list| {
+        draw_from_list(kind, env.reg, env.fleet, &env.view, list, advance, rng).map(|d| (list.len(), d.0))
+    }) {
+        Some(d) => d,
+        None => (mask::count(env.mask, env.rows), scan(rng).ok_or_else(none)?),
     };
-    Ok(finish(env, choice(row, load_of(env, row), Branch::RoundRobin, n)))
+    Ok(finish(env, choice(row, load_of(env, row), branch, n)))
+}
+
+pub(crate) fn random(env: &Env<'_>, _s: &mut Scratch, rng: &mut Rng) -> Result<Choice, SelectionError> {
+    from_list_or_scan(
+        env,
+        &PolicyKind::Random,
+        rng,
+        |rng| index::random(env.rows, env.mask, rng),
+        Branch::Random,
+    )
+}
+
+pub(crate) fn round_robin(env: &Env<'_>, _s: &mut Scratch, rng: &mut Rng) -> Result<Choice, SelectionError> {
+    let advance = !env.ctx.is_preview();
+    from_list_or_scan(
+        env,
+        &PolicyKind::RoundRobin,
+        rng,
+        |_| {
+            let ticket = u64::from(if advance {
+                env.fleet.next_ticket()
+            } else {
+                env.fleet.peek_ticket()
+            });
+            index::round_robin(env.rows, env.mask, ticket)
+        },
+        Branch::RoundRobin,
+    )
 }
 
 /// Least-loaded row among `words` (weighted when the fleet has weights).
@@ -180,23 +257,13 @@ pub(crate) fn power_of_two(env: &Env<'_>, s: &mut Scratch, rng: &mut Rng) -> Res
             choice(row, load_of(env, row), Branch::PowerOfTwoWorkerThenRank, n),
         ));
     }
-    let active = env.view.active_requests();
-    let row = match env.list {
-        Some(list) if list.len() >= 2 => {
-            // The kernel's draws (Dynamo's): two distinct positions, the
-            // lighter row wins, ties to the first draw.
-            let n = list.len();
-            let k1 = rng.below(n as u64) as usize;
-            let k2 = k1 + 1 + rng.below(n as u64 - 1) as usize;
-            let (a, b) = (list[k1] as usize, list[if k2 >= n { k2 - n } else { k2 }] as usize);
-            if U32Source::value(&active, a) <= U32Source::value(&active, b) {
-                a
-            } else {
-                b
-            }
-        }
-        _ => index::power_of_two(&active, env.mask, rng).ok_or_else(none)?,
-    };
+    if let Some((row, branch)) = env
+        .list
+        .and_then(|list| draw_from_list(&PolicyKind::PowerOfTwo, env.reg, env.fleet, &env.view, list, true, rng))
+    {
+        return Ok(finish(env, choice(row, load_of(env, row), branch, n)));
+    }
+    let row = index::power_of_two(&env.view.active_requests(), env.mask, rng).ok_or_else(none)?;
     Ok(finish(env, choice(row, load_of(env, row), Branch::PowerOfTwo, n)))
 }
 

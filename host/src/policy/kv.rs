@@ -27,30 +27,62 @@ use crate::types::WorkerType;
 /// Writes the request's worker-keyed overlaps into the scratch's per-row
 /// columns. Returns whether any of them landed on a known row.
 ///
-/// Each entry is mapped to its row through the row index's flat table (a
-/// multiply, a shift and a compare); the lower tiers are written only when
-/// set, and the rows written are remembered so that `reset` clears only
-/// them.
+/// Each entry is mapped to its row through the row index's flat table and
+/// writes two columns (device blocks, cached tokens); the lower tiers are
+/// written in a second pass, only when some entry has one. What is written
+/// is cleared by `reset`: row by row from a list when the entries are few
+/// against the rows, else the written columns whole (one `memset`, cheaper
+/// than keeping the list).
 pub(crate) fn scatter_overlaps(env: &Env<'_>, o: &mut OverlapColumns) -> bool {
     let limit = o.device.len().min(env.rows);
-    for w in env.req.overlaps {
-        let Some(row) = env.reg.table_row_of(w.worker).filter(|&r| r < limit) else {
-            continue;
-        };
-        o.device[row] = w.device_blocks as f32;
-        o.cached_tokens[row] = w.cached_tokens as f32;
-        if (w.host_blocks | w.disk_blocks | w.shared_blocks) != 0 {
-            o.host[row] = w.host_blocks as f32;
-            o.disk[row] = w.disk_blocks as f32;
-            o.shared[row] = w.shared_blocks as f32;
-            o.any_host |= w.host_blocks != 0;
-            o.any_disk |= w.disk_blocks != 0;
-            o.any_shared |= w.shared_blocks != 0;
-            o.any_lower = true;
+    let overlaps = env.req.overlaps;
+    let table = env.reg.rank_lookup();
+    let by_list = overlaps.len().saturating_mul(OverlapColumns::CLEAR_RATIO) < limit;
+    let (device, cached) = (&mut o.device[..limit], &mut o.cached_tokens[..limit]);
+    let mut lower = 0;
+    let mut written = 0usize;
+    if by_list {
+        for w in overlaps {
+            let row = table.row(w.worker) as usize;
+            if row < limit {
+                device[row] = w.device_blocks as f32;
+                cached[row] = w.cached_tokens as f32;
+                lower |= w.host_blocks | w.disk_blocks | w.shared_blocks;
+                o.touched.push(row as u32);
+            }
         }
-        o.touched.push(row as u32);
+        written = o.touched.len();
+    } else {
+        for w in overlaps {
+            let row = table.row(w.worker) as usize;
+            if row < limit {
+                device[row] = w.device_blocks as f32;
+                cached[row] = w.cached_tokens as f32;
+                lower |= w.host_blocks | w.disk_blocks | w.shared_blocks;
+                written += 1;
+            }
+        }
+        o.dirty = limit;
     }
-    !o.touched.is_empty()
+    if lower != 0 {
+        let (host, disk, shared) = (&mut o.host[..limit], &mut o.disk[..limit], &mut o.shared[..limit]);
+        for w in overlaps {
+            if (w.host_blocks | w.disk_blocks | w.shared_blocks) == 0 {
+                continue;
+            }
+            let row = table.row(w.worker) as usize;
+            if row < limit {
+                host[row] = w.host_blocks as f32;
+                disk[row] = w.disk_blocks as f32;
+                shared[row] = w.shared_blocks as f32;
+                o.any_host |= w.host_blocks != 0;
+                o.any_disk |= w.disk_blocks != 0;
+                o.any_shared |= w.shared_blocks != 0;
+            }
+        }
+        o.any_lower = true;
+    }
+    written != 0
 }
 
 /// The overlap columns a policy reads for this request, over `env.rows`
@@ -266,6 +298,9 @@ fn choose_minimum(
     }))
 }
 
+// Kept out of line: inlined into the policy dispatch, its cost kernel's
+// code depends on everything else the dispatch inlines.
+#[inline(never)]
 pub(crate) fn choose(
     env: &Env<'_>,
     s: &mut Scratch,

@@ -383,7 +383,7 @@ impl WorkerSelectionPolicy {
     pub(crate) fn choose(&self, env: &Env<'_>, s: &mut Scratch, rng: &mut Rng) -> Result<Choice, SelectionError> {
         match &self.kind {
             PolicyKind::Random => builtin::random(env, s, rng),
-            PolicyKind::RoundRobin => builtin::round_robin(env, s),
+            PolicyKind::RoundRobin => builtin::round_robin(env, s, rng),
             PolicyKind::LeastLoaded => builtin::least_loaded(env, s, rng),
             PolicyKind::PowerOfTwo => builtin::power_of_two(env, s, rng),
             PolicyKind::DeviceAware(c) => builtin::device_aware(env, s, rng, c),
@@ -391,6 +391,41 @@ impl WorkerSelectionPolicy {
             PolicyKind::Kv(c) => kv::choose(env, s, rng, c, self.worker_type),
             PolicyKind::Composed(c) => composed::choose(env, s, c),
         }
+    }
+
+    /// Whether the policy chooses among the snapshot's ready rows as they
+    /// are (the built-in policies that need no pin): the selection's fast
+    /// path, with [`draw_ready`](Self::draw_ready) or the ready mask
+    /// itself.
+    #[inline]
+    pub(crate) fn reads_ready_rows(&self) -> bool {
+        !matches!(self.kind, PolicyKind::Direct | PolicyKind::Composed(_))
+    }
+
+    /// The choice of random, round-robin or power-of-two for a request
+    /// whose eligible rows are exactly `list` (the snapshot's ready rows),
+    /// drawn in O(1) without a mask or the scratch, advancing the
+    /// round-robin cursor: the row [`choose`](Self::choose) would give for
+    /// the same random numbers. `None` for the other policies, or when the
+    /// draw needs the general path (see `builtin::draw_from_list`).
+    #[inline]
+    pub(crate) fn draw_ready(
+        &self,
+        reg: &WorkerRegistry,
+        fleet: &HostFleet,
+        view: &FleetView<'_, FLEET_GROUPS>,
+        list: &[u32],
+        rng: &mut Rng,
+    ) -> Option<Choice> {
+        let (row, branch) = builtin::draw_from_list(&self.kind, reg, fleet, view, list, true, rng)?;
+        Some(Choice {
+            row,
+            cost: builtin::row_load(reg, view, row),
+            runner_up: None,
+            branch,
+            candidates: list.len(),
+            temperature: 0.0,
+        })
     }
 
     /// Whether this is the direct policy, which needs a pinned request.

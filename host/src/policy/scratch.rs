@@ -15,11 +15,11 @@
 use std::cell::RefCell;
 
 use selkie_kernel::mask::words_for;
-use selkie_kernel::Rng;
 
 use crate::plugin::{CandidateData, ScoredWorkerCandidate, WorkerCacheInput, WorkerLoadInput};
 
-/// Per-row overlap columns for one request, zero except at `touched` rows.
+/// Per-row overlap columns for one request: zero outside what the last
+/// scatter wrote (its `touched` rows, or its first `dirty` rows).
 #[derive(Default)]
 pub(crate) struct OverlapColumns {
     pub(crate) device: Vec<f32>,
@@ -27,7 +27,11 @@ pub(crate) struct OverlapColumns {
     pub(crate) disk: Vec<f32>,
     pub(crate) shared: Vec<f32>,
     pub(crate) cached_tokens: Vec<f32>,
+    /// The rows written, when the scatter kept a list (few entries against
+    /// the rows).
     pub(crate) touched: Vec<u32>,
+    /// Rows to clear whole, when the scatter kept no list.
+    pub(crate) dirty: usize,
     /// Whether any row got a non-zero host / disk / shared value (the
     /// other columns are then all zero and skipped).
     pub(crate) any_host: bool,
@@ -39,6 +43,11 @@ pub(crate) struct OverlapColumns {
 }
 
 impl OverlapColumns {
+    /// A scatter keeps a list of the rows it writes only when it has fewer
+    /// than one entry per this many rows: clearing a row from the list
+    /// costs about as much as clearing 16 rows of two columns whole.
+    pub(crate) const CLEAR_RATIO: usize = 16;
+
     fn grow(&mut self, rows: usize) {
         for c in [
             &mut self.device,
@@ -53,21 +62,89 @@ impl OverlapColumns {
         }
     }
 
-    /// Zeroes the rows the last request wrote.
+    /// Zeroes what the last scatter wrote.
     pub(crate) fn reset(&mut self) {
+        let n = self.dirty;
+        zero(&mut self.device[..n]);
+        zero(&mut self.cached_tokens[..n]);
         for &r in &self.touched {
             let r = r as usize;
             self.device[r] = 0.0;
             self.cached_tokens[r] = 0.0;
         }
         if self.any_lower {
+            zero(&mut self.host[..n]);
+            zero(&mut self.disk[..n]);
+            zero(&mut self.shared[..n]);
             for &r in &self.touched {
                 let r = r as usize;
                 (self.host[r], self.disk[r], self.shared[r]) = (0.0, 0.0, 0.0);
             }
         }
         self.touched.clear();
+        self.dirty = 0;
         (self.any_host, self.any_disk, self.any_shared, self.any_lower) = (false, false, false, false);
+    }
+}
+
+/// Zeroes `column` eight values per store. (`fill(0.0)` becomes a call to
+/// `memset`, which clears columns of this size with `rep stosb`: a byte
+/// per step as an instruction counter sees it.)
+fn zero(column: &mut [f32]) {
+    // Opaque to the optimiser, so the loop stays vector stores.
+    let z = std::hint::black_box([0.0f32; 8]);
+    let mut chunks = column.chunks_exact_mut(8);
+    for c in &mut chunks {
+        c.copy_from_slice(&z);
+    }
+    for v in chunks.into_remainder() {
+        *v = 0.0;
+    }
+}
+
+/// SplitMix64's finaliser: spreads a seed over every bit.
+pub(crate) fn mix(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// The thread's random generator for services without a seed: seeded
+/// from the clock and a process-wide counter (two threads started in the
+/// same nanosecond still differ) on the thread's first selection; later
+/// selections take it and put it back, one thread-local read and write
+/// each. A re-entrant selection (a plugin that selects) finds it taken and
+/// seeds its own.
+pub(crate) mod thread_rng {
+    use std::cell::Cell;
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    use selkie_kernel::Rng;
+
+    thread_local! {
+        static RNG: Cell<Option<Rng>> = const { Cell::new(None) };
+    }
+
+    fn seeded() -> Rng {
+        static THREAD_SEEDS: AtomicU64 = AtomicU64::new(0);
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+        Rng::new(super::mix(
+            t ^ THREAD_SEEDS.fetch_add(0x9E37_79B9_7F4A_7C15, Ordering::Relaxed),
+        ))
+    }
+
+    /// The thread's generator (seeded now if the thread has none).
+    #[inline]
+    pub(crate) fn take() -> Rng {
+        RNG.with(Cell::take).unwrap_or_else(seeded)
+    }
+
+    /// Gives the generator back to the thread.
+    #[inline]
+    pub(crate) fn put(rng: Rng) {
+        RNG.with(|c| c.set(Some(rng)));
     }
 }
 
@@ -90,7 +167,6 @@ pub(crate) struct Scratch {
     pub(crate) scored: Vec<ScoredWorkerCandidate>,
     pub(crate) loads: Vec<WorkerLoadInput>,
     pub(crate) caches: Vec<WorkerCacheInput>,
-    pub(crate) rng: Option<Rng>,
     /// Rows every buffer covers already (they only grow).
     prepared: usize,
 }

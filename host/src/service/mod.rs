@@ -21,6 +21,7 @@
 //! reaches into a policy's internals. [`DiscoveryPoller`] (`poller`) drives
 //! a discovery source into a service on its own thread.
 
+mod fast;
 mod poller;
 mod run;
 mod selection;
@@ -42,7 +43,7 @@ use selkie_kernel::lanes::U32Source;
 use crate::discovery::registry::{SyncReport, WorkerRegistry};
 use crate::discovery::{BusyThresholds, Discovery, WorkerRecord, WorkerState};
 use crate::error::{DiscoveryError, SelectionError};
-use crate::filter::{eligible_rows, is_busy};
+use crate::filter::{eligible_rows, is_busy, Rejections};
 use crate::fleet::HostFleet;
 use crate::plugin::WorkerSelectionContext;
 use crate::policy::scratch::{with_scratch, Scratch};
@@ -120,6 +121,7 @@ pub struct WorkerSelectionService {
     refused: Mutex<Option<(u64, Vec<WorkerRecord>)>>,
     seed_counter: AtomicU64,
     selections: Counter,
+    rejections: Rejections,
 }
 
 impl WorkerSelectionService {
@@ -132,6 +134,7 @@ impl WorkerSelectionService {
             published: Mutex::new((0, Arc::new(WorkerRegistry::new(config.default_busy_thresholds)))),
             id: SERVICE_IDS.fetch_add(1, Ordering::Relaxed),
             selections: metrics::counter!("selkie_selections_total", "policy" => policy.name()),
+            rejections: Rejections::register(),
             sessions: SessionTable::new(config.session_idle_timeout, config.max_sessions),
             refused: Mutex::new(None),
             seed_counter: AtomicU64::new(0),
@@ -427,6 +430,7 @@ impl WorkerSelectionService {
                     req,
                     req.pin,
                     self.config.lora_required,
+                    &self.rejections,
                     &mut mask,
                     aux,
                 )

@@ -1,50 +1,57 @@
 //! One selection, start to finish: session affinity, hard filters, the
 //! policy, and booking with bounded rescans.
 //!
+//! A plain request (no pin, session, constraint, explanation or preview)
+//! under a built-in policy first takes the fast path (`fast`); a booking
+//! it is refused continues here without that row. Tracing costs one level check when
+//! debug logging is off.
+//!
 //! Runs on the thread's registry snapshot and scratch; allocates nothing
 //! with the built-in policies once the thread is warm.
 
 use std::ops::Deref;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-use selkie_kernel::fleet::{BookLoad, Booking, SelectError, SlotPick};
+use selkie_kernel::fleet::{BookError, BookLoad, Booking, SelectError, SlotPick};
 use selkie_kernel::{mask, Rng};
 
+use super::fast::Fallback;
 use super::selection::{Booked, FleetHandle, Preview};
 use super::WorkerSelectionService;
-use crate::discovery::registry::WorkerRegistry;
+use crate::discovery::registry::{RowMeta, WorkerRegistry};
 use crate::discovery::WorkerState;
 use crate::error::SelectionError;
 use crate::explain::{Explanation, Route};
-use crate::filter::eligible_rows;
+use crate::filter::{eligible_rows, Rejections};
+use crate::fleet::FLEET_GROUPS;
 use crate::plugin::WorkerSelectionContext;
-use crate::policy::scratch::{with_scratch, Scratch};
-use crate::policy::Env;
+use crate::policy::scratch::{mix, thread_rng, with_scratch, Scratch};
+use crate::policy::{Choice, Env};
 use crate::request::{AffinityMode, Pin, SelectionRequest};
 use crate::types::WorkerWithDpRank;
 
-static THREAD_SEEDS: AtomicU64 = AtomicU64::new(0);
-
-fn mix(mut z: u64) -> u64 {
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
-
 impl WorkerSelectionService {
-    pub(super) fn take_rng(&self, s: &mut Scratch) -> Rng {
+    /// The request's generator: drawn from the service's seed and a
+    /// counter when the service has a seed, else the thread's (one
+    /// thread-local read; written back by [`keep_rng`](Self::keep_rng)).
+    #[inline]
+    fn take_rng(&self) -> Rng {
         match self.config.seed {
             Some(seed) => {
                 let n = self.seed_counter.fetch_add(1, Ordering::Relaxed);
                 Rng::new(mix(seed ^ n.wrapping_mul(0x9E37_79B9_7F4A_7C15)))
             }
-            None => s.rng.take().unwrap_or_else(|| {
-                let t = std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .map_or(0, |d| d.as_nanos() as u64);
-                Rng::new(mix(t ^ THREAD_SEEDS.fetch_add(0x9E37_79B9_7F4A_7C15, Ordering::Relaxed)))
-            }),
+            None => thread_rng::take(),
+        }
+    }
+
+    /// Puts the thread's generator back after a selection (unseeded
+    /// services).
+    #[inline]
+    fn keep_rng(&self, rng: Rng) {
+        if self.config.seed.is_none() {
+            thread_rng::put(rng);
         }
     }
 
@@ -54,17 +61,14 @@ impl WorkerSelectionService {
         preview: bool,
         handle: impl Fn() -> H,
     ) -> Result<Outcome<H>, SelectionError> {
-        let _span = tracing::debug_span!("selkie.select", policy = self.policy.name(), preview).entered();
-        let result = self.with_snapshot(|reg| {
-            with_scratch(|s| {
-                let mut rng = self.take_rng(s);
-                let r = self.run_with(reg, req, preview, s, &mut rng, &handle);
-                if self.config.seed.is_none() {
-                    s.rng = Some(rng);
-                }
-                r
-            })
-        });
+        // The span costs one check of the level filter when debug logging
+        // is off.
+        let result = if tracing::level_enabled!(tracing::Level::DEBUG) {
+            let _span = tracing::debug_span!("selkie.select", policy = self.policy.name(), preview).entered();
+            self.with_snapshot(|reg| self.run_on(reg, req, preview, &handle))
+        } else {
+            self.with_snapshot(|reg| self.run_on(reg, req, preview, &handle))
+        };
         if let Err(e) = &result {
             tracing::debug!(error = %e, "selection failed");
             metrics::counter!("selkie_selection_errors_total", "reason" => e.reason()).increment(1);
@@ -72,13 +76,15 @@ impl WorkerSelectionService {
         result
     }
 
-    fn run_with<H: Deref<Target = Self>>(
+    /// One selection on the thread's snapshot: the fast path of a plain
+    /// request, else (or after its refused booking) the general path on
+    /// the thread's scratch.
+    #[inline]
+    fn run_on<H: Deref<Target = Self>>(
         &self,
         reg: &WorkerRegistry,
         req: &SelectionRequest<'_>,
         preview: bool,
-        s: &mut Scratch,
-        rng: &mut Rng,
         handle: &impl Fn() -> H,
     ) -> Result<Outcome<H>, SelectionError> {
         if req.temperature.is_some_and(|t| !(t.is_finite() && t >= 0.0)) {
@@ -87,6 +93,101 @@ impl WorkerSelectionService {
         if self.config.block_size == 0 {
             return Err(SelectionError::InvalidRequest("block_size is 0"));
         }
+        let mut rng = self.take_rng();
+        let mut skip = None;
+        if !preview {
+            match self.select_ready(reg, req, &mut rng, handle) {
+                Some(Ok(outcome)) => {
+                    self.keep_rng(rng);
+                    return Ok(outcome);
+                }
+                Some(Err(Fallback::Refused(row))) => skip = Some(row),
+                Some(Err(Fallback::Failed(e))) => {
+                    self.keep_rng(rng);
+                    return Err(e);
+                }
+                None => {}
+            }
+        }
+        let r = with_scratch(|s| self.run_with(reg, req, preview, s, &mut rng, handle, skip));
+        self.keep_rng(rng);
+        r
+    }
+
+    /// The load a booking of `req` on `row` (`worker`) carries: its decode
+    /// blocks, and its prefill tokens beyond the cached ones when the
+    /// request tracks them.
+    #[inline]
+    pub(super) fn book_load(&self, req: &SelectionRequest<'_>, row: usize, worker: WorkerWithDpRank) -> BookLoad {
+        let request_blocks = u32::try_from(req.request_blocks(self.config.block_size)).unwrap_or(u32::MAX);
+        let prefill = if req.track_prefill_tokens {
+            let cached = match req.row_overlaps {
+                Some(r) => r.cached_tokens_at(row),
+                None if req.overlaps.is_empty() => 0,
+                None => cached_tokens(req.overlaps, worker),
+            };
+            req.isl_tokens.saturating_sub(cached)
+        } else {
+            0
+        };
+        BookLoad {
+            prefill_tokens: u32::try_from(prefill).unwrap_or(u32::MAX),
+            decode_blocks: request_blocks,
+        }
+    }
+
+    /// A booking made: counts it, binds the session, and wraps it.
+    #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
+    pub(super) fn booked<H: Deref<Target = Self>>(
+        &self,
+        req: &SelectionRequest<'_>,
+        booking: Booking<FleetHandle<H>, FLEET_GROUPS>,
+        choice: &Choice,
+        runner_up: Option<(WorkerWithDpRank, f64)>,
+        meta: &RowMeta,
+        route: Route,
+        now: Option<Instant>,
+    ) -> Outcome<H> {
+        let worker = meta.worker();
+        meta.entry.selections.increment(1);
+        self.selections.increment(1);
+        if let Some(sess) = req.session {
+            self.sessions.bind(sess.id, worker, now.unwrap_or_else(Instant::now));
+        }
+        tracing::debug!(
+            worker = %worker,
+            cost = choice.cost,
+            branch = choice.branch.as_str(),
+            "selected"
+        );
+        Outcome::Booked(Booked {
+            booking,
+            worker,
+            explanation: Explanation {
+                policy: self.policy.name(),
+                route,
+                branch: choice.branch,
+                chosen: worker,
+                cost: choice.cost,
+                runner_up,
+                candidates: choice.candidates,
+                temperature: choice.temperature,
+            },
+        })
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn run_with<H: Deref<Target = Self>>(
+        &self,
+        reg: &WorkerRegistry,
+        req: &SelectionRequest<'_>,
+        preview: bool,
+        s: &mut Scratch,
+        rng: &mut Rng,
+        handle: &impl Fn() -> H,
+        skip: Option<usize>,
+    ) -> Result<Outcome<H>, SelectionError> {
         // The clock is read only for requests that carry a session.
         let now = req.session.map(|_| Instant::now());
         // Session affinity.
@@ -133,7 +234,7 @@ impl WorkerSelectionService {
         // outcome: nothing is allocated.
         let mut mask = std::mem::take(&mut s.mask);
         let r = self.select_on(
-            reg, req, preview, s, rng, handle, rows, &mut mask, pin, route, soft, now,
+            reg, req, preview, s, rng, handle, rows, &mut mask, pin, route, soft, now, skip,
         );
         s.mask = mask;
         r
@@ -156,6 +257,7 @@ impl WorkerSelectionService {
         mut route: Route,
         soft: Option<WorkerWithDpRank>,
         now: Option<Instant>,
+        skip: Option<usize>,
     ) -> Result<Outcome<H>, SelectionError> {
         let nw = mask::words_for(rows);
         let mask = &mut mask[..nw];
@@ -166,9 +268,19 @@ impl WorkerSelectionService {
             req,
             pin,
             self.config.lora_required,
+            &self.rejections,
             mask,
             &mut s.aux,
         )?;
+        // The fast path's refused row is out (and the mask no longer the
+        // snapshot's ready rows).
+        let ready = match skip {
+            Some(row) if row < rows => {
+                mask[row / 64] &= !(1u64 << (row % 64));
+                false
+            }
+            _ => outcome.ready,
+        };
         // Soft affinity: try the session's row first; if it refuses the
         // booking, fall back to the rest of the eligible rows.
         let mut soft_row = None;
@@ -183,7 +295,7 @@ impl WorkerSelectionService {
         }
         // The snapshot's ready rows as a list, while the mask is exactly
         // them (no constraint, no soft row, no refusal yet).
-        let list = (outcome.ready && soft_row.is_none()).then(|| reg.ready_rows().1);
+        let list = (ready && soft_row.is_none()).then(|| reg.ready_rows().1);
         let ctx = WorkerSelectionContext {
             request: req,
             block_size: self.config.block_size,
@@ -207,7 +319,7 @@ impl WorkerSelectionService {
                           s: &mut Scratch,
                           soft_row: &mut Option<usize>,
                           route: &mut Route|
-         -> Result<crate::policy::Choice, SelectionError> {
+         -> Result<Choice, SelectionError> {
             loop {
                 let env = Env {
                     reg,
@@ -235,13 +347,14 @@ impl WorkerSelectionService {
                 }
             }
         };
-        let explanation = |choice: &crate::policy::Choice, worker, route| Explanation {
+        let runner_up = |choice: &Choice| choice.runner_up.and_then(|(r, c)| reg.row(r).map(|m| (m.worker(), c)));
+        let explanation = |choice: &Choice, worker, route| Explanation {
             policy: self.policy.name(),
             route,
             branch: choice.branch,
             chosen: worker,
             cost: choice.cost,
-            runner_up: choice.runner_up.and_then(|(r, c)| reg.row(r).map(|m| (m.worker(), c))),
+            runner_up: runner_up(choice),
             candidates: choice.candidates,
             temperature: choice.temperature,
         };
@@ -264,20 +377,23 @@ impl WorkerSelectionService {
                 return Ok(Outcome::Previewed(Preview { worker, explanation }));
             }
         }
-        let request_blocks = u32::try_from(req.request_blocks(self.config.block_size)).unwrap_or(u32::MAX);
-        // The soft session's try does not count against the attempts.
+        // The soft session's try does not count against the attempts, and
+        // a refusal on the fast path does.
         let attempts = self
             .config
             .max_booking_attempts
             .max(1)
-            .saturating_add(u32::from(soft_row.is_some()));
+            .saturating_add(u32::from(soft_row.is_some()))
+            .saturating_sub(u32::from(skip.is_some()));
+        if attempts == 0 {
+            return Err(overloaded(pin));
+        }
         let mut picked = None;
         let booked = Booking::select_slot(FleetHandle(handle()), mask, attempts, |mask, last| {
             let list = match last {
                 None => list,
                 Some(e) => {
-                    tracing::debug!(error = %e, "booking refused; rescanning");
-                    metrics::counter!("selkie_rejections_total", "reason" => "booking_refused").increment(1);
+                    refused(&self.rejections, &e);
                     if let Some(row) = soft_row.take() {
                         // The session's worker is full: the rest of the
                         // fleet, without the refused row, by the policy.
@@ -294,20 +410,7 @@ impl WorkerSelectionService {
             let meta = reg
                 .row(choice.row)
                 .ok_or(SelectionError::AllEligibleWorkersOverloaded)?;
-            let cached = match req.row_overlaps {
-                Some(r) => r.cached_tokens_at(choice.row),
-                None if req.track_prefill_tokens => cached_tokens(req.overlaps, meta.worker()),
-                None => 0,
-            };
-            let prefill = if req.track_prefill_tokens {
-                req.isl_tokens.saturating_sub(cached)
-            } else {
-                0
-            };
-            let load = BookLoad {
-                prefill_tokens: u32::try_from(prefill).unwrap_or(u32::MAX),
-                decode_blocks: request_blocks,
-            };
+            let load = self.book_load(req, choice.row, meta.worker());
             picked = Some((choice, meta));
             Ok(Some(SlotPick {
                 slot: meta.handle.slot,
@@ -316,36 +419,32 @@ impl WorkerSelectionService {
         })?;
         match (booked, picked) {
             (Ok(booking), Some((choice, meta))) => {
-                let worker = meta.worker();
-                meta.entry.selections.increment(1);
-                self.selections.increment(1);
-                if let Some(sess) = req.session {
-                    self.sessions.bind(sess.id, worker, now.unwrap_or_else(Instant::now));
-                }
-                tracing::debug!(
-                    worker = %worker,
-                    cost = choice.cost,
-                    branch = choice.branch.as_str(),
-                    "selected"
-                );
-                Ok(Outcome::Booked(Booked {
-                    booking,
-                    worker,
-                    explanation: explanation(&choice, worker, route),
-                }))
+                let runner_up = runner_up(&choice);
+                Ok(self.booked(req, booking, &choice, runner_up, meta, route, now))
             }
             (booked, _) => {
                 if let Err(SelectError::BadPick { row }) = booked {
                     tracing::error!(row, "the policy chose a row outside the eligible rows");
                 }
-                Err(match pin {
-                    Some(p) => SelectionError::PinnedWorkerOverloaded {
-                        worker_id: p.worker_id(),
-                    },
-                    None => SelectionError::AllEligibleWorkersOverloaded,
-                })
+                Err(overloaded(pin))
             }
         }
+    }
+}
+
+/// A booking was refused: logged and counted; the selection rescans.
+pub(super) fn refused(rejections: &Rejections, e: &BookError) {
+    tracing::debug!(error = %e, "booking refused; rescanning");
+    rejections.booking_refused.increment(1);
+}
+
+/// Every booking tried was refused.
+fn overloaded(pin: Option<Pin>) -> SelectionError {
+    match pin {
+        Some(p) => SelectionError::PinnedWorkerOverloaded {
+            worker_id: p.worker_id(),
+        },
+        None => SelectionError::AllEligibleWorkersOverloaded,
     }
 }
 

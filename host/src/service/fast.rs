@@ -1,0 +1,130 @@
+//! The fast path of a plain selection: a request with no pin, session,
+//! constraint, explanation or preview, under a built-in policy other than
+//! direct, on a snapshot whose ready rows are exactly its live rows.
+//! Random, round-robin and power-of-two draw from the ready rows in O(1);
+//! the other policies read the snapshot's ready mask as it is; the row is
+//! booked directly. It chooses what the general path (`run`) would, from
+//! the same random numbers, and hands a refused booking back to it. It
+//! must not filter, rescan or build an explanation's runner-up.
+
+use std::ops::Deref;
+
+use selkie_kernel::fleet::Booking;
+use selkie_kernel::{mask, Rng};
+
+use super::run::{refused, Outcome};
+use super::selection::FleetHandle;
+use super::WorkerSelectionService;
+use crate::discovery::registry::WorkerRegistry;
+use crate::error::SelectionError;
+use crate::explain::Route;
+use crate::plugin::WorkerSelectionContext;
+use crate::policy::scratch::with_scratch;
+use crate::policy::{Choice, Env};
+use crate::request::SelectionRequest;
+
+/// How the fast path ended when it booked nothing.
+pub(super) enum Fallback {
+    /// The booking at this row was refused: the general path runs without
+    /// it.
+    Refused(usize),
+    /// The policy failed (as it would on the general path).
+    Failed(SelectionError),
+}
+
+impl WorkerSelectionService {
+    /// The fast path of a plain selection: no pin, session, constraint,
+    /// explanation or preview, under a built-in policy, on a snapshot whose
+    /// ready rows are exactly its live rows (no overload mark, no busy
+    /// threshold). Random, round-robin and power-of-two draw from the ready
+    /// rows in O(1); the other policies read the snapshot's ready mask as
+    /// it is (no copy). The row is booked directly: the same row, from the
+    /// same random numbers, as the general path.
+    ///
+    /// `None`: not such a request (the general path runs).
+    #[inline]
+    pub(super) fn select_ready<H: Deref<Target = Self>>(
+        &self,
+        reg: &WorkerRegistry,
+        req: &SelectionRequest<'_>,
+        rng: &mut Rng,
+        handle: &impl Fn() -> H,
+    ) -> Option<Result<Outcome<H>, Fallback>> {
+        if !self.policy.reads_ready_rows()
+            || req.pin.is_some()
+            || req.session.is_some()
+            || req.explain
+            || req.allowed_worker_ids.is_some()
+            || !req.required_taints.is_empty()
+            || req.lora.is_some()
+            || reg.traits().thresholds
+        {
+            return None;
+        }
+        let (ready, list) = reg.ready_rows();
+        if list.is_empty() || list.len() != reg.live_rows().1 {
+            return None;
+        }
+        let rows = reg.scan_rows();
+        let nw = mask::words_for(rows);
+        if ready.len() < nw {
+            return None;
+        }
+        #[cfg(test)]
+        super::tests::hooks::after_rows_read(rows);
+        let view = self.fleet.view(rows);
+        let choice = match self.policy.draw_ready(reg, &self.fleet, &view, list, rng) {
+            Some(choice) => choice,
+            None => match self.choose_on_ready(reg, req, rng, &ready[..nw], list, rows) {
+                Ok(choice) => choice,
+                Err(e) => return Some(Err(Fallback::Failed(e))),
+            },
+        };
+        let meta = reg.row(choice.row)?;
+        let load = self.book_load(req, choice.row, meta.worker());
+        match Booking::new_for_slot(FleetHandle(handle()), meta.handle.slot, load) {
+            Ok(booking) => Some(Ok(self.booked(req, booking, &choice, None, meta, Route::Policy, None))),
+            Err(e) => {
+                refused(&self.rejections, &e);
+                Some(Err(Fallback::Refused(choice.row)))
+            }
+        }
+    }
+
+    /// The fast path's choice for the policies that scan: the policy reads
+    /// the snapshot's ready mask `ready` (and list) as the eligible rows.
+    /// Out of line, so the O(1) draws stay short.
+    #[inline(never)]
+    fn choose_on_ready(
+        &self,
+        reg: &WorkerRegistry,
+        req: &SelectionRequest<'_>,
+        rng: &mut Rng,
+        ready: &[u64],
+        list: &[u32],
+        rows: usize,
+    ) -> Result<Choice, SelectionError> {
+        let ctx = WorkerSelectionContext {
+            request: req,
+            block_size: self.config.block_size,
+            worker_type: self.policy.worker_type,
+            preview: false,
+        };
+        with_scratch(|s| {
+            s.prepare(rows);
+            let env = Env {
+                reg,
+                fleet: &self.fleet,
+                mask: ready,
+                list: Some(list),
+                view: self.fleet.view(rows),
+                req,
+                ctx: &ctx,
+                rows,
+                pinned: false,
+                explain: false,
+            };
+            self.policy.choose(&env, s, rng)
+        })
+    }
+}
