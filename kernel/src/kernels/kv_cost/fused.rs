@@ -212,7 +212,11 @@ fn kv_cost_argmin_in<S: Simd, L: U32Source + ?Sized>(
         return Ok(None);
     }
     if !(range.min.is_finite() && range.max.is_finite()) {
-        return Err(first_non_finite(&p, load, overlap, mask, rows));
+        return match first_non_finite(&p, load, overlap, mask, rows) {
+            Some(row) => Err(KvCostError::NonFiniteCost { row }),
+            // A live column changed since the pass: every cost is finite now.
+            None => Ok(settle(&p, load, overlap, mask, rows)),
+        };
     }
     let mut k = if ties.count > 1 {
         rng.below(ties.count as u64) as usize
@@ -244,7 +248,34 @@ fn kv_cost_argmin_in<S: Simd, L: U32Source + ?Sized>(
         }
         k -= n;
     }
-    unreachable!("the pass counted {} ties at {}", ties.count, range.min)
+    // Fewer ties than the pass counted: a live column (the fleet's load)
+    // changed between the passes.
+    Ok(settle(&p, load, overlap, mask, rows))
+}
+
+/// The last resort when a live column changed between the passes so that
+/// the chosen tie vanished: the first eligible row of least cost as this
+/// single pass computes it (each row's cost once, NaN ignored), or `None`
+/// when no eligible row has a cost that is not NaN. Never reached for columns
+/// that do not change during the call, so the kernel and its reference
+/// still agree on every immutable input.
+#[cold]
+#[inline(never)]
+fn settle<L: U32Source + ?Sized>(
+    p: &Prepared,
+    load: &KvLoad<'_, L>,
+    overlap: &KvOverlap<'_>,
+    mask: &[u64],
+    rows: usize,
+) -> Option<KvChoice> {
+    let mut best: Option<KvChoice> = None;
+    for row in (0..rows).filter(|&r| contains(mask, r)) {
+        let cost = row_cost(p, &row_inputs(load, overlap, p, row));
+        if best.is_none_or(|b| cost < b.cost) {
+            best = Some(KvChoice { row, cost });
+        }
+    }
+    best.filter(|b| !b.cost.is_nan())
 }
 
 /// The eligible bits of lane group `g` and its costs, NaN on ineligible
@@ -299,8 +330,9 @@ fn tail_costs<L: U32Source + ?Sized>(
     })
 }
 
-/// The error for a non-finite cost range: the first eligible row whose cost
-/// is NaN or infinite, as the checked pick names it.
+/// For a non-finite cost range: the first eligible row whose cost is NaN or
+/// infinite, as the checked pick names it (`None` only if a live column
+/// changed since the range was computed and every cost is finite now).
 #[cold]
 #[inline(never)]
 fn first_non_finite<L: U32Source + ?Sized>(
@@ -309,11 +341,8 @@ fn first_non_finite<L: U32Source + ?Sized>(
     overlap: &KvOverlap<'_>,
     mask: &[u64],
     rows: usize,
-) -> KvCostError {
-    let row = (0..rows)
-        .find(|&r| contains(mask, r) && !row_cost(p, &row_inputs(load, overlap, p, r)).is_finite())
-        .unwrap_or_else(|| unreachable!("a non-finite range has a non-finite cost"));
-    KvCostError::NonFiniteCost { row }
+) -> Option<usize> {
+    (0..rows).find(|&r| contains(mask, r) && !row_cost(p, &row_inputs(load, overlap, p, r)).is_finite())
 }
 
 /// Scalar reference of [`kv_cost_argmin`]: [`kv_cost_reference`](super::kv_cost_reference)'s
