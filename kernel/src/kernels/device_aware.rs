@@ -38,7 +38,7 @@
 
 use super::KernelError;
 use crate::lanes::{U32Source, LANES};
-use crate::mask::{contains, group_bits};
+use crate::mask::{contains, group_bits, nth};
 use crate::simd::{dispatch, Simd, U32Lanes};
 use crate::Rng;
 
@@ -147,8 +147,12 @@ impl<S: Simd> GroupLanes<S> {
     }
     #[inline(always)]
     fn flush(&mut self) {
-        let lo: u64 = self.lo.to_array().iter().map(|&v| v as u64).sum();
-        let hi: u64 = self.hi.to_array().iter().map(|&v| v as u64).sum();
+        let (l, h) = (self.lo.to_array(), self.hi.to_array());
+        let (mut lo, mut hi) = (0u64, 0u64);
+        for i in 0..LANES {
+            lo += l[i] as u64;
+            hi += h[i] as u64;
+        }
         self.total += lo + (hi << 16);
         self.lo = self.s.splat_u32(0);
         self.hi = self.s.splat_u32(0);
@@ -219,6 +223,12 @@ dispatch! {
 }
 
 /// The body of [`device_aware`].
+///
+/// No closures and no iterator adapters over closures between the AVX2 entry
+/// point and the lane operations: a closure that LLVM declines to inline is
+/// compiled without the entry point's target features, and every lane
+/// operation in it becomes a call. The per-group and per-row helpers below
+/// are `#[inline(always)]` functions instead.
 #[inline(always)]
 fn device_aware_in<S: Simd, L, H>(
     s: S,
@@ -235,30 +245,43 @@ where
 {
     let rows = checked_rows(load, cache_hits)?;
     let groups = rows / LANES;
-    let required = config.required_cache_hits;
-    let req_lanes = s.splat_u32(required);
-    // Eligible bits of lane group `g` in each device group.
-    let bits_of = |g: usize, bits: u8| {
-        let cpu = group_bits(is_cpu, g);
-        let full = if required > 0 {
-            let hits = cache_hits.lanes(s, g);
-            hits.max(req_lanes).cmp_eq(hits).bits() & bits
-        } else {
-            0
-        };
-        (full, cpu & bits, !cpu & bits)
+    let cols = Columns {
+        load,
+        cache_hits,
+        is_cpu,
+        mask,
+        required: config.required_cache_hits,
     };
-    let row_is = |r: usize| {
-        let cpu = contains(is_cpu, r);
-        (required > 0 && cache_hits.value(r) >= required, cpu, !cpu)
-    };
-    // Pass 1: statistics.
+    // Pass 1: statistics, a mask word (eight lane groups) at a time, then
+    // the lane groups past the last whole word.
+    let words = groups / 8;
     let (mut full, mut cpu, mut accel) = (GroupLanes::new(s), GroupLanes::new(s), GroupLanes::new(s));
-    for g in 0..groups {
+    for w in 0..words {
+        let m = word(mask, w);
+        if m != 0 {
+            let c = word(is_cpu, w);
+            let loads = load.lanes8(s, 8 * w);
+            for (i, &loads) in loads.iter().enumerate() {
+                let bits = (m >> (8 * i)) as u8;
+                if bits != 0 {
+                    let cpu_bits = (c >> (8 * i)) as u8;
+                    full.add(loads, cols.full_bits(s, 8 * w + i, bits));
+                    cpu.add(loads, cpu_bits & bits);
+                    accel.add(loads, !cpu_bits & bits);
+                }
+            }
+        }
+        if (8 * w + 7) % FLUSH_GROUPS == FLUSH_GROUPS - 1 {
+            full.flush();
+            cpu.flush();
+            accel.flush();
+        }
+    }
+    for g in 8 * words..groups {
         let bits = group_bits(mask, g);
         if bits != 0 {
             let loads = load.lanes(s, g);
-            let (f, c, a) = bits_of(g, bits);
+            let [f, c, a] = cols.split(s, g, bits);
             full.add(loads, f);
             cpu.add(loads, c);
             accel.add(loads, a);
@@ -273,7 +296,7 @@ where
     for r in groups * LANES..rows {
         if contains(mask, r) {
             let l = load.value(r);
-            let (f, c, _) = row_is(r);
+            let [f, c, _] = cols.row_is(r);
             if f {
                 full.add(l);
             }
@@ -287,30 +310,30 @@ where
     let Some((group, min)) = decide(full, cpu, accel, config.non_cpu_to_cpu_ratio) else {
         return Ok(None);
     };
-    let chosen = |f: u8, c: u8, a: u8| match group {
-        DeviceGroup::FullCache => f,
-        DeviceGroup::Cpu => c,
-        DeviceGroup::Accelerator => a,
-    };
-    let chosen_row = |r: usize| {
-        let (f, c, a) = row_is(r);
-        contains(mask, r) && chosen(f as u8, c as u8, a as u8) == 1 && load.value(r) == min
-    };
-    let ties_of = |g: usize| {
-        let bits = group_bits(mask, g);
-        if bits == 0 {
-            return 0;
-        }
-        let (f, c, a) = bits_of(g, bits);
-        load.lanes(s, g).cmp_eq(s.splat_u32(min)).bits() & chosen(f, c, a)
-    };
     // Pass 2: rows of the chosen group at its minimum.
-    let mut ties: usize = (0..groups).map(|g| ties_of(g).count_ones() as usize).sum();
-    ties += (groups * LANES..rows).filter(|&r| chosen_row(r)).count();
+    let mut ties: usize = 0;
+    for w in 0..words {
+        ties += cols.tie_word(s, w, group, min).count_ones() as usize;
+    }
+    for g in 8 * words..groups {
+        ties += cols.ties(s, g, group, min).count_ones() as usize;
+    }
+    for r in groups * LANES..rows {
+        ties += cols.chosen_row(r, group, Some(min)) as usize;
+    }
     let mut k = if ties > 1 { rng.below(ties as u64) as usize } else { 0 };
     // Pass 3: the k-th of them.
-    for g in 0..groups {
-        let mut t = ties_of(g);
+    for w in 0..words {
+        let t = cols.tie_word(s, w, group, min);
+        let c = t.count_ones() as usize;
+        if k < c {
+            let row = 64 * w + nth(core::slice::from_ref(&t), 64, k).unwrap_or(0);
+            return Ok(Some(DeviceAwareChoice { row, group }));
+        }
+        k -= c;
+    }
+    for g in 8 * words..groups {
+        let mut t = cols.ties(s, g, group, min);
         let c = t.count_ones() as usize;
         if k < c {
             for _ in 0..k {
@@ -323,24 +346,144 @@ where
         }
         k -= c;
     }
-    let row = (groups * LANES..rows).filter(|&r| chosen_row(r)).nth(k);
+    for r in groups * LANES..rows {
+        if cols.chosen_row(r, group, Some(min)) {
+            if k == 0 {
+                return Ok(Some(DeviceAwareChoice { row: r, group }));
+            }
+            k -= 1;
+        }
+    }
     // Over a live column (the fleet's counters) the loads may change between
     // the passes, so that no row of the chosen group is at pass 1's minimum
     // any more. The kernel stays total: it settles on the group's
-    // least-loaded eligible row as read now (one scalar pass, only then).
-    let row = row.or_else(|| {
-        (0..rows)
-            .filter(|&r| {
-                let (f, c, a) = row_is(r);
-                contains(mask, r) && chosen(f as u8, c as u8, a as u8) == 1
-            })
-            .min_by_key(|&r| load.value(r))
-    });
-    Ok(row.map(|row| DeviceAwareChoice { row, group }))
+    // least-loaded eligible row as read now (one scalar pass, only then;
+    // the first such row, as `min_by_key` would).
+    let mut best: Option<(usize, u32)> = None;
+    for r in 0..rows {
+        if cols.chosen_row(r, group, None) {
+            let l = load.value(r);
+            match best {
+                Some((_, b)) if b <= l => {}
+                _ => best = Some((r, l)),
+            }
+        }
+    }
+    Ok(best.map(|(row, _)| DeviceAwareChoice { row, group }))
+}
+
+/// The columns and the threshold the passes read.
+struct Columns<'a, L: ?Sized, H: ?Sized> {
+    load: &'a L,
+    cache_hits: &'a H,
+    is_cpu: &'a [u64],
+    mask: &'a [u64],
+    required: u32,
+}
+
+impl<L: U32Source + ?Sized, H: U32Source + ?Sized> Columns<'_, L, H> {
+    /// The bits of lane group `g` among `bits` in each device group:
+    /// `[full-cache, CPU, accelerator]`.
+    #[inline(always)]
+    fn split<S: Simd>(&self, s: S, g: usize, bits: u8) -> [u8; 3] {
+        let cpu = group_bits(self.is_cpu, g);
+        [self.full_bits(s, g, bits), cpu & bits, !cpu & bits]
+    }
+
+    /// The bits of lane group `g` among `bits` with at least the required
+    /// cache hits (none when the rule is off).
+    #[inline(always)]
+    fn full_bits<S: Simd>(&self, s: S, g: usize, bits: u8) -> u8 {
+        if self.required > 0 {
+            let hits = self.cache_hits.lanes(s, g);
+            hits.max(s.splat_u32(self.required)).cmp_eq(hits).bits() & bits
+        } else {
+            0
+        }
+    }
+
+    /// The eligible rows of mask word `w` (lane groups `8 * w .. 8 * w + 8`,
+    /// all below `rows / LANES`) in `group` whose load is `min`, row `64 * w
+    /// + i` in bit `i`.
+    #[inline(always)]
+    fn tie_word<S: Simd>(&self, s: S, w: usize, group: DeviceGroup, min: u32) -> u64 {
+        let m = word(self.mask, w);
+        let candidates = match group {
+            DeviceGroup::FullCache => m,
+            DeviceGroup::Cpu => m & word(self.is_cpu, w),
+            DeviceGroup::Accelerator => m & !word(self.is_cpu, w),
+        };
+        if candidates == 0 {
+            return 0;
+        }
+        let loads = self.load.lanes8(s, 8 * w);
+        let min = s.splat_u32(min);
+        let mut ties = 0u64;
+        for (i, &loads) in loads.iter().enumerate() {
+            let mut bits = (candidates >> (8 * i)) as u8;
+            if group == DeviceGroup::FullCache {
+                bits = self.full_bits(s, 8 * w + i, bits);
+            }
+            ties |= ((loads.cmp_eq(min).bits() & bits) as u64) << (8 * i);
+        }
+        ties
+    }
+
+    /// Whether row `r` is in each device group: `[full-cache, CPU,
+    /// accelerator]`.
+    #[inline(always)]
+    fn row_is(&self, r: usize) -> [bool; 3] {
+        let cpu = contains(self.is_cpu, r);
+        [
+            self.required > 0 && self.cache_hits.value(r) >= self.required,
+            cpu,
+            !cpu,
+        ]
+    }
+
+    /// The eligible rows of lane group `g` in `group` whose load is `min`.
+    #[inline(always)]
+    fn ties<S: Simd>(&self, s: S, g: usize, group: DeviceGroup, min: u32) -> u8 {
+        let bits = group_bits(self.mask, g);
+        if bits == 0 {
+            return 0;
+        }
+        let [f, c, a] = self.split(s, g, bits);
+        self.load.lanes(s, g).cmp_eq(s.splat_u32(min)).bits() & chosen(group, f, c, a)
+    }
+
+    /// Whether row `r` is eligible, in `group` and (if given) at load `min`.
+    #[inline(always)]
+    fn chosen_row(&self, r: usize, group: DeviceGroup, min: Option<u32>) -> bool {
+        let [f, c, a] = self.row_is(r);
+        contains(self.mask, r)
+            && chosen(group, f, c, a)
+            && match min {
+                Some(min) => self.load.value(r) == min,
+                None => true,
+            }
+    }
+}
+
+/// Word `w` of a bitmask (0 past its end).
+#[inline(always)]
+fn word(words: &[u64], w: usize) -> u64 {
+    words.get(w).copied().unwrap_or(0)
+}
+
+/// The member of `[f, c, a]` (full-cache, CPU, accelerator) for `group`.
+#[inline(always)]
+fn chosen<T>(group: DeviceGroup, f: T, c: T, a: T) -> T {
+    match group {
+        DeviceGroup::FullCache => f,
+        DeviceGroup::Cpu => c,
+        DeviceGroup::Accelerator => a,
+    }
 }
 
 /// The rows both kernels scan: the load column's, if the cache-hit column
 /// covers them.
+#[inline(always)]
 fn checked_rows<L, H>(load: &L, cache_hits: &H) -> Result<usize, KernelError>
 where
     L: U32Source + ?Sized,

@@ -221,3 +221,52 @@ fn a_load_column_changing_under_the_scan_still_yields_an_eligible_row() {
         }
     }
 }
+
+/// Over a fleet's counter column (an `AtomicView`, read a mask word of lane
+/// groups at a time), with masks and CPU bitmasks shorter or longer than the
+/// rows: every backend returns the reference's row and draws.
+#[test]
+fn device_aware_over_a_fleet_column_matches_reference() {
+    use crate::fleet::{BookLoad, Fleet, WorkerSpec};
+    let fleet = Fleet::<48>::new();
+    let rows = 300usize;
+    let mut r = Rng::new(11);
+    let mut bookings = vec![];
+    for id in 0..rows {
+        let row = fleet.add(WorkerSpec::new(id as u64)).unwrap().row as usize;
+        for _ in 0..r.below(4) {
+            bookings.push(fleet.book(row, BookLoad::default()).unwrap());
+        }
+    }
+    let active = fleet.active_requests();
+    let scan_rows = crate::lanes::U32Source::rows(&active);
+    let hits: std::vec::Vec<u32> = (0..scan_rows as u32).map(|i| (i * 5) % 3).collect();
+    let words = scan_rows.div_ceil(64);
+    for seed in 0..200u64 {
+        let mut r = Rng::new(seed);
+        let word = |r: &mut Rng| match r.below(4) {
+            0 => 0,
+            1 => u64::MAX,
+            _ => r.next_u64(),
+        };
+        let mask_len = r.below(words as u64 + 2) as usize;
+        let mask: std::vec::Vec<u64> = (0..mask_len).map(|_| word(&mut r)).collect();
+        let cpu_len = r.below(words as u64 + 2) as usize;
+        let is_cpu: std::vec::Vec<u64> = (0..cpu_len).map(|_| word(&mut r)).collect();
+        for required in [0u32, 1, 2] {
+            let config = DeviceAwareConfig {
+                required_cache_hits: required,
+                non_cpu_to_cpu_ratio: (seed % 10) as u32,
+            };
+            let mut b = Rng::new(seed);
+            let slow = device_aware_reference(&active, &hits[..], &is_cpu, &mask, &config, &mut b).unwrap();
+            for backend in Backend::available() {
+                let mut a = Rng::new(seed);
+                let fast = device_aware_on(backend, &active, &hits[..], &is_cpu, &mask, &config, &mut a).unwrap();
+                assert_eq!(fast, slow, "{backend:?} seed {seed} required {required}");
+                assert_eq!(a.state(), b.state(), "{backend:?} seed {seed} required {required}");
+            }
+        }
+    }
+    drop(bookings);
+}
