@@ -109,3 +109,41 @@ pub(super) fn chi_square(observed: &[u64], p: &[f64]) -> f64 {
 
 /// 99.9% quantiles of the chi-square distribution, by degrees of freedom.
 pub(super) const CHI2_999: [f64; 6] = [f64::NAN, 10.828, 13.816, 16.266, 18.467, 20.515];
+
+/// A load column that changes under the scan, as the fleet's live columns
+/// may while other threads book and release: every read of a row returns a
+/// different value, one of `values`, so many rows tie.
+pub(super) struct Shifting {
+    rows: usize,
+    reads: core::cell::Cell<u32>,
+    values: u32,
+}
+
+impl Shifting {
+    /// `rows` rows; `first_read` seeds the sequence of values.
+    pub(super) fn new(rows: usize, first_read: u32, values: u32) -> Self {
+        Shifting {
+            rows,
+            reads: core::cell::Cell::new(first_read),
+            values,
+        }
+    }
+
+    fn next(&self, row: usize) -> u32 {
+        let n = self.reads.get();
+        self.reads.set(n.wrapping_add(1));
+        (n.wrapping_mul(2_654_435_761) ^ row as u32).rotate_left(n % 31) % self.values
+    }
+}
+
+impl crate::lanes::U32Source for Shifting {
+    fn rows(&self) -> usize {
+        self.rows
+    }
+    fn value(&self, row: usize) -> u32 {
+        self.next(row)
+    }
+    fn group(&self, group: usize) -> [u32; crate::lanes::LANES] {
+        core::array::from_fn(|i| self.next(group * 8 + i))
+    }
+}

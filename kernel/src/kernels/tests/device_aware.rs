@@ -1,6 +1,6 @@
 //! Device-aware weighted against its reference, and Dynamo's decisions by hand.
 
-use super::{load_value, mask, rows};
+use super::{load_value, mask, rows, Shifting};
 use crate::kernels::device_aware::*;
 use crate::kernels::KernelError;
 use crate::mask::contains;
@@ -164,33 +164,6 @@ fn device_aware_load_sums_do_not_wrap() {
     );
 }
 
-/// A load column that changes under the scan, as a live fleet column may:
-/// every read of a row returns a different value.
-struct Shifting {
-    rows: usize,
-    reads: core::cell::Cell<u32>,
-}
-
-impl Shifting {
-    fn next(&self, row: usize) -> u32 {
-        let n = self.reads.get();
-        self.reads.set(n.wrapping_add(1));
-        (n.wrapping_mul(2_654_435_761) ^ row as u32).rotate_left(n % 31) % 5
-    }
-}
-
-impl crate::lanes::U32Source for Shifting {
-    fn rows(&self) -> usize {
-        self.rows
-    }
-    fn value(&self, row: usize) -> u32 {
-        self.next(row)
-    }
-    fn group(&self, group: usize) -> [u32; crate::lanes::LANES] {
-        core::array::from_fn(|i| self.next(group * 8 + i))
-    }
-}
-
 /// Loads that change between the passes must never make the kernel return
 /// `None` while a row is eligible (the host reported "all eligible workers
 /// are overloaded" on an idle fleet under churn), nor a row outside the
@@ -205,10 +178,7 @@ fn a_load_column_changing_under_the_scan_still_yields_an_eligible_row() {
                 .collect();
             let is_cpu: std::vec::Vec<u64> = (0..rows.div_ceil(64)).map(|_| r.next_u64()).collect();
             let hits: std::vec::Vec<u32> = (0..rows as u32).map(|i| (i * 7 + seed as u32) % 4).collect();
-            let load = Shifting {
-                rows,
-                reads: core::cell::Cell::new(seed as u32),
-            };
+            let load = Shifting::new(rows, seed as u32, 5);
             let config = DeviceAwareConfig {
                 required_cache_hits: (seed % 4) as u32,
                 ..DeviceAwareConfig::default()

@@ -2,7 +2,7 @@
 //! the `f64` formula (within the documented bound), and hand-worked costs for
 //! every term and special case of SPEC section 4.
 
-use super::{load_value, mask, rows, same_f32};
+use super::{load_value, mask, rows, same_f32, Shifting};
 use crate::kernels::kv_cost::*;
 use crate::mask::contains;
 use crate::simd::Backend;
@@ -828,44 +828,13 @@ fn kv_cost_argmin_with_every_row_tied() {
     }
 }
 
-/// A load column that changes under the scan, as the fleet's live columns
-/// may while other threads book and release: every read of a row returns a
-/// different value, from a handful, so many rows tie.
-struct Shifting {
-    rows: usize,
-    reads: core::cell::Cell<u32>,
-}
-
-impl Shifting {
-    fn next(&self, row: usize) -> u32 {
-        let n = self.reads.get();
-        self.reads.set(n.wrapping_add(1));
-        (n.wrapping_mul(2_654_435_761) ^ row as u32).rotate_left(n % 31) % 3
-    }
-}
-
-impl crate::lanes::U32Source for Shifting {
-    fn rows(&self) -> usize {
-        self.rows
-    }
-    fn value(&self, row: usize) -> u32 {
-        self.next(row)
-    }
-    fn group(&self, group: usize) -> [u32; crate::lanes::LANES] {
-        core::array::from_fn(|i| self.next(group * 8 + i))
-    }
-}
-
 /// Loads that change between the fused kernel's passes (more tied groups
 /// than it remembers, so the ties are found again by recomputing) must
 /// never panic nor return a row outside the mask while a row is eligible.
 #[test]
 fn fused_argmin_on_loads_changing_under_the_scan_returns_an_eligible_row() {
     let rows = 4_000;
-    let column = || Shifting {
-        rows,
-        reads: core::cell::Cell::new(rows as u32),
-    };
+    let column = || Shifting::new(rows, rows as u32, 3);
     let (prefill, decode, active) = (column(), column(), column());
     let device: Vec<f32> = (0..rows).map(|r| (r % 2) as f32).collect();
     let cached: Vec<f32> = device.iter().map(|d| d * 16.0).collect();
