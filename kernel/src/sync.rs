@@ -105,14 +105,9 @@ pub(crate) fn load_lanes(group: &[AtomicU32; LANES]) -> [u32; LANES] {
             // the VEX.128 form is used there (same atomicity guarantee: SDM
             // §9.1.1 names VMOVDQA).
             #[cfg(target_feature = "avx")]
-            core::arch::asm!(
-                "vmovdqa {lo}, xmmword ptr [{p}]",
-                "vmovdqa {hi}, xmmword ptr [{p} + 16]",
-                p = in(reg) p,
-                lo = out(xmm_reg) lo,
-                hi = out(xmm_reg) hi,
-                options(readonly, nostack, preserves_flags),
-            );
+            {
+                (lo, hi) = vmovdqa_pair(p);
+            }
             #[cfg(not(target_feature = "avx"))]
             core::arch::asm!(
                 "movdqa {lo}, xmmword ptr [{p}]",
@@ -147,12 +142,27 @@ pub(crate) fn load_lanes_vex(
 ) -> (core::arch::x86_64::__m128i, core::arch::x86_64::__m128i) {
     let p = group.as_ptr();
     debug_assert_eq!(p as usize % 16, 0, "lane groups are 16-byte aligned");
+    // SAFETY: `group` is a live shared reference to 32 readable, 16-byte
+    // aligned bytes (see `load_lanes`), and the `Avx2` token proves the CPU
+    // has AVX.
+    unsafe { vmovdqa_pair(p) }
+}
+
+/// The two aligned 16-byte `vmovdqa` loads of one lane group, each lane one
+/// atomic 4-byte access (see [`load_lanes`]); the asm writes no memory,
+/// stack or flags.
+///
+/// # Safety
+/// `p` points to 32 readable bytes, 16-byte aligned, that stay live for the
+/// call, and the CPU has AVX.
+#[cfg(all(target_arch = "x86_64", not(miri), not(selkie_loom)))]
+#[inline(always)]
+unsafe fn vmovdqa_pair(p: *const AtomicU32) -> (core::arch::x86_64::__m128i, core::arch::x86_64::__m128i) {
     let lo: core::arch::x86_64::__m128i;
     let hi: core::arch::x86_64::__m128i;
-    // SAFETY: as in `load_lanes`: `group` is a live shared reference to 32
-    // readable, 16-byte aligned bytes, each lane is read as one atomic 4-byte
-    // access, and the asm writes no memory, stack or flags. `vmovdqa` needs
-    // AVX, which the `Avx2` token proves the CPU has.
+    // SAFETY: the caller's contract: 32 readable, 16-byte aligned bytes, so
+    // both aligned loads are in bounds and cannot fault, and AVX for the VEX
+    // encoding.
     unsafe {
         core::arch::asm!(
             "vmovdqa {lo}, xmmword ptr [{p}]",

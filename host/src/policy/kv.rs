@@ -189,19 +189,17 @@ fn non_finite(row: usize) -> SelectionError {
     .into()
 }
 
-/// Builds the kernel's inputs for this request (the policy's configuration
-/// with the request's overrides, the fleet's load columns, the overlap
-/// columns, the preferred-taint multipliers) and runs `kernel` on them with
-/// the scratch's cost column; returns the effective configuration and what
-/// `kernel` returned.
+/// Builds the kernel's inputs for this request (the fleet's load columns,
+/// the overlap columns, the preferred-taint multipliers) and runs `kernel`
+/// on them with `kcfg` (the policy's configuration with the request's
+/// overrides, checked here) and the scratch's cost column.
 fn with_kernel_inputs<R>(
     env: &Env<'_>,
     s: &mut Scratch,
-    cfg: &KvRouterConfig,
+    kcfg: &KvCostConfig,
     worker_type: WorkerType,
-    kernel: impl FnOnce(&KvCostConfig, &KvRequest, &KvLoad<'_, AtomicView<'_>>, &KvOverlap<'_>, &mut [f32]) -> R,
-) -> Result<(KvCostConfig, R), SelectionError> {
-    let kcfg = effective_config(cfg, env);
+    kernel: impl FnOnce(&KvRequest, &KvLoad<'_, AtomicView<'_>>, &KvOverlap<'_>, &mut [f32]) -> R,
+) -> Result<R, SelectionError> {
     if kcfg.validate().is_err() {
         return Err(SelectionError::InvalidRequest(
             "KV cost weights (the policy's, with the request's overrides) must be finite and >= 0, tier weights <= 1",
@@ -243,11 +241,11 @@ fn with_kernel_inputs<R>(
         preferred_taint_multiplier: taints.then(|| &taint[..rows]),
     };
     let load = KvLoad::new(&prefill, &decode, &active);
-    let result = kernel(&kcfg, &kreq, &load, &kover, &mut costs[..rows]);
+    let result = kernel(&kreq, &load, &kover, &mut costs[..rows]);
     if view.scattered {
         overlap.reset();
     }
-    Ok((kcfg, result))
+    Ok(result)
 }
 
 /// Writes every row's KV cost into `s.costs` (`+inf` on ineligible rows);
@@ -258,44 +256,53 @@ pub(crate) fn fill_costs(
     cfg: &KvRouterConfig,
     worker_type: WorkerType,
 ) -> Result<(KvCostConfig, usize, CostRange), SelectionError> {
-    let mask = env.mask;
-    let (kcfg, result) = with_kernel_inputs(env, s, cfg, worker_type, |kcfg, kreq, load, kover, costs| {
-        kv_cost(kcfg, kreq, load, kover, mask, costs)
-    })?;
-    let range = result.map_err(|_| SelectionError::InvalidRequest("KV cost inputs rejected by the kernel"))?;
+    let kcfg = effective_config(cfg, env);
+    let range = column_costs(env, s, &kcfg, worker_type)?;
     Ok((kcfg, env.rows, range))
 }
 
+/// Writes every row's KV cost under `kcfg` into `s.costs`; returns the
+/// eligible range.
+fn column_costs(
+    env: &Env<'_>,
+    s: &mut Scratch,
+    kcfg: &KvCostConfig,
+    worker_type: WorkerType,
+) -> Result<CostRange, SelectionError> {
+    let mask = env.mask;
+    with_kernel_inputs(env, s, kcfg, worker_type, |kreq, load, kover, costs| {
+        kv_cost(kcfg, kreq, load, kover, mask, costs)
+    })?
+    .map_err(|_| SelectionError::InvalidRequest("KV cost inputs rejected by the kernel"))
+}
+
 /// Temperature 0 without an explanation: the kernel's cost and argmin in
-/// one pass, no cost column. `None` when the effective temperature is not 0.
+/// one pass, no cost column.
 fn choose_minimum(
     env: &Env<'_>,
     s: &mut Scratch,
     rng: &mut Rng,
-    cfg: &KvRouterConfig,
+    kcfg: &KvCostConfig,
     worker_type: WorkerType,
-) -> Result<Option<Choice>, SelectionError> {
+) -> Result<Choice, SelectionError> {
     let mask = env.mask;
-    let (kcfg, result) = with_kernel_inputs(env, s, cfg, worker_type, |kcfg, kreq, load, kover, _| {
-        (kcfg.router_temperature == 0.0).then(|| kv_cost_argmin(kcfg, kreq, load, kover, mask, rng))
+    let result = with_kernel_inputs(env, s, kcfg, worker_type, |kreq, load, kover, _| {
+        kv_cost_argmin(kcfg, kreq, load, kover, mask, rng)
     })?;
-    let Some(result) = result else {
-        return Ok(None);
-    };
     let choice = match result {
         Ok(Some(c)) => c,
         Ok(None) => return Err(SelectionError::AllEligibleWorkersOverloaded),
         Err(KvCostError::NonFiniteCost { row }) => return Err(non_finite(row)),
         Err(_) => return Err(SelectionError::InvalidRequest("KV cost inputs rejected by the kernel")),
     };
-    Ok(Some(Choice {
+    Ok(Choice {
         row: choice.row,
         cost: f64::from(choice.cost),
         runner_up: None,
         branch: Branch::KvMinimum,
         candidates: selkie_kernel::mask::count(mask, env.rows),
         temperature: f64::from(kcfg.router_temperature),
-    }))
+    })
 }
 
 // Kept out of line: inlined into the policy dispatch, its cost kernel's
@@ -308,14 +315,12 @@ pub(crate) fn choose(
     cfg: &KvRouterConfig,
     worker_type: WorkerType,
 ) -> Result<Choice, SelectionError> {
-    let t = effective_config(cfg, env).router_temperature;
-    if t == 0.0 && !env.explain {
-        if let Some(choice) = choose_minimum(env, s, rng, cfg, worker_type)? {
-            return Ok(choice);
-        }
+    let kcfg = effective_config(cfg, env);
+    if kcfg.router_temperature == 0.0 && !env.explain {
+        return choose_minimum(env, s, rng, &kcfg, worker_type);
     }
-    let (kcfg, rows, range) = fill_costs(env, s, cfg, worker_type)?;
-    let (mask, costs) = (env.mask, &mut s.costs);
+    let range = column_costs(env, s, &kcfg, worker_type)?;
+    let (mask, costs, rows) = (env.mask, &mut s.costs, env.rows);
     let t = kcfg.router_temperature;
     // `kv_cost` returned the eligible range while writing the costs: the pick
     // skips its own finiteness and min/max passes (non-finite ranges fall

@@ -386,6 +386,34 @@ fn row_inputs<L: U32Source + ?Sized>(
     }
 }
 
+impl Prepared {
+    /// The scalar references' per-request constants: the least eligible
+    /// active prefill (when the decay is on) found row by row.
+    fn scalar<L: U32Source + ?Sized>(
+        config: &KvCostConfig,
+        request: &KvRequest,
+        load: &KvLoad<'_, L>,
+        mask: &[u64],
+        rows: usize,
+    ) -> Self {
+        let mut p = Prepared::new(config, request);
+        if p.decay_on {
+            p.min_prefill = (0..rows)
+                .filter(|&r| contains(mask, r))
+                .map(|r| {
+                    if available(load.load_available, r) {
+                        load.active_prefill_tokens.value(r)
+                    } else {
+                        0
+                    }
+                })
+                .min()
+                .unwrap_or(0);
+        }
+        p
+    }
+}
+
 /// Scalar reference of [`kv_cost`]: the same operations in the same order,
 /// bit-identical results.
 pub fn kv_cost_reference<L: U32Source + ?Sized>(
@@ -397,20 +425,7 @@ pub fn kv_cost_reference<L: U32Source + ?Sized>(
     out: &mut [f32],
 ) -> Result<CostRange, KvCostError> {
     let rows = check(config, load, overlap, out.len())?;
-    let mut p = Prepared::new(config, request);
-    if p.decay_on {
-        p.min_prefill = (0..rows)
-            .filter(|&r| contains(mask, r))
-            .map(|r| {
-                if available(load.load_available, r) {
-                    load.active_prefill_tokens.value(r)
-                } else {
-                    0
-                }
-            })
-            .min()
-            .unwrap_or(0);
-    }
+    let p = Prepared::scalar(config, request, load, mask, rows);
     let mut range = CostRange::EMPTY;
     for (row, o) in out[..rows].iter_mut().enumerate() {
         *o = if contains(mask, row) {

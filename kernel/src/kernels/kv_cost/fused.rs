@@ -24,8 +24,8 @@
 
 use super::fast::Plan;
 use super::{
-    available, check, cost_lanes, prepare, row_cost, row_inputs, CostRange, KvCostConfig, KvCostError, KvLoad,
-    KvOverlap, KvRequest, Prepared,
+    check, cost_lanes, prepare, row_cost, row_inputs, CostRange, KvCostConfig, KvCostError, KvLoad, KvOverlap,
+    KvRequest, Prepared,
 };
 use crate::lanes::{U32Source, LANES};
 use crate::mask::{contains, group_bits};
@@ -358,31 +358,14 @@ pub fn kv_cost_argmin_reference<L: U32Source + ?Sized>(
     rng: &mut Rng,
 ) -> Result<Option<KvChoice>, KvCostError> {
     let rows = check(config, load, overlap, usize::MAX)?;
-    let mut p = Prepared::new(config, request);
-    if p.decay_on {
-        p.min_prefill = (0..rows)
-            .filter(|&r| contains(mask, r))
-            .map(|r| {
-                if available(load.load_available, r) {
-                    load.active_prefill_tokens.value(r)
-                } else {
-                    0
-                }
-            })
-            .min()
-            .unwrap_or(0);
-    }
+    let p = Prepared::scalar(config, request, load, mask, rows);
     let cost = |r: usize| row_cost(&p, &row_inputs(load, overlap, &p, r));
     let eligible = || (0..rows).filter(|&r| contains(mask, r));
-    let (mut min, mut max) = (f32::INFINITY, f32::NEG_INFINITY);
+    let mut range = CostRange::EMPTY;
     for c in eligible().map(cost) {
-        if c < min {
-            min = c;
-        }
-        if c > max {
-            max = c;
-        }
+        range.add(c);
     }
+    let CostRange { min, max } = range;
     if min > max || min.is_nan() || max.is_nan() {
         return Ok(None);
     }
