@@ -24,15 +24,19 @@
 //!         or the last eligible row if rounding leaves the walk short.
 //! ```
 //!
-//! The SIMD kernel computes each exponent as `(c_min - c) * (1 / ((c_max -
-//! c_min) * T))` in `f32` and the weight with the kernel's own `exp` (a
-//! polynomial evaluated with separate multiplies and adds, so that every SIMD
-//! backend computes the same bits, flushing `exp(x)` to 0 for `x <= -87.3`),
-//! sums each lane group in `f32` in a fixed order and walks the cumulative sum
+//! The SIMD kernel computes each exponent in base 2, as `(c_min - c) *
+//! (log2(e) / ((c_max - c_min) * T))` in `f32`, and the weight with the
+//! kernel's own `2^t` (a polynomial evaluated with separate multiplies and
+//! adds, so that every SIMD backend computes the same bits, flushing the
+//! weight to 0 below `2^-125.94`, that is `exp(x)` for `x <= -87.3`),
+//! sums the weights in `f32` in a fixed order and walks the cumulative sum
 //! in `f64`, in two passes over the costs (sum, then walk until the target is
-//! reached) with no heap memory: the first pass keeps the first 1,024 group
-//! sums on the stack, and the walk recomputes weights only in the group where
-//! it stops (and in groups past those it kept). The reference computes
+//! reached) with no heap memory. The first pass adds the weights of a mask
+//! word's 64 rows lane by lane and reduces them once per word, keeping the
+//! first 1,024 word sums on the stack; the walk recomputes weights only in
+//! the word where it stops (and in words past those it kept), where it sums
+//! each lane group, then walks the lanes of the group that crosses the
+//! target. The reference computes
 //! Dynamo's procedure in `f64` with `libm::exp`, normalising by the sum first. The two
 //! therefore agree to a relative `1e-5` per weight (absolute `1e-12` for
 //! weights below about `e^-40`, which cannot move a pick) rather than bit for
@@ -53,7 +57,7 @@ use super::argmin::{argmin, argmin_given_min, argmin_reference, ArgminKey};
 use super::KernelError;
 use crate::lanes::{F32Source, LANES};
 use crate::mask::{contains, count, group_bits, nth};
-use crate::simd::{dispatch, exp_lanes, F32Lanes, Simd, U32Lanes};
+use crate::simd::{dispatch, exp2_lanes, F32Lanes, Simd, U32Lanes};
 use crate::Rng;
 
 /// A cost column as argmin keys.
@@ -202,6 +206,10 @@ fn softmax_temperature_ok(t: f32) -> bool {
 
 /// How the SIMD kernel turns a lane group of costs into weights; built once
 /// per pick from `c_min`, `c_max` and `T` (see [`SoftmaxLanes::new`]).
+///
+/// A weight is `exp(x) = 2^(x log2 e)`: the kernel computes the base-2
+/// exponent `t = (c_min - c) * (log2 e / ((c_max - c_min) T))` directly, one
+/// subtraction and one multiplication per lane, and then `2^t`.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct SoftmaxLanes {
     /// Costs are multiplied by this first (1, or 0.5 when `c_max - c_min`
@@ -209,10 +217,10 @@ pub(crate) struct SoftmaxLanes {
     pre: f32,
     /// `c_min * pre`.
     min: f32,
-    /// `1 / ((c_max - c_min) * pre * T)` when that product is a normal `f32`
-    /// (the fast path: one subtraction and one multiplication per lane); 0
-    /// when it under- or overflows, and the exponent is computed per lane in
-    /// `f64` instead (an extreme temperature or a subnormal cost range).
+    /// `log2(e) / ((c_max - c_min) * pre * T)` when that product is a normal
+    /// `f32` (the fast path); 0 when it under- or overflows, and the
+    /// exponent is computed per lane in `f64` instead (an extreme
+    /// temperature or a subnormal cost range).
     inv: f32,
     /// `c_min` and `(c_max - c_min) * T` in `f64`, for that slow path.
     min64: f64,
@@ -232,7 +240,11 @@ impl SoftmaxLanes {
             range = c_max * 0.5 - c_min * 0.5;
         }
         let denom = range * t;
-        let inv = if denom.is_normal() { 1.0 / denom } else { 0.0 };
+        let inv = if denom.is_normal() {
+            core::f32::consts::LOG2_E / denom
+        } else {
+            0.0
+        };
         SoftmaxLanes {
             pre,
             min: c_min * pre,
@@ -251,25 +263,58 @@ impl SoftmaxLanes {
         if self.flat {
             return on & s.splat_f32(1.0);
         }
-        let x = if self.inv != 0.0 {
-            let d = if self.pre == 1.0 {
-                costs - s.splat_f32(self.min)
-            } else {
-                costs * s.splat_f32(self.pre) - s.splat_f32(self.min)
-            };
-            d * s.splat_f32(self.inv)
+        let t = if self.inv != 0.0 {
+            self.fast_exponent(s, costs)
         } else {
             let c = costs.to_array();
             s.load_f32(&core::array::from_fn(|i| self.slow_exponent(c[i])))
         };
-        // `0 - x`, not `-x`: the same lanes, and `exp` of either zero is 1.
-        on & exp_lanes(s, s.splat_f32(0.0) - x)
+        on & exp2_lanes(s, t)
     }
 
-    /// The exponent's magnitude on the slow path, per lane in `f64`.
+    /// Whether [`weights_all`](Self::weights_all) applies: the costs are not
+    /// all equal and every exponent is one subtraction and one
+    /// multiplication.
+    #[inline(always)]
+    pub(crate) fn unmasked(&self) -> bool {
+        !self.flat && self.inv != 0.0
+    }
+
+    /// Whether costs are halved first (a range that overflows `f32`).
+    #[inline(always)]
+    pub(crate) fn halved(&self) -> bool {
+        self.pre != 1.0
+    }
+
+    /// [`weights`](Self::weights) of a lane group whose lanes are all
+    /// eligible, when [`unmasked`](Self::unmasked) and `HALVED ==
+    /// self.halved()`: the same bits, without the lane mask (the caller
+    /// chooses `HALVED` once per pass, not per group).
+    #[inline(always)]
+    pub(crate) fn weights_all<S: Simd, const HALVED: bool>(&self, s: S, costs: S::F32) -> S::F32 {
+        let d = if HALVED {
+            s.splat_f32(self.min) - costs * s.splat_f32(self.pre)
+        } else {
+            s.splat_f32(self.min) - costs
+        };
+        exp2_lanes(s, d * s.splat_f32(self.inv))
+    }
+
+    /// The base-2 exponent `(c_min - c) * inv` per lane (`inv != 0`).
+    #[inline(always)]
+    fn fast_exponent<S: Simd>(&self, s: S, costs: S::F32) -> S::F32 {
+        let d = if self.pre == 1.0 {
+            s.splat_f32(self.min) - costs
+        } else {
+            s.splat_f32(self.min) - costs * s.splat_f32(self.pre)
+        };
+        d * s.splat_f32(self.inv)
+    }
+
+    /// The base-2 exponent on the slow path, per lane in `f64`.
     #[inline]
     fn slow_exponent(&self, c: f32) -> f32 {
-        ((c as f64 - self.min64) / self.denom64) as f32
+        ((self.min64 - c as f64) / self.denom64 * core::f64::consts::LOG2_E) as f32
     }
 
     /// [`weights`](Self::weights) for one eligible cost, operation for
@@ -279,17 +324,17 @@ impl SoftmaxLanes {
         if self.flat {
             return 1.0;
         }
-        let x = if self.inv != 0.0 {
+        let t = if self.inv != 0.0 {
             let d = if self.pre == 1.0 {
-                c - self.min
+                self.min - c
             } else {
-                c * self.pre - self.min
+                self.min - c * self.pre
             };
             d * self.inv
         } else {
             self.slow_exponent(c)
         };
-        crate::simd::exp_scalar(0.0 - x)
+        crate::simd::exp2_scalar(t)
     }
 }
 
@@ -299,6 +344,18 @@ dispatch! {
     #[allow(dead_code)]
     fn softmax_weights / softmax_weights_on [] (lanes: &SoftmaxLanes, costs: [f32; LANES], bits: u8) -> [f32; LANES]
         = |s| lanes.weights(s, s.load_f32(&costs), bits).to_array()
+}
+
+#[cfg(test)]
+dispatch! {
+    /// [`SoftmaxLanes::weights_all`] of one lane group, for the tests.
+    #[allow(dead_code)]
+    fn softmax_weights_all / softmax_weights_all_on [] (lanes: &SoftmaxLanes, costs: [f32; LANES]) -> [f32; LANES]
+        = |s| if lanes.halved() {
+            lanes.weights_all::<_, true>(s, s.load_f32(&costs)).to_array()
+        } else {
+            lanes.weights_all::<_, false>(s, s.load_f32(&costs)).to_array()
+        }
 }
 
 /// The eligible rows' cost range as the SIMD kernel sees it: `(min, max,
@@ -511,6 +568,9 @@ fn group_weights<S: Simd, C: F32Source + ?Sized>(
     c_min: f32,
     g: usize,
 ) -> Option<(u8, S::F32)> {
+    if g * LANES >= rows {
+        return None;
+    }
     let mut bits = group_bits(mask, g);
     if (g + 1) * LANES > rows {
         bits &= (1u8 << (rows - g * LANES)) - 1;
@@ -522,10 +582,57 @@ fn group_weights<S: Simd, C: F32Source + ?Sized>(
     }
 }
 
-/// Lane groups whose weight sums the softmax's first pass remembers on the
-/// stack (4 KiB: 8,192 rows), so that the walk recomputes weights only in the
-/// group where it stops; past them it recomputes every group it walks.
-const REMEMBERED_GROUP_SUMS: usize = 1024;
+/// Rows per mask word: the softmax sums weights a word at a time.
+const WORD_ROWS: usize = 64;
+const GROUPS_PER_WORD: usize = WORD_ROWS / LANES;
+
+/// The eligible rows of mask word `w` below `rows`.
+#[inline(always)]
+fn word_bits(mask: &[u64], rows: usize, w: usize) -> u64 {
+    let word = mask.get(w).copied().unwrap_or(0);
+    if (w + 1) * WORD_ROWS > rows {
+        word & ((1u64 << (rows - w * WORD_ROWS)) - 1)
+    } else {
+        word
+    }
+}
+
+/// The sum of mask word `w`'s weights (eligible bits `bits`, not 0): the
+/// word's lane groups added lane by lane in row order, then the lanes
+/// reduced. A word whose 64 rows are all eligible skips the lane masks
+/// (`HALVED` is `lanes.halved()`).
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn word_sum<S: Simd, C: F32Source + ?Sized, const HALVED: bool>(
+    s: S,
+    lanes: &SoftmaxLanes,
+    costs: &C,
+    mask: &[u64],
+    rows: usize,
+    c_min: f32,
+    w: usize,
+    bits: u64,
+) -> f32 {
+    let first = w * GROUPS_PER_WORD;
+    let mut acc = s.splat_f32(0.0);
+    if bits == u64::MAX && lanes.unmasked() {
+        for c in costs.lanes8(s, first) {
+            acc = acc + lanes.weights_all::<S, HALVED>(s, c);
+        }
+    } else {
+        for g in first..first + GROUPS_PER_WORD {
+            if let Some((_, wts)) = group_weights(s, lanes, costs, mask, rows, c_min, g) {
+                acc = acc + wts;
+            }
+        }
+    }
+    acc.reduce_add()
+}
+
+/// Word sums whose first pass the softmax remembers on the stack (4 KiB:
+/// 65,536 rows), so that the walk recomputes weights only in the word where
+/// it stops; past them it recomputes every word it walks.
+const REMEMBERED_WORD_SUMS: usize = 1024;
 
 /// The softmax draw and walk over eligible rows whose range is
 /// `[c_min, c_max]` and whose last row is `last` (one `unit_f64` draw).
@@ -552,46 +659,98 @@ fn softmax_walk<S: Simd, C: F32Source + ?Sized>(
         return nth(mask, rows, k.min(n - 1)).unwrap_or(last);
     }
     let lanes = SoftmaxLanes::new(c_min, c_max, temperature);
-    let groups = rows.div_ceil(LANES);
-    // Pass 1: the total, as a sum of per-group f32 sums in f64, remembering
-    // the first groups' sums (0 for a group without eligible rows).
-    let mut sums = [0.0f32; REMEMBERED_GROUP_SUMS];
+    let words = rows.div_ceil(WORD_ROWS);
+    // Pass 1: the total, as a sum of per-word f32 sums in f64, remembering
+    // the first words' sums (0 for a word without eligible rows).
+    let mut sums = [0.0f32; REMEMBERED_WORD_SUMS];
+    let total = if lanes.halved() {
+        first_pass::<S, C, true>(s, &lanes, costs, mask, rows, c_min, &mut sums)
+    } else {
+        first_pass::<S, C, false>(s, &lanes, costs, mask, rows, c_min, &mut sums)
+    };
+    let target = u * total;
+    // Pass 2: walk the word sums (remembered, or recomputed past them) to
+    // the word that crosses the target, then its groups and their lanes in
+    // row order.
+    let mut cum = 0.0f64;
+    for w in 0..words {
+        let bits = word_bits(mask, rows, w);
+        if bits == 0 {
+            continue;
+        }
+        let ws = match sums.get(w) {
+            Some(&ws) => ws,
+            None if lanes.halved() => word_sum::<S, C, true>(s, &lanes, costs, mask, rows, c_min, w, bits),
+            None => word_sum::<S, C, false>(s, &lanes, costs, mask, rows, c_min, w, bits),
+        } as f64;
+        if target > cum + ws {
+            cum += ws;
+            continue;
+        }
+        return walk_word(s, &lanes, costs, mask, rows, c_min, w, bits, cum, target);
+    }
+    last
+}
+
+/// The softmax's first pass: the sum of every word's weights in `f64`, the
+/// first words' sums kept in `sums` (`HALVED` is `lanes.halved()`, chosen
+/// once for the pass).
+#[inline(always)]
+fn first_pass<S: Simd, C: F32Source + ?Sized, const HALVED: bool>(
+    s: S,
+    lanes: &SoftmaxLanes,
+    costs: &C,
+    mask: &[u64],
+    rows: usize,
+    c_min: f32,
+    sums: &mut [f32; REMEMBERED_WORD_SUMS],
+) -> f64 {
     let mut total = 0.0f64;
-    for g in 0..groups {
-        if let Some((_, w)) = group_weights(s, &lanes, costs, mask, rows, c_min, g) {
-            let gs = w.reduce_add();
-            if let Some(slot) = sums.get_mut(g) {
-                *slot = gs;
+    for w in 0..rows.div_ceil(WORD_ROWS) {
+        let bits = word_bits(mask, rows, w);
+        if bits != 0 {
+            let ws = word_sum::<S, C, HALVED>(s, lanes, costs, mask, rows, c_min, w, bits);
+            if let Some(slot) = sums.get_mut(w) {
+                *slot = ws;
             }
-            total += gs as f64;
+            total += ws as f64;
         }
     }
-    let target = u * total;
-    // Pass 2: walk the same group sums (remembered, or recomputed past them)
-    // until the group that crosses the target, then its lanes in row order.
-    let mut cum = 0.0f64;
-    for g in 0..groups {
-        if let Some(&gs) = sums.get(g) {
-            // A remembered sum: the group's weights are recomputed only
-            // where the walk stops. An empty group adds 0.0, as skipping it
-            // does (`cum` is never -0.0).
-            let gs = gs as f64;
-            if target > cum + gs {
-                cum += gs;
-                continue;
-            }
-        }
-        let Some((bits, w)) = group_weights(s, &lanes, costs, mask, rows, c_min, g) else {
+    total
+}
+
+/// The walk inside mask word `w` (eligible bits `bits`, not 0), whose sum
+/// crosses `target` from `cum`: group sums, then the lanes of the group that
+/// crosses it. If rounding leaves the word's own walk short of the target
+/// (its group sums can add up a little below the word's sum), the word's
+/// last eligible row.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn walk_word<S: Simd, C: F32Source + ?Sized>(
+    s: S,
+    lanes: &SoftmaxLanes,
+    costs: &C,
+    mask: &[u64],
+    rows: usize,
+    c_min: f32,
+    w: usize,
+    bits: u64,
+    mut cum: f64,
+    target: f64,
+) -> usize {
+    let first = w * GROUPS_PER_WORD;
+    for g in first..first + GROUPS_PER_WORD {
+        let Some((gbits, wts)) = group_weights(s, lanes, costs, mask, rows, c_min, g) else {
             continue;
         };
-        let gs = w.reduce_add() as f64;
+        let gs = wts.reduce_add() as f64;
         if target <= cum + gs {
-            let w = w.to_array();
-            let mut b = bits;
+            let wts = wts.to_array();
+            let mut b = gbits;
             while b != 0 {
                 let lane = b.trailing_zeros() as usize;
                 b &= b - 1;
-                cum += w[lane] as f64;
+                cum += wts[lane] as f64;
                 if target <= cum {
                     return g * LANES + lane;
                 }
@@ -600,7 +759,7 @@ fn softmax_walk<S: Simd, C: F32Source + ?Sized>(
             cum += gs;
         }
     }
-    last
+    w * WORD_ROWS + 63 - bits.leading_zeros() as usize
 }
 
 /// One row's softmax weight as the reference computes it, in `f64`:

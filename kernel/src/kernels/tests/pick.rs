@@ -142,6 +142,10 @@ proptest! {
                 let scalar = weights.weight_scalar(c);
                 prop_assert_eq!(w[i].to_bits(), scalar.to_bits(), "{:?} cost {} lanes {} scalar {}", backend, c, w[i], scalar);
             }
+            if weights.unmasked() {
+                let all = softmax_weights_all_on(backend, &weights, lanes);
+                prop_assert_eq!(all.map(f32::to_bits), w.map(f32::to_bits), "{:?} unmasked lanes", backend);
+            }
         }
     }
 
@@ -246,6 +250,38 @@ fn softmax_handles_a_range_that_overflows_f32() {
     assert!((p0 - 0.731).abs() < 0.04, "{seen:?}");
 }
 
+/// Full mask words (the unmasked first pass) whose cost range overflows
+/// `f32` (costs are halved first) agree with the reference on every backend.
+#[test]
+fn softmax_on_full_words_with_a_range_that_overflows_f32() {
+    let rows: usize = 64 * 5 + 3;
+    let costs: Vec<f32> = (0..rows)
+        .map(|r| f32::MAX * (((r * 37) % 101) as f32 / 50.0 - 1.0))
+        .collect();
+    let mask = std::vec![u64::MAX; rows.div_ceil(64)];
+    for seed in 0..300 {
+        let t = [0.05f32, 0.7, 4.0][seed as usize % 3];
+        let u = Rng::new(seed).unit_f64();
+        let fast = pick_softmax(&costs[..], &mask, t, &mut Rng::new(seed))
+            .unwrap()
+            .unwrap();
+        let slow = pick_softmax_reference(&costs[..], &mask, t, &mut Rng::new(seed))
+            .unwrap()
+            .unwrap();
+        for backend in Backend::available() {
+            assert_eq!(
+                pick_softmax_on(backend, &costs[..], &mask, t, &mut Rng::new(seed)),
+                Ok(Some(fast))
+            );
+        }
+        let cum = reference_cumulative(&costs, &mask, t);
+        assert!(
+            softmax_picks_consistent(fast, slow, &cum, u, CUMULATIVE_EPS),
+            "seed {seed}: simd {fast} reference {slow} u {u}"
+        );
+    }
+}
+
 #[test]
 fn explain_reports_cost_and_runner_up() {
     let costs = [4.0f32, 1.0, 3.0, 3.0, 0.5];
@@ -338,18 +374,19 @@ proptest! {
     }
 }
 
-/// Columns longer than the group sums the softmax's first pass keeps (1,024
-/// lane groups): walks that stop before, at and past that boundary, with
-/// empty groups and a partial last group, agree with the reference on every
-/// backend.
+/// Columns longer than the word sums the softmax's first pass keeps (1,024
+/// mask words): walks that stop before, at and past that boundary, with
+/// empty words, partly eligible words and a partial last word, agree with
+/// the reference on every backend.
 #[test]
-fn softmax_walks_past_the_remembered_group_sums() {
-    let rows: usize = 1024 * 8 * 2 + 13;
+fn softmax_walks_past_the_remembered_word_sums() {
+    let rows: usize = 1024 * 64 * 2 + 13;
     let costs: Vec<f32> = (0..rows).map(|r| ((r * 7919) % 97) as f32).collect();
     let mut mask: Vec<u64> = std::vec![u64::MAX; rows.div_ceil(64)];
-    mask[3] = 0; // empty groups
+    mask[3] = 0; // an empty word
     mask[130] = 0x00FF_0000_F0F0_0001;
-    for seed in 0..200 {
+    mask[1500] = 0x8000_0000_0000_0001;
+    for seed in 0..60 {
         // Low temperatures favour early rows, high ones spread the walk.
         let t = [0.05f32, 0.7, 4.0][seed as usize % 3];
         let u = Rng::new(seed).unit_f64();
