@@ -262,16 +262,19 @@ fn scan_loop<S: Simd, W: GroupValues, const DECODE: bool, const REQ: bool>(
 ) {
     let mut g = 0;
     while let Some((at, c, bits)) = next_candidate::<S, W, DECODE, REQ>(s, plan, &cols, mask, g, ties.best, hi) {
-        ties.fold_inline(at, c.to_array(), bits);
+        ties.fold_lanes(s, at, c, bits);
         g = at + 1;
     }
 }
 
 /// From lane group `g` on, the first group with an eligible cost `<= best`
-/// (its index, its costs with NaN on ineligible lanes, and its eligible
-/// lanes), folding every eligible cost into `hi` (`max`, NaN ignored) on
-/// the way. Whole mask words of eligible rows take no mask work, all-zero
-/// words are skipped.
+/// (its index, its costs, and its eligible lanes: the fold reads only
+/// those), folding every cost of each group that has an eligible row into
+/// `hi` (`max`, NaN ignored) on the way. `hi` may therefore also hold an
+/// ineligible row's cost of that group: it only decides whether the
+/// finiteness check runs, and that check reads eligible rows only. Whole
+/// mask words of eligible rows take no mask work, all-zero words are
+/// skipped, and a partly eligible group costs one scalar `and`.
 #[inline(always)]
 fn next_candidate<S: Simd, W: GroupValues, const DECODE: bool, const REQ: bool>(
     s: S,
@@ -284,7 +287,6 @@ fn next_candidate<S: Simd, W: GroupValues, const DECODE: bool, const REQ: bool>(
 ) -> Option<(usize, S::F32, u8)> {
     let k = Consts::new(s, plan);
     let best = s.splat_f32(best);
-    let nan = s.splat_f32(f32::NAN);
     let words = cols.device.len();
     let mut acc = *hi;
     let mut found = None;
@@ -306,10 +308,12 @@ fn next_candidate<S: Simd, W: GroupValues, const DECODE: bool, const REQ: bool>(
                 if bits == 0 {
                     continue;
                 }
+                // No lane mask: `hi` takes every lane of a group with an
+                // eligible row (see above), and the candidate test keeps
+                // only the eligible lanes' bits.
                 let c = fast_cost_lanes::<S, W, DECODE, REQ>(s, &k, cols, w, i);
-                let c = s.lane_mask(bits).cast_f32().blend(c, nan);
                 acc = c.max(acc);
-                if c.cmp_le(best).bits() != 0 {
+                if c.cmp_le(best).bits() & bits != 0 {
                     found = Some((w * 8 + i, c, bits));
                     break 'words;
                 }

@@ -5,16 +5,21 @@
 //! ```text
 //! best = +inf; ties = 0; tie groups = []       (a bounded list, in row order)
 //! per lane group g (the partial last one padded with +inf):
-//!     c    = cost lanes, NaN on ineligible rows; hi = max(hi, c)   (NaN ignored)
-//!     if no lane has c <= best: next                    (the common case; NaN never is)
+//!     c    = cost lanes; hi = max(hi, c)                           (NaN ignored)
+//!     if no eligible lane has c <= best: next           (the common case; NaN never is)
 //!     m = min of the group's eligible lanes
 //!     m <  best: best = m, ties = 0, tie groups = []
 //!     ties += #lanes == best; remember (g, those lanes) while there is room
-//! best, hi not both finite: refuse (NonFiniteCost) as the checked pick does
+//! best, hi not both finite: refuse (NonFiniteCost) if an eligible cost is,
+//!     as the checked pick does
 //! k = 0 if ties == 1 else rng.below(ties)                        (the same draw)
 //! the k-th tie: from the remembered groups, or by recomputing the groups
 //! after the last remembered one (only when more groups tie than fit)
 //! ```
+//!
+//! `hi` only decides whether the finiteness check runs (which reads eligible
+//! rows only): the one-shape loops of `fast` fold a partly eligible group's
+//! ineligible lanes into it too, instead of masking them per group.
 //!
 //! The result, the draw and the error are those of [`kv_cost`] followed by
 //! [`pick_in_range`](crate::kernels::pick::pick_in_range) at temperature 0,
@@ -104,10 +109,23 @@ impl Ties {
         self.fold_inline(g, c, bits);
     }
 
-    /// [`fold`](Self::fold), inlined: for a loop that must keep its vector
-    /// registers (a call clobbers them all).
+    /// [`fold`](Self::fold) on lanes, inlined: for a loop that must keep its
+    /// vector registers (a call clobbers them all). Two lane compares decide
+    /// the common cases (a tie with `best`, or nothing); only a new minimum
+    /// goes through the lanes one by one.
     #[inline(always)]
-    pub(super) fn fold_inline(&mut self, g: usize, c: [f32; LANES], bits: u8) {
+    pub(super) fn fold_lanes<S: Simd>(&mut self, s: S, g: usize, c: S::F32, bits: u8) {
+        if c.cmp_lt(s.splat_f32(self.best)).bits() & bits != 0 {
+            self.lower(c.to_array(), bits);
+        }
+        let eq = c.cmp_eq(s.splat_f32(self.best)).bits() & bits;
+        self.tie(g, eq);
+    }
+
+    /// The group's eligible costs `c` (lanes `bits`) hold one below `best`:
+    /// it becomes the least of them, with no ties yet.
+    #[inline(always)]
+    fn lower(&mut self, c: [f32; LANES], bits: u8) {
         let mut m = f32::INFINITY;
         let mut b = bits;
         while b != 0 {
@@ -117,11 +135,25 @@ impl Ties {
                 m = c[lane];
             }
         }
-        if m < self.best {
-            self.best = m;
-            self.count = 0;
-            self.listed = 0;
-            self.overflow = false;
+        self.best = m;
+        self.count = 0;
+        self.listed = 0;
+        self.overflow = false;
+    }
+
+    /// [`fold`](Self::fold) for a group's costs as an array (the general
+    /// loop's form).
+    #[inline(always)]
+    fn fold_inline(&mut self, g: usize, c: [f32; LANES], bits: u8) {
+        let mut below = false;
+        let mut b = bits;
+        while b != 0 {
+            let lane = b.trailing_zeros() as usize;
+            b &= b - 1;
+            below |= c[lane] < self.best;
+        }
+        if below {
+            self.lower(c, bits);
         }
         let mut eq = 0u8;
         let mut b = bits;
@@ -132,6 +164,13 @@ impl Ties {
                 eq |= 1 << lane;
             }
         }
+        self.tie(g, eq);
+    }
+
+    /// Counts group `g`'s lanes `eq` tied at `best` and remembers the group
+    /// while there is room.
+    #[inline(always)]
+    fn tie(&mut self, g: usize, eq: u8) {
         if eq == 0 {
             return;
         }
@@ -212,11 +251,15 @@ fn kv_cost_argmin_in<S: Simd, L: U32Source + ?Sized>(
         return Ok(None);
     }
     if !(range.min.is_finite() && range.max.is_finite()) {
-        return match first_non_finite(&p, load, overlap, mask, rows) {
-            Some(row) => Err(KvCostError::NonFiniteCost { row }),
-            // A live column changed since the pass: every cost is finite now.
-            None => Ok(settle(&p, load, overlap, mask, rows)),
-        };
+        if let Some(row) = first_non_finite(&p, load, overlap, mask, rows) {
+            return Err(KvCostError::NonFiniteCost { row });
+        }
+        // Every eligible cost is finite: `hi` took an ineligible lane's cost
+        // (the one-shape loops fold whole groups), and the ties stand; or a
+        // live column changed since the pass and no finite minimum was seen.
+        if !range.min.is_finite() {
+            return Ok(settle(&p, load, overlap, mask, rows));
+        }
     }
     let mut k = if ties.count > 1 {
         rng.below(ties.count as u64) as usize

@@ -798,6 +798,32 @@ proptest! {
     }
 }
 
+/// Partly eligible mask words in a one-shape loop whose ineligible rows cost
+/// `+inf` (and NaN): the pick ignores them as `kv_cost` + pick does, with
+/// no `NonFiniteCost`, on every backend and on fleet counters.
+#[test]
+fn kv_cost_argmin_ignores_non_finite_costs_on_ineligible_rows() {
+    let rows = 256;
+    let request = KvRequest::new(4096, bs16(), true, WorkerRole::Aggregated);
+    let mut case = Case::new(KvCostConfig::default(), request, rows);
+    case.mask = std::vec![0x5555_5555_5555_5555; rows / 64];
+    // Eligible (even) rows tie in pairs of loads, so the pick draws.
+    case.prefill = (0..rows as u32).map(|r| (r % 4) * 10).collect();
+    let mut cached: Vec<f32> = std::vec![0.0; rows];
+    for r in (1..rows).step_by(2) {
+        cached[r] = if r % 4 == 1 { f32::INFINITY } else { f32::NAN };
+    }
+    case.cached = Some(cached);
+    case.device = Some(std::vec![0.0; rows]);
+    let (costs, range) = case.simd();
+    assert!(range.min.is_finite() && range.max.is_finite(), "{range:?}");
+    assert!(costs[1].is_infinite(), "ineligible rows cost +inf in the column");
+    for seed in 0..50 {
+        check_fused(&case, seed).unwrap();
+        check_fused_on_counters(&case, seed).unwrap();
+    }
+}
+
 /// Every row tied (an idle fleet): more tie groups than the pass remembers,
 /// so the k-th tie is found by recomputing; every draw agrees with the
 /// unfused path.
