@@ -408,12 +408,13 @@ fn a_middle_removal_is_exact_per_block() {
 /// (Dynamo's lower-tier continuation).
 #[test]
 fn tiers_continue_one_another() {
-    let (a, b, c) = (
+    let (a, b, c, d) = (
         WorkerWithDpRank::new(3, 0),
         WorkerWithDpRank::new(4, 0),
         WorkerWithDpRank::new(5, 0),
+        WorkerWithDpRank::new(6, 0),
     );
-    let mut index = index_on(&[W1, W2, a, b, c]);
+    let mut index = index_on(&[W1, W2, a, b, c, d]);
     let run = [(11, 1), (12, 2), (13, 3), (14, 4), (15, 5), (16, 6)];
     // W1: device 0..2, host 2..4, disk 4..6.
     store(&mut index, W1, 0, Device, None, &run[..2]).unwrap();
@@ -433,9 +434,12 @@ fn tiers_continue_one_another() {
     for (id, tier) in [Device, Host, Disk].into_iter().enumerate() {
         store(&mut index, c, id as u64, tier, None, &run).unwrap();
     }
+    // d: device 0..3, host 0..1 only: the host run is inside the device run.
+    store(&mut index, d, 0, Device, None, &run[..3]).unwrap();
+    store(&mut index, d, 1, Host, None, &run[..1]).unwrap();
     assert_eq!(
         query(&mut index, &[1, 2, 3, 4, 5, 6]),
-        [(2, 2, 2), (2, 1, 0), (1, 0, 2), (1, 0, 5), (6, 0, 0)]
+        [(2, 2, 2), (2, 1, 0), (1, 0, 2), (1, 0, 5), (6, 0, 0), (3, 0, 0)]
     );
     // A host continuation stops at the first block missing from the host.
     remove(&mut index, W1, 3, Host, &[14]).unwrap();
