@@ -92,10 +92,14 @@
 //!
 //! # Concurrency
 //!
-//! The index is a plain single-writer structure: events take `&mut self`,
-//! queries take `&self` and a caller-owned [`KvOverlaps`] (one per thread),
-//! so many threads can query at once behind a reader-writer lock while one
-//! thread applies events.
+//! A [`KvIndex`] is a plain single-writer structure: events take
+//! `&mut self`, queries `&self` and a caller-owned [`KvOverlaps`]. For a
+//! router whose queries must never wait for ingestion, [`shared`] keeps the
+//! index twice: one [`KvIndexWriter`] applies events to one copy and
+//! publishes it, any number of [`KvIndexReader`]s query the other; a query
+//! enters and leaves its copy with one atomic read-modify-write each and
+//! never waits. The protocol is model-checked with loom, with three broken
+//! variants that the models catch.
 //!
 //! This module must not import the service or the policies: it speaks
 //! rows and [`RowOverlaps`](crate::RowOverlaps) only.
@@ -104,8 +108,10 @@ mod event;
 mod hash;
 mod query;
 mod rows;
+mod shared;
 #[cfg(test)]
 mod tests;
+mod two_copies;
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
@@ -113,6 +119,10 @@ use std::hash::{BuildHasherDefault, Hasher};
 pub use event::{KvEvent, KvEventData, KvEventError, KvQueryError, StorageTier, StoredBlock};
 pub use hash::{next_sequence_hash, sequence_hashes_of, KvBlockHasher, KV_HASH_SEED};
 pub use query::KvOverlaps;
+pub use shared::{shared, KvIndexReader, KvIndexWriter};
+/// The reader/writer protocol of [`shared`], exposed for its loom models.
+#[cfg(selkie_loom)]
+pub use two_copies::{Fault, TwoCopies};
 
 use crate::request::RowLayout;
 use crate::types::{WorkerId, WorkerWithDpRank};
@@ -351,6 +361,12 @@ impl KvIndex {
     /// and why). On an error the index is still consistent: the error says
     /// what was and was not applied.
     pub fn apply(&mut self, event: &KvEvent<'_>) -> Result<(), KvEventError> {
+        self.apply_reporting(event, true)
+    }
+
+    /// [`apply`](Self::apply), reporting through `metrics` and `tracing`
+    /// only if `report` (a second copy replaying an event reports nothing).
+    fn apply_reporting(&mut self, event: &KvEvent<'_>, report: bool) -> Result<(), KvEventError> {
         let rank = event.worker;
         let (worker_id, dp_rank, event_id) = (rank.worker_id, rank.dp_rank, event.event_id);
         let state = match self.ranks.get_mut(&rank) {
@@ -364,7 +380,9 @@ impl KvIndex {
         if let Some(last) = state.last_event {
             if event_id <= last {
                 self.stats.stale_events += 1;
-                self.counters.stale_event.increment(1);
+                if report {
+                    self.counters.stale_event.increment(1);
+                }
                 return Err(KvEventError::StaleEvent {
                     worker_id,
                     dp_rank,
@@ -386,7 +404,9 @@ impl KvIndex {
         if gap.is_some() {
             self.clear_rank(rank, 0b111);
             self.stats.event_gaps += 1;
-            self.counters.event_gap.increment(1);
+            if report {
+                self.counters.event_gap.increment(1);
+            }
         }
         let outcome = match event.data {
             KvEventData::Stored { parent, blocks } => self.store(rank, event, parent, blocks),
@@ -397,31 +417,28 @@ impl KvIndex {
             }
         };
         match &outcome {
-            Ok(()) => {
-                self.stats.events_applied += 1;
-                self.counters.applied.increment(1);
+            Ok(()) => self.stats.events_applied += 1,
+            Err(KvEventError::UnknownParent { .. }) => self.stats.unknown_parent += 1,
+            Err(KvEventError::SelfParent { .. }) => self.stats.self_parent += 1,
+            Err(_) => self.stats.unknown_blocks += 1,
+        }
+        if report {
+            let counter = match &outcome {
+                Ok(()) => &self.counters.applied,
+                Err(KvEventError::UnknownParent { .. }) => &self.counters.unknown_parent,
+                Err(KvEventError::SelfParent { .. }) => &self.counters.self_parent,
+                Err(_) => &self.counters.unknown_blocks,
+            };
+            counter.increment(1);
+            if let Err(e) = &outcome {
+                tracing::debug!(error = %e, "KV event refused in whole or in part");
             }
-            Err(e @ KvEventError::UnknownParent { .. }) => {
-                self.stats.unknown_parent += 1;
-                self.counters.unknown_parent.increment(1);
-                tracing::debug!(error = %e, "KV event refused");
-            }
-            Err(e @ KvEventError::SelfParent { .. }) => {
-                self.stats.self_parent += 1;
-                self.counters.self_parent.increment(1);
-                tracing::debug!(error = %e, "KV event refused");
-            }
-            Err(e) => {
-                self.stats.unknown_blocks += 1;
-                self.counters.unknown_blocks.increment(1);
-                tracing::debug!(error = %e, "KV event partly applied");
+            if let Some(gap) = &gap {
+                tracing::warn!(error = %gap, "KV event gap");
             }
         }
         match gap {
-            Some(gap) => {
-                tracing::warn!(error = %gap, "KV event gap");
-                Err(gap)
-            }
+            Some(gap) => Err(gap),
             None => outcome,
         }
     }

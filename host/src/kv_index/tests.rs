@@ -689,3 +689,133 @@ fn random_events_match_the_model() {
         }
     }
 }
+
+/// The shared index: what readers see is the last publish, and after each
+/// publish it equals a plain index fed the same operations (so the replay
+/// onto the second copy loses nothing).
+#[test]
+fn a_shared_index_publishes_what_a_plain_index_holds() {
+    let ranks: Vec<WorkerWithDpRank> = (0..70).map(|i| WorkerWithDpRank::new(i, 0)).collect();
+    let rows: HashMap<WorkerWithDpRank, usize> = ranks.iter().enumerate().map(|(i, &r)| (r, i)).collect();
+    let layout = layout(1, ranks.len());
+    let (mut writer, reader) = shared(16);
+    let mut plain = KvIndex::new(16);
+    let mut rng = Rng::new(99);
+    let (mut out, mut expected) = (KvOverlaps::new(), KvOverlaps::new());
+    assert_eq!(reader.overlaps(&[1], &mut out).unwrap_err(), KvQueryError::NoRowLayout);
+    let local = |j: u64| 1000 + j;
+    for step in 0..2_000u64 {
+        let rank = ranks[rng.below(ranks.len() as u64) as usize];
+        let from = rng.below(10);
+        let pairs: Vec<(u64, u64)> = (from..from + 1 + rng.below(3))
+            .map(|j| (j * 31 + 7, local(j)))
+            .collect();
+        let tier = [Device, Device, Host, Disk][rng.below(4) as usize];
+        let blocks = blocks(&pairs);
+        let hashes: Vec<u64> = pairs.iter().map(|p| p.0).collect();
+        let parent = (from > 0).then(|| (from - 1) * 31 + 7);
+        let data = match rng.below(5) {
+            0..=2 => KvEventData::Stored {
+                parent,
+                blocks: &blocks,
+            },
+            3 => KvEventData::Removed { blocks: &hashes },
+            _ => KvEventData::Cleared,
+        };
+        // Some event ids skip, to exercise gaps on both copies.
+        let event = KvEvent::new(rank, step + rng.below(2), data).in_tier(tier);
+        assert_eq!(writer.apply(&event), plain.apply(&event));
+        if rng.below(50) == 0 {
+            assert_eq!(
+                writer.remove_worker(rank.worker_id),
+                plain.remove_worker(rank.worker_id)
+            );
+        }
+        if step % 7 == 0 {
+            writer.sync_rows(layout, |r| rows.get(&r).copied());
+            plain.sync_rows(layout, |r| rows.get(&r).copied());
+            assert!(writer.unpublished() > 0);
+            writer.publish();
+            assert_eq!(writer.unpublished(), 0);
+            let query: Vec<u64> = (0..10).map(local).collect();
+            let got = reader.overlaps_for_local_hashes(&query, &mut out).unwrap();
+            let want = plain.overlaps_for_local_hashes(&query, &mut expected).unwrap();
+            assert_eq!(got, want, "step {step}");
+            assert_eq!(reader.stats(), plain.stats(), "step {step}");
+            assert_eq!(writer.stats(), plain.stats(), "step {step}");
+            assert_eq!(reader.row_layout(), Some(layout));
+        }
+    }
+    // Unpublished events are not visible.
+    let first = [StoredBlock {
+        block_hash: 5,
+        tokens_hash: 77,
+    }];
+    writer
+        .apply(&KvEvent::new(
+            WorkerWithDpRank::new(900, 0),
+            0,
+            KvEventData::Stored {
+                parent: None,
+                blocks: &first,
+            },
+        ))
+        .unwrap();
+    writer.sync_rows(layout, |r| rows.get(&r).copied().or((r.worker_id == 900).then_some(0)));
+    assert!(reader
+        .overlaps_for_local_hashes(&[77], &mut out)
+        .unwrap()
+        .device_blocks
+        .iter()
+        .all(|&v| v == 0.0));
+    writer.publish();
+    assert_eq!(
+        reader.overlaps_for_local_hashes(&[77], &mut out).unwrap().device_blocks[0],
+        1.0
+    );
+}
+
+/// Queries on other threads while the writer stores a prompt block by
+/// block and publishes each: every query sees a whole publish, so the
+/// overlap never goes back and ends at the whole prompt.
+#[test]
+fn queries_run_while_the_writer_publishes() {
+    let rank = WorkerWithDpRank::new(1, 0);
+    let (mut writer, reader) = shared(16);
+    writer.sync_rows(layout(1, 1), |r| (r == rank).then_some(0));
+    writer.publish();
+    const BLOCKS: u64 = 64;
+    let local: Vec<u64> = (0..BLOCKS).map(|j| 500 + j).collect();
+    let readers: Vec<_> = (0..2)
+        .map(|_| {
+            let (reader, local) = (reader.clone(), local.clone());
+            std::thread::spawn(move || {
+                let mut out = KvOverlaps::new();
+                let mut last = 0.0;
+                while last < BLOCKS as f32 {
+                    let seen = reader
+                        .overlaps_for_local_hashes(&local, &mut out)
+                        .unwrap()
+                        .device_blocks[0];
+                    assert!(seen >= last, "the overlap went back from {last} to {seen}");
+                    last = seen;
+                }
+            })
+        })
+        .collect();
+    for j in 0..BLOCKS {
+        let block = [StoredBlock {
+            block_hash: j,
+            tokens_hash: local[j as usize],
+        }];
+        let parent = j.checked_sub(1);
+        writer
+            .apply(&KvEvent::new(rank, j, KvEventData::Stored { parent, blocks: &block }))
+            .unwrap();
+        writer.sync_rows(layout(1, 1), |r| (r == rank).then_some(0));
+        writer.publish();
+    }
+    for r in readers {
+        r.join().unwrap();
+    }
+}
