@@ -177,12 +177,21 @@ impl KvBlockHasher {
         let stride = self.block_size as usize;
         let window = stride + usize::from(self.eagle);
         let seed = self.seed();
-        let mut bytes = Vec::with_capacity(window * 4);
+        let mut bytes = Vec::new();
         let mut mm = Vec::new();
         for block in 0..blocks {
             let start = block * stride;
+            let window_tokens = &tokens[start..start + window];
+            let no_mm = block_mm.get(block).is_none_or(|o| o.is_empty());
+            // The tokens' little-endian bytes are their memory on a
+            // little-endian target: hashed in place, nothing copied or
+            // allocated.
+            if cfg!(target_endian = "little") && no_mm {
+                visit(xxh3_64_with_seed(bytemuck::cast_slice(window_tokens), seed));
+                continue;
+            }
             bytes.clear();
-            for &token in &tokens[start..start + window] {
+            for &token in window_tokens {
                 bytes.extend_from_slice(&token.to_le_bytes());
             }
             if let Some(objects) = block_mm.get(block).filter(|o| !o.is_empty()) {

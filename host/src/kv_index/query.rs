@@ -40,8 +40,9 @@ pub struct KvOverlaps {
     host: Vec<f32>,
     disk: Vec<f32>,
     cached: Vec<f32>,
-    /// Rows given a value by the last query.
-    touched: Vec<u32>,
+    /// Mask words `[start, end)` whose rows the last query may have given
+    /// a value (the first block's span: no other row can get one).
+    touched: (usize, usize),
     /// Stage bitsets: device, host, disk.
     stage: [Vec<u64>; 3],
     /// The current block's rows: device, host, disk.
@@ -77,15 +78,13 @@ impl KvOverlaps {
     /// Sizes the columns for `layout` and zeroes what the last query wrote.
     fn reset(&mut self, layout: RowLayout) {
         let rows = layout.rows;
-        for &row in &self.touched {
-            let row = row as usize;
-            for column in [&mut self.device, &mut self.host, &mut self.disk, &mut self.cached] {
-                if let Some(v) = column.get_mut(row) {
-                    *v = 0.0;
-                }
+        let (start, end) = std::mem::take(&mut self.touched);
+        for column in [&mut self.device, &mut self.host, &mut self.disk, &mut self.cached] {
+            let end = (end * 64).min(column.len());
+            if start * 64 < end {
+                column[start * 64..end].fill(0.0);
             }
         }
-        self.touched.clear();
         for column in [&mut self.device, &mut self.host, &mut self.disk, &mut self.cached] {
             column.resize(rows, 0.0);
         }
@@ -168,16 +167,22 @@ impl KvIndex {
             out.stage[0][w] = d;
             out.stage[1][w] = h & !d;
             out.stage[2][w] = k & !d & !h;
-            let mut any = d | h | k;
-            while any != 0 {
-                out.touched.push((w * 64) as u32 + any.trailing_zeros());
-                any &= any - 1;
-            }
         }
+        out.touched = (lo, hi);
         first.unload(&mut out.held, lo, hi);
         let block_size = self.block_size as f32;
+        let mut prev = Some(first);
         for (i, hash) in hashes.iter().enumerate().skip(1) {
             let set: Option<&RowSet> = self.blocks.get(hash);
+            // The same rows in the same tiers as the block before: every row
+            // still in a stage holds this block in its stage's tier, so
+            // nothing moves (the common case inside a shared prompt).
+            if let (Some(set), Some(before)) = (set, prev) {
+                if std::ptr::eq(set, before) || set == before {
+                    continue;
+                }
+            }
+            prev = set;
             if let Some(set) = set {
                 set.load(&mut out.held, lo, hi);
             }
@@ -197,10 +202,8 @@ impl KvIndex {
                     stay_disk | ((left_device | left_host) & !hv & kv),
                 ];
                 let done_disk = k & !kv;
-                for_rows(left_device, w, |r| {
-                    out.device[r] = i as f32;
-                    out.cached[r] = i as f32 * block_size;
-                });
+                set_rows(&mut out.device, left_device, w, i as f32);
+                set_rows(&mut out.cached, left_device, w, i as f32 * block_size);
                 for_rows(left_host, w, |r| out.host[r] = i as f32 - out.device[r]);
                 for_rows(done_disk, w, |r| out.disk[r] = i as f32 - out.device[r] - out.host[r]);
                 out.stage[0][w] = next[0];
@@ -223,16 +226,30 @@ impl KvIndex {
         let n = hashes.len() as f32;
         for w in lo..hi {
             let [d, h, k] = [out.stage[0][w], out.stage[1][w], out.stage[2][w]];
-            for_rows(d, w, |r| {
-                out.device[r] = n;
-                out.cached[r] = n * block_size;
-            });
+            set_rows(&mut out.device, d, w, n);
+            set_rows(&mut out.cached, d, w, n * block_size);
             for_rows(h, w, |r| out.host[r] = n - out.device[r]);
             for_rows(k, w, |r| out.disk[r] = n - out.device[r] - out.host[r]);
             for mask in out.stage.iter_mut() {
                 mask[w] = 0;
             }
         }
+    }
+}
+
+/// Sets `column[r] = value` for every row `r` whose bit is set in word
+/// `w`'s `bits`: row by row when few are, else the word's 64 rows in one
+/// branch-free pass (a select per row, which the compiler vectorizes).
+#[inline]
+fn set_rows(column: &mut [f32], bits: u64, w: usize, value: f32) {
+    if bits.count_ones() <= 8 {
+        for_rows(bits, w, |r| column[r] = value);
+        return;
+    }
+    let end = (w * 64 + 64).min(column.len());
+    for (k, v) in column[w * 64..end].iter_mut().enumerate() {
+        let on = (bits >> k) & 1 != 0;
+        *v = if on { value } else { *v };
     }
 }
 

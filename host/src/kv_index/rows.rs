@@ -19,7 +19,7 @@ pub(crate) const MAX_ROWS: usize = 1 << 29;
 const MIN_DENSE_ENTRIES: usize = 8;
 
 /// Rows holding one block.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) enum RowSet {
     /// `row << 3 | tiers`, sorted by row, each row once, tiers never 0.
     Sparse(Vec<u32>),

@@ -20,6 +20,8 @@ struct Fx {
     index: KvIndex,
     ranks: Vec<WorkerWithDpRank>,
     epoch: u64,
+    /// Reused by every query, as a router's thread reuses its columns.
+    out: KvOverlaps,
 }
 
 impl std::ops::Deref for Fx {
@@ -40,6 +42,7 @@ fn index_on(ranks: &[WorkerWithDpRank]) -> Fx {
         index: KvIndex::new(16),
         ranks: Vec::new(),
         epoch: 0,
+        out: KvOverlaps::new(),
     };
     sync(&mut fx, 1, ranks);
     fx
@@ -102,14 +105,13 @@ fn remove(
 fn query(fx: &mut Fx, local: &[u64]) -> Vec<(u32, u32, u32)> {
     let (epoch, ranks) = (fx.epoch, fx.ranks.clone());
     sync(fx, epoch, &ranks);
-    let index = &fx.index;
-    let mut out = KvOverlaps::new();
-    let rows = index
-        .overlaps_for_local_hashes(local, &mut out)
+    let rows = fx
+        .index
+        .overlaps_for_local_hashes(local, &mut fx.out)
         .expect("synced")
         .device_blocks
         .len();
-    (0..rows).map(|r| out.tiers(r)).collect()
+    (0..rows).map(|r| fx.out.tiers(r)).collect()
 }
 
 use StorageTier::{Device, Disk, Host};
