@@ -71,8 +71,8 @@ fn main() {
                         })
                         .collect();
                     let parent = start.checked_sub(1).map(|p| seqs[p]);
-                    events.push((rank, id, parent, blocks));
                     id += 1;
+                    events.push((rank, id, parent, blocks));
                 }
             }
         }
@@ -80,6 +80,14 @@ fn main() {
         let mut index = KvIndex::new(16);
         for _ in 0..3 {
             index = KvIndex::new(16);
+            // Each rank's first event (an empty clear) before the rows are
+            // synced, as when workers join: stores then land on rows.
+            for w in 0..workers {
+                let rank = WorkerWithDpRank::new(w as u64, 0);
+                index
+                    .apply(&KvEvent::new(rank, 0, KvEventData::Cleared))
+                    .expect("cleared");
+            }
             index.sync_rows(service.row_layout(), |r| service.row_of(r));
             let t = Instant::now();
             for (rank, id, parent, blocks) in &events {
