@@ -90,6 +90,13 @@
 //! once they get a row. [`KvIndex::remove_worker`] drops a worker's ranks
 //! at once.
 //!
+//! # Memory
+//!
+//! Unbounded by default; [`KvIndex::with_max_blocks`] bounds the blocks
+//! held (summed over ranks), evicting the blocks stored longest ago first
+//! and counting them in [`KvIndexStats::evicted_blocks`] and in the
+//! `selkie_kv_evicted_blocks_total` counter.
+//!
 //! # Concurrency
 //!
 //! A [`KvIndex`] is a plain single-writer structure: events take
@@ -113,13 +120,13 @@ mod shared;
 mod tests;
 mod two_copies;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
 
 pub use event::{KvEvent, KvEventData, KvEventError, KvQueryError, StorageTier, StoredBlock};
 pub use hash::{next_sequence_hash, sequence_hashes_of, KvBlockHasher, KV_HASH_SEED};
 pub use query::KvOverlaps;
-pub use shared::{shared, KvIndexReader, KvIndexWriter};
+pub use shared::{shared, shared_bounded, KvIndexReader, KvIndexWriter};
 /// The reader/writer protocol of [`shared`], exposed for its loom models.
 #[cfg(selkie_loom)]
 pub use two_copies::{Fault, TwoCopies};
@@ -158,6 +165,8 @@ type BlockMap<V> = HashMap<u64, V, BuildHasherDefault<BlockKeyHasher>>;
 struct HeldBlock {
     sequence: u64,
     tiers: u8,
+    /// When the rank last stored it (a store counter), for eviction.
+    stored_at: u64,
 }
 
 /// One worker rank's view: its row and its blocks by engine hash.
@@ -190,6 +199,9 @@ pub struct KvIndexStats {
     pub stale_events: u64,
     /// Ranks dropped because their worker left the fleet or was removed.
     pub ranks_removed: u64,
+    /// Blocks evicted, coldest first, to stay within the configured bound
+    /// ([`KvIndex::with_max_blocks`]).
+    pub evicted_blocks: u64,
 }
 
 /// Cached handles of `selkie_kv_events_total` (building a metric key per
@@ -201,6 +213,7 @@ struct EventCounters {
     unknown_blocks: metrics::Counter,
     event_gap: metrics::Counter,
     stale_event: metrics::Counter,
+    evicted: metrics::Counter,
 }
 
 impl EventCounters {
@@ -213,6 +226,7 @@ impl EventCounters {
             unknown_blocks: c("unknown_blocks"),
             event_gap: c("event_gap"),
             stale_event: c("stale_event"),
+            evicted: metrics::counter!("selkie_kv_evicted_blocks_total"),
         }
     }
 }
@@ -229,6 +243,15 @@ pub struct KvIndex {
     layout: Option<RowLayout>,
     stats: KvIndexStats,
     counters: EventCounters,
+    /// Blocks held, summed over ranks, and the most allowed.
+    held: usize,
+    max_blocks: usize,
+    /// Stores so far (the clock of `stored_at`).
+    stores: u64,
+    /// `(stored_at, rank, engine hash)` of stores, oldest first, while the
+    /// index is bounded; entries whose block was stored again since, or is
+    /// gone, are skipped.
+    coldest: VecDeque<(u64, WorkerWithDpRank, u64)>,
 }
 
 impl std::fmt::Debug for KvIndex {
@@ -255,7 +278,29 @@ impl KvIndex {
             layout: None,
             stats: KvIndexStats::default(),
             counters: EventCounters::new(),
+            held: 0,
+            max_blocks: usize::MAX,
+            stores: 0,
+            coldest: VecDeque::new(),
         }
+    }
+
+    /// Bounds the blocks the index holds (a block held by two ranks counts
+    /// twice): past `max_blocks`, the blocks stored longest ago go first,
+    /// counted in [`KvIndexStats::evicted_blocks`] and in the
+    /// `selkie_kv_evicted_blocks_total` counter. An evicted block is
+    /// forgotten as if removed: it and (until it is stored again) the
+    /// rank's blocks after it stop counting, a store under it is refused
+    /// and a removal of it reports it unknown.
+    pub fn with_max_blocks(mut self, max_blocks: usize) -> Self {
+        self.max_blocks = max_blocks;
+        self
+    }
+
+    /// Blocks held, summed over ranks (the quantity
+    /// [`with_max_blocks`](Self::with_max_blocks) bounds).
+    pub fn held_blocks(&self) -> usize {
+        self.held
     }
 
     /// Tokens per block.
@@ -350,7 +395,9 @@ impl KvIndex {
             .collect();
         for &rank in &ranks {
             self.unindex_rank(rank);
-            self.ranks.remove(&rank);
+            if let Some(state) = self.ranks.remove(&rank) {
+                self.held -= state.blocks.len();
+            }
             self.stats.ranks_removed += 1;
         }
         self.unplaced.retain(|r| r.worker_id != worker_id);
@@ -376,6 +423,7 @@ impl KvIndex {
                 self.ranks.entry(rank).or_default()
             }
         };
+        let held_before = state.blocks.len();
         let mut gap = None;
         if let Some(last) = state.last_event {
             if event_id <= last {
@@ -416,6 +464,9 @@ impl KvIndex {
                 Ok(())
             }
         };
+        let held_after = self.ranks.get(&rank).map_or(0, |s| s.blocks.len());
+        self.held = self.held + held_after - held_before;
+        self.evict_coldest(report);
         match &outcome {
             Ok(()) => self.stats.events_applied += 1,
             Err(KvEventError::UnknownParent { .. }) => self.stats.unknown_parent += 1,
@@ -485,10 +536,16 @@ impl KvIndex {
         for block in blocks {
             let sequence = chain.map_or(block.tokens_hash, |p| next_sequence_hash(p, block.tokens_hash));
             chain = Some(sequence);
-            let held = state
-                .blocks
-                .entry(block.block_hash)
-                .or_insert(HeldBlock { sequence, tiers: 0 });
+            let held = state.blocks.entry(block.block_hash).or_insert(HeldBlock {
+                sequence,
+                tiers: 0,
+                stored_at: 0,
+            });
+            if self.max_blocks != usize::MAX {
+                held.stored_at = self.stores;
+                self.coldest.push_back((self.stores, rank, block.block_hash));
+                self.stores += 1;
+            }
             if held.sequence != sequence {
                 // The engine reused a hash for another block: the old one is gone.
                 if let Some(row) = state.row {
@@ -498,7 +555,11 @@ impl KvIndex {
                         }
                     }
                 }
-                *held = HeldBlock { sequence, tiers: 0 };
+                *held = HeldBlock {
+                    sequence,
+                    tiers: 0,
+                    stored_at: held.stored_at,
+                };
             }
             if held.tiers & tier == 0 {
                 held.tiers |= tier;
@@ -578,6 +639,46 @@ impl KvIndex {
         }
     }
 
+    /// Evicts the blocks stored longest ago until at most `max_blocks` are
+    /// held.
+    fn evict_coldest(&mut self, report: bool) {
+        while self.held > self.max_blocks {
+            let Some((stored_at, rank, hash)) = self.coldest.pop_front() else {
+                break;
+            };
+            let Some(state) = self.ranks.get_mut(&rank) else {
+                continue;
+            };
+            if state.blocks.get(&hash).is_none_or(|h| h.stored_at != stored_at) {
+                continue; // stored again since, or gone
+            }
+            let held = state.blocks.remove(&hash).expect("just seen");
+            if let Some(row) = state.row {
+                for t in [rows::DEVICE, rows::HOST, rows::DISK] {
+                    if held.tiers & t != 0 {
+                        unindex(&mut self.blocks, held.sequence, row, t);
+                    }
+                }
+            }
+            self.held -= 1;
+            self.stats.evicted_blocks += 1;
+            if report {
+                self.counters.evicted.increment(1);
+            }
+        }
+        // Skipped entries pile up when blocks are stored again or removed:
+        // rebuild the queue from the blocks held once it is twice too long.
+        if self.max_blocks != usize::MAX && self.coldest.len() > 2 * self.held + 1024 {
+            let mut live: Vec<(u64, WorkerWithDpRank, u64)> = self
+                .ranks
+                .iter()
+                .flat_map(|(&rank, state)| state.blocks.iter().map(move |(&hash, h)| (h.stored_at, rank, hash)))
+                .collect();
+            live.sort_unstable_by_key(|e| e.0);
+            self.coldest = live.into();
+        }
+    }
+
     /// Puts an unplaced rank on `row`, or drops it if it had a row before
     /// and has none now.
     fn place(&mut self, rank: WorkerWithDpRank, row: Option<u32>) {
@@ -600,6 +701,7 @@ impl KvIndex {
                 }
             }
             None if state.had_row => {
+                self.held -= state.blocks.len();
                 self.ranks.remove(&rank);
                 self.stats.ranks_removed += 1;
             }

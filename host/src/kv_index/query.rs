@@ -171,9 +171,19 @@ impl KvIndex {
         out.touched = (lo, hi);
         first.unload(&mut out.held, lo, hi);
         let block_size = self.block_size as f32;
+        // The blocks' row sets are looked up a chunk ahead: the lookups of
+        // a chunk do not depend on one another, so their cache misses
+        // overlap instead of queueing one behind the other.
+        let mut ahead: [Option<&RowSet>; LOOKAHEAD] = [None; LOOKAHEAD];
         let mut prev = Some(first);
-        for (i, hash) in hashes.iter().enumerate().skip(1) {
-            let set: Option<&RowSet> = self.blocks.get(hash);
+        for i in 1..hashes.len() {
+            let k = (i - 1) % LOOKAHEAD;
+            if k == 0 {
+                for (slot, hash) in ahead.iter_mut().zip(&hashes[i..]) {
+                    *slot = self.blocks.get(hash);
+                }
+            }
+            let set = ahead[k];
             // The same rows in the same tiers as the block before: every row
             // still in a stage holds this block in its stage's tier, so
             // nothing moves (the common case inside a shared prompt).
@@ -186,34 +196,7 @@ impl KvIndex {
             if let Some(set) = set {
                 set.load(&mut out.held, lo, hi);
             }
-            let (mut new_lo, mut new_hi) = (hi, lo);
-            for w in lo..hi {
-                let [d, h, k] = [out.stage[0][w], out.stage[1][w], out.stage[2][w]];
-                if d | h | k == 0 {
-                    continue;
-                }
-                let [dv, hv, kv] = [out.held[0][w], out.held[1][w], out.held[2][w]];
-                let left_device = d & !dv;
-                let left_host = h & !hv;
-                let stay_disk = k & kv;
-                let next = [
-                    d & dv,
-                    (h & hv) | (left_device & hv),
-                    stay_disk | ((left_device | left_host) & !hv & kv),
-                ];
-                let done_disk = k & !kv;
-                set_rows(&mut out.device, left_device, w, i as f32);
-                set_rows(&mut out.cached, left_device, w, i as f32 * block_size);
-                for_rows(left_host, w, |r| out.host[r] = i as f32 - out.device[r]);
-                for_rows(done_disk, w, |r| out.disk[r] = i as f32 - out.device[r] - out.host[r]);
-                out.stage[0][w] = next[0];
-                out.stage[1][w] = next[1];
-                out.stage[2][w] = next[2];
-                if next[0] | next[1] | next[2] != 0 {
-                    new_lo = new_lo.min(w);
-                    new_hi = new_hi.max(w + 1);
-                }
-            }
+            let (new_lo, new_hi) = step(i as f32, block_size, out, lo, hi);
             if let Some(set) = set {
                 set.unload(&mut out.held, lo, hi);
             }
@@ -236,6 +219,57 @@ impl KvIndex {
         }
     }
 }
+
+/// One block of the walk, over words `lo..hi`: moves the rows between
+/// stages by the block's masks in `out.held`, writes the overlaps of the
+/// rows that leave a stage, and returns the words still holding a row in
+/// a stage (`lo >= hi` when none does).
+#[inline]
+fn step(i: f32, block_size: f32, out: &mut KvOverlaps, lo: usize, hi: usize) -> (usize, usize) {
+    let KvOverlaps {
+        device,
+        host,
+        disk,
+        cached,
+        stage,
+        held,
+        ..
+    } = out;
+    let [sd, sh, sk] = stage;
+    let [hd, hh, hk] = held;
+    let (mut new_lo, mut new_hi) = (hi, lo);
+    let words = sd[lo..hi]
+        .iter_mut()
+        .zip(&mut sh[lo..hi])
+        .zip(&mut sk[lo..hi])
+        .zip(hd[lo..hi].iter().zip(&hh[lo..hi]).zip(&hk[lo..hi]));
+    for (offset, (((d, h), k), ((&dv, &hv), &kv))) in words.enumerate() {
+        if *d | *h | *k == 0 {
+            continue;
+        }
+        let w = lo + offset;
+        let left_device = *d & !dv;
+        let left_host = *h & !hv;
+        let done_disk = *k & !kv;
+        let next_host = (*h & hv) | (left_device & hv);
+        let next_disk = (*k & kv) | ((left_device | left_host) & !hv & kv);
+        *d &= dv;
+        set_rows(device, left_device, w, i);
+        set_rows(cached, left_device, w, i * block_size);
+        for_rows(left_host, w, |r| host[r] = i - device[r]);
+        for_rows(done_disk, w, |r| disk[r] = i - device[r] - host[r]);
+        *h = next_host;
+        *k = next_disk;
+        if *d | *h | *k != 0 {
+            new_lo = new_lo.min(w);
+            new_hi = new_hi.max(w + 1);
+        }
+    }
+    (new_lo, new_hi)
+}
+
+/// Blocks whose row sets a query looks up at once.
+const LOOKAHEAD: usize = 16;
 
 /// Sets `column[r] = value` for every row `r` whose bit is set in word
 /// `w`'s `bits`: row by row when few are, else the word's 64 rows in one

@@ -60,7 +60,13 @@ use crate::types::{WorkerId, WorkerWithDpRank};
 /// A shared index: the writer for the event thread and a reader to clone
 /// for every query thread.
 pub fn shared(block_size: u32) -> (KvIndexWriter, KvIndexReader) {
-    let copies = Arc::new(TwoCopies::new(KvIndex::new(block_size), KvIndex::new(block_size)));
+    shared_bounded(block_size, usize::MAX)
+}
+
+/// [`shared`], each copy bounded as by [`KvIndex::with_max_blocks`].
+pub fn shared_bounded(block_size: u32, max_blocks: usize) -> (KvIndexWriter, KvIndexReader) {
+    let copy = || KvIndex::new(block_size).with_max_blocks(max_blocks);
+    let copies = Arc::new(TwoCopies::new(copy(), copy()));
     let reader = KvIndexReader {
         copies: Arc::clone(&copies),
     };

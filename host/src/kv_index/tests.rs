@@ -697,11 +697,17 @@ fn random_events_match_the_model() {
 /// onto the second copy loses nothing).
 #[test]
 fn a_shared_index_publishes_what_a_plain_index_holds() {
+    for bound in [usize::MAX, 40] {
+        shared_equals_plain(bound);
+    }
+}
+
+fn shared_equals_plain(bound: usize) {
     let ranks: Vec<WorkerWithDpRank> = (0..70).map(|i| WorkerWithDpRank::new(i, 0)).collect();
     let rows: HashMap<WorkerWithDpRank, usize> = ranks.iter().enumerate().map(|(i, &r)| (r, i)).collect();
     let layout = layout(1, ranks.len());
-    let (mut writer, reader) = shared(16);
-    let mut plain = KvIndex::new(16);
+    let (mut writer, reader) = shared_bounded(16, bound);
+    let mut plain = KvIndex::new(16).with_max_blocks(bound);
     let mut rng = Rng::new(99);
     let (mut out, mut expected) = (KvOverlaps::new(), KvOverlaps::new());
     assert_eq!(reader.overlaps(&[1], &mut out).unwrap_err(), KvQueryError::NoRowLayout);
@@ -744,6 +750,7 @@ fn a_shared_index_publishes_what_a_plain_index_holds() {
             let want = plain.overlaps_for_local_hashes(&query, &mut expected).unwrap();
             assert_eq!(got, want, "step {step}");
             assert_eq!(reader.stats(), plain.stats(), "step {step}");
+            assert!(plain.held_blocks() <= bound);
             assert_eq!(writer.stats(), plain.stats(), "step {step}");
             assert_eq!(reader.row_layout(), Some(layout));
         }
@@ -820,4 +827,34 @@ fn queries_run_while_the_writer_publishes() {
     for r in readers {
         r.join().unwrap();
     }
+}
+
+/// Past the bound the blocks stored longest ago go first; storing a block
+/// again makes it the newest.
+#[test]
+fn the_coldest_blocks_are_evicted_past_the_bound() {
+    let mut index = index_on(&[W1, W2]);
+    index.index = KvIndex::new(16).with_max_blocks(4);
+    sync(&mut index, 2, &[W1, W2]);
+    store(&mut index, W1, 0, Device, None, &[(101, 1), (102, 2), (103, 3)]).unwrap();
+    // Stored again: 101 is now newer than 102 and 103.
+    store(&mut index, W1, 1, Device, None, &[(101, 1)]).unwrap();
+    assert_eq!(index.stats().evicted_blocks, 0);
+    store(&mut index, W2, 0, Device, None, &[(201, 1), (202, 2), (203, 3)]).unwrap();
+    assert_eq!(index.held_blocks(), 4);
+    assert_eq!(index.stats().evicted_blocks, 2);
+    assert_eq!(index.rank_blocks(W1, Device), 1, "102 and 103 went first");
+    assert_eq!(query(&mut index, &[1, 2, 3]), [(1, 0, 0), (3, 0, 0)]);
+    // An evicted block is forgotten: a store under it is refused.
+    assert!(store(&mut index, W1, 2, Device, Some(102), &[(103, 3)]).is_err());
+    // Removals free room: nothing more is evicted.
+    remove(&mut index, W2, 1, Device, &[203]).unwrap();
+    store(&mut index, W1, 3, Device, Some(101), &[(102, 2)]).unwrap();
+    assert_eq!(index.stats().evicted_blocks, 2);
+    assert_eq!(query(&mut index, &[1, 2, 3]), [(2, 0, 0), (2, 0, 0)]);
+    // Without a bound nothing is ever evicted.
+    let mut unbounded = index_on(&[W1]);
+    let pairs: Vec<(u64, u64)> = (0..500).map(|j| (j + 1, j + 1)).collect();
+    store(&mut unbounded, W1, 0, Device, None, &pairs).unwrap();
+    assert_eq!((unbounded.held_blocks(), unbounded.stats().evicted_blocks), (500, 0));
 }
