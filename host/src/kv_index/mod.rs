@@ -111,6 +111,7 @@
 //! This module must not import the service or the policies: it speaks
 //! rows and [`RowOverlaps`](crate::RowOverlaps) only.
 
+mod approx;
 mod event;
 mod hash;
 mod query;
@@ -123,6 +124,7 @@ mod two_copies;
 use std::collections::{HashMap, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
 
+pub use approx::{ApproxKvIndex, DEFAULT_APPROX_TTL};
 pub use event::{KvEvent, KvEventData, KvEventError, KvQueryError, StorageTier, StoredBlock};
 pub use hash::{next_sequence_hash, sequence_hashes_of, KvBlockHasher, KV_HASH_SEED};
 pub use query::KvOverlaps;
