@@ -1,48 +1,4 @@
-//! The approximate index: for engines that publish no KV events, the index
-//! learns from the router's own decisions (Dynamo's approximate mode).
-//!
-//! Each routing decision is recorded as "this rank now holds the request's
-//! prompt blocks", and each recorded block is forgotten a time to live after
-//! it was last recorded (120 s by default, as in Dynamo). A later request
-//! sharing a recorded prefix then scores that prefix on the rank that
-//! served it, as if the engine had reported storing it.
-//!
-//! ```
-//! use std::time::{Duration, Instant};
-//! use selkie::kv_index::{ApproxKvIndex, KvBlockHasher, KvOverlaps};
-//! use selkie::*;
-//!
-//! let service = WorkerSelectionService::new(
-//!     WorkerSelectionPolicy::kv(KvRouterConfig::default(), WorkerType::Aggregated),
-//!     ServiceConfig::default(),
-//! );
-//! service.add_worker(WorkerRecord::new(1))?;
-//! service.add_worker(WorkerRecord::new(2))?;
-//! let hasher = KvBlockHasher::new(16);
-//! let mut index = ApproxKvIndex::new(16).with_ttl(Duration::from_secs(120));
-//! let mut out = KvOverlaps::new();
-//! let prompt: Vec<u32> = (0..512).collect();
-//! let now = Instant::now();
-//!
-//! // Per request: sync to the service's rows (cheap when they did not
-//! // change), query, route, then record the decision.
-//! index.sync_rows(service.row_layout(), |rank| service.row_of(rank));
-//! let columns = index.overlaps_for_tokens(&hasher, &prompt, &mut out, now)?;
-//! let chosen = service.select(&SelectionRequest::new(prompt.len()).with_row_overlaps(columns))?;
-//! index.record_tokens(chosen.worker(), &hasher, &prompt, now);
-//!
-//! // The next request with the same prompt scores its 32 blocks there.
-//! index.sync_rows(service.row_layout(), |rank| service.row_of(rank));
-//! let columns = index.overlaps_for_tokens(&hasher, &prompt, &mut out, now)?;
-//! let row = service.row_of(chosen.worker()).unwrap();
-//! assert_eq!(columns.device_blocks[row], 32.0);
-//!
-//! // Two minutes later the record has expired.
-//! let later = now + Duration::from_secs(121);
-//! let columns = index.overlaps_for_tokens(&hasher, &prompt, &mut out, later)?;
-//! assert_eq!(columns.device_blocks[row], 0.0);
-//! # Ok::<(), Box<dyn std::error::Error>>(())
-//! ```
+//! The approximate index (see [`ApproxKvIndex`]).
 
 use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
@@ -57,8 +13,54 @@ use crate::types::{WorkerId, WorkerWithDpRank};
 /// Dynamo's default time to live of a recorded block in approximate mode.
 pub const DEFAULT_APPROX_TTL: Duration = Duration::from_secs(120);
 
+/// The approximate index: for engines that publish no KV events, the index
+/// learns from the router's own decisions (Dynamo's approximate mode).
+///
+/// Each routing decision is recorded as "this rank now holds the request's
+/// prompt blocks", and each recorded block is forgotten a time to live after
+/// it was last recorded (120 s by default, as in Dynamo). A later request
+/// sharing a recorded prefix then scores that prefix on the rank that
+/// served it, as if the engine had reported storing it.
+///
+/// ```
+/// use std::time::{Duration, Instant};
+/// use selkie::kv_index::{ApproxKvIndex, KvBlockHasher, KvOverlaps};
+/// use selkie::*;
+///
+/// let service = WorkerSelectionService::new(
+///     WorkerSelectionPolicy::kv(KvRouterConfig::default(), WorkerType::Aggregated),
+///     ServiceConfig::default(),
+/// );
+/// service.add_worker(WorkerRecord::new(1))?;
+/// service.add_worker(WorkerRecord::new(2))?;
+/// let hasher = KvBlockHasher::new(16);
+/// let mut index = ApproxKvIndex::new(16).with_ttl(Duration::from_secs(120));
+/// let mut out = KvOverlaps::new();
+/// let prompt: Vec<u32> = (0..512).collect();
+/// let now = Instant::now();
+///
+/// // Per request: sync to the service's rows (cheap when they did not
+/// // change), query, route, then record the decision.
+/// index.sync_rows(service.row_layout(), |rank| service.row_of(rank));
+/// let columns = index.overlaps_for_tokens(&hasher, &prompt, &mut out, now)?;
+/// let chosen = service.select(&SelectionRequest::new(prompt.len()).with_row_overlaps(columns))?;
+/// index.record_tokens(chosen.worker(), &hasher, &prompt, now);
+///
+/// // The next request with the same prompt scores its 32 blocks there.
+/// index.sync_rows(service.row_layout(), |rank| service.row_of(rank));
+/// let columns = index.overlaps_for_tokens(&hasher, &prompt, &mut out, now)?;
+/// let row = service.row_of(chosen.worker()).unwrap();
+/// assert_eq!(columns.device_blocks[row], 32.0);
+///
+/// // Two minutes later the record has expired.
+/// let later = now + Duration::from_secs(121);
+/// let columns = index.overlaps_for_tokens(&hasher, &prompt, &mut out, later)?;
+/// assert_eq!(columns.device_blocks[row], 0.0);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+///
 /// A [`KvIndex`] fed by the router's own decisions instead of engine
-/// events: see the [module docs](self).
+/// events.
 ///
 /// Recorded blocks are device-tier blocks of the chosen rank. Expiry runs
 /// at every record and query (`now` is the caller's clock; a `now` earlier

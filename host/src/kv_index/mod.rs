@@ -108,6 +108,13 @@
 //! never waits. The protocol is model-checked with loom, with three broken
 //! variants that the models catch.
 //!
+//! # Without engine events
+//!
+//! For engines that publish no KV events, [`ApproxKvIndex`] learns from the
+//! router's own decisions instead (Dynamo's approximate mode): each choice
+//! is recorded as the chosen rank holding the prompt's blocks, forgotten a
+//! time to live (120 s by default) after it was last recorded.
+//!
 //! This module must not import the service or the policies: it speaks
 //! rows and [`RowOverlaps`](crate::RowOverlaps) only.
 
