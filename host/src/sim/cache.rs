@@ -195,7 +195,7 @@ impl KvCache {
         self.used -= extra;
         let mut parent = output_parent;
         for &h in output_hashes {
-            let block_parent = std::mem::replace(&mut parent, Some(h));
+            let block_parent = parent.replace(h);
             if self.index.contains_key(&h) {
                 continue;
             }
