@@ -60,7 +60,11 @@
 //!   storing a block the rank holds changes nothing; a removal with some
 //!   unknown blocks removes the others and reports the rest
 //!   ([`KvEventError::UnknownBlocks`]); [`KvEventData::Cleared`] clears only
-//!   its own rank and tier. These are the answers of Dynamo's `RadixTree`.
+//!   its own rank and tier. In the device tier these are the answers of
+//!   Dynamo's `RadixTree`. Dynamo's lower-tier indexers accept a host or
+//!   disk store under a parent the rank does not hold; this index refuses
+//!   it, since without the parent the block's place in the sequence is
+//!   unknown.
 //! * A rank's overlap is exact per block: the number of leading request
 //!   blocks it holds on device, then the blocks after those it holds in
 //!   host memory, then the blocks after those on disk. A first-block miss
@@ -87,8 +91,11 @@
 //! any more (its worker left the fleet) is dropped with its blocks, so a
 //! row given to another worker never inherits them. Ranks whose events
 //! arrive before their worker joins the fleet are kept aside and placed
-//! once they get a row. [`KvIndex::remove_worker`] drops a worker's ranks
-//! at once.
+//! once they get a row; a rank's blocks count from the first
+//! [`KvIndex::sync_rows`] after its first event, so a router syncs before
+//! every query (when the layout did not change, a sync only places the
+//! ranks first seen since the last one).
+//! [`KvIndex::remove_worker`] drops a worker's ranks at once.
 //!
 //! # Memory
 //!
