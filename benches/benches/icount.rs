@@ -34,6 +34,7 @@
 use iai_callgrind::{library_benchmark, library_benchmark_group, main, Callgrind, LibraryBenchmarkConfig};
 use selkie::WorkerWithDpRank;
 use selkie_benches::host_fixture::{HostFixture, Mode};
+use selkie_benches::index_fixture::IndexFixture;
 use selkie_benches::kernel_fixture::KernelFixture;
 use selkie_kernel::kernels::device_aware::{
     device_aware, device_aware_reference, DeviceAwareChoice, DeviceAwareConfig,
@@ -570,10 +571,24 @@ fn host_kv_keyed_t0(f: HostFixture) -> (WorkerWithDpRank, HostFixture) {
     select_and_release(f)
 }
 
+/// The KV index in the path: tokens to a booked and released worker
+/// (`IndexFixture`: hash the 2,048-token prompt, query the index, select,
+/// book, release) on a fleet whose engines reported what they hold.
+fn service_kv_index(n: usize) -> IndexFixture {
+    IndexFixture::new(n)
+}
+
+#[library_benchmark]
+#[benches::workers(args = [1024], setup = service_kv_index, teardown = release)]
+fn host_kv_index_t0(mut f: IndexFixture) -> (WorkerWithDpRank, IndexFixture) {
+    let worker = black_box(f.select_and_release());
+    (worker, f)
+}
+
 library_benchmark_group!(
     name = host_group;
     benchmarks = host_random, host_round_robin, host_least_loaded, host_least_loaded_marked, host_power_of_two,
-        host_device_aware, host_direct, host_kv_t0, host_kv_t07, host_kv_keyed_t0
+        host_device_aware, host_direct, host_kv_t0, host_kv_t07, host_kv_keyed_t0, host_kv_index_t0
 );
 
 main!(

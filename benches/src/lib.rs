@@ -24,6 +24,7 @@ pub fn all_eligible(n: usize) -> Vec<u64> {
 }
 
 pub mod host_fixture;
+pub mod index_fixture;
 pub mod kernel_fixture;
 
 #[cfg(feature = "dynamo")]

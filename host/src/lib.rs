@@ -8,6 +8,7 @@ mod error;
 mod explain;
 mod filter;
 mod fleet;
+pub mod kv_index;
 mod plugin;
 mod policy;
 mod request;
@@ -26,6 +27,7 @@ pub use error::{
 };
 pub use explain::{Branch, Explanation, Route};
 pub use fleet::{KernelFleet, FLEET_GROUPS};
+pub use kv_index::{KvBlockHasher, KvEvent, KvEventData, KvEventError, KvIndex, KvOverlaps, StorageTier, StoredBlock};
 pub use plugin::{
     ScoredWorkerCandidate, WorkerCacheInput, WorkerCandidate, WorkerCandidates, WorkerFilter, WorkerInputView,
     WorkerInputs, WorkerLoadInput, WorkerOccupancy, WorkerPicker, WorkerScorer, WorkerSelectionContext,

@@ -14,6 +14,9 @@ mod adversarial_policy;
 #[path = "fuzz_harness/discovery_file.rs"]
 #[allow(dead_code)]
 mod discovery_file;
+#[path = "fuzz_harness/kv_index_model.rs"]
+#[allow(dead_code)]
+mod kv_index_model;
 #[path = "fuzz_harness/policy_config.rs"]
 #[allow(dead_code)]
 mod policy_config;
@@ -36,6 +39,76 @@ fn policy_config_regressions() {
 #[test]
 fn discovery_file_regressions() {
     replay("discovery_file", discovery_file::check);
+}
+
+#[test]
+fn kv_index_model_regressions() {
+    replay("kv_index_model", kv_index_model::check);
+}
+
+/// A hand-written `kv_index_model` input, written as its `Debug` prints:
+/// workers join, store runs in every tier, an event id skips (a gap), one
+/// worker leaves and another is forgotten, with queries in between.
+#[test]
+fn kv_index_model_reproducer() {
+    use kv_index_model::*;
+    let store = |worker, tier, id_step, from, len| Op::Store {
+        worker,
+        rank: 0,
+        tier,
+        id_step,
+        prompt: 1,
+        from,
+        len,
+        parent: None,
+        self_parent: false,
+    };
+    let query = Op::Query {
+        prompt: 1,
+        len: 16,
+        change: None,
+    };
+    let input = Input {
+        ops: vec![
+            Op::Join { worker: 1 },
+            Op::Join { worker: 2 },
+            store(1, 0, 2, 0, 3),
+            store(1, 0, 2, 4, 3),
+            store(1, 1, 2, 8, 3),
+            store(2, 0, 2, 0, 1),
+            store(2, 2, 2, 1, 3),
+            query,
+            store(1, 0, 1, 12, 2),
+            Op::Remove {
+                worker: 2,
+                rank: 0,
+                tier: 2,
+                id_step: 2,
+                prompt: 1,
+                from: 2,
+                len: 0,
+                unknown: true,
+            },
+            Op::Clear {
+                worker: 2,
+                rank: 1,
+                tier: 0,
+                id_step: 2,
+            },
+            query,
+            Op::Leave { worker: 1 },
+            Op::Forget { worker: 2 },
+            Op::Join { worker: 3 },
+            store(3, 0, 2, 0, 3),
+            Op::Query {
+                prompt: 1,
+                len: 5,
+                change: Some(1),
+            },
+            query,
+        ],
+    };
+    check(&input);
 }
 
 #[test]

@@ -2,7 +2,8 @@
 //! layer (see the crate's architecture notes).
 //!
 //! From the bottom: the plain types (`types`, `error`, `request`,
-//! `explain`); `fleet` (the kernel fleet handle and the row index);
+//! `explain`); `fleet` (the kernel fleet handle and the row index) and
+//! `kv_index` (engine KV events to per-row overlaps, beside it);
 //! `discovery`; `filter` and `plugin`; `policy`; `service`; and on top
 //! `config`, `sim` and the crate root. This test reads every file under
 //! `src/` (but `src/bin/`, which uses the public API) and reports each
@@ -14,7 +15,7 @@ use std::path::Path;
 fn layer(module: &str) -> Option<u8> {
     Some(match module {
         "types" | "error" | "request" | "explain" | "contain" => 0,
-        "fleet" => 1,
+        "fleet" | "kv_index" => 1,
         "discovery" => 2,
         "filter" | "plugin" => 3,
         "policy" => 4,

@@ -1,8 +1,9 @@
 //! Loom models of the fleet's atomic protocols (SPEC section 7): booking
 //! against an admission limit, release, slot reuse with generations,
 //! retarget (by row, and onto a slot that is replaced meanwhile), the
-//! round-robin cursor, select-and-book racing a removal, and retiring a row
-//! (cordon, then check for bookings) racing a booking.
+//! round-robin cursor, select-and-book racing a removal, retiring a row
+//! (cordon, then check for bookings) racing a booking, and the KV index's
+//! reader/writer protocol (readers never meet the writer).
 //!
 //! Each model runs twice in the same test binary: against the real protocol,
 //! where every interleaving must pass (`harness::explore`), and against a

@@ -7,7 +7,8 @@
 //! `upsert_worker`, nothing cached, and a current-thread tokio runtime that
 //! blocks on each request. One measured call, [`DynamoCore::select_and_free`],
 //! is one iteration of Dynamo's bench: a fresh selection id, a request for
-//! the 256-token prompt `1..=256`, the booked selection and its release.
+//! the 256-token prompt `1..=256` (or another length, [`DynamoCore::with_prompt`]),
+//! the booked selection and its release.
 //!
 //! Built only with the `dynamo-core` feature. This module must not know
 //! about selkie.
@@ -35,6 +36,8 @@ pub struct DynamoCore {
     core: SelectionCore,
     /// Numbers the selection ids, as Dynamo's bench does.
     sequence: u64,
+    /// Prompt length in tokens (the prompt is `1..=prompt_tokens`).
+    prompt_tokens: u32,
 }
 
 impl DynamoCore {
@@ -43,6 +46,15 @@ impl DynamoCore {
     /// # Panics
     /// If the runtime or the core cannot be built, or a worker is refused.
     pub fn new(workers: u64) -> Self {
+        Self::with_prompt(workers, CORE_PROMPT_TOKENS)
+    }
+
+    /// The core with workers `1..=workers` registered, requests for the
+    /// prompt `1..=prompt_tokens`.
+    ///
+    /// # Panics
+    /// As [`new`](Self::new).
+    pub fn with_prompt(workers: u64, prompt_tokens: u32) -> Self {
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
@@ -77,6 +89,7 @@ impl DynamoCore {
             runtime,
             core,
             sequence: 0,
+            prompt_tokens,
         }
     }
 
@@ -89,7 +102,7 @@ impl DynamoCore {
     pub fn select_and_free(&mut self) -> u64 {
         self.sequence += 1;
         let id = format!("bench-{}", self.sequence);
-        let request = reserve_request(id.clone());
+        let request = reserve_request(id.clone(), self.prompt_tokens);
         let core = &self.core;
         self.runtime.block_on(async {
             let response = core.select_and_reserve(request).await.expect("Dynamo reserves");
@@ -101,13 +114,13 @@ impl DynamoCore {
 
 /// The request of Dynamo's bench: default model and routing group, the
 /// prompt's token ids, nothing else.
-fn reserve_request(selection_id: String) -> SelectAndReserveRequest {
+fn reserve_request(selection_id: String, prompt_tokens: u32) -> SelectAndReserveRequest {
     SelectAndReserveRequest {
         model_name: "default".to_string(),
         routing_group: "default".to_string(),
         selection_id: Some(selection_id),
         prompt: PromptRequest {
-            token_ids: Some((1..=CORE_PROMPT_TOKENS).collect()),
+            token_ids: Some((1..=prompt_tokens).collect()),
             ..PromptRequest::default()
         },
         router_config_override: None,

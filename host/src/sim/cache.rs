@@ -44,6 +44,20 @@ struct Block {
     next: u32,
 }
 
+/// One change of a cache's contents, as the worker's KV event reports it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CacheChange {
+    /// A block was cached.
+    Stored {
+        /// The block.
+        hash: u64,
+        /// The block before it in the request (`None`: the request's first).
+        parent: Option<u64>,
+    },
+    /// Block `hash` was evicted.
+    Evicted(u64),
+}
+
 /// A KV cache of `capacity` blocks with prefix hashing and LRU eviction.
 #[derive(Clone, Debug)]
 pub struct KvCache {
@@ -60,7 +74,7 @@ pub struct KvCache {
     lru_len: u32,
     /// Blocks added (`true`) and evicted (`false`) since the last drain: the
     /// KV events a worker would publish.
-    changes: Vec<(u64, bool)>,
+    changes: Vec<CacheChange>,
 }
 
 /// What [`KvCache::acquire`] granted a request.
@@ -104,7 +118,7 @@ impl KvCache {
 
     /// Takes the blocks added (`true`) and evicted (`false`) since the last
     /// call, in order: the KV events a worker publishes to a router's indexer.
-    pub fn drain_changes(&mut self) -> std::vec::Drain<'_, (u64, bool)> {
+    pub fn drain_changes(&mut self) -> std::vec::Drain<'_, CacheChange> {
         self.changes.drain(..)
     }
 
@@ -143,12 +157,12 @@ impl KvCache {
             }
         }
         if missing > 0 {
-            for &h in hashes {
+            for (j, &h) in hashes.iter().enumerate() {
                 if self.index.contains_key(&h) {
                     continue;
                 }
                 self.make_room();
-                let b = self.alloc(h);
+                let b = self.alloc(h, j.checked_sub(1).map(|p| hashes[p]));
                 self.index.insert(h, b);
                 self.used += 1;
             }
@@ -164,7 +178,11 @@ impl KvCache {
     /// Unpins what [`acquire`](Self::acquire) pinned, then caches
     /// `output_hashes` (generated blocks a later prompt will reuse) in place
     /// of anonymous blocks.
-    pub fn release(&mut self, hashes: &[u64], extra: u32, output_hashes: &[u64]) {
+    ///
+    /// `output_parent` is the block the output blocks continue (the
+    /// prompt's last full block: a partial last prompt block is not their
+    /// parent).
+    pub fn release(&mut self, hashes: &[u64], extra: u32, output_hashes: &[u64], output_parent: Option<u64>) {
         // Last block first: the LRU then evicts a prompt's tail before its
         // prefix, so what stays cached is always a prefix (as vLLM does).
         for &h in hashes.iter().rev() {
@@ -175,14 +193,16 @@ impl KvCache {
         let extra = extra.min(self.anonymous);
         self.anonymous -= extra;
         self.used -= extra;
+        let mut parent = output_parent;
         for &h in output_hashes {
+            let block_parent = parent.replace(h);
             if self.index.contains_key(&h) {
                 continue;
             }
             if self.used >= self.capacity && !self.evict_one() {
                 break;
             }
-            let b = self.alloc(h);
+            let b = self.alloc(h, block_parent);
             self.index.insert(h, b);
             self.used += 1;
             self.blocks[b as usize].refs = 1;
@@ -204,14 +224,14 @@ impl KvCache {
         self.lru_unlink(b);
         let hash = self.blocks[b as usize].hash;
         self.index.remove(&hash);
-        self.changes.push((hash, false));
+        self.changes.push(CacheChange::Evicted(hash));
         self.free_slots.push(b);
         self.used -= 1;
         true
     }
 
-    fn alloc(&mut self, hash: u64) -> u32 {
-        self.changes.push((hash, true));
+    fn alloc(&mut self, hash: u64, parent: Option<u64>) -> u32 {
+        self.changes.push(CacheChange::Stored { hash, parent });
         let block = Block {
             hash,
             refs: 1,
@@ -286,7 +306,7 @@ mod tests {
     fn prefix_hit_counts_only_leading_blocks() {
         let mut c = KvCache::new(100);
         c.acquire(&[1, 2, 3], 0, false).unwrap();
-        c.release(&[1, 2, 3], 0, &[]);
+        c.release(&[1, 2, 3], 0, &[], None);
         assert_eq!(c.prefix_match(&[1, 2, 9, 3]), 2);
         assert_eq!(c.prefix_match(&[9, 1, 2]), 0);
         assert_eq!(c.acquire(&[1, 2, 3, 4], 2, false), Some(Acquired { hit_blocks: 3 }));
@@ -298,12 +318,12 @@ mod tests {
     fn least_recently_used_block_goes_first_and_a_tail_before_its_prefix() {
         let mut c = KvCache::new(4);
         c.acquire(&[1, 2], 0, false).unwrap();
-        c.release(&[1, 2], 0, &[]);
+        c.release(&[1, 2], 0, &[], None);
         c.acquire(&[3, 4], 0, false).unwrap();
-        c.release(&[3, 4], 0, &[]);
+        c.release(&[3, 4], 0, &[], None);
         // Touch 1 and 2 again: 3 and 4 become the oldest.
         c.acquire(&[1, 2], 0, false).unwrap();
-        c.release(&[1, 2], 0, &[]);
+        c.release(&[1, 2], 0, &[], None);
         c.acquire(&[5], 0, false).unwrap();
         assert_eq!(c.prefix_match(&[3, 4]), 1, "4, the tail of 3-4, went first");
         assert_eq!(c.prefix_match(&[4]), 0);
@@ -333,7 +353,7 @@ mod tests {
         let mut c = KvCache::new(8);
         c.acquire(&[1, 2], 3, false).unwrap();
         assert_eq!(c.used(), 5);
-        c.release(&[1, 2], 3, &[10, 11]);
+        c.release(&[1, 2], 3, &[10, 11], Some(2));
         assert_eq!(c.used(), 4);
         assert_eq!(c.pinned(), 0);
         assert_eq!(c.prefix_match(&[1, 2, 10, 11]), 4);

@@ -185,7 +185,12 @@ impl Engine {
             }
             if d.remaining_decode == 0 {
                 let req = &requests[d.request];
-                cache.release(&req.hash_ids, d.anonymous_blocks, &req.output_hash_ids);
+                cache.release(
+                    &req.hash_ids,
+                    d.anonymous_blocks,
+                    &req.output_hash_ids,
+                    output_parent(req, block_size),
+                );
                 events.push(StepEvent::Finished(d.request));
                 false
             } else {
@@ -205,14 +210,25 @@ impl Engine {
             events.push(StepEvent::FirstToken(p.request));
             if p.remaining_decode == 0 {
                 let req = &requests[p.request];
-                self.cache
-                    .release(&req.hash_ids, p.anonymous_blocks, &req.output_hash_ids);
+                self.cache.release(
+                    &req.hash_ids,
+                    p.anonymous_blocks,
+                    &req.output_hash_ids,
+                    output_parent(req, block_size),
+                );
                 events.push(StepEvent::Finished(p.request));
             } else {
                 self.decoding.push(p);
             }
         }
     }
+}
+
+/// The block a request's output blocks continue: its prompt's last full
+/// block (the output fills a partial last prompt block in their place).
+fn output_parent(req: &SimRequest, block_size: u32) -> Option<u64> {
+    let full = (req.input_tokens / block_size.max(1)) as usize;
+    full.checked_sub(1).and_then(|i| req.hash_ids.get(i).copied())
 }
 
 #[cfg(test)]

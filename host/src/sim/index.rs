@@ -1,85 +1,109 @@
-//! The router's view of every simulated cache: which ranks hold each block,
-//! kept up to date from the caches' add / evict events (as a router's KV
-//! indexer is fed by workers' KV events), and the per-rank prefix overlap of
-//! a request computed in one walk over its blocks.
+//! The router's view of every simulated cache: selkie's KV index
+//! ([`KvIndex`]) fed with the caches' KV events (a block stored after its
+//! parent, a block evicted), as a router's index is fed by its workers, and
+//! queried per request for every rank's prefix overlap.
 //!
 //! [`OverlapIndex::overlaps`] must equal asking every cache for its
 //! [`KvCache::prefix_match`](super::cache::KvCache::prefix_match); the
 //! tests check it against exactly that.
 
-use super::cache::BlockMap;
+use super::cache::CacheChange;
 use super::router::RowOverlap;
+use crate::kv_index::{KvEvent, KvEventData, KvIndex, KvOverlaps, StoredBlock};
+use crate::request::RowLayout;
+use crate::types::WorkerWithDpRank;
 
-/// Block → set of ranks holding it, as one 64-bit mask per group of 64 ranks.
-#[derive(Clone, Debug)]
+/// The index of a simulated fleet of `rows` ranks: rank `r` is row `r`.
+#[derive(Debug)]
 pub struct OverlapIndex {
     rows: usize,
-    groups: Vec<BlockMap<u64>>,
+    index: KvIndex,
+    /// The next event id of each row.
+    next_id: Vec<u64>,
+    out: KvOverlaps,
 }
 
 impl OverlapIndex {
-    /// An empty index over `rows` ranks.
+    /// An empty index of `rows` ranks.
     pub fn new(rows: usize) -> Self {
+        // The trace's block ids stand for the token blocks, so the block
+        // size only scales the cached-token estimate, which the simulator
+        // does not read.
+        let mut index = KvIndex::new(1);
+        index.sync_rows(RowLayout { epoch: 1, rows }, row_of(rows));
         OverlapIndex {
             rows,
-            groups: (0..rows.div_ceil(64)).map(|_| BlockMap::default()).collect(),
+            index,
+            next_id: vec![0; rows],
+            out: KvOverlaps::new(),
         }
     }
 
-    /// Applies one rank's cache events (`true`: added, `false`: evicted).
-    pub fn apply(&mut self, row: usize, changes: impl IntoIterator<Item = (u64, bool)>) {
-        let map = &mut self.groups[row / 64];
-        let bit = 1u64 << (row % 64);
-        for (hash, added) in changes {
-            if added {
-                *map.entry(hash).or_insert(0) |= bit;
-            } else if let Some(m) = map.get_mut(&hash) {
-                *m &= !bit;
-                if *m == 0 {
-                    map.remove(&hash);
+    /// Applies row `row`'s cache changes as its worker's KV events: the
+    /// engine hash and the local hash of a block are its trace id.
+    pub fn apply(&mut self, row: usize, changes: impl IntoIterator<Item = CacheChange>) {
+        let rank = WorkerWithDpRank::new(row as u64, 0);
+        for change in changes {
+            let id = self.next_id[row];
+            self.next_id[row] += 1;
+            let (stored, removed);
+            let data = match change {
+                CacheChange::Stored { hash, parent } => {
+                    stored = [StoredBlock {
+                        block_hash: hash,
+                        tokens_hash: hash,
+                    }];
+                    KvEventData::Stored {
+                        parent,
+                        blocks: &stored,
+                    }
                 }
-            }
-        }
-    }
-
-    /// Writes the prefix overlap of `hashes` for every rank that has one,
-    /// in rank order, into `out` (cleared first).
-    pub fn overlaps(&self, hashes: &[u64], out: &mut Vec<RowOverlap>) {
-        out.clear();
-        for (g, map) in self.groups.iter().enumerate() {
-            let in_group = (self.rows - g * 64).min(64);
-            let mut active = if in_group == 64 {
-                u64::MAX
-            } else {
-                (1u64 << in_group) - 1
+                CacheChange::Evicted(hash) => {
+                    removed = [hash];
+                    KvEventData::Removed { blocks: &removed }
+                }
             };
-            let mut depth = 0;
-            let start = out.len();
-            while active != 0 && depth < hashes.len() {
-                let holding = map.get(&hashes[depth]).copied().unwrap_or(0) & active;
-                let dropped = active & !holding;
-                if depth > 0 {
-                    push_rows(out, g, dropped, depth as u32);
-                }
-                active = holding;
-                depth += 1;
+            // The caches store a block only after its parent, so nothing
+            // is refused.
+            let applied = self.index.apply(&KvEvent::new(rank, id, data));
+            debug_assert!(applied.is_ok(), "row {row}: {applied:?}");
+        }
+    }
+
+    /// Every row's prefix overlap with the request's block ids `hashes`,
+    /// rows without one left out, in row order.
+    pub fn overlaps(&mut self, hashes: &[u64], out: &mut Vec<RowOverlap>) {
+        out.clear();
+        // Ranks seen for the first time since the last query get their row
+        // (the layout itself never changes).
+        self.index.sync_rows(
+            RowLayout {
+                epoch: 1,
+                rows: self.rows,
+            },
+            row_of(self.rows),
+        );
+        let columns = self
+            .index
+            .overlaps_for_local_hashes(hashes, &mut self.out)
+            .expect("the index is placed on its rows at creation");
+        for (row, &blocks) in columns.device_blocks[..self.rows].iter().enumerate() {
+            if blocks > 0.0 {
+                out.push(RowOverlap {
+                    row: row as u32,
+                    blocks: blocks as u32,
+                });
             }
-            if depth > 0 {
-                push_rows(out, g, active, depth as u32);
-            }
-            out[start..].sort_unstable_by_key(|o| o.row);
         }
     }
 }
 
-fn push_rows(out: &mut Vec<RowOverlap>, group: usize, mut mask: u64, blocks: u32) {
-    while mask != 0 {
-        let bit = mask.trailing_zeros();
-        mask &= mask - 1;
-        out.push(RowOverlap {
-            row: (group * 64) as u32 + bit,
-            blocks,
-        });
+/// Rank `(r, 0)` is row `r`.
+fn row_of(rows: usize) -> impl FnMut(WorkerWithDpRank) -> Option<usize> {
+    move |r| {
+        usize::try_from(r.worker_id)
+            .ok()
+            .filter(|&row| row < rows && r.dp_rank == 0)
     }
 }
 
@@ -114,7 +138,7 @@ mod tests {
             let row = rng.below(rows as u64) as usize;
             let extra = rng.below(3) as u32;
             if caches[row].acquire(&hashes, extra, false).is_some() {
-                caches[row].release(&hashes, extra, &[]);
+                caches[row].release(&hashes, extra, &[], None);
             }
             index.apply(row, caches[row].drain_changes());
             if step % 7 == 3 {

@@ -212,6 +212,20 @@ pub fn simulate(
                 }
                 let r = &reqs[i];
                 index.overlaps(&r.hash_ids, &mut overlaps);
+                // Debug builds (the tests) check the index against the
+                // caches themselves on every request.
+                if cfg!(debug_assertions) {
+                    let caches: Vec<RowOverlap> = (0..rows)
+                        .filter_map(|row| {
+                            let blocks = engines[row].cache.prefix_match(&r.hash_ids);
+                            (blocks > 0).then_some(RowOverlap {
+                                row: row as u32,
+                                blocks,
+                            })
+                        })
+                        .collect();
+                    assert_eq!(overlaps, caches, "request {i}: the KV index disagrees with the caches");
+                }
                 let route = RouteRequest {
                     id: i as u64,
                     input_tokens: r.input_tokens,

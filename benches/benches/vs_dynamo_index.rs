@@ -1,0 +1,621 @@
+//! selkie's KV index against dynamo-kv-router 1.6.1's indexers, side by side
+//! in one run.
+//!
+//! ```text
+//! cargo bench -p selkie-benches --features dynamo-core --bench vs_dynamo_index
+//! ```
+//!
+//! **Fleets.** 128, 1,024 and 4,096 workers (one DP rank each) holding about
+//! 100,000 distinct blocks together: a 64-block system prompt every worker
+//! holds, continued by 64 shared prompts of 32 blocks (worker `w` holds
+//! prompt `w % 64`), each worker's own continuation of its shared prompt,
+//! and a chain of its own that shares nothing. Engines report runs of at
+//! most 32 blocks per stored event, each run under the previous run's last
+//! block, as they report a request's blocks.
+//!
+//! **Indexers.** selkie's [`KvIndex`] (its query writes every row's device,
+//! host and disk overlap into the columns the selection service reads),
+//! Dynamo's `RadixTree` (`apply_event`, `find_matches`) and its
+//! `ConcurrentRadixTreeCompressed` (queried directly through
+//! `SyncIndexer::find_matches`; fed through a one-thread
+//! `ThreadPoolIndexer`, as Dynamo's router and its `indexer_delegate` bench
+//! feed it). Before anything is timed, every query's answer of the three is
+//! compared (the device overlap of every worker) and the bench exits
+//! non-zero on any difference.
+//!
+//! **Queries** of 128 blocks: *shared*, the system prompt and a shared
+//! prompt (96 blocks) then 32 blocks nobody holds (every worker scores 64,
+//! those of that prompt 96); *own*, a worker's prompt and its continuation
+//! (one worker scores up to 128, the others of its prompt 96, everyone 64);
+//! *unshared*, a worker's own chain (one worker scores, nobody else).
+//!
+//! **Ingestion**: every stored event of the fleet applied to an empty index,
+//! events per second (for the thread-pool indexer: enqueue all, then wait
+//! for its flush). **Memory**: live heap bytes the index holds after
+//! ingestion (a counting global allocator; Dynamo's thread pool included)
+//! per distinct block and per (worker, block) entry.
+//!
+//! **Full path**: tokens to a booked and released worker at 1,024 workers,
+//! 2,048-token prompt, nothing cached: selkie hashes the prompt, queries its
+//! index (the fleet's events applied), selects, books and releases through
+//! `WorkerSelectionService`; Dynamo's `SelectionCore::select_and_reserve` +
+//! `free_reservation` (its own hashing and indexer) on a local core of the
+//! same size and prompt, as `vs_dynamo`'s full-path anchor drives it.
+//!
+//! Timing: the calls compared take turns in batches of about a millisecond
+//! for 51 rounds; the tables report the median batch time per call and the
+//! ratio of the medians. One run on the machine it runs on: quote the
+//! ratios, not the times.
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::hint::black_box;
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicIsize, Ordering};
+use std::time::{Duration, Instant};
+
+use dynamo_kv_router::indexer::{KvIndexerInterface, SyncIndexer, ThreadPoolIndexer};
+use dynamo_kv_router::protocols::{
+    ExternalSequenceBlockHash, KvCacheEvent, KvCacheEventData, KvCacheStoreData, KvCacheStoredBlockData,
+    LocalBlockHash, RouterEvent,
+};
+use dynamo_kv_router::{ConcurrentRadixTreeCompressed, RadixTree};
+use selkie::kv_index::{sequence_hashes_of, KvBlockHasher, KvEvent, KvEventData, KvIndex, KvOverlaps, StoredBlock};
+use selkie::{
+    KvRouterConfig, SelectionRequest, ServiceConfig, WorkerRecord, WorkerSelectionPolicy, WorkerSelectionService,
+    WorkerType, WorkerWithDpRank,
+};
+use selkie_benches::vs_dynamo::DynamoCore;
+
+/// Live heap bytes of the whole process.
+static LIVE: AtomicIsize = AtomicIsize::new(0);
+
+/// The system allocator, counting live bytes.
+struct CountingAllocator;
+
+// SAFETY: every call is forwarded to `System` with the caller's arguments;
+// the counter only observes sizes.
+unsafe impl GlobalAlloc for CountingAllocator {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        LIVE.fetch_add(layout.size() as isize, Ordering::Relaxed);
+        // SAFETY: the caller upholds `GlobalAlloc::alloc`'s contract.
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        LIVE.fetch_sub(layout.size() as isize, Ordering::Relaxed);
+        // SAFETY: the caller upholds `GlobalAlloc::dealloc`'s contract.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        LIVE.fetch_add(new_size as isize - layout.size() as isize, Ordering::Relaxed);
+        // SAFETY: the caller upholds `GlobalAlloc::realloc`'s contract.
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+}
+
+#[global_allocator]
+static ALLOCATOR: CountingAllocator = CountingAllocator;
+
+const WORKER_COUNTS: [usize; 3] = [128, 1024, 4096];
+const DISTINCT_BLOCKS: usize = 100_000;
+const SYSTEM_BLOCKS: usize = 64;
+const SHARED_PROMPTS: usize = 64;
+const SHARED_BLOCKS: usize = 32;
+const QUERY_BLOCKS: usize = 128;
+const RUN_BLOCKS: usize = 32;
+const BLOCK_SIZE: u32 = 16;
+const ROUNDS: usize = 51;
+const BATCH: Duration = Duration::from_millis(1);
+const FULL_PATH_WORKERS: usize = 1024;
+const FULL_PATH_TOKENS: u32 = 2048;
+
+/// A splitmix64 stream: the fleets are the same on every run.
+struct Stream(u64);
+
+impl Stream {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    fn chain(&mut self, n: usize) -> Vec<u64> {
+        (0..n).map(|_| self.next()).collect()
+    }
+}
+
+/// One stored run: the worker, its event id, the parent's sequence hash and
+/// the run's (sequence hash, local hash) pairs.
+struct Run {
+    worker: u64,
+    id: u64,
+    parent: Option<u64>,
+    blocks: Vec<(u64, u64)>,
+}
+
+/// A fleet: its stored runs (in event order) and the query chains.
+struct Fleet {
+    workers: usize,
+    runs: Vec<Run>,
+    distinct: usize,
+    entries: usize,
+    shared: Vec<Vec<u64>>,
+    own: Vec<Vec<u64>>,
+    unshared: Vec<Vec<u64>>,
+}
+
+/// `chain`'s local hashes as runs of at most [`RUN_BLOCKS`] under `parent`
+/// (the sequence hash of the block before `chain[0]`, if any).
+fn runs_of(worker: u64, next_id: &mut u64, prefix: &[u64], chain: &[u64], runs: &mut Vec<Run>) {
+    let mut all = prefix.to_vec();
+    all.extend_from_slice(chain);
+    let mut seq = Vec::new();
+    sequence_hashes_of(&all, &mut seq);
+    let mut at = prefix.len();
+    while at < all.len() {
+        let end = (at + RUN_BLOCKS).min(all.len());
+        runs.push(Run {
+            worker,
+            id: *next_id,
+            parent: at.checked_sub(1).map(|p| seq[p]),
+            blocks: (at..end).map(|i| (seq[i], all[i])).collect(),
+        });
+        *next_id += 1;
+        at = end;
+    }
+}
+
+impl Fleet {
+    fn new(workers: usize) -> Self {
+        let mut rng = Stream(0x5e1c_1e1d_e000 + workers as u64);
+        let system = rng.chain(SYSTEM_BLOCKS);
+        let shared: Vec<Vec<u64>> = (0..SHARED_PROMPTS)
+            .map(|_| {
+                let mut p = system.clone();
+                p.extend(rng.chain(SHARED_BLOCKS));
+                p
+            })
+            .collect();
+        let own_blocks = (DISTINCT_BLOCKS - SYSTEM_BLOCKS - SHARED_PROMPTS * SHARED_BLOCKS) / workers;
+        let (cont, root) = (own_blocks / 2, own_blocks - own_blocks / 2);
+        let mut runs = Vec::new();
+        let (mut own, mut unshared) = (Vec::new(), Vec::new());
+        let mut entries = 0;
+        for w in 0..workers {
+            let mut next_id = 0;
+            let prompt = &shared[w % SHARED_PROMPTS];
+            let continuation = rng.chain(cont);
+            let chain = rng.chain(root);
+            let mut first = prompt.clone();
+            first.extend_from_slice(&continuation);
+            runs_of(w as u64, &mut next_id, &[], &first, &mut runs);
+            runs_of(w as u64, &mut next_id, &[], &chain, &mut runs);
+            entries += first.len() + chain.len();
+            own.push(first);
+            unshared.push(chain);
+        }
+        Fleet {
+            workers,
+            runs,
+            distinct: SYSTEM_BLOCKS + SHARED_PROMPTS * SHARED_BLOCKS + workers * own_blocks,
+            entries,
+            shared,
+            own,
+            unshared,
+        }
+    }
+
+    /// The query of `kind` for worker (or shared prompt) `i`: its chain,
+    /// padded to [`QUERY_BLOCKS`] with blocks nobody holds.
+    fn query(&self, kind: Query, i: usize) -> Vec<u64> {
+        let mut q = match kind {
+            Query::Shared => self.shared[i % SHARED_PROMPTS].clone(),
+            Query::Own => self.own[i % self.workers].clone(),
+            Query::Unshared => self.unshared[i % self.workers].clone(),
+        };
+        q.truncate(QUERY_BLOCKS);
+        let mut pad = Stream(0xAD ^ i as u64);
+        while q.len() < QUERY_BLOCKS {
+            q.push(pad.next());
+        }
+        q
+    }
+
+    fn dynamo_events(&self) -> Vec<RouterEvent> {
+        self.runs
+            .iter()
+            .map(|r| {
+                RouterEvent::new(
+                    r.worker,
+                    KvCacheEvent {
+                        event_id: r.id,
+                        dp_rank: 0,
+                        data: KvCacheEventData::Stored(KvCacheStoreData {
+                            parent_hash: r.parent.map(ExternalSequenceBlockHash),
+                            start_position: None,
+                            blocks: r
+                                .blocks
+                                .iter()
+                                .map(|&(seq, local)| KvCacheStoredBlockData {
+                                    block_hash: ExternalSequenceBlockHash(seq),
+                                    tokens_hash: LocalBlockHash(local),
+                                    mm_extra_info: None,
+                                })
+                                .collect(),
+                        }),
+                    },
+                )
+            })
+            .collect()
+    }
+
+    fn selkie_blocks(&self) -> Vec<Vec<StoredBlock>> {
+        self.runs
+            .iter()
+            .map(|r| {
+                r.blocks
+                    .iter()
+                    .map(|&(block_hash, tokens_hash)| StoredBlock {
+                        block_hash,
+                        tokens_hash,
+                    })
+                    .collect()
+            })
+            .collect()
+    }
+
+    /// Applies every run to `index`.
+    fn feed(&self, index: &mut KvIndex, blocks: &[Vec<StoredBlock>]) {
+        for (r, b) in self.runs.iter().zip(blocks) {
+            let data = KvEventData::Stored {
+                parent: r.parent,
+                blocks: b,
+            };
+            index
+                .apply(&KvEvent::new(WorkerWithDpRank::new(r.worker, 0), r.id, data))
+                .expect("the fleet's events are in order");
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Query {
+    Shared,
+    Own,
+    Unshared,
+}
+
+const QUERIES: [Query; 3] = [Query::Shared, Query::Own, Query::Unshared];
+
+fn service(workers: usize) -> WorkerSelectionService {
+    let service = WorkerSelectionService::new(
+        WorkerSelectionPolicy::kv(KvRouterConfig::default(), WorkerType::Aggregated),
+        ServiceConfig {
+            block_size: BLOCK_SIZE,
+            seed: Some(7),
+            ..ServiceConfig::default()
+        },
+    );
+    service
+        .sync((0..workers as u64).map(WorkerRecord::new).collect())
+        .expect("the fleet has room");
+    service
+}
+
+fn live() -> isize {
+    LIVE.load(Ordering::Relaxed)
+}
+
+struct IndexRow {
+    workers: usize,
+    query: Query,
+    /// By sequence hashes (`KvIndex::overlaps`).
+    selkie_seq_ns: f64,
+    /// By local hashes (`KvIndex::overlaps_for_local_hashes`: the
+    /// sequence-hash chain computed first, Dynamo's input).
+    selkie_ns: f64,
+    radix_ns: f64,
+    concurrent_ns: f64,
+}
+
+struct IngestRow {
+    workers: usize,
+    events: usize,
+    selkie_eps: f64,
+    radix_eps: f64,
+    concurrent_eps: f64,
+    distinct: usize,
+    entries: usize,
+    selkie_bytes: isize,
+    radix_bytes: isize,
+    concurrent_bytes: isize,
+}
+
+fn main() -> ExitCode {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a current-thread runtime");
+    let mut index_rows = Vec::new();
+    let mut ingest_rows = Vec::new();
+    let mut full_path_index = None;
+    for &workers in &WORKER_COUNTS {
+        progress(format_args!("{workers} workers: building the fleet"));
+        let fleet = Fleet::new(workers);
+        let service = service(workers);
+        let blocks = fleet.selkie_blocks();
+
+        // Ingestion and memory, each index built alone from its events.
+        let before = live();
+        let start = Instant::now();
+        let mut index = KvIndex::new(BLOCK_SIZE);
+        fleet.feed(&mut index, &blocks);
+        let selkie_s = start.elapsed().as_secs_f64();
+        let selkie_bytes = live() - before;
+
+        // Dynamo's indexers consume and drop their events: the live bytes
+        // are taken before the events are built, so what stays is the
+        // index alone.
+        let before = live();
+        let events = fleet.dynamo_events();
+        let start = Instant::now();
+        let mut radix = RadixTree::new();
+        for e in events {
+            radix.apply_event(e).expect("the fleet's events are in order");
+        }
+        let radix_s = start.elapsed().as_secs_f64();
+        let radix_bytes = live() - before;
+
+        let before = live();
+        let events = fleet.dynamo_events();
+        let start = Instant::now();
+        let pool = ThreadPoolIndexer::new(ConcurrentRadixTreeCompressed::new(), 1, BLOCK_SIZE);
+        for e in events {
+            pool.enqueue_event(e).expect("the indexer thread runs");
+        }
+        runtime.block_on(pool.flush_and_wait()).expect("the indexer flushes");
+        let concurrent_s = start.elapsed().as_secs_f64();
+        let concurrent_bytes = live() - before;
+        let n = fleet.runs.len();
+        ingest_rows.push(IngestRow {
+            workers,
+            events: n,
+            selkie_eps: n as f64 / selkie_s,
+            radix_eps: n as f64 / radix_s,
+            concurrent_eps: n as f64 / concurrent_s,
+            distinct: fleet.distinct,
+            entries: fleet.entries,
+            selkie_bytes,
+            radix_bytes,
+            concurrent_bytes,
+        });
+
+        // Parity of every answer, then the query times.
+        index.sync_rows(service.row_layout(), |r| service.row_of(r));
+        let rows: Vec<usize> = (0..workers as u64)
+            .map(|w| service.row_of(WorkerWithDpRank::new(w, 0)).expect("a row per worker"))
+            .collect();
+        let concurrent = pool.backend();
+        let mut out = KvOverlaps::new();
+        for kind in QUERIES {
+            for i in [0, 1, workers / 2, workers - 1] {
+                let q = fleet.query(kind, i);
+                let local: Vec<LocalBlockHash> = q.iter().map(|&h| LocalBlockHash(h)).collect();
+                let a = radix.find_matches(local.clone(), false);
+                let b = concurrent.find_matches(&local, false);
+                let columns = index.overlaps_for_local_hashes(&q, &mut out).expect("rows are synced");
+                let mut scored = 0;
+                for (w, &row) in rows.iter().enumerate() {
+                    let dynamo_rank = dynamo_kv_router::protocols::WorkerWithDpRank::new(w as u64, 0);
+                    let ra = a.scores.get(&dynamo_rank).copied().unwrap_or(0);
+                    let rb = b.scores.get(&dynamo_rank).copied().unwrap_or(0);
+                    let s = columns.device_blocks[row] as u32;
+                    scored += usize::from(s > 0);
+                    if ra != s || rb != s {
+                        eprintln!(
+                            "PARITY FAILED: {workers} workers, {kind:?} query {i}, worker {w}: selkie {s}, \
+                             RadixTree {ra}, ConcurrentRadixTreeCompressed {rb}"
+                        );
+                        return ExitCode::FAILURE;
+                    }
+                }
+                if scored == 0 {
+                    eprintln!("PARITY FAILED: {workers} workers, {kind:?} query {i}: no worker scores");
+                    return ExitCode::FAILURE;
+                }
+            }
+        }
+        for kind in QUERIES {
+            progress(format_args!("{workers} workers: timing {kind:?} queries"));
+            let q = fleet.query(kind, 1);
+            let local: Vec<LocalBlockHash> = q.iter().map(|&h| LocalBlockHash(h)).collect();
+            let mut seq = Vec::new();
+            sequence_hashes_of(&q, &mut seq);
+            let mut out_seq = KvOverlaps::new();
+            let [selkie_seq_ns, selkie_ns, radix_ns, concurrent_ns] = time_interleaved([
+                &mut batch(|| {
+                    let c = index.overlaps(black_box(&seq), &mut out_seq).expect("synced");
+                    black_box(c.device_blocks.len());
+                }),
+                &mut batch(|| {
+                    let c = index
+                        .overlaps_for_local_hashes(black_box(&q), &mut out)
+                        .expect("synced");
+                    black_box(c.device_blocks.len());
+                }),
+                &mut batch(|| {
+                    black_box(radix.find_matches(black_box(local.clone()), false));
+                }),
+                &mut batch(|| {
+                    black_box(concurrent.find_matches(black_box(&local), false));
+                }),
+            ]);
+            index_rows.push(IndexRow {
+                workers,
+                query: kind,
+                selkie_seq_ns,
+                selkie_ns,
+                radix_ns,
+                concurrent_ns,
+            });
+        }
+        pool.shutdown();
+        if workers == FULL_PATH_WORKERS {
+            full_path_index = Some((index, service));
+        }
+    }
+
+    progress(format_args!(
+        "full path: {FULL_PATH_WORKERS} workers, {FULL_PATH_TOKENS}-token prompt"
+    ));
+    let (index, service) = full_path_index.expect("the full path's fleet was built");
+    let hasher = KvBlockHasher::new(BLOCK_SIZE);
+    let tokens: Vec<u32> = (1..=FULL_PATH_TOKENS).collect();
+    let mut out = KvOverlaps::new();
+    let mut dynamo = DynamoCore::with_prompt(FULL_PATH_WORKERS as u64, FULL_PATH_TOKENS);
+    let [dynamo_ns, selkie_ns] = time_interleaved([
+        &mut batch(|| {
+            black_box(dynamo.select_and_free());
+        }),
+        &mut batch(|| {
+            let columns = index
+                .overlaps_for_tokens(&hasher, black_box(&tokens), &mut out)
+                .expect("rows are synced");
+            let req = SelectionRequest::new(tokens.len()).with_row_overlaps(columns);
+            let selection = service.select(&req).expect("an idle fleet admits");
+            black_box(selection.worker());
+        }),
+    ]);
+
+    println!("# selkie's KV index against dynamo-kv-router 1.6.1's indexers");
+    println!();
+    println!(
+        "One run. Fleets of about {DISTINCT_BLOCKS} distinct blocks (a {SYSTEM_BLOCKS}-block system prompt all \
+         hold, {SHARED_PROMPTS} shared prompts of {SHARED_BLOCKS} blocks after it, each worker's continuation and \
+         a chain of its own), stored in runs of at most \
+         {RUN_BLOCKS} blocks; queries of {QUERY_BLOCKS} blocks. Every answer of the three indexers was compared \
+         first (every worker's device overlap): equal. Per call: median of {ROUNDS} interleaved batches of \
+         ~{BATCH:?}; ratio = Dynamo / selkie."
+    );
+    println!();
+    println!("## Query");
+    println!();
+    println!(
+        "Both indexes answer from local block hashes (Dynamo's input; selkie first chains them into sequence \
+         hashes, which a router gets with the local hashes when it hashes the prompt's tokens). \"by sequence \
+         hashes\" is selkie's query alone."
+    );
+    println!();
+    println!(
+        "| workers | query | selkie ns, by sequence hashes | selkie ns | RadixTree ns | \
+         ConcurrentRadixTreeCompressed ns | ratio to RadixTree | ratio to the fastest Dynamo |"
+    );
+    println!("|---:|---|---:|---:|---:|---:|---:|---:|");
+    for r in &index_rows {
+        println!(
+            "| {} | {:?} | {:.0} | {:.0} | {:.0} | {:.0} | {:.1}x | {:.1}x |",
+            r.workers,
+            r.query,
+            r.selkie_seq_ns,
+            r.selkie_ns,
+            r.radix_ns,
+            r.concurrent_ns,
+            r.radix_ns / r.selkie_ns,
+            r.radix_ns.min(r.concurrent_ns) / r.selkie_ns
+        );
+    }
+    println!();
+    println!("## Ingestion and memory");
+    println!();
+    println!(
+        "Events per second applying the fleet's stored events to an empty index (ConcurrentRadixTreeCompressed: \
+         a one-thread ThreadPoolIndexer, enqueue then flush). Bytes: live heap the index holds after ingestion, \
+         per distinct block and per (worker, block) entry."
+    );
+    println!();
+    println!(
+        "| workers | events | entries | selkie events/s | RadixTree events/s | Concurrent events/s | \
+         selkie B/block | RadixTree B/block | Concurrent B/block | selkie B/entry | RadixTree B/entry | \
+         Concurrent B/entry |"
+    );
+    println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    for r in &ingest_rows {
+        let per = |b: isize, n: usize| b as f64 / n as f64;
+        println!(
+            "| {} | {} | {} | {:.0} | {:.0} | {:.0} | {:.0} | {:.0} | {:.0} | {:.1} | {:.1} | {:.1} |",
+            r.workers,
+            r.events,
+            r.entries,
+            r.selkie_eps,
+            r.radix_eps,
+            r.concurrent_eps,
+            per(r.selkie_bytes, r.distinct),
+            per(r.radix_bytes, r.distinct),
+            per(r.concurrent_bytes, r.distinct),
+            per(r.selkie_bytes, r.entries),
+            per(r.radix_bytes, r.entries),
+            per(r.concurrent_bytes, r.entries),
+        );
+    }
+    println!();
+    println!("## Full path: tokens to a booked and released worker");
+    println!();
+    println!(
+        "{FULL_PATH_WORKERS} workers, a {FULL_PATH_TOKENS}-token prompt nobody holds. selkie: hash, index query \
+         (the {FULL_PATH_WORKERS}-worker fleet above indexed), select + book + release. Dynamo: \
+         `SelectionCore::select_and_reserve` + `free_reservation` on a local core of {FULL_PATH_WORKERS} idle \
+         workers."
+    );
+    println!();
+    println!("| Dynamo ns | selkie ns | ratio |");
+    println!("|---:|---:|---:|");
+    println!("| {dynamo_ns:.0} | {selkie_ns:.0} | {:.1}x |", dynamo_ns / selkie_ns);
+    ExitCode::SUCCESS
+}
+
+fn progress(what: std::fmt::Arguments<'_>) {
+    eprintln!("vs_dynamo_index: {what}");
+}
+
+/// A timer for `f`: given `k`, calls `f` `k` times and returns ns per call.
+fn batch(mut f: impl FnMut()) -> impl FnMut(usize) -> f64 {
+    move |k| {
+        let start = Instant::now();
+        for _ in 0..k {
+            f();
+        }
+        start.elapsed().as_nanos() as f64 / k as f64
+    }
+}
+
+/// Median ns per call of each timer, timed in turns (the order rotates
+/// every round) after a warm-up.
+fn time_interleaved<const K: usize>(mut timers: [&mut dyn FnMut(usize) -> f64; K]) -> [f64; K] {
+    let sizes: [usize; K] = core::array::from_fn(|i| batch_size(&mut *timers[i]));
+    let mut samples: [Vec<f64>; K] = core::array::from_fn(|_| Vec::with_capacity(ROUNDS));
+    for round in 0..ROUNDS {
+        for j in 0..K {
+            let i = (round + j) % K;
+            samples[i].push(timers[i](sizes[i]));
+        }
+    }
+    core::array::from_fn(|i| {
+        let v = &mut samples[i];
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    })
+}
+
+/// Calls per batch so that a batch takes about [`BATCH`], after a 50 ms
+/// warm-up.
+fn batch_size(timer: &mut dyn FnMut(usize) -> f64) -> usize {
+    let warm_until = Instant::now() + Duration::from_millis(50);
+    let mut k = 1;
+    let mut ns = timer(k);
+    while Instant::now() < warm_until {
+        ns = timer(k);
+        if ns * (k as f64) < 1e5 {
+            k *= 2;
+        }
+    }
+    ((BATCH.as_nanos() as f64 / ns) as usize).max(1)
+}

@@ -1,0 +1,208 @@
+//! A request's block hashes, computed the way Dynamo's router and the
+//! engines that publish KV events for it compute them, so that the hashes a
+//! router queries with are the hashes engines report.
+//!
+//! Two hashes per block of `block_size` tokens:
+//!
+//! * the **local block hash** (Dynamo's `LocalBlockHash`, the `tokens_hash`
+//!   of a stored block): XXH3-64 of the block's token ids as little-endian
+//!   `u32` bytes, followed (for a block holding multimodal objects) by the
+//!   objects' hashes as little-endian `u64` in ascending order, seeded with
+//!   the request's [`seed`](KvBlockHasher::seed);
+//! * the **sequence hash**: the first block's is its local hash; each next
+//!   one is XXH3-64 of the 16 bytes `parent sequence hash (LE) ++ local hash
+//!   (LE)` seeded with [`KV_HASH_SEED`]. It names a block together with
+//!   everything before it, and it is what [`KvIndex`](super::KvIndex) is
+//!   keyed by.
+//!
+//! The seed is [`KV_HASH_SEED`] (1337), plus (wrapping) XXH3-64 of the LoRA
+//! adapter's name with seed 0, plus XXH3-64 of the cache namespace with seed
+//! 1; an empty name counts as no name. Only whole blocks are hashed: a
+//! trailing partial block has no hash. In Eagle (speculative decoding) mode a
+//! block is hashed over a window of `block_size + 1` tokens that starts
+//! every `block_size` tokens, so `n` tokens give `(n - 1) / block_size`
+//! blocks.
+//!
+//! This module computes hashes only; it holds no state and allocates only
+//! into the vectors it is given.
+
+use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
+
+/// The XXH3 seed of Dynamo's block hashing: the seed of a request without
+/// LoRA adapter or cache namespace, and the seed of every step of the
+/// sequence-hash chain.
+pub const KV_HASH_SEED: u64 = 1337;
+
+/// The sequence hash of a block whose parent's sequence hash is `parent` and
+/// whose local block hash is `local`.
+///
+/// ```
+/// use selkie::kv_index::{next_sequence_hash, KvBlockHasher};
+/// let hasher = KvBlockHasher::new(4);
+/// let tokens: Vec<u32> = (0..8).collect();
+/// let (mut local, mut seq) = (Vec::new(), Vec::new());
+/// hasher.local_hashes(&tokens, &mut local);
+/// hasher.sequence_hashes(&tokens, &mut seq);
+/// assert_eq!(seq[0], local[0]);
+/// assert_eq!(seq[1], next_sequence_hash(seq[0], local[1]));
+/// ```
+#[inline]
+pub fn next_sequence_hash(parent: u64, local: u64) -> u64 {
+    let mut bytes = [0u8; 16];
+    bytes[..8].copy_from_slice(&parent.to_le_bytes());
+    bytes[8..].copy_from_slice(&local.to_le_bytes());
+    xxh3_64_with_seed(&bytes, KV_HASH_SEED)
+}
+
+/// Appends the sequence hashes of a run of local block hashes that starts at
+/// the first block of a request (precomputed hashes, for example from
+/// Dynamo's `compute_block_hash_for_seq`) to `out`.
+pub fn sequence_hashes_of(local: &[u64], out: &mut Vec<u64>) {
+    out.reserve(local.len());
+    let mut parent = None;
+    for &hash in local {
+        let seq = parent.map_or(hash, |p| next_sequence_hash(p, hash));
+        out.push(seq);
+        parent = Some(seq);
+    }
+}
+
+/// Computes a request's block hashes from its token ids (see the module
+/// documentation for the exact definition).
+///
+/// ```
+/// use selkie::kv_index::KvBlockHasher;
+/// let hasher = KvBlockHasher::new(16).with_lora("my-adapter");
+/// let tokens: Vec<u32> = (0..40).collect();
+/// let mut hashes = Vec::new();
+/// hasher.sequence_hashes(&tokens, &mut hashes);
+/// assert_eq!(hashes.len(), 2, "the last 8 tokens are a partial block");
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvBlockHasher {
+    block_size: u32,
+    lora: u64,
+    namespace: u64,
+    eagle: bool,
+}
+
+impl KvBlockHasher {
+    /// Hashing for blocks of `block_size` tokens, no LoRA adapter, no cache
+    /// namespace. A `block_size` of 0 gives no blocks.
+    pub const fn new(block_size: u32) -> Self {
+        KvBlockHasher {
+            block_size,
+            lora: 0,
+            namespace: 0,
+            eagle: false,
+        }
+    }
+
+    /// Folds a LoRA adapter's name into the seed (an empty name is no adapter).
+    pub fn with_lora(mut self, name: &str) -> Self {
+        self.lora = if name.is_empty() { 0 } else { xxh3_64(name.as_bytes()) };
+        self
+    }
+
+    /// Folds a cache namespace (Dynamo's `cache_namespace`, a salt that keeps
+    /// requests from sharing cache) into the seed (empty is none).
+    pub fn with_cache_namespace(mut self, namespace: &str) -> Self {
+        self.namespace = if namespace.is_empty() {
+            0
+        } else {
+            xxh3_64_with_seed(namespace.as_bytes(), 1)
+        };
+        self
+    }
+
+    /// Eagle mode: each block is hashed over `block_size + 1` tokens.
+    pub fn with_eagle(mut self, eagle: bool) -> Self {
+        self.eagle = eagle;
+        self
+    }
+
+    /// Tokens per block.
+    pub const fn block_size(&self) -> u32 {
+        self.block_size
+    }
+
+    /// The XXH3 seed of the local block hashes.
+    pub const fn seed(&self) -> u64 {
+        KV_HASH_SEED.wrapping_add(self.lora).wrapping_add(self.namespace)
+    }
+
+    /// The number of whole blocks in `tokens` tokens.
+    pub const fn block_count(&self, tokens: usize) -> usize {
+        let size = self.block_size as usize;
+        if size == 0 {
+            0
+        } else if self.eagle {
+            tokens.saturating_sub(1) / size
+        } else {
+            tokens / size
+        }
+    }
+
+    /// Appends the local block hashes of `tokens` to `out`.
+    pub fn local_hashes(&self, tokens: &[u32], out: &mut Vec<u64>) {
+        self.each_local_hash(tokens, &[], |h| out.push(h));
+    }
+
+    /// Appends the local block hashes of `tokens` to `out`, block `i` also
+    /// covering the multimodal object hashes `block_mm[i]` (in any order;
+    /// blocks past the end of `block_mm` and empty entries have none).
+    pub fn local_hashes_with_mm(&self, tokens: &[u32], block_mm: &[&[u64]], out: &mut Vec<u64>) {
+        self.each_local_hash(tokens, block_mm, |h| out.push(h));
+    }
+
+    /// Appends the sequence hashes of `tokens` to `out`.
+    pub fn sequence_hashes(&self, tokens: &[u32], out: &mut Vec<u64>) {
+        self.sequence_hashes_with_mm(tokens, &[], out);
+    }
+
+    /// Appends the sequence hashes of `tokens` to `out`, with multimodal
+    /// objects as in [`local_hashes_with_mm`](Self::local_hashes_with_mm).
+    pub fn sequence_hashes_with_mm(&self, tokens: &[u32], block_mm: &[&[u64]], out: &mut Vec<u64>) {
+        out.reserve(self.block_count(tokens.len()));
+        let mut parent = None;
+        self.each_local_hash(tokens, block_mm, |h| {
+            let seq = parent.map_or(h, |p| next_sequence_hash(p, h));
+            out.push(seq);
+            parent = Some(seq);
+        });
+    }
+
+    fn each_local_hash(&self, tokens: &[u32], block_mm: &[&[u64]], mut visit: impl FnMut(u64)) {
+        let blocks = self.block_count(tokens.len());
+        let stride = self.block_size as usize;
+        let window = stride + usize::from(self.eagle);
+        let seed = self.seed();
+        let mut bytes = Vec::new();
+        let mut mm = Vec::new();
+        for block in 0..blocks {
+            let start = block * stride;
+            let window_tokens = &tokens[start..start + window];
+            let no_mm = block_mm.get(block).is_none_or(|o| o.is_empty());
+            // The tokens' little-endian bytes are their memory on a
+            // little-endian target: hashed in place, nothing copied or
+            // allocated.
+            if cfg!(target_endian = "little") && no_mm {
+                visit(xxh3_64_with_seed(bytemuck::cast_slice(window_tokens), seed));
+                continue;
+            }
+            bytes.clear();
+            for &token in window_tokens {
+                bytes.extend_from_slice(&token.to_le_bytes());
+            }
+            if let Some(objects) = block_mm.get(block).filter(|o| !o.is_empty()) {
+                mm.clear();
+                mm.extend_from_slice(objects);
+                mm.sort_unstable();
+                for hash in &mm {
+                    bytes.extend_from_slice(&hash.to_le_bytes());
+                }
+            }
+            visit(xxh3_64_with_seed(&bytes, seed));
+        }
+    }
+}

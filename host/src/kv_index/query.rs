@@ -1,0 +1,297 @@
+//! The query: one walk over a request's blocks that writes every row's
+//! device, host and disk overlap into per-row columns.
+//!
+//! Each row is in one stage while the walk advances: still matching on
+//! device, continuing in host memory, continuing on disk, or done. The
+//! stages are three bitsets over rows; at block `i` the block's row set is
+//! loaded into three masks (rows holding it on device, host, disk) and every
+//! 64 rows move at once:
+//!
+//! ```text
+//! device -> device   if held on device
+//!        -> host     else if held in host memory   (device overlap = i)
+//!        -> disk     else if held on disk          (device overlap = i)
+//!        -> done     else                          (device overlap = i)
+//! host   -> host     if held in host memory
+//!        -> disk     else if held on disk          (host overlap = i - device)
+//!        -> done     else                          (host overlap = i - device)
+//! disk   -> disk     if held on disk
+//!        -> done     else                          (disk overlap = i - device - host)
+//! ```
+//!
+//! Block 0 starts each row holding it in the stage of its best tier. The
+//! walk stops at the first block no row holds, or when no row is left, and
+//! only visits the words of rows still in a stage. Only rows that held
+//! block 0 get a value, so the next query clears just those.
+
+use super::event::KvQueryError;
+use super::hash::{next_sequence_hash, KvBlockHasher};
+use super::rows::RowSet;
+use super::KvIndex;
+use crate::request::{RowLayout, RowOverlaps};
+
+/// A query's output columns and scratch, owned by the caller and reused
+/// across queries (one per thread): after the first queries at a fleet size,
+/// a query allocates nothing.
+#[derive(Clone, Debug, Default)]
+pub struct KvOverlaps {
+    layout: Option<RowLayout>,
+    device: Vec<f32>,
+    host: Vec<f32>,
+    disk: Vec<f32>,
+    cached: Vec<f32>,
+    /// Mask words `[start, end)` whose rows the last query may have given
+    /// a value (the first block's span: no other row can get one).
+    touched: (usize, usize),
+    /// Stage bitsets: device, host, disk.
+    stage: [Vec<u64>; 3],
+    /// The current block's rows: device, host, disk.
+    held: [Vec<u64>; 3],
+    /// Sequence hashes computed for a query by tokens or local hashes.
+    hashes: Vec<u64>,
+}
+
+impl KvOverlaps {
+    /// Empty columns.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The last query's columns, as the service reads them (`None` before
+    /// the first query).
+    pub fn row_overlaps(&self) -> Option<RowOverlaps<'_>> {
+        let layout = self.layout?;
+        Some(
+            RowOverlaps::new(layout, &self.device)
+                .with_cached_tokens(&self.cached)
+                .with_host_blocks(&self.host)
+                .with_disk_blocks(&self.disk),
+        )
+    }
+
+    /// Device, host and disk blocks of `row` in the last query.
+    pub fn tiers(&self, row: usize) -> (u32, u32, u32) {
+        let at = |c: &Vec<f32>| c.get(row).map_or(0, |&v| v as u32);
+        (at(&self.device), at(&self.host), at(&self.disk))
+    }
+
+    /// Sizes the columns for `layout` and zeroes what the last query wrote.
+    fn reset(&mut self, layout: RowLayout) {
+        let rows = layout.rows;
+        let (start, end) = std::mem::take(&mut self.touched);
+        for column in [&mut self.device, &mut self.host, &mut self.disk, &mut self.cached] {
+            let end = (end * 64).min(column.len());
+            if start * 64 < end {
+                column[start * 64..end].fill(0.0);
+            }
+        }
+        for column in [&mut self.device, &mut self.host, &mut self.disk, &mut self.cached] {
+            column.resize(rows, 0.0);
+        }
+        let words = rows.div_ceil(64);
+        for mask in self.stage.iter_mut().chain(self.held.iter_mut()) {
+            mask.resize(words, 0);
+        }
+        self.layout = Some(layout);
+    }
+}
+
+impl KvIndex {
+    /// Writes, for every row, the leading blocks of the request named by
+    /// `sequence_hashes` (its blocks' sequence hashes, in order) that the
+    /// row holds on device, in host memory after those, and on disk after
+    /// those, plus the cached-token estimate (device blocks times the block
+    /// size), and returns the columns for a
+    /// [`SelectionRequest`](crate::SelectionRequest).
+    pub fn overlaps<'o>(
+        &self,
+        sequence_hashes: &[u64],
+        out: &'o mut KvOverlaps,
+    ) -> Result<RowOverlaps<'o>, KvQueryError> {
+        let layout = self.layout.ok_or(KvQueryError::NoRowLayout)?;
+        out.reset(layout);
+        self.walk(sequence_hashes, out);
+        Ok(out.row_overlaps().expect("reset sets the layout"))
+    }
+
+    /// [`overlaps`](Self::overlaps) for a request given by its local block
+    /// hashes (Dynamo's `LocalBlockHash`es, from the first block on).
+    pub fn overlaps_for_local_hashes<'o>(
+        &self,
+        local_hashes: &[u64],
+        out: &'o mut KvOverlaps,
+    ) -> Result<RowOverlaps<'o>, KvQueryError> {
+        let layout = self.layout.ok_or(KvQueryError::NoRowLayout)?;
+        let mut hashes = std::mem::take(&mut out.hashes);
+        hashes.clear();
+        let mut parent = None;
+        for &local in local_hashes {
+            let seq = parent.map_or(local, |p| next_sequence_hash(p, local));
+            hashes.push(seq);
+            parent = Some(seq);
+        }
+        out.reset(layout);
+        self.walk(&hashes, out);
+        out.hashes = hashes;
+        Ok(out.row_overlaps().expect("reset sets the layout"))
+    }
+
+    /// [`overlaps`](Self::overlaps) for a request given by its tokens,
+    /// hashed by `hasher` (block size, LoRA adapter, namespace).
+    pub fn overlaps_for_tokens<'o>(
+        &self,
+        hasher: &KvBlockHasher,
+        tokens: &[u32],
+        out: &'o mut KvOverlaps,
+    ) -> Result<RowOverlaps<'o>, KvQueryError> {
+        let layout = self.layout.ok_or(KvQueryError::NoRowLayout)?;
+        let mut hashes = std::mem::take(&mut out.hashes);
+        hashes.clear();
+        hasher.sequence_hashes(tokens, &mut hashes);
+        out.reset(layout);
+        self.walk(&hashes, out);
+        out.hashes = hashes;
+        Ok(out.row_overlaps().expect("reset sets the layout"))
+    }
+
+    fn walk(&self, hashes: &[u64], out: &mut KvOverlaps) {
+        let Some(first) = hashes.first().and_then(|h| self.blocks.get(h)) else {
+            return;
+        };
+        let words = out.stage[0].len();
+        let (lo, hi) = first.word_span();
+        let (mut lo, mut hi) = (lo.min(words), hi.min(words));
+        first.load(&mut out.held, lo, hi);
+        for w in lo..hi {
+            let [d, h, k] = [out.held[0][w], out.held[1][w], out.held[2][w]];
+            out.stage[0][w] = d;
+            out.stage[1][w] = h & !d;
+            out.stage[2][w] = k & !d & !h;
+        }
+        out.touched = (lo, hi);
+        first.unload(&mut out.held, lo, hi);
+        let block_size = self.block_size as f32;
+        // The blocks' row sets are looked up a chunk ahead: the lookups of
+        // a chunk do not depend on one another, so their cache misses
+        // overlap instead of queueing one behind the other.
+        let mut ahead: [Option<&RowSet>; LOOKAHEAD] = [None; LOOKAHEAD];
+        let mut prev = Some(first);
+        for i in 1..hashes.len() {
+            let k = (i - 1) % LOOKAHEAD;
+            if k == 0 {
+                for (slot, hash) in ahead.iter_mut().zip(&hashes[i..]) {
+                    *slot = self.blocks.get(hash);
+                }
+            }
+            let set = ahead[k];
+            // The same rows in the same tiers as the block before: every row
+            // still in a stage holds this block in its stage's tier, so
+            // nothing moves (the common case inside a shared prompt).
+            if let (Some(set), Some(before)) = (set, prev) {
+                if std::ptr::eq(set, before) || set == before {
+                    continue;
+                }
+            }
+            prev = set;
+            if let Some(set) = set {
+                set.load(&mut out.held, lo, hi);
+            }
+            let (new_lo, new_hi) = step(i as f32, block_size, out, lo, hi);
+            if let Some(set) = set {
+                set.unload(&mut out.held, lo, hi);
+            }
+            if new_lo >= new_hi {
+                return;
+            }
+            (lo, hi) = (new_lo, new_hi);
+        }
+        // Rows still in a stage hold the request to its end.
+        let n = hashes.len() as f32;
+        for w in lo..hi {
+            let [d, h, k] = [out.stage[0][w], out.stage[1][w], out.stage[2][w]];
+            set_rows(&mut out.device, d, w, n);
+            set_rows(&mut out.cached, d, w, n * block_size);
+            for_rows(h, w, |r| out.host[r] = n - out.device[r]);
+            for_rows(k, w, |r| out.disk[r] = n - out.device[r] - out.host[r]);
+            for mask in out.stage.iter_mut() {
+                mask[w] = 0;
+            }
+        }
+    }
+}
+
+/// One block of the walk, over words `lo..hi`: moves the rows between
+/// stages by the block's masks in `out.held`, writes the overlaps of the
+/// rows that leave a stage, and returns the words still holding a row in
+/// a stage (`lo >= hi` when none does).
+#[inline]
+fn step(i: f32, block_size: f32, out: &mut KvOverlaps, lo: usize, hi: usize) -> (usize, usize) {
+    let KvOverlaps {
+        device,
+        host,
+        disk,
+        cached,
+        stage,
+        held,
+        ..
+    } = out;
+    let [sd, sh, sk] = stage;
+    let [hd, hh, hk] = held;
+    let (mut new_lo, mut new_hi) = (hi, lo);
+    let words = sd[lo..hi]
+        .iter_mut()
+        .zip(&mut sh[lo..hi])
+        .zip(&mut sk[lo..hi])
+        .zip(hd[lo..hi].iter().zip(&hh[lo..hi]).zip(&hk[lo..hi]));
+    for (offset, (((d, h), k), ((&dv, &hv), &kv))) in words.enumerate() {
+        if *d | *h | *k == 0 {
+            continue;
+        }
+        let w = lo + offset;
+        let left_device = *d & !dv;
+        let left_host = *h & !hv;
+        let done_disk = *k & !kv;
+        let next_host = (*h & hv) | (left_device & hv);
+        let next_disk = (*k & kv) | ((left_device | left_host) & !hv & kv);
+        *d &= dv;
+        set_rows(device, left_device, w, i);
+        set_rows(cached, left_device, w, i * block_size);
+        for_rows(left_host, w, |r| host[r] = i - device[r]);
+        for_rows(done_disk, w, |r| disk[r] = i - device[r] - host[r]);
+        *h = next_host;
+        *k = next_disk;
+        if *d | *h | *k != 0 {
+            new_lo = new_lo.min(w);
+            new_hi = new_hi.max(w + 1);
+        }
+    }
+    (new_lo, new_hi)
+}
+
+/// Blocks whose row sets a query looks up at once.
+const LOOKAHEAD: usize = 16;
+
+/// Sets `column[r] = value` for every row `r` whose bit is set in word
+/// `w`'s `bits`: row by row when few are, else the word's 64 rows in one
+/// branch-free pass (a select per row, which the compiler vectorizes).
+#[inline]
+fn set_rows(column: &mut [f32], bits: u64, w: usize, value: f32) {
+    if bits.count_ones() <= 8 {
+        for_rows(bits, w, |r| column[r] = value);
+        return;
+    }
+    let end = (w * 64 + 64).min(column.len());
+    for (k, v) in column[w * 64..end].iter_mut().enumerate() {
+        let on = (bits >> k) & 1 != 0;
+        *v = if on { value } else { *v };
+    }
+}
+
+/// Calls `f` with every row whose bit is set in word `w`'s `bits`.
+#[inline]
+fn for_rows(mut bits: u64, w: usize, mut f: impl FnMut(usize)) {
+    while bits != 0 {
+        f(w * 64 + bits.trailing_zeros() as usize);
+        bits &= bits - 1;
+    }
+}

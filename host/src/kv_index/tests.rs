@@ -1,0 +1,860 @@
+//! The index's semantics, one test each, and a randomized comparison with
+//! a plain per-rank model.
+
+use std::collections::HashMap;
+
+use selkie_kernel::Rng;
+
+use super::*;
+
+const W1: WorkerWithDpRank = WorkerWithDpRank::new(1, 0);
+const W2: WorkerWithDpRank = WorkerWithDpRank::new(2, 0);
+const W1R1: WorkerWithDpRank = WorkerWithDpRank::new(1, 1);
+
+fn layout(epoch: u64, rows: usize) -> RowLayout {
+    RowLayout { epoch, rows }
+}
+
+/// An index and the fleet it is synced to (rank `i` on row `i`).
+struct Fx {
+    index: KvIndex,
+    ranks: Vec<WorkerWithDpRank>,
+    epoch: u64,
+    /// Reused by every query, as a router's thread reuses its columns.
+    out: KvOverlaps,
+}
+
+impl std::ops::Deref for Fx {
+    type Target = KvIndex;
+    fn deref(&self) -> &KvIndex {
+        &self.index
+    }
+}
+
+impl std::ops::DerefMut for Fx {
+    fn deref_mut(&mut self) -> &mut KvIndex {
+        &mut self.index
+    }
+}
+
+fn index_on(ranks: &[WorkerWithDpRank]) -> Fx {
+    let mut fx = Fx {
+        index: KvIndex::new(16),
+        ranks: Vec::new(),
+        epoch: 0,
+        out: KvOverlaps::new(),
+    };
+    sync(&mut fx, 1, ranks);
+    fx
+}
+
+/// Syncs to a layout of `ranks` under `epoch`, as a router does before
+/// each query.
+fn sync(fx: &mut Fx, epoch: u64, ranks: &[WorkerWithDpRank]) {
+    fx.ranks = ranks.to_vec();
+    fx.epoch = epoch;
+    let rows: HashMap<WorkerWithDpRank, usize> = ranks.iter().enumerate().map(|(i, &r)| (r, i)).collect();
+    fx.index
+        .sync_rows(layout(epoch, ranks.len()), |r| rows.get(&r).copied());
+}
+
+/// Blocks `(engine hash, local hash)`.
+fn blocks(pairs: &[(u64, u64)]) -> Vec<StoredBlock> {
+    pairs
+        .iter()
+        .map(|&(block_hash, tokens_hash)| StoredBlock {
+            block_hash,
+            tokens_hash,
+        })
+        .collect()
+}
+
+fn store(
+    index: &mut KvIndex,
+    rank: WorkerWithDpRank,
+    id: u64,
+    tier: StorageTier,
+    parent: Option<u64>,
+    pairs: &[(u64, u64)],
+) -> Result<(), KvEventError> {
+    let blocks = blocks(pairs);
+    index.apply(
+        &KvEvent::new(
+            rank,
+            id,
+            KvEventData::Stored {
+                parent,
+                blocks: &blocks,
+            },
+        )
+        .in_tier(tier),
+    )
+}
+
+fn remove(
+    index: &mut KvIndex,
+    rank: WorkerWithDpRank,
+    id: u64,
+    tier: StorageTier,
+    hashes: &[u64],
+) -> Result<(), KvEventError> {
+    index.apply(&KvEvent::new(rank, id, KvEventData::Removed { blocks: hashes }).in_tier(tier))
+}
+
+/// `(device, host, disk)` of every row for a query by local hashes.
+fn query(fx: &mut Fx, local: &[u64]) -> Vec<(u32, u32, u32)> {
+    let (epoch, ranks) = (fx.epoch, fx.ranks.clone());
+    sync(fx, epoch, &ranks);
+    let rows = fx
+        .index
+        .overlaps_for_local_hashes(local, &mut fx.out)
+        .expect("synced")
+        .device_blocks
+        .len();
+    (0..rows).map(|r| fx.out.tiers(r)).collect()
+}
+
+use StorageTier::{Device, Disk, Host};
+
+/// Vectors computed by dynamo-kv-router 1.6.1 (`compute_block_hash_for_seq`,
+/// `compute_seq_hash_for_block`) for tokens 1..=40; the benches' Dynamo
+/// parity test prints them and compares thousands more.
+#[test]
+fn hashes_equal_dynamo_vectors() {
+    #[allow(clippy::type_complexity)]
+    let vectors: [(u32, Option<&str>, Option<&str>, &[u64], &[u64]); 5] = [
+        (
+            4,
+            None,
+            None,
+            &[
+                14643705804678351452,
+                16777012769546811212,
+                483935686894639516,
+                135165725823939817,
+                1363306219480167028,
+                2084387875073858317,
+                6327381604936300363,
+                7888692299608420700,
+                13620872079913919147,
+                11334768502514057929,
+            ],
+            &[
+                14643705804678351452,
+                4945711292740353085,
+                12583592247330656132,
+                1921452330601040443,
+                16910271745392797383,
+                1149017327988146166,
+                4629705925025678689,
+                14345716039754635305,
+                8259790107429908153,
+                7516174034486130740,
+            ],
+        ),
+        (
+            16,
+            None,
+            None,
+            &[16863443419780771464, 2287610619914608821],
+            &[16863443419780771464, 12466389667045779788],
+        ),
+        (
+            16,
+            Some("sql-lora"),
+            None,
+            &[11378806664395144175, 17474401326123925451],
+            &[11378806664395144175, 5949679742622244304],
+        ),
+        (
+            16,
+            None,
+            Some("tenant-a"),
+            &[8175209796170318505, 13248293275458056256],
+            &[8175209796170318505, 1199464708288223189],
+        ),
+        (
+            16,
+            Some("sql-lora"),
+            Some("tenant-a"),
+            &[14528514527592222645, 5458717965931986288],
+            &[14528514527592222645, 6830170385776889933],
+        ),
+    ];
+    let tokens: Vec<u32> = (1..=40).collect();
+    for (block_size, lora, namespace, local, seq) in vectors {
+        let mut hasher = KvBlockHasher::new(block_size);
+        if let Some(lora) = lora {
+            hasher = hasher.with_lora(lora);
+        }
+        if let Some(namespace) = namespace {
+            hasher = hasher.with_cache_namespace(namespace);
+        }
+        let (mut l, mut s) = (Vec::new(), Vec::new());
+        hasher.local_hashes(&tokens, &mut l);
+        hasher.sequence_hashes(&tokens, &mut s);
+        assert_eq!(
+            l, local,
+            "local hashes, block size {block_size}, {lora:?}, {namespace:?}"
+        );
+        assert_eq!(
+            s, seq,
+            "sequence hashes, block size {block_size}, {lora:?}, {namespace:?}"
+        );
+    }
+    // An empty name is no name; block size 0 has no blocks.
+    assert_eq!(KvBlockHasher::new(16).with_lora("").seed(), KV_HASH_SEED);
+    assert_eq!(KvBlockHasher::new(0).block_count(100), 0);
+    assert_eq!(KvBlockHasher::new(16).with_eagle(true).block_count(33), 2);
+    assert_eq!(KvBlockHasher::new(16).with_eagle(true).block_count(32), 1);
+}
+
+#[test]
+fn overlap_is_the_leading_run_of_held_blocks() {
+    let mut index = index_on(&[W1, W2]);
+    store(&mut index, W1, 0, Device, None, &[(101, 1), (102, 2), (103, 3)]).unwrap();
+    store(&mut index, W2, 0, Device, None, &[(201, 1), (202, 2)]).unwrap();
+    assert_eq!(query(&mut index, &[1, 2, 3, 4]), [(3, 0, 0), (2, 0, 0)]);
+    assert_eq!(query(&mut index, &[1, 2]), [(2, 0, 0), (2, 0, 0)]);
+    assert_eq!(query(&mut index, &[1, 9, 3]), [(1, 0, 0), (1, 0, 0)]);
+    // The same local hashes under another first block are other blocks.
+    assert_eq!(query(&mut index, &[2, 3]), [(0, 0, 0), (0, 0, 0)]);
+    let (epoch, ranks) = (index.epoch, index.ranks.clone());
+    sync(&mut index, epoch, &ranks);
+    let mut out = KvOverlaps::new();
+    let columns = index.overlaps_for_local_hashes(&[1, 2, 3], &mut out).unwrap();
+    assert_eq!(
+        columns.cached_tokens.unwrap(),
+        [48.0, 32.0],
+        "device blocks times the block size"
+    );
+}
+
+#[test]
+fn a_first_block_miss_or_an_empty_query_scores_nothing() {
+    let mut index = index_on(&[W1]);
+    store(&mut index, W1, 0, Device, None, &[(101, 1), (102, 2)]).unwrap();
+    assert_eq!(query(&mut index, &[7, 1, 2]), [(0, 0, 0)]);
+    assert_eq!(query(&mut index, &[]), [(0, 0, 0)]);
+}
+
+#[test]
+fn queries_by_tokens_local_and_sequence_hashes_agree() {
+    let hasher = KvBlockHasher::new(4);
+    let tokens: Vec<u32> = (0..20).collect();
+    let (mut local, mut seq) = (Vec::new(), Vec::new());
+    hasher.local_hashes(&tokens, &mut local);
+    hasher.sequence_hashes(&tokens, &mut seq);
+    let pairs: Vec<(u64, u64)> = local
+        .iter()
+        .take(3)
+        .enumerate()
+        .map(|(i, &l)| (500 + i as u64, l))
+        .collect();
+    let mut index = index_on(&[W1]);
+    store(&mut index, W1, 0, Device, None, &pairs).unwrap();
+    sync(&mut index, 1, &[W1]);
+    let mut out = KvOverlaps::new();
+    assert_eq!(
+        index
+            .overlaps_for_tokens(&hasher, &tokens, &mut out)
+            .unwrap()
+            .device_blocks,
+        [3.0]
+    );
+    assert_eq!(
+        index.overlaps_for_local_hashes(&local, &mut out).unwrap().device_blocks,
+        [3.0]
+    );
+    assert_eq!(index.overlaps(&seq, &mut out).unwrap().device_blocks, [3.0]);
+}
+
+#[test]
+fn a_store_under_an_unknown_parent_is_refused_whole() {
+    let mut index = index_on(&[W1, W2]);
+    store(&mut index, W2, 0, Device, None, &[(101, 1)]).unwrap();
+    // Never seen by W1 (only W2 holds 101).
+    let e = store(&mut index, W1, 0, Device, Some(101), &[(102, 2)]).unwrap_err();
+    assert!(matches!(
+        e,
+        KvEventError::UnknownParent {
+            worker_id: 1,
+            dp_rank: 0,
+            event_id: 0,
+            parent: 101,
+            blocks: 1
+        }
+    ));
+    assert_eq!(index.rank_blocks(W1, Device), 0);
+    // Removed parent.
+    store(&mut index, W1, 1, Device, None, &[(101, 1)]).unwrap();
+    remove(&mut index, W1, 2, Device, &[101]).unwrap();
+    assert!(store(&mut index, W1, 3, Device, Some(101), &[(102, 2), (103, 3)]).is_err());
+    assert_eq!(index.rank_blocks(W1, Device), 0);
+    assert_eq!(index.stats().unknown_parent, 2);
+    // A device store needs a device parent; a host store takes any tier.
+    store(&mut index, W1, 4, Host, None, &[(101, 1)]).unwrap();
+    assert!(store(&mut index, W1, 5, Device, Some(101), &[(102, 2)]).is_err());
+    store(&mut index, W1, 6, Disk, Some(101), &[(102, 2)]).unwrap();
+    assert_eq!(query(&mut index, &[1, 2]), [(0, 1, 1), (1, 0, 0)]);
+}
+
+#[test]
+fn a_store_naming_its_parent_as_a_block_is_refused() {
+    let mut index = index_on(&[W1]);
+    store(&mut index, W1, 0, Device, None, &[(101, 1)]).unwrap();
+    let e = store(&mut index, W1, 1, Device, Some(101), &[(102, 2), (101, 3)]).unwrap_err();
+    assert!(matches!(e, KvEventError::SelfParent { parent: 101, .. }));
+    assert_eq!(index.rank_blocks(W1, Device), 1);
+}
+
+#[test]
+fn storing_held_blocks_again_changes_nothing() {
+    let mut index = index_on(&[W1]);
+    store(&mut index, W1, 0, Device, None, &[(101, 1), (102, 2)]).unwrap();
+    let before = (
+        query(&mut index, &[1, 2, 3]),
+        index.block_count(),
+        index.rank_blocks(W1, Device),
+    );
+    store(&mut index, W1, 1, Device, None, &[(101, 1), (102, 2)]).unwrap();
+    store(&mut index, W1, 2, Device, Some(101), &[(102, 2)]).unwrap();
+    assert_eq!(
+        (
+            query(&mut index, &[1, 2, 3]),
+            index.block_count(),
+            index.rank_blocks(W1, Device)
+        ),
+        before
+    );
+}
+
+#[test]
+fn a_removal_with_unknown_blocks_removes_the_others() {
+    let mut index = index_on(&[W1]);
+    store(&mut index, W1, 0, Device, None, &[(101, 1), (102, 2), (103, 3)]).unwrap();
+    let e = remove(&mut index, W1, 1, Device, &[103, 999, 102, 998]).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            KvEventError::UnknownBlocks {
+                unknown: 2,
+                first: 999,
+                tier: Device,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    assert_eq!(index.rank_blocks(W1, Device), 1);
+    assert_eq!(query(&mut index, &[1, 2, 3]), [(1, 0, 0)]);
+    // A block held only in another tier is unknown to a device removal.
+    store(&mut index, W1, 2, Host, Some(101), &[(102, 2)]).unwrap();
+    assert!(remove(&mut index, W1, 3, Device, &[102]).is_err());
+    assert_eq!(query(&mut index, &[1, 2]), [(1, 1, 0)]);
+}
+
+#[test]
+fn cleared_clears_only_its_rank_and_tier() {
+    let mut index = index_on(&[W1, W1R1, W2]);
+    for (rank, base) in [(W1, 100), (W1R1, 200), (W2, 300)] {
+        store(&mut index, rank, 0, Device, None, &[(base + 1, 1), (base + 2, 2)]).unwrap();
+    }
+    store(&mut index, W1, 1, Host, Some(102), &[(103, 3)]).unwrap();
+    index.apply(&KvEvent::new(W1, 2, KvEventData::Cleared)).unwrap();
+    assert_eq!(query(&mut index, &[1, 2, 3]), [(0, 0, 0), (2, 0, 0), (2, 0, 0)]);
+    assert_eq!(index.rank_blocks(W1, Host), 1, "the host tier is kept");
+    index
+        .apply(&KvEvent::new(W1, 3, KvEventData::Cleared).in_tier(Host))
+        .unwrap();
+    assert_eq!(index.rank_blocks(W1, Host), 0);
+}
+
+#[test]
+fn ranks_of_one_worker_are_independent() {
+    let mut index = index_on(&[W1, W1R1]);
+    store(&mut index, W1, 0, Device, None, &[(101, 1), (102, 2)]).unwrap();
+    // Rank 1 does not hold rank 0's blocks, even under the same engine hash.
+    assert!(store(&mut index, W1R1, 0, Device, Some(101), &[(102, 2)]).is_err());
+    store(&mut index, W1R1, 1, Device, None, &[(101, 1)]).unwrap();
+    assert_eq!(query(&mut index, &[1, 2]), [(2, 0, 0), (1, 0, 0)]);
+    remove(&mut index, W1R1, 2, Device, &[101]).unwrap();
+    assert_eq!(query(&mut index, &[1, 2]), [(2, 0, 0), (0, 0, 0)]);
+}
+
+/// Removing a block in the middle of a run: the later blocks stop counting
+/// while it is missing and count again once it is stored again (exact per
+/// block; Dynamo's `RadixTree` forgets them).
+#[test]
+fn a_middle_removal_is_exact_per_block() {
+    let mut index = index_on(&[W1]);
+    store(
+        &mut index,
+        W1,
+        0,
+        Device,
+        None,
+        &[(101, 1), (102, 2), (103, 3), (104, 4)],
+    )
+    .unwrap();
+    remove(&mut index, W1, 1, Device, &[102]).unwrap();
+    assert_eq!(query(&mut index, &[1, 2, 3, 4]), [(1, 0, 0)]);
+    assert_eq!(index.rank_blocks(W1, Device), 3);
+    store(&mut index, W1, 2, Device, Some(101), &[(102, 2)]).unwrap();
+    assert_eq!(query(&mut index, &[1, 2, 3, 4]), [(4, 0, 0)]);
+    // The later blocks are still the rank's: removing them is no error.
+    remove(&mut index, W1, 3, Device, &[104, 103]).unwrap();
+}
+
+/// Device, then host after the device run, then disk after both
+/// (Dynamo's lower-tier continuation).
+#[test]
+fn tiers_continue_one_another() {
+    let (a, b, c, d) = (
+        WorkerWithDpRank::new(3, 0),
+        WorkerWithDpRank::new(4, 0),
+        WorkerWithDpRank::new(5, 0),
+        WorkerWithDpRank::new(6, 0),
+    );
+    let mut index = index_on(&[W1, W2, a, b, c, d]);
+    let run = [(11, 1), (12, 2), (13, 3), (14, 4), (15, 5), (16, 6)];
+    // W1: device 0..2, host 2..4, disk 4..6.
+    store(&mut index, W1, 0, Device, None, &run[..2]).unwrap();
+    store(&mut index, W1, 1, Host, Some(12), &run[2..4]).unwrap();
+    store(&mut index, W1, 2, Disk, Some(14), &run[4..]).unwrap();
+    // W2: host from the first block, then device blocks do not count again.
+    store(&mut index, W2, 0, Host, None, &run[..3]).unwrap();
+    store(&mut index, W2, 1, Device, None, &run[..1]).unwrap();
+    store(&mut index, W2, 2, Device, Some(11), &run[1..2]).unwrap();
+    // a: device 0..1, disk 1..3 (no host).
+    store(&mut index, a, 0, Device, None, &run[..1]).unwrap();
+    store(&mut index, a, 1, Disk, Some(11), &run[1..3]).unwrap();
+    // b: disk only, whole run; also device block 0.
+    store(&mut index, b, 0, Disk, None, &run).unwrap();
+    store(&mut index, b, 1, Device, None, &run[..1]).unwrap();
+    // c: every tier for every block: device wins.
+    for (id, tier) in [Device, Host, Disk].into_iter().enumerate() {
+        store(&mut index, c, id as u64, tier, None, &run).unwrap();
+    }
+    // d: device 0..3, host 0..1 only: the host run is inside the device run.
+    store(&mut index, d, 0, Device, None, &run[..3]).unwrap();
+    store(&mut index, d, 1, Host, None, &run[..1]).unwrap();
+    assert_eq!(
+        query(&mut index, &[1, 2, 3, 4, 5, 6]),
+        [(2, 2, 2), (2, 1, 0), (1, 0, 2), (1, 0, 5), (6, 0, 0), (3, 0, 0)]
+    );
+    // A host continuation stops at the first block missing from the host.
+    remove(&mut index, W1, 3, Host, &[14]).unwrap();
+    assert_eq!(query(&mut index, &[1, 2, 3, 4, 5, 6])[0], (2, 1, 0));
+}
+
+#[test]
+fn a_gap_drops_the_rank_and_a_stale_event_is_ignored() {
+    let mut index = index_on(&[W1, W2]);
+    store(&mut index, W1, 10, Device, None, &[(101, 1), (102, 2)]).unwrap();
+    store(&mut index, W2, 0, Device, None, &[(201, 1)]).unwrap();
+    let e = store(&mut index, W1, 13, Device, None, &[(301, 3)]).unwrap_err();
+    assert_eq!(
+        e,
+        KvEventError::EventGap {
+            worker_id: 1,
+            dp_rank: 0,
+            event_id: 13,
+            last: 10,
+            missing: 2
+        }
+    );
+    assert_eq!(
+        query(&mut index, &[1, 2]),
+        [(0, 0, 0), (1, 0, 0)],
+        "W1 dropped, W2 kept"
+    );
+    assert_eq!(
+        query(&mut index, &[3]),
+        [(1, 0, 0), (0, 0, 0)],
+        "the event after the gap is applied"
+    );
+    // The late events 11 and 12, and a duplicate 13, are ignored.
+    for id in [11, 12, 13] {
+        let e = store(&mut index, W1, id, Device, None, &[(101, 1)]).unwrap_err();
+        assert!(matches!(e, KvEventError::StaleEvent { event_id, last: 13, .. } if event_id == id));
+    }
+    assert_eq!(query(&mut index, &[1]), [(0, 0, 0), (1, 0, 0)]);
+    let stats = index.stats();
+    assert_eq!((stats.event_gaps, stats.stale_events, stats.events_applied), (1, 3, 3));
+    // Ids are per rank: rank 1 of worker 1 starts its own sequence.
+    store(&mut index, W1R1, 0, Device, None, &[(101, 1)]).unwrap();
+}
+
+#[test]
+fn rows_follow_the_layout() {
+    let mut index = index_on(&[]);
+    // Events before the worker joins the fleet are kept aside.
+    store(&mut index, W2, 0, Device, None, &[(201, 1)]).unwrap();
+    sync(&mut index, 1, &[W1]);
+    assert_eq!(query(&mut index, &[1]), [(0, 0, 0)]);
+    sync(&mut index, 2, &[W1, W2]);
+    assert_eq!(query(&mut index, &[1]), [(0, 0, 0), (1, 0, 0)]);
+    // A rank first seen after the sync is placed by the next sync, even
+    // when the layout did not change.
+    store(&mut index, W1, 0, Device, None, &[(101, 1)]).unwrap();
+    let mut out = KvOverlaps::new();
+    assert_eq!(
+        index.overlaps_for_local_hashes(&[1], &mut out).unwrap().device_blocks,
+        [0.0, 1.0]
+    );
+    sync(&mut index, 2, &[W1, W2]);
+    assert_eq!(
+        index.overlaps_for_local_hashes(&[1], &mut out).unwrap().device_blocks,
+        [1.0, 1.0]
+    );
+    // W1 leaves; W3 takes its row: it does not inherit W1's block, and
+    // W1's blocks are gone.
+    let w3 = WorkerWithDpRank::new(3, 0);
+    sync(&mut index, 3, &[w3, W2]);
+    assert_eq!(query(&mut index, &[1]), [(0, 0, 0), (1, 0, 0)]);
+    assert_eq!(index.rank_blocks(W1, Device), 0);
+    assert_eq!(index.stats().ranks_removed, 1);
+    // Rows swap: the blocks move with their ranks.
+    store(&mut index, w3, 0, Device, None, &[(301, 1), (302, 2)]).unwrap();
+    sync(&mut index, 3, &[w3, W2]);
+    assert_eq!(query(&mut index, &[1, 2]), [(2, 0, 0), (1, 0, 0)]);
+    sync(&mut index, 4, &[W2, w3]);
+    assert_eq!(query(&mut index, &[1, 2]), [(1, 0, 0), (2, 0, 0)]);
+    // remove_worker drops every rank of the worker.
+    assert_eq!(index.remove_worker(3), 1);
+    assert_eq!(query(&mut index, &[1, 2]), [(1, 0, 0), (0, 0, 0)]);
+    assert_eq!(index.block_count(), 1);
+}
+
+#[test]
+fn a_query_before_any_sync_is_an_error() {
+    let index = KvIndex::new(16);
+    let mut out = KvOverlaps::new();
+    assert_eq!(index.overlaps(&[1], &mut out).unwrap_err(), KvQueryError::NoRowLayout);
+}
+
+#[test]
+fn columns_are_reused_without_stale_values() {
+    let mut index = index_on(&[W1, W2]);
+    store(&mut index, W1, 0, Device, None, &[(101, 1)]).unwrap();
+    store(&mut index, W2, 0, Host, None, &[(201, 5)]).unwrap();
+    sync(&mut index, 1, &[W1, W2]);
+    let mut out = KvOverlaps::new();
+    index.overlaps_for_local_hashes(&[1], &mut out).unwrap();
+    assert_eq!(out.tiers(0), (1, 0, 0));
+    let columns = index.overlaps_for_local_hashes(&[5], &mut out).unwrap();
+    assert_eq!(columns.device_blocks, [0.0, 0.0]);
+    assert_eq!(columns.host_blocks.unwrap(), [0.0, 1.0]);
+    assert_eq!(columns.cached_tokens.unwrap(), [0.0, 0.0]);
+}
+
+/// The plain model: per rank, engine hash -> (sequence hash, tiers); a
+/// rank's overlap walks the query's sequence hashes against the set of
+/// sequence hashes it holds per tier.
+#[derive(Default)]
+struct Model {
+    ranks: HashMap<WorkerWithDpRank, HashMap<u64, (u64, u8)>>,
+}
+
+impl Model {
+    fn store(&mut self, rank: WorkerWithDpRank, tier: StorageTier, parent: Option<u64>, pairs: &[(u64, u64)]) -> bool {
+        let held = self.ranks.entry(rank).or_default();
+        if parent.is_some_and(|p| pairs.iter().any(|b| b.0 == p)) {
+            return false;
+        }
+        let need = if tier == Device { tier.bit() } else { 7 };
+        let mut chain = match parent {
+            None => None,
+            Some(p) => match held.get(&p) {
+                Some(&(seq, tiers)) if tiers & need != 0 => Some(seq),
+                _ => return false,
+            },
+        };
+        for &(ext, local) in pairs {
+            let seq = chain.map_or(local, |p| next_sequence_hash(p, local));
+            chain = Some(seq);
+            let e = held.entry(ext).or_insert((seq, 0));
+            if e.0 != seq {
+                *e = (seq, 0);
+            }
+            e.1 |= tier.bit();
+        }
+        true
+    }
+
+    fn remove(&mut self, rank: WorkerWithDpRank, tier: StorageTier, hashes: &[u64]) -> bool {
+        let held = self.ranks.entry(rank).or_default();
+        let mut ok = true;
+        for h in hashes {
+            match held.get_mut(h) {
+                Some(e) if e.1 & tier.bit() != 0 => {
+                    e.1 &= !tier.bit();
+                    if e.1 == 0 {
+                        held.remove(h);
+                    }
+                }
+                _ => ok = false,
+            }
+        }
+        ok
+    }
+
+    fn overlap(&self, rank: WorkerWithDpRank, seqs: &[u64]) -> (u32, u32, u32) {
+        let Some(held) = self.ranks.get(&rank) else {
+            return (0, 0, 0);
+        };
+        let holds = |seq: u64, tier: StorageTier| held.values().any(|&(s, t)| s == seq && t & tier.bit() != 0);
+        let mut i = 0;
+        let mut run = |tier| {
+            let start = i;
+            while i < seqs.len() && holds(seqs[i], tier) {
+                i += 1;
+            }
+            (i - start) as u32
+        };
+        (run(Device), run(Host), run(Disk))
+    }
+}
+
+/// Random stores, removals and clears on 150 ranks (three words of rows,
+/// so blocks turn dense) against the model; every query of every rank.
+#[test]
+fn random_events_match_the_model() {
+    for seed in 0..4u64 {
+        let mut rng = Rng::new(0xc0ffee + seed);
+        let ranks: Vec<WorkerWithDpRank> = (0..150).map(|i| WorkerWithDpRank::new(i / 2, (i % 2) as u32)).collect();
+        let mut index = index_on(&ranks);
+        let mut model = Model::default();
+        let mut ids: HashMap<WorkerWithDpRank, u64> = HashMap::new();
+        // A few shared prompts of 12 blocks; local hash of block j of prompt p.
+        let local = |p: u64, j: u64| p * 100 + j;
+        let ext = |p: u64, j: u64| (p * 100 + j) * 7 + 3;
+        for step in 0..3_000 {
+            let rank = if rng.below(3) == 0 {
+                ranks[rng.below(4) as usize]
+            } else {
+                ranks[rng.below(150) as usize]
+            };
+            let id = ids.entry(rank).or_insert(0);
+            *id += 1;
+            let tier = [Device, Device, Host, Disk][rng.below(4) as usize];
+            let p = rng.below(4);
+            let (from, len) = (rng.below(12), 1 + rng.below(4));
+            let pairs: Vec<(u64, u64)> = (from..(from + len).min(12)).map(|j| (ext(p, j), local(p, j))).collect();
+            match rng.below(10) {
+                0..=5 => {
+                    let parent = (from > 0).then(|| ext(p, from - 1));
+                    let expected = model.store(rank, tier, parent, &pairs);
+                    let got = store(&mut index, rank, *id, tier, parent, &pairs);
+                    assert_eq!(got.is_ok(), expected, "seed {seed} step {step}: {got:?}");
+                }
+                6..=8 => {
+                    let hashes: Vec<u64> = pairs.iter().map(|b| b.0).collect();
+                    let expected = model.remove(rank, tier, &hashes);
+                    let got = remove(&mut index, rank, *id, tier, &hashes);
+                    assert_eq!(got.is_ok(), expected, "seed {seed} step {step}: {got:?}");
+                }
+                _ => {
+                    if let Some(held) = model.ranks.get_mut(&rank) {
+                        held.retain(|_, e| {
+                            e.1 &= !tier.bit();
+                            e.1 != 0
+                        });
+                    }
+                    index
+                        .apply(&KvEvent::new(rank, *id, KvEventData::Cleared).in_tier(tier))
+                        .unwrap();
+                }
+            }
+            if step % 20 == 0 {
+                let p = rng.below(4);
+                let locals: Vec<u64> = (0..12).map(|j| local(p, j)).collect();
+                let mut seqs = Vec::new();
+                sequence_hashes_of(&locals, &mut seqs);
+                let got = query(&mut index, &locals);
+                for (row, &rank) in ranks.iter().enumerate() {
+                    assert_eq!(
+                        got[row],
+                        model.overlap(rank, &seqs),
+                        "seed {seed} step {step} rank {rank}"
+                    );
+                }
+            }
+        }
+        let dense = index.blocks.values().filter(|s| s.is_dense()).count();
+        assert!(dense > 0, "seed {seed}: no block turned dense");
+        for set in index.blocks.values() {
+            for (row, &rank) in ranks.iter().enumerate() {
+                let _ = (set.tiers(row as u32), rank);
+            }
+        }
+    }
+}
+
+/// The shared index: what readers see is the last publish, and after each
+/// publish it equals a plain index fed the same operations (so the replay
+/// onto the second copy loses nothing).
+#[test]
+fn a_shared_index_publishes_what_a_plain_index_holds() {
+    for bound in [usize::MAX, 40] {
+        shared_equals_plain(bound);
+    }
+}
+
+fn shared_equals_plain(bound: usize) {
+    let ranks: Vec<WorkerWithDpRank> = (0..70).map(|i| WorkerWithDpRank::new(i, 0)).collect();
+    let rows: HashMap<WorkerWithDpRank, usize> = ranks.iter().enumerate().map(|(i, &r)| (r, i)).collect();
+    let layout = layout(1, ranks.len());
+    let (mut writer, reader) = shared_bounded(16, bound);
+    let mut plain = KvIndex::new(16).with_max_blocks(bound);
+    let mut rng = Rng::new(99);
+    let (mut out, mut expected) = (KvOverlaps::new(), KvOverlaps::new());
+    assert_eq!(reader.overlaps(&[1], &mut out).unwrap_err(), KvQueryError::NoRowLayout);
+    let local = |j: u64| 1000 + j;
+    for step in 0..2_000u64 {
+        let rank = ranks[rng.below(ranks.len() as u64) as usize];
+        let from = rng.below(10);
+        let pairs: Vec<(u64, u64)> = (from..from + 1 + rng.below(3))
+            .map(|j| (j * 31 + 7, local(j)))
+            .collect();
+        let tier = [Device, Device, Host, Disk][rng.below(4) as usize];
+        let blocks = blocks(&pairs);
+        let hashes: Vec<u64> = pairs.iter().map(|p| p.0).collect();
+        let parent = (from > 0).then(|| (from - 1) * 31 + 7);
+        let data = match rng.below(5) {
+            0..=2 => KvEventData::Stored {
+                parent,
+                blocks: &blocks,
+            },
+            3 => KvEventData::Removed { blocks: &hashes },
+            _ => KvEventData::Cleared,
+        };
+        // Some event ids skip, to exercise gaps on both copies.
+        let event = KvEvent::new(rank, step + rng.below(2), data).in_tier(tier);
+        assert_eq!(writer.apply(&event), plain.apply(&event));
+        if rng.below(50) == 0 {
+            assert_eq!(
+                writer.remove_worker(rank.worker_id),
+                plain.remove_worker(rank.worker_id)
+            );
+        }
+        if step % 7 == 0 {
+            writer.sync_rows(layout, |r| rows.get(&r).copied());
+            plain.sync_rows(layout, |r| rows.get(&r).copied());
+            assert!(writer.unpublished() > 0);
+            writer.publish();
+            assert_eq!(writer.unpublished(), 0);
+            let query: Vec<u64> = (0..10).map(local).collect();
+            let got = reader.overlaps_for_local_hashes(&query, &mut out).unwrap();
+            let want = plain.overlaps_for_local_hashes(&query, &mut expected).unwrap();
+            assert_eq!(got, want, "step {step}");
+            assert_eq!(reader.stats(), plain.stats(), "step {step}");
+            assert!(plain.held_blocks() <= bound);
+            assert_eq!(writer.stats(), plain.stats(), "step {step}");
+            assert_eq!(reader.row_layout(), Some(layout));
+        }
+    }
+    // Unpublished events are not visible.
+    let first = [StoredBlock {
+        block_hash: 5,
+        tokens_hash: 77,
+    }];
+    writer
+        .apply(&KvEvent::new(
+            WorkerWithDpRank::new(900, 0),
+            0,
+            KvEventData::Stored {
+                parent: None,
+                blocks: &first,
+            },
+        ))
+        .unwrap();
+    writer.sync_rows(layout, |r| rows.get(&r).copied().or((r.worker_id == 900).then_some(0)));
+    assert!(reader
+        .overlaps_for_local_hashes(&[77], &mut out)
+        .unwrap()
+        .device_blocks
+        .iter()
+        .all(|&v| v == 0.0));
+    writer.publish();
+    assert_eq!(
+        reader.overlaps_for_local_hashes(&[77], &mut out).unwrap().device_blocks[0],
+        1.0
+    );
+}
+
+/// Queries on other threads while the writer stores a prompt block by
+/// block and publishes each: every query sees a whole publish, so the
+/// overlap never goes back and ends at the whole prompt.
+#[test]
+fn queries_run_while_the_writer_publishes() {
+    let rank = WorkerWithDpRank::new(1, 0);
+    let (mut writer, reader) = shared(16);
+    writer.sync_rows(layout(1, 1), |r| (r == rank).then_some(0));
+    writer.publish();
+    const BLOCKS: u64 = 64;
+    let local: Vec<u64> = (0..BLOCKS).map(|j| 500 + j).collect();
+    let readers: Vec<_> = (0..2)
+        .map(|_| {
+            let (reader, local) = (reader.clone(), local.clone());
+            std::thread::spawn(move || {
+                let mut out = KvOverlaps::new();
+                let mut last = 0.0;
+                while last < BLOCKS as f32 {
+                    let seen = reader
+                        .overlaps_for_local_hashes(&local, &mut out)
+                        .unwrap()
+                        .device_blocks[0];
+                    assert!(seen >= last, "the overlap went back from {last} to {seen}");
+                    last = seen;
+                }
+            })
+        })
+        .collect();
+    for j in 0..BLOCKS {
+        let block = [StoredBlock {
+            block_hash: j,
+            tokens_hash: local[j as usize],
+        }];
+        let parent = j.checked_sub(1);
+        writer
+            .apply(&KvEvent::new(rank, j, KvEventData::Stored { parent, blocks: &block }))
+            .unwrap();
+        writer.sync_rows(layout(1, 1), |r| (r == rank).then_some(0));
+        writer.publish();
+    }
+    for r in readers {
+        r.join().unwrap();
+    }
+}
+
+/// Past the bound the blocks stored longest ago go first; storing a block
+/// again makes it the newest.
+#[test]
+fn the_coldest_blocks_are_evicted_past_the_bound() {
+    let mut index = index_on(&[W1, W2]);
+    index.index = KvIndex::new(16).with_max_blocks(4);
+    sync(&mut index, 2, &[W1, W2]);
+    store(&mut index, W1, 0, Device, None, &[(101, 1), (102, 2), (103, 3)]).unwrap();
+    // Stored again: 101 is now newer than 102 and 103.
+    store(&mut index, W1, 1, Device, None, &[(101, 1)]).unwrap();
+    assert_eq!(index.stats().evicted_blocks, 0);
+    store(&mut index, W2, 0, Device, None, &[(201, 1), (202, 2), (203, 3)]).unwrap();
+    assert_eq!(index.held_blocks(), 4);
+    assert_eq!(index.stats().evicted_blocks, 2);
+    assert_eq!(index.rank_blocks(W1, Device), 1, "102 and 103 went first");
+    assert_eq!(query(&mut index, &[1, 2, 3]), [(1, 0, 0), (3, 0, 0)]);
+    // An evicted block is forgotten: a store under it is refused.
+    assert!(store(&mut index, W1, 2, Device, Some(102), &[(103, 3)]).is_err());
+    // Removals free room: nothing more is evicted.
+    remove(&mut index, W2, 1, Device, &[203]).unwrap();
+    store(&mut index, W1, 3, Device, Some(101), &[(102, 2)]).unwrap();
+    assert_eq!(index.stats().evicted_blocks, 2);
+    assert_eq!(query(&mut index, &[1, 2, 3]), [(2, 0, 0), (2, 0, 0)]);
+    // Without a bound nothing is ever evicted.
+    let mut unbounded = index_on(&[W1]);
+    let pairs: Vec<(u64, u64)> = (0..500).map(|j| (j + 1, j + 1)).collect();
+    store(&mut unbounded, W1, 0, Device, None, &pairs).unwrap();
+    assert_eq!((unbounded.held_blocks(), unbounded.stats().evicted_blocks), (500, 0));
+}
