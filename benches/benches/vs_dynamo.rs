@@ -44,7 +44,9 @@
 //! run time).
 use std::hint::black_box;
 use std::process::ExitCode;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use selkie_benches::timing::{batch, Timing};
 
 use selkie_benches::vs_dynamo::report::{self, CoreRow, SelectorRow, Table};
 use selkie_benches::vs_dynamo::{
@@ -56,6 +58,11 @@ use selkie_benches::vs_dynamo::{
 const ROUNDS: usize = 101;
 /// Target wall time of one batch.
 const BATCH: Duration = Duration::from_millis(1);
+/// The timing loop of the run.
+const TIMING: Timing = Timing {
+    rounds: ROUNDS,
+    batch: BATCH,
+};
 /// Picks per sampler in the temperature-0.7 parity check.
 const PARITY_SAMPLES: usize = 1_000;
 
@@ -136,7 +143,7 @@ fn time_selectors(scenario: &Scenario, drivers: &mut Drivers, t: f32) -> Selecto
     let [fleet, slices] = &mut kernel[..] else {
         unreachable!("one kernel driver per load source")
     };
-    let [dynamo_ns, public_ns, kernel_ns, slices_ns] = time_interleaved([
+    let [dynamo_ns, public_ns, kernel_ns, slices_ns] = TIMING.interleaved([
         &mut batch(|| {
             black_box(dynamo.select(&selector));
         }),
@@ -171,7 +178,7 @@ fn time_core() -> Vec<CoreRow> {
             progress(format_args!("timing the full path, {n} workers"));
             let mut dynamo = DynamoCore::new(n);
             let selkie = ServiceFixture::idle(1, n as usize, CORE_PROMPT_TOKENS);
-            let [dynamo_ns, public_ns] = time_interleaved([
+            let [dynamo_ns, public_ns] = TIMING.interleaved([
                 &mut batch(|| {
                     black_box(dynamo.select_and_free());
                 }),
@@ -230,14 +237,14 @@ fn print_stages() {
             let mut f = SelkieFixture::new(&Scenario::fixture(n), source);
             f.scatter_hits();
             f.cost_rows();
-            let scatter = time_one(|| f.scatter_hits());
-            let cost = time_one(|| {
+            let scatter = TIMING.one(|| f.scatter_hits());
+            let cost = TIMING.one(|| {
                 black_box(f.cost_rows());
             });
-            let pick0 = time_one(|| {
+            let pick0 = TIMING.one(|| {
                 black_box(f.pick_row(0.0));
             });
-            let pick7 = time_one(|| {
+            let pick7 = TIMING.one(|| {
                 black_box(f.pick_row(0.7));
             });
             let cell = |ns: f64| format!("{ns:.1} ({:.3})", ns / n as f64);
@@ -249,56 +256,4 @@ fn print_stages() {
 
 fn progress(what: std::fmt::Arguments<'_>) {
     eprintln!("vs_dynamo: {what}");
-}
-
-/// A timer for `f`: given `k`, calls `f` `k` times and returns ns per call.
-/// The loop is generic over `f`, so only the batch call is dynamic.
-fn batch(mut f: impl FnMut()) -> impl FnMut(usize) -> f64 {
-    move |k| {
-        let start = Instant::now();
-        for _ in 0..k {
-            f();
-        }
-        start.elapsed().as_nanos() as f64 / k as f64
-    }
-}
-
-/// Median ns per call of each timer, timed in turns (the order rotates
-/// every round) after a warm-up.
-fn time_interleaved<const K: usize>(mut timers: [&mut dyn FnMut(usize) -> f64; K]) -> [f64; K] {
-    let sizes: [usize; K] = core::array::from_fn(|i| batch_size(&mut *timers[i]));
-    let mut samples: [Vec<f64>; K] = core::array::from_fn(|_| Vec::with_capacity(ROUNDS));
-    for round in 0..ROUNDS {
-        for j in 0..K {
-            let i = (round + j) % K;
-            samples[i].push(timers[i](sizes[i]));
-        }
-    }
-    core::array::from_fn(|i| median(&mut samples[i]))
-}
-
-/// Median ns per call of `f` alone.
-fn time_one(f: impl FnMut()) -> f64 {
-    let [ns] = time_interleaved([&mut batch(f)]);
-    ns
-}
-
-/// Calls per batch so that a batch takes about [`BATCH`], after a 50 ms
-/// warm-up.
-fn batch_size(timer: &mut dyn FnMut(usize) -> f64) -> usize {
-    let warm_until = Instant::now() + Duration::from_millis(50);
-    let mut k = 1;
-    let mut ns = timer(k);
-    while Instant::now() < warm_until {
-        ns = timer(k);
-        if ns * (k as f64) < 1e5 {
-            k *= 2;
-        }
-    }
-    ((BATCH.as_nanos() as f64 / ns) as usize).max(1)
-}
-
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
 }

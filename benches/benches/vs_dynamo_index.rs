@@ -52,6 +52,8 @@ use std::process::ExitCode;
 use std::sync::atomic::{AtomicIsize, Ordering};
 use std::time::{Duration, Instant};
 
+use selkie_benches::timing::{batch, Timing};
+
 use dynamo_kv_router::indexer::{KvIndexerInterface, SyncIndexer, ThreadPoolIndexer};
 use dynamo_kv_router::protocols::{
     ExternalSequenceBlockHash, KvCacheEvent, KvCacheEventData, KvCacheStoreData, KvCacheStoredBlockData,
@@ -104,6 +106,11 @@ const RUN_BLOCKS: usize = 32;
 const BLOCK_SIZE: u32 = 16;
 const ROUNDS: usize = 51;
 const BATCH: Duration = Duration::from_millis(1);
+/// The timing loop of the run.
+const TIMING: Timing = Timing {
+    rounds: ROUNDS,
+    batch: BATCH,
+};
 const FULL_PATH_WORKERS: usize = 1024;
 const FULL_PATH_TOKENS: u32 = 2048;
 
@@ -431,7 +438,7 @@ fn main() -> ExitCode {
             let mut seq = Vec::new();
             sequence_hashes_of(&q, &mut seq);
             let mut out_seq = KvOverlaps::new();
-            let [selkie_seq_ns, selkie_ns, radix_ns, concurrent_ns] = time_interleaved([
+            let [selkie_seq_ns, selkie_ns, radix_ns, concurrent_ns] = TIMING.interleaved([
                 &mut batch(|| {
                     let c = index.overlaps(black_box(&seq), &mut out_seq).expect("synced");
                     black_box(c.device_blocks.len());
@@ -472,7 +479,7 @@ fn main() -> ExitCode {
     let tokens: Vec<u32> = (1..=FULL_PATH_TOKENS).collect();
     let mut out = KvOverlaps::new();
     let mut dynamo = DynamoCore::with_prompt(FULL_PATH_WORKERS as u64, FULL_PATH_TOKENS);
-    let [dynamo_ns, selkie_ns] = time_interleaved([
+    let [dynamo_ns, selkie_ns] = TIMING.interleaved([
         &mut batch(|| {
             black_box(dynamo.select_and_free());
         }),
@@ -574,48 +581,4 @@ fn main() -> ExitCode {
 
 fn progress(what: std::fmt::Arguments<'_>) {
     eprintln!("vs_dynamo_index: {what}");
-}
-
-/// A timer for `f`: given `k`, calls `f` `k` times and returns ns per call.
-fn batch(mut f: impl FnMut()) -> impl FnMut(usize) -> f64 {
-    move |k| {
-        let start = Instant::now();
-        for _ in 0..k {
-            f();
-        }
-        start.elapsed().as_nanos() as f64 / k as f64
-    }
-}
-
-/// Median ns per call of each timer, timed in turns (the order rotates
-/// every round) after a warm-up.
-fn time_interleaved<const K: usize>(mut timers: [&mut dyn FnMut(usize) -> f64; K]) -> [f64; K] {
-    let sizes: [usize; K] = core::array::from_fn(|i| batch_size(&mut *timers[i]));
-    let mut samples: [Vec<f64>; K] = core::array::from_fn(|_| Vec::with_capacity(ROUNDS));
-    for round in 0..ROUNDS {
-        for j in 0..K {
-            let i = (round + j) % K;
-            samples[i].push(timers[i](sizes[i]));
-        }
-    }
-    core::array::from_fn(|i| {
-        let v = &mut samples[i];
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    })
-}
-
-/// Calls per batch so that a batch takes about [`BATCH`], after a 50 ms
-/// warm-up.
-fn batch_size(timer: &mut dyn FnMut(usize) -> f64) -> usize {
-    let warm_until = Instant::now() + Duration::from_millis(50);
-    let mut k = 1;
-    let mut ns = timer(k);
-    while Instant::now() < warm_until {
-        ns = timer(k);
-        if ns * (k as f64) < 1e5 {
-            k *= 2;
-        }
-    }
-    ((BATCH.as_nanos() as f64 / ns) as usize).max(1)
 }

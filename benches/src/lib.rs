@@ -26,6 +26,7 @@ pub fn all_eligible(n: usize) -> Vec<u64> {
 pub mod host_fixture;
 pub mod index_fixture;
 pub mod kernel_fixture;
+pub mod timing;
 
 #[cfg(feature = "dynamo")]
 pub mod vs_dynamo;
