@@ -126,6 +126,7 @@
 //! rows and [`RowOverlaps`](crate::RowOverlaps) only.
 
 mod approx;
+mod block_rows;
 mod event;
 mod hash;
 mod query;
@@ -149,10 +150,13 @@ pub use two_copies::{Fault, TwoCopies};
 
 use crate::request::RowLayout;
 use crate::types::{WorkerId, WorkerWithDpRank};
-use rows::{RowSet, MAX_ROWS};
+use block_rows::BlockRows;
+use rows::MAX_ROWS;
 
 /// Hashes keys that are already hashes (block hashes) with one multiply,
-/// mixing the high half into the low bits first.
+/// mixing the high half into the low bits first; keys of several integers
+/// (worker ranks) fold each in the same way. Worker and block ids come from
+/// the fleet's own engines, not from clients.
 #[derive(Default, Clone, Copy)]
 struct BlockKeyHasher(u64);
 
@@ -170,19 +174,54 @@ impl Hasher for BlockKeyHasher {
 
     #[inline]
     fn write_u64(&mut self, x: u64) {
-        self.0 = (x ^ (x >> 32)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        self.0 = (self.0.rotate_left(26) ^ x ^ (x >> 32)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+
+    #[inline]
+    fn write_u32(&mut self, x: u32) {
+        self.write_u64(u64::from(x));
     }
 }
 
 type BlockMap<V> = HashMap<u64, V, BuildHasherDefault<BlockKeyHasher>>;
+type RankMap<V> = HashMap<WorkerWithDpRank, V, BuildHasherDefault<BlockKeyHasher>>;
 
-/// A block a rank holds: its sequence hash and the tiers it is in.
+/// A block a rank holds: its sequence hash, the tiers it is in and when
+/// the rank last stored it (a store counter, for eviction), the last two
+/// packed in one word (16 bytes in all: the per-rank tables hold one per
+/// block per rank).
 #[derive(Clone, Copy, Debug)]
 struct HeldBlock {
     sequence: u64,
-    tiers: u8,
-    /// When the rank last stored it (a store counter), for eviction.
-    stored_at: u64,
+    /// `stored_at << 3 | tiers`.
+    stamp: u64,
+}
+
+impl HeldBlock {
+    fn new(sequence: u64, tiers: u8, stored_at: u64) -> Self {
+        HeldBlock {
+            sequence,
+            stamp: stored_at << 3 | u64::from(tiers),
+        }
+    }
+
+    fn tiers(&self) -> u8 {
+        (self.stamp & 7) as u8
+    }
+
+    fn set_tiers(&mut self, tiers: u8) {
+        self.stamp = self.stamp & !7 | u64::from(tiers);
+    }
+
+    /// The store counter when the rank last stored the block (61 bits: at
+    /// a billion stores a second, 73 years).
+    fn stored_at(&self) -> u64 {
+        self.stamp >> 3
+    }
+
+    fn set_stored_at(&mut self, stored_at: u64) {
+        self.stamp = stored_at << 3 | (self.stamp & 7);
+    }
 }
 
 /// One worker rank's view: its row and its blocks by engine hash.
@@ -252,8 +291,8 @@ impl EventCounters {
 pub struct KvIndex {
     block_size: u32,
     /// Sequence hash -> rows holding the block.
-    blocks: BlockMap<RowSet>,
-    ranks: HashMap<WorkerWithDpRank, RankBlocks>,
+    blocks: BlockRows,
+    ranks: RankMap<RankBlocks>,
     /// Ranks first seen since the last [`sync_rows`](Self::sync_rows).
     unplaced: Vec<WorkerWithDpRank>,
     layout: Option<RowLayout>,
@@ -288,8 +327,8 @@ impl KvIndex {
     pub fn new(block_size: u32) -> Self {
         KvIndex {
             block_size,
-            blocks: BlockMap::default(),
-            ranks: HashMap::new(),
+            blocks: BlockRows::default(),
+            ranks: RankMap::default(),
             unplaced: Vec::new(),
             layout: None,
             stats: KvIndexStats::default(),
@@ -348,7 +387,7 @@ impl KvIndex {
     pub fn rank_blocks(&self, worker: WorkerWithDpRank, tier: StorageTier) -> usize {
         self.ranks
             .get(&worker)
-            .map_or(0, |r| r.blocks.values().filter(|b| b.tiers & tier.bit() != 0).count())
+            .map_or(0, |r| r.blocks.values().filter(|b| b.tiers() & tier.bit() != 0).count())
     }
 
     /// Heap bytes of the block-to-rows table and the per-rank tables, as
@@ -356,8 +395,7 @@ impl KvIndex {
     /// one per slot).
     pub fn heap_bytes(&self) -> usize {
         let table = |cap: usize, entry: usize| cap * (entry + 1);
-        table(self.blocks.capacity(), std::mem::size_of::<(u64, RowSet)>())
-            + self.blocks.values().map(RowSet::heap_bytes).sum::<usize>()
+        self.blocks.heap_bytes()
             + self
                 .ranks
                 .values()
@@ -536,7 +574,7 @@ impl KvIndex {
             Some(parent) => {
                 let needed = if event.tier == StorageTier::Device { tier } else { 0b111 };
                 match state.blocks.get(&parent) {
-                    Some(held) if held.tiers & needed != 0 => Some(held.sequence),
+                    Some(held) if held.tiers() & needed != 0 => Some(held.sequence),
                     _ => {
                         return Err(KvEventError::UnknownParent {
                             worker_id,
@@ -552,13 +590,12 @@ impl KvIndex {
         for block in blocks {
             let sequence = chain.map_or(block.tokens_hash, |p| next_sequence_hash(p, block.tokens_hash));
             chain = Some(sequence);
-            let held = state.blocks.entry(block.block_hash).or_insert(HeldBlock {
-                sequence,
-                tiers: 0,
-                stored_at: 0,
-            });
+            let held = state
+                .blocks
+                .entry(block.block_hash)
+                .or_insert(HeldBlock::new(sequence, 0, 0));
             if self.max_blocks != usize::MAX {
-                held.stored_at = self.stores;
+                held.set_stored_at(self.stores);
                 self.coldest.push_back((self.stores, rank, block.block_hash));
                 self.stores += 1;
             }
@@ -566,24 +603,17 @@ impl KvIndex {
                 // The engine reused a hash for another block: the old one is gone.
                 if let Some(row) = state.row {
                     for t in [rows::DEVICE, rows::HOST, rows::DISK] {
-                        if held.tiers & t != 0 {
-                            unindex(&mut self.blocks, held.sequence, row, t);
+                        if held.tiers() & t != 0 {
+                            self.blocks.remove(held.sequence, row, t);
                         }
                     }
                 }
-                *held = HeldBlock {
-                    sequence,
-                    tiers: 0,
-                    stored_at: held.stored_at,
-                };
+                *held = HeldBlock::new(sequence, 0, held.stored_at());
             }
-            if held.tiers & tier == 0 {
-                held.tiers |= tier;
+            if held.tiers() & tier == 0 {
+                held.set_tiers(held.tiers() | tier);
                 if let Some(row) = state.row {
-                    self.blocks
-                        .entry(sequence)
-                        .or_insert_with(RowSet::new)
-                        .insert(row, tier, rows);
+                    self.blocks.insert(sequence, row, tier, rows);
                 }
             }
         }
@@ -596,14 +626,14 @@ impl KvIndex {
         let (mut unknown, mut first) = (0usize, None);
         for &hash in hashes {
             match state.blocks.get_mut(&hash) {
-                Some(held) if held.tiers & tier != 0 => {
-                    held.tiers &= !tier;
+                Some(held) if held.tiers() & tier != 0 => {
+                    held.set_tiers(held.tiers() & !tier);
                     let sequence = held.sequence;
-                    if held.tiers == 0 {
+                    if held.tiers() == 0 {
                         state.blocks.remove(&hash);
                     }
                     if let Some(row) = state.row {
-                        unindex(&mut self.blocks, sequence, row, tier);
+                        self.blocks.remove(sequence, row, tier);
                     }
                 }
                 _ => {
@@ -632,13 +662,13 @@ impl KvIndex {
         state.blocks.retain(|_, held| {
             if let Some(row) = row {
                 for t in [rows::DEVICE, rows::HOST, rows::DISK] {
-                    if held.tiers & tiers & t != 0 {
-                        unindex(&mut self.blocks, held.sequence, row, t);
+                    if held.tiers() & tiers & t != 0 {
+                        self.blocks.remove(held.sequence, row, t);
                     }
                 }
             }
-            held.tiers &= !tiers;
-            held.tiers != 0
+            held.set_tiers(held.tiers() & !tiers);
+            held.tiers() != 0
         });
     }
 
@@ -648,8 +678,8 @@ impl KvIndex {
         let Some(row) = state.row.take() else { return };
         for held in state.blocks.values() {
             for t in [rows::DEVICE, rows::HOST, rows::DISK] {
-                if held.tiers & t != 0 {
-                    unindex(&mut self.blocks, held.sequence, row, t);
+                if held.tiers() & t != 0 {
+                    self.blocks.remove(held.sequence, row, t);
                 }
             }
         }
@@ -665,14 +695,14 @@ impl KvIndex {
             let Some(state) = self.ranks.get_mut(&rank) else {
                 continue;
             };
-            if state.blocks.get(&hash).is_none_or(|h| h.stored_at != stored_at) {
+            if state.blocks.get(&hash).is_none_or(|h| h.stored_at() != stored_at) {
                 continue; // stored again since, or gone
             }
             let held = state.blocks.remove(&hash).expect("just seen");
             if let Some(row) = state.row {
                 for t in [rows::DEVICE, rows::HOST, rows::DISK] {
-                    if held.tiers & t != 0 {
-                        unindex(&mut self.blocks, held.sequence, row, t);
+                    if held.tiers() & t != 0 {
+                        self.blocks.remove(held.sequence, row, t);
                     }
                 }
             }
@@ -688,7 +718,7 @@ impl KvIndex {
             let mut live: Vec<(u64, WorkerWithDpRank, u64)> = self
                 .ranks
                 .iter()
-                .flat_map(|(&rank, state)| state.blocks.iter().map(move |(&hash, h)| (h.stored_at, rank, hash)))
+                .flat_map(|(&rank, state)| state.blocks.iter().map(move |(&hash, h)| (h.stored_at(), rank, hash)))
                 .collect();
             live.sort_unstable_by_key(|e| e.0);
             self.coldest = live.into();
@@ -707,11 +737,8 @@ impl KvIndex {
                 state.had_row = true;
                 for held in state.blocks.values() {
                     for t in [rows::DEVICE, rows::HOST, rows::DISK] {
-                        if held.tiers & t != 0 {
-                            self.blocks
-                                .entry(held.sequence)
-                                .or_insert_with(RowSet::new)
-                                .insert(row, t, rows);
+                        if held.tiers() & t != 0 {
+                            self.blocks.insert(held.sequence, row, t, rows);
                         }
                     }
                 }
@@ -722,16 +749,6 @@ impl KvIndex {
                 self.stats.ranks_removed += 1;
             }
             None => {}
-        }
-    }
-}
-
-/// Takes `tier` of `row` off the block `sequence`, dropping the entry once
-/// no row holds it.
-fn unindex(blocks: &mut BlockMap<RowSet>, sequence: u64, row: u32, tier: u8) {
-    if let Some(set) = blocks.get_mut(&sequence) {
-        if set.remove(row, tier) {
-            blocks.remove(&sequence);
         }
     }
 }

@@ -21,8 +21,15 @@
 //!
 //! Block 0 starts each row holding it in the stage of its best tier. The
 //! walk stops at the first block no row holds, or when no row is left, and
-//! only visits the words of rows still in a stage. Only rows that held
-//! block 0 get a value, so the next query clears just those.
+//! only visits the words of rows still in a stage. A block held by the same
+//! set of rows as the block before (one shared set in the index, compared
+//! by address) moves nothing and costs one comparison. Blocks are hashed as
+//! the walk reaches them (a chunk ahead), so a query by tokens or local
+//! hashes hashes nothing past the block where it stops.
+//!
+//! Only rows that held block 0 get a value, so the next query clears just
+//! those, and of those only the rows that do not hold its own block 0 on
+//! device (it writes every one of those).
 
 use super::event::KvQueryError;
 use super::hash::{next_sequence_hash, KvBlockHasher};
@@ -43,12 +50,15 @@ pub struct KvOverlaps {
     /// Mask words `[start, end)` whose rows the last query may have given
     /// a value (the first block's span: no other row can get one).
     touched: (usize, usize),
+    /// The last query's span while the next one has not cleared it.
+    stale: (usize, usize),
+    /// Whether the last query wrote a host or disk overlap (else those
+    /// columns are still zero).
+    lower_tiers: bool,
     /// Stage bitsets: device, host, disk.
     stage: [Vec<u64>; 3],
     /// The current block's rows: device, host, disk.
     held: [Vec<u64>; 3],
-    /// Sequence hashes computed for a query by tokens or local hashes.
-    hashes: Vec<u64>,
 }
 
 impl KvOverlaps {
@@ -61,12 +71,14 @@ impl KvOverlaps {
     /// the first query).
     pub fn row_overlaps(&self) -> Option<RowOverlaps<'_>> {
         let layout = self.layout?;
-        Some(
-            RowOverlaps::new(layout, &self.device)
-                .with_cached_tokens(&self.cached)
-                .with_host_blocks(&self.host)
-                .with_disk_blocks(&self.disk),
-        )
+        let columns = RowOverlaps::new(layout, &self.device).with_cached_tokens(&self.cached);
+        // Host and disk columns of zeros credit nothing: they are left out
+        // (the selection then takes its device-only loop).
+        Some(if self.lower_tiers {
+            columns.with_host_blocks(&self.host).with_disk_blocks(&self.disk)
+        } else {
+            columns
+        })
     }
 
     /// Device, host and disk blocks of `row` in the last query.
@@ -79,10 +91,15 @@ impl KvOverlaps {
     fn reset(&mut self, layout: RowLayout) {
         let rows = layout.rows;
         let (start, end) = std::mem::take(&mut self.touched);
-        for column in [&mut self.device, &mut self.host, &mut self.disk, &mut self.cached] {
-            let end = (end * 64).min(column.len());
-            if start * 64 < end {
-                column[start * 64..end].fill(0.0);
+        // Device and cached values are cleared once the next query's first
+        // block is known (`clear_stale`); host and disk now, if written.
+        self.stale = (start, end);
+        if std::mem::take(&mut self.lower_tiers) {
+            for column in [&mut self.host, &mut self.disk] {
+                let end = (end * 64).min(column.len());
+                if start * 64 < end {
+                    column[start * 64..end].fill(0.0);
+                }
             }
         }
         for column in [&mut self.device, &mut self.host, &mut self.disk, &mut self.cached] {
@@ -93,6 +110,32 @@ impl KvOverlaps {
             mask.resize(words, 0);
         }
         self.layout = Some(layout);
+    }
+
+    /// Zeroes the device and cached values the last query left, except on
+    /// rows in this query's device stage (`stage[0]`, set from its first
+    /// block): the walk writes both values of each of those rows before the
+    /// query ends (and reads neither before), so only the rows it will not
+    /// write are cleared. Repeated queries over the same rows clear nothing.
+    fn clear_stale(&mut self) {
+        let (start, end) = std::mem::take(&mut self.stale);
+        let rows = self.device.len().min(self.cached.len());
+        for w in start..end.min(rows.div_ceil(64)) {
+            let valid = if (w + 1) * 64 <= rows {
+                u64::MAX
+            } else {
+                (1u64 << (rows - w * 64)) - 1
+            };
+            let clear = !self.stage[0].get(w).copied().unwrap_or(0) & valid;
+            if clear == valid {
+                let word = w * 64..(w * 64 + 64).min(rows);
+                self.device[word.clone()].fill(0.0);
+                self.cached[word].fill(0.0);
+            } else if clear != 0 {
+                set_rows(&mut self.device, clear, w, 0.0);
+                set_rows(&mut self.cached, clear, w, 0.0);
+            }
+        }
     }
 }
 
@@ -110,34 +153,37 @@ impl KvIndex {
     ) -> Result<RowOverlaps<'o>, KvQueryError> {
         let layout = self.layout.ok_or(KvQueryError::NoRowLayout)?;
         out.reset(layout);
-        self.walk(sequence_hashes, out);
+        let mut next = sequence_hashes.iter().copied();
+        self.walk(sequence_hashes.len(), || next.next().unwrap_or(0), out);
         Ok(out.row_overlaps().expect("reset sets the layout"))
     }
 
     /// [`overlaps`](Self::overlaps) for a request given by its local block
-    /// hashes (Dynamo's `LocalBlockHash`es, from the first block on).
+    /// hashes (Dynamo's `LocalBlockHash`es, from the first block on). The
+    /// sequence hashes are chained as the walk goes, so none is computed
+    /// past the block where it stops.
     pub fn overlaps_for_local_hashes<'o>(
         &self,
         local_hashes: &[u64],
         out: &'o mut KvOverlaps,
     ) -> Result<RowOverlaps<'o>, KvQueryError> {
         let layout = self.layout.ok_or(KvQueryError::NoRowLayout)?;
-        let mut hashes = std::mem::take(&mut out.hashes);
-        hashes.clear();
-        let mut parent = None;
-        for &local in local_hashes {
-            let seq = parent.map_or(local, |p| next_sequence_hash(p, local));
-            hashes.push(seq);
-            parent = Some(seq);
-        }
         out.reset(layout);
-        self.walk(&hashes, out);
-        out.hashes = hashes;
+        let (mut next, mut parent) = (local_hashes.iter().copied(), None);
+        let chain = || {
+            let local = next.next().unwrap_or(0);
+            let seq = parent.map_or(local, |p| next_sequence_hash(p, local));
+            parent = Some(seq);
+            seq
+        };
+        self.walk(local_hashes.len(), chain, out);
         Ok(out.row_overlaps().expect("reset sets the layout"))
     }
 
     /// [`overlaps`](Self::overlaps) for a request given by its tokens,
-    /// hashed by `hasher` (block size, LoRA adapter, namespace).
+    /// hashed by `hasher` (block size, LoRA adapter, namespace). Blocks are
+    /// hashed as the walk goes, so none past the block where it stops (for a
+    /// prompt nobody holds, only the first).
     pub fn overlaps_for_tokens<'o>(
         &self,
         hasher: &KvBlockHasher,
@@ -145,17 +191,29 @@ impl KvIndex {
         out: &'o mut KvOverlaps,
     ) -> Result<RowOverlaps<'o>, KvQueryError> {
         let layout = self.layout.ok_or(KvQueryError::NoRowLayout)?;
-        let mut hashes = std::mem::take(&mut out.hashes);
-        hashes.clear();
-        hasher.sequence_hashes(tokens, &mut hashes);
         out.reset(layout);
-        self.walk(&hashes, out);
-        out.hashes = hashes;
+        let (mut block, mut parent) = (0, None);
+        let chain = || {
+            let local = hasher.block_local_hash(tokens, block);
+            block += 1;
+            let seq = parent.map_or(local, |p| next_sequence_hash(p, local));
+            parent = Some(seq);
+            seq
+        };
+        self.walk(hasher.block_count(tokens.len()), chain, out);
         Ok(out.row_overlaps().expect("reset sets the layout"))
     }
 
-    fn walk(&self, hashes: &[u64], out: &mut KvOverlaps) {
-        let Some(first) = hashes.first().and_then(|h| self.blocks.get(h)) else {
+    /// The walk over a request of `blocks` blocks, whose sequence hashes
+    /// `next_hash` yields in order (called at most `blocks` times).
+    fn walk(&self, blocks: usize, mut next_hash: impl FnMut() -> u64, out: &mut KvOverlaps) {
+        let first = if blocks == 0 {
+            None
+        } else {
+            self.blocks.get(&next_hash())
+        };
+        let Some(first) = first else {
+            out.clear_stale();
             return;
         };
         let words = out.stage[0].len();
@@ -169,6 +227,7 @@ impl KvIndex {
             out.stage[2][w] = k & !d & !h;
         }
         out.touched = (lo, hi);
+        out.clear_stale();
         first.unload(&mut out.held, lo, hi);
         let block_size = self.block_size as f32;
         // The blocks' row sets are looked up a chunk ahead: the lookups of
@@ -176,19 +235,20 @@ impl KvIndex {
         // overlap instead of queueing one behind the other.
         let mut ahead: [Option<&RowSet>; LOOKAHEAD] = [None; LOOKAHEAD];
         let mut prev = Some(first);
-        for i in 1..hashes.len() {
+        for i in 1..blocks {
             let k = (i - 1) % LOOKAHEAD;
             if k == 0 {
-                for (slot, hash) in ahead.iter_mut().zip(&hashes[i..]) {
-                    *slot = self.blocks.get(hash);
+                for slot in ahead.iter_mut().take(blocks - i) {
+                    *slot = self.blocks.get(&next_hash());
                 }
             }
             let set = ahead[k];
-            // The same rows in the same tiers as the block before: every row
+            // The same rows in the same tiers as the block before (the index
+            // keeps each distinct set once, so the same set): every row
             // still in a stage holds this block in its stage's tier, so
             // nothing moves (the common case inside a shared prompt).
             if let (Some(set), Some(before)) = (set, prev) {
-                if std::ptr::eq(set, before) || set == before {
+                if std::ptr::eq(set, before) {
                     continue;
                 }
             }
@@ -206,11 +266,12 @@ impl KvIndex {
             (lo, hi) = (new_lo, new_hi);
         }
         // Rows still in a stage hold the request to its end.
-        let n = hashes.len() as f32;
+        let n = blocks as f32;
         for w in lo..hi {
             let [d, h, k] = [out.stage[0][w], out.stage[1][w], out.stage[2][w]];
             set_rows(&mut out.device, d, w, n);
             set_rows(&mut out.cached, d, w, n * block_size);
+            out.lower_tiers |= h | k != 0;
             for_rows(h, w, |r| out.host[r] = n - out.device[r]);
             for_rows(k, w, |r| out.disk[r] = n - out.device[r] - out.host[r]);
             for mask in out.stage.iter_mut() {
@@ -233,6 +294,7 @@ fn step(i: f32, block_size: f32, out: &mut KvOverlaps, lo: usize, hi: usize) -> 
         cached,
         stage,
         held,
+        lower_tiers,
         ..
     } = out;
     let [sd, sh, sk] = stage;
@@ -248,14 +310,25 @@ fn step(i: f32, block_size: f32, out: &mut KvOverlaps, lo: usize, hi: usize) -> 
             continue;
         }
         let w = lo + offset;
+        let all_on_device = *d == u64::MAX;
         let left_device = *d & !dv;
         let left_host = *h & !hv;
         let done_disk = *k & !kv;
         let next_host = (*h & hv) | (left_device & hv);
         let next_disk = (*k & kv) | ((left_device | left_host) & !hv & kv);
         *d &= dv;
-        set_rows(device, left_device, w, i);
-        set_rows(cached, left_device, w, i * block_size);
+        *lower_tiers |= left_host | done_disk != 0;
+        let word = w * 64..w * 64 + 64;
+        if all_on_device && left_device.count_ones() > 8 && word.end <= device.len().min(cached.len()) {
+            // Every row of the word is still on device: the rows that stay
+            // get a value they overwrite when they leave, so the word is
+            // written whole, without masks.
+            device[word.clone()].fill(i);
+            cached[word].fill(i * block_size);
+        } else {
+            set_rows(device, left_device, w, i);
+            set_rows(cached, left_device, w, i * block_size);
+        }
         for_rows(left_host, w, |r| host[r] = i - device[r]);
         for_rows(done_disk, w, |r| disk[r] = i - device[r] - host[r]);
         *h = next_host;
@@ -281,9 +354,22 @@ fn set_rows(column: &mut [f32], bits: u64, w: usize, value: f32) {
         return;
     }
     let end = (w * 64 + 64).min(column.len());
-    for (k, v) in column[w * 64..end].iter_mut().enumerate() {
-        let on = (bits >> k) & 1 != 0;
-        *v = if on { value } else { *v };
+    let value = value.to_bits();
+    // Eight rows at a time, as bit operations on the floats' bits: the
+    // compiler turns each group into a few vector instructions.
+    let mut groups = column[w * 64..end].chunks_exact_mut(8);
+    for (g, group) in (&mut groups).enumerate() {
+        let byte = (bits >> (8 * g)) as u32 & 0xff;
+        for (lane, v) in group.iter_mut().enumerate() {
+            let keep = ((byte >> lane) & 1).wrapping_sub(1);
+            *v = f32::from_bits((v.to_bits() & keep) | (value & !keep));
+        }
+    }
+    let done = (end - w * 64) / 8 * 8;
+    for (k, v) in groups.into_remainder().iter_mut().enumerate() {
+        if (bits >> (done + k)) & 1 != 0 {
+            *v = f32::from_bits(value);
+        }
     }
 }
 

@@ -87,8 +87,54 @@ impl RowSet {
         }
     }
 
+    /// Whether `row` holds the block in `tier` (one tier bit).
+    pub(crate) fn has(&self, row: u32, tier: u8) -> bool {
+        self.tiers(row) & tier != 0
+    }
+
+    /// Whether both sets name the same rows in the same tiers, whatever
+    /// their forms.
+    pub(crate) fn same_rows(&self, other: &RowSet) -> bool {
+        match (self, other) {
+            (RowSet::Sparse(a), RowSet::Sparse(b)) => a == b,
+            (RowSet::Dense(a), RowSet::Dense(b)) => {
+                let (wa, wb) = (a.len() / 3, b.len() / 3);
+                let common = wa.min(wb);
+                (0..3).all(|t| {
+                    let (ta, tb) = (&a[t * wa..(t + 1) * wa], &b[t * wb..(t + 1) * wb]);
+                    ta[..common] == tb[..common]
+                        && ta[common..].iter().all(|&x| x == 0)
+                        && tb[common..].iter().all(|&x| x == 0)
+                })
+            }
+            _ => self.entries().eq(other.entries()),
+        }
+    }
+
+    /// `row << 3 | tiers` of every row holding the block, by row.
+    pub(crate) fn entries(&self) -> impl Iterator<Item = u32> + '_ {
+        let (list, bits): (&[u32], &[u64]) = match self {
+            RowSet::Sparse(list) => (list, &[]),
+            RowSet::Dense(bits) => (&[], bits),
+        };
+        let words = bits.len() / 3;
+        let dense = (0..words).flat_map(move |w| {
+            let [d, h, k] = [bits[w], bits[words + w], bits[2 * words + w]];
+            let mut any = d | h | k;
+            std::iter::from_fn(move || {
+                if any == 0 {
+                    return None;
+                }
+                let b = any.trailing_zeros();
+                any &= any - 1;
+                let tiers = ((d >> b) & 1) | ((h >> b) & 1) << 1 | ((k >> b) & 1) << 2;
+                Some(((w as u32) * 64 + b) << 3 | tiers as u32)
+            })
+        });
+        list.iter().copied().chain(dense)
+    }
+
     /// The tiers `row` holds the block in (0: none).
-    #[cfg(test)]
     pub(crate) fn tiers(&self, row: u32) -> u8 {
         match self {
             RowSet::Sparse(list) => list

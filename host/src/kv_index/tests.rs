@@ -230,6 +230,57 @@ fn overlap_is_the_leading_run_of_held_blocks() {
     );
 }
 
+/// A fleet wider than a mask word, where whole words leave the device
+/// stage at once while some of their rows go on: 200 ranks hold blocks
+/// 0..10, ranks 0..70 blocks 10..20 (ranks 0..3 of those in host memory
+/// after), ranks 0..5 blocks 20..30; the query has 30 blocks. Asked twice,
+/// so the second answer also shows the columns were cleared.
+#[test]
+fn whole_words_leave_the_device_stage_together() {
+    let ranks: Vec<WorkerWithDpRank> = (0..200).map(|w| WorkerWithDpRank::new(w, 0)).collect();
+    let mut fx = index_on(&ranks);
+    let local: Vec<u64> = (1000..1030).collect();
+    let mut seq = Vec::new();
+    sequence_hashes_of(&local, &mut seq);
+    let run = |range: std::ops::Range<usize>| -> Vec<(u64, u64)> { range.map(|i| (seq[i], local[i])).collect() };
+    for (w, &rank) in ranks.iter().enumerate() {
+        let mut id = 0;
+        let mut put = |fx: &mut Fx, tier, parent: Option<u64>, r: std::ops::Range<usize>| {
+            store(fx, rank, id, tier, parent, &run(r)).unwrap();
+            id += 1;
+        };
+        put(&mut fx, Device, None, 0..10);
+        if w < 70 {
+            put(&mut fx, Device, Some(seq[9]), 10..20);
+        }
+        if w < 3 {
+            put(&mut fx, Host, Some(seq[19]), 20..24);
+        }
+        if (3..5).contains(&w) {
+            put(&mut fx, Device, Some(seq[19]), 20..30);
+        }
+    }
+    let expected = |w: usize| match w {
+        0..3 => (20, 4, 0),
+        3..5 => (30, 0, 0),
+        5..70 => (20, 0, 0),
+        _ => (10, 0, 0),
+    };
+    for _ in 0..2 {
+        let got = query(&mut fx, &local);
+        for (w, &g) in got.iter().enumerate() {
+            assert_eq!(g, expected(w), "rank {w}");
+        }
+        let cached = fx.out.row_overlaps().unwrap().cached_tokens.unwrap();
+        for (w, &c) in cached.iter().enumerate() {
+            assert_eq!(c, expected(w).0 as f32 * 16.0, "rank {w}: cached tokens");
+        }
+    }
+    // A query scoring only the first rows leaves nothing of the last.
+    let got = query(&mut fx, &local[..1]);
+    assert!(got.iter().all(|&g| g == (1, 0, 0)));
+}
+
 #[test]
 fn a_first_block_miss_or_an_empty_query_scores_nothing() {
     let mut index = index_on(&[W1]);
@@ -240,33 +291,44 @@ fn a_first_block_miss_or_an_empty_query_scores_nothing() {
 
 #[test]
 fn queries_by_tokens_local_and_sequence_hashes_agree() {
-    let hasher = KvBlockHasher::new(4);
-    let tokens: Vec<u32> = (0..20).collect();
-    let (mut local, mut seq) = (Vec::new(), Vec::new());
-    hasher.local_hashes(&tokens, &mut local);
-    hasher.sequence_hashes(&tokens, &mut seq);
-    let pairs: Vec<(u64, u64)> = local
-        .iter()
-        .take(3)
-        .enumerate()
-        .map(|(i, &l)| (500 + i as u64, l))
-        .collect();
-    let mut index = index_on(&[W1]);
-    store(&mut index, W1, 0, Device, None, &pairs).unwrap();
-    sync(&mut index, 1, &[W1]);
-    let mut out = KvOverlaps::new();
-    assert_eq!(
-        index
-            .overlaps_for_tokens(&hasher, &tokens, &mut out)
-            .unwrap()
-            .device_blocks,
-        [3.0]
-    );
-    assert_eq!(
-        index.overlaps_for_local_hashes(&local, &mut out).unwrap().device_blocks,
-        [3.0]
-    );
-    assert_eq!(index.overlaps(&seq, &mut out).unwrap().device_blocks, [3.0]);
+    let hashers = [
+        KvBlockHasher::new(4),
+        KvBlockHasher::new(4).with_lora("adapter"),
+        KvBlockHasher::new(4).with_cache_namespace("tenant"),
+        KvBlockHasher::new(4).with_eagle(true),
+    ];
+    for (h, hasher) in hashers.iter().enumerate() {
+        let tokens: Vec<u32> = (0..21).collect();
+        let (mut local, mut seq) = (Vec::new(), Vec::new());
+        hasher.local_hashes(&tokens, &mut local);
+        hasher.sequence_hashes(&tokens, &mut seq);
+        assert_eq!(local.len(), 5, "hasher {h}");
+        // W1 holds the first 3 blocks, W2 all 5 (the walk reaches the end).
+        let mut index = index_on(&[W1, W2]);
+        for (rank, held) in [(W1, 3), (W2, 5)] {
+            let pairs: Vec<(u64, u64)> = local
+                .iter()
+                .take(held)
+                .enumerate()
+                .map(|(i, &l)| (500 + i as u64, l))
+                .collect();
+            store(&mut index, rank, 0, Device, None, &pairs).unwrap();
+        }
+        sync(&mut index, 1, &[W1, W2]);
+        let mut out = KvOverlaps::new();
+        let by_tokens = index.overlaps_for_tokens(hasher, &tokens, &mut out).unwrap();
+        assert_eq!(by_tokens.device_blocks, [3.0, 5.0], "hasher {h}");
+        let by_local = index.overlaps_for_local_hashes(&local, &mut out).unwrap();
+        assert_eq!(by_local.device_blocks, [3.0, 5.0], "hasher {h}");
+        assert_eq!(
+            index.overlaps(&seq, &mut out).unwrap().device_blocks,
+            [3.0, 5.0],
+            "hasher {h}"
+        );
+        // A shorter prompt stops at its own end.
+        let short = index.overlaps_for_tokens(hasher, &tokens[..13], &mut out).unwrap();
+        assert_eq!(short.device_blocks, [3.0, hasher.block_count(13) as f32], "hasher {h}");
+    }
 }
 
 #[test]

@@ -101,18 +101,11 @@ pub(super) struct Ties {
 }
 
 impl Ties {
-    /// Folds in group `g`'s costs `c` (NaN on ineligible lanes), some
-    /// eligible lane of which is `<= best`.
-    #[cold]
-    #[inline(never)]
-    fn fold(&mut self, g: usize, c: [f32; LANES], bits: u8) {
-        self.fold_inline(g, c, bits);
-    }
-
-    /// [`fold`](Self::fold) on lanes, inlined: for a loop that must keep its
-    /// vector registers (a call clobbers them all). Two lane compares decide
-    /// the common cases (a tie with `best`, or nothing); only a new minimum
-    /// goes through the lanes one by one.
+    /// Folds in group `g`'s costs `c` (NaN on ineligible lanes `!bits`),
+    /// some eligible lane of which is `<= best`. Inlined, so that a loop
+    /// keeps its vector registers (a call clobbers them all). Two lane
+    /// compares decide the common cases (a tie with `best`, or nothing); only
+    /// a new minimum goes through the lanes one by one.
     #[inline(always)]
     pub(super) fn fold_lanes<S: Simd>(&mut self, s: S, g: usize, c: S::F32, bits: u8) {
         if c.cmp_lt(s.splat_f32(self.best)).bits() & bits != 0 {
@@ -139,32 +132,6 @@ impl Ties {
         self.count = 0;
         self.listed = 0;
         self.overflow = false;
-    }
-
-    /// [`fold`](Self::fold) for a group's costs as an array (the general
-    /// loop's form).
-    #[inline(always)]
-    fn fold_inline(&mut self, g: usize, c: [f32; LANES], bits: u8) {
-        let mut below = false;
-        let mut b = bits;
-        while b != 0 {
-            let lane = b.trailing_zeros() as usize;
-            b &= b - 1;
-            below |= c[lane] < self.best;
-        }
-        if below {
-            self.lower(c, bits);
-        }
-        let mut eq = 0u8;
-        let mut b = bits;
-        while b != 0 {
-            let lane = b.trailing_zeros() as usize;
-            b &= b - 1;
-            if c[lane] == self.best {
-                eq |= 1 << lane;
-            }
-        }
-        self.tie(g, eq);
     }
 
     /// Counts group `g`'s lanes `eq` tied at `best` and remembers the group
@@ -235,7 +202,9 @@ fn kv_cost_argmin_in<S: Simd, L: U32Source + ?Sized>(
         // costs are ignored, as `kv_cost`'s range ignores them.
         hi = c.max(hi);
         if c.cmp_le(best).bits() != 0 {
-            ties.fold(g, c.to_array(), bits);
+            // Inlined: a fleet where most rows tie (idle workers, nothing
+            // cached) comes here for every group.
+            ties.fold_lanes(s, g, c, bits);
             best = s.splat_f32(ties.best);
         }
     }
