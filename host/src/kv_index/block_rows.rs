@@ -22,7 +22,8 @@ use std::collections::HashMap;
 use std::hash::BuildHasherDefault;
 
 use super::rows::RowSet;
-use super::{BlockKeyHasher, BlockMap};
+use super::table::HashIndex;
+use super::BlockKeyHasher;
 
 /// The id of "no row holds the block" (such blocks are not in the table).
 const NONE: u32 = u32::MAX;
@@ -57,7 +58,7 @@ const REMEMBERED: usize = 32;
 /// Sequence hash -> the rows holding the block.
 #[derive(Debug)]
 pub(crate) struct BlockRows {
-    blocks: BlockMap<u32>,
+    blocks: HashIndex<u32>,
     sets: Vec<SharedSet>,
     free: Vec<u32>,
     /// Fingerprint -> the set found under it.
@@ -71,7 +72,7 @@ pub(crate) struct BlockRows {
 impl Default for BlockRows {
     fn default() -> Self {
         BlockRows {
-            blocks: BlockMap::default(),
+            blocks: HashIndex::default(),
             sets: Vec::new(),
             free: Vec::new(),
             by_print: HashMap::default(),
@@ -92,13 +93,13 @@ impl BlockRows {
     /// after a fingerprint collision.
     #[inline]
     pub(crate) fn get(&self, sequence: &u64) -> Option<&RowSet> {
-        self.blocks.get(sequence).map(|&id| &self.sets[id as usize].rows)
+        self.blocks.get(*sequence).map(|id| &self.sets[id as usize].rows)
     }
 
     /// Every block's rows (a set once per block naming it).
     #[cfg(test)]
     pub(crate) fn values(&self) -> impl Iterator<Item = &RowSet> {
-        self.blocks.values().map(|&id| &self.sets[id as usize].rows)
+        self.blocks.iter().map(|(_, id)| &self.sets[id as usize].rows)
     }
 
     /// Distinct sets in use.
@@ -122,7 +123,7 @@ impl BlockRows {
     /// Heap bytes, as allocated (hash tables: one control byte per slot).
     pub(crate) fn heap_bytes(&self) -> usize {
         let table = |cap: usize, entry: usize| cap * (entry + 1);
-        table(self.blocks.capacity(), std::mem::size_of::<(u64, u32)>())
+        self.blocks.heap_bytes()
             + table(self.by_print.capacity(), std::mem::size_of::<(u64, u32)>())
             + self.sets.capacity() * std::mem::size_of::<SharedSet>()
             + self.free.capacity() * 4
@@ -130,7 +131,7 @@ impl BlockRows {
     }
 
     fn change(&mut self, sequence: u64, row: u32, tier: u8, add: bool, rows: usize) {
-        let from = self.blocks.get(&sequence).copied().unwrap_or(NONE);
+        let from = self.blocks.get(sequence).unwrap_or(NONE);
         if from == NONE && !add {
             return;
         }
@@ -139,7 +140,7 @@ impl BlockRows {
             return;
         }
         if to == NONE {
-            self.blocks.remove(&sequence);
+            self.blocks.remove(sequence);
         } else {
             self.blocks.insert(sequence, to);
             self.sets[to as usize].blocks += 1;
@@ -278,7 +279,7 @@ impl BlockRows {
     /// names hold the same rows.
     pub(crate) fn check(&self) {
         let mut named = vec![0u32; self.sets.len()];
-        for &id in self.blocks.values() {
+        for (_, id) in self.blocks.iter() {
             named[id as usize] += 1;
         }
         for (id, set) in self.sets.iter().enumerate() {

@@ -132,6 +132,7 @@ mod hash;
 mod query;
 mod rows;
 mod shared;
+mod table;
 #[cfg(test)]
 mod tests;
 mod two_copies;
@@ -152,6 +153,7 @@ use crate::request::RowLayout;
 use crate::types::{WorkerId, WorkerWithDpRank};
 use block_rows::BlockRows;
 use rows::MAX_ROWS;
+use table::HashIndex;
 
 /// Hashes keys that are already hashes (block hashes) with one multiply,
 /// mixing the high half into the low bits first; keys of several integers
@@ -183,14 +185,13 @@ impl Hasher for BlockKeyHasher {
     }
 }
 
-type BlockMap<V> = HashMap<u64, V, BuildHasherDefault<BlockKeyHasher>>;
 type RankMap<V> = HashMap<WorkerWithDpRank, V, BuildHasherDefault<BlockKeyHasher>>;
 
 /// A block a rank holds: its sequence hash, the tiers it is in and when
 /// the rank last stored it (a store counter, for eviction), the last two
 /// packed in one word (16 bytes in all: the per-rank tables hold one per
 /// block per rank).
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, Default)]
 struct HeldBlock {
     sequence: u64,
     /// `stored_at << 3 | tiers`.
@@ -234,7 +235,7 @@ struct RankBlocks {
     /// The last event id applied.
     last_event: Option<u64>,
     /// Engine hash -> block.
-    blocks: BlockMap<HeldBlock>,
+    blocks: HashIndex<HeldBlock>,
 }
 
 /// Counts of what the index did, since it was built.
@@ -385,22 +386,16 @@ impl KvIndex {
 
     /// Blocks `worker` holds in `tier`.
     pub fn rank_blocks(&self, worker: WorkerWithDpRank, tier: StorageTier) -> usize {
-        self.ranks
-            .get(&worker)
-            .map_or(0, |r| r.blocks.values().filter(|b| b.tiers() & tier.bit() != 0).count())
+        self.ranks.get(&worker).map_or(0, |r| {
+            r.blocks.iter().filter(|(_, b)| b.tiers() & tier.bit() != 0).count()
+        })
     }
 
     /// Heap bytes of the block-to-rows table and the per-rank tables, as
-    /// allocated (an estimate: the hash tables' control bytes are counted
-    /// one per slot).
+    /// allocated (an estimate: the fingerprint table's control bytes are
+    /// counted one per slot, the rank table is left out).
     pub fn heap_bytes(&self) -> usize {
-        let table = |cap: usize, entry: usize| cap * (entry + 1);
-        self.blocks.heap_bytes()
-            + self
-                .ranks
-                .values()
-                .map(|r| table(r.blocks.capacity(), std::mem::size_of::<(u64, HeldBlock)>()))
-                .sum::<usize>()
+        self.blocks.heap_bytes() + self.ranks.values().map(|r| r.blocks.heap_bytes()).sum::<usize>()
     }
 
     /// Places the index on the service's rows: `layout` from
@@ -573,7 +568,7 @@ impl KvIndex {
             None => None,
             Some(parent) => {
                 let needed = if event.tier == StorageTier::Device { tier } else { 0b111 };
-                match state.blocks.get(&parent) {
+                match state.blocks.get(parent) {
                     Some(held) if held.tiers() & needed != 0 => Some(held.sequence),
                     _ => {
                         return Err(KvEventError::UnknownParent {
@@ -592,8 +587,7 @@ impl KvIndex {
             chain = Some(sequence);
             let held = state
                 .blocks
-                .entry(block.block_hash)
-                .or_insert(HeldBlock::new(sequence, 0, 0));
+                .get_or_insert(block.block_hash, HeldBlock::new(sequence, 0, 0));
             if self.max_blocks != usize::MAX {
                 held.set_stored_at(self.stores);
                 self.coldest.push_back((self.stores, rank, block.block_hash));
@@ -625,12 +619,12 @@ impl KvIndex {
         let state = self.ranks.get_mut(&rank).expect("the rank was created by apply");
         let (mut unknown, mut first) = (0usize, None);
         for &hash in hashes {
-            match state.blocks.get_mut(&hash) {
+            match state.blocks.get_mut(hash) {
                 Some(held) if held.tiers() & tier != 0 => {
                     held.set_tiers(held.tiers() & !tier);
                     let sequence = held.sequence;
                     if held.tiers() == 0 {
-                        state.blocks.remove(&hash);
+                        state.blocks.remove(hash);
                     }
                     if let Some(row) = state.row {
                         self.blocks.remove(sequence, row, tier);
@@ -676,7 +670,7 @@ impl KvIndex {
     fn unindex_rank(&mut self, rank: WorkerWithDpRank) {
         let Some(state) = self.ranks.get_mut(&rank) else { return };
         let Some(row) = state.row.take() else { return };
-        for held in state.blocks.values() {
+        for (_, held) in state.blocks.iter() {
             for t in [rows::DEVICE, rows::HOST, rows::DISK] {
                 if held.tiers() & t != 0 {
                     self.blocks.remove(held.sequence, row, t);
@@ -695,10 +689,10 @@ impl KvIndex {
             let Some(state) = self.ranks.get_mut(&rank) else {
                 continue;
             };
-            if state.blocks.get(&hash).is_none_or(|h| h.stored_at() != stored_at) {
+            if state.blocks.get(hash).is_none_or(|h| h.stored_at() != stored_at) {
                 continue; // stored again since, or gone
             }
-            let held = state.blocks.remove(&hash).expect("just seen");
+            let held = state.blocks.remove(hash).expect("just seen");
             if let Some(row) = state.row {
                 for t in [rows::DEVICE, rows::HOST, rows::DISK] {
                     if held.tiers() & t != 0 {
@@ -718,7 +712,7 @@ impl KvIndex {
             let mut live: Vec<(u64, WorkerWithDpRank, u64)> = self
                 .ranks
                 .iter()
-                .flat_map(|(&rank, state)| state.blocks.iter().map(move |(&hash, h)| (h.stored_at(), rank, hash)))
+                .flat_map(|(&rank, state)| state.blocks.iter().map(move |(hash, h)| (h.stored_at(), rank, hash)))
                 .collect();
             live.sort_unstable_by_key(|e| e.0);
             self.coldest = live.into();
@@ -735,7 +729,7 @@ impl KvIndex {
             Some(row) => {
                 state.row = Some(row);
                 state.had_row = true;
-                for held in state.blocks.values() {
+                for (_, held) in state.blocks.iter() {
                     for t in [rows::DEVICE, rows::HOST, rows::DISK] {
                         if held.tiers() & t != 0 {
                             self.blocks.insert(held.sequence, row, t, rows);
