@@ -588,10 +588,12 @@ fn main() -> ExitCode {
     println!("## Full path: tokens to a booked and released worker");
     println!();
     println!(
-        "{FULL_PATH_WORKERS} workers, a {FULL_PATH_TOKENS}-token prompt nobody holds. selkie: hash, index query \
-         (the {FULL_PATH_WORKERS}-worker fleet above indexed), select + book + release. Dynamo: \
+        "{FULL_PATH_WORKERS} workers, a {FULL_PATH_TOKENS}-token prompt. selkie: hash (block by block as the \
+         index walk goes, so not past the first block no row holds), index query, select + book + release; a \
+         prompt nobody holds (the {FULL_PATH_WORKERS}-worker fleet above indexed), and a prompt whose first 96 \
+         blocks the workers of one shared prompt hold (the `host_kv_index_t0` fixture). Dynamo: \
          `SelectionCore::select_and_reserve` + `free_reservation` on a local core of {FULL_PATH_WORKERS} idle \
-         workers."
+         workers (it hashes every block of the prompt)."
     );
     println!();
     println!("| selkie's prompt | Dynamo ns | selkie ns | ratio |");
