@@ -139,21 +139,8 @@ impl<V: Copy + Default> HashIndex<V> {
         if key == EMPTY {
             return self.zero.take();
         }
-        if self.keys.is_empty() {
-            return None;
-        }
+        let mut hole = self.slot(key)?;
         let mask = self.keys.len() - 1;
-        let mut hole = self.home(key);
-        loop {
-            let k = self.keys[hole];
-            if k == EMPTY {
-                return None;
-            }
-            if k == key {
-                break;
-            }
-            hole = (hole + 1) & mask;
-        }
         let id = self.ids[hole];
         self.keys[hole] = EMPTY;
         self.len -= 1;
