@@ -555,33 +555,6 @@ fn last_eligible(mask: &[u64], rows: usize) -> Option<usize> {
     })
 }
 
-/// The eligible bits and weights of lane group `g`, `None` when no row of it
-/// is eligible (a function, not a closure: closures do not inherit the AVX2
-/// entry point's target features when LLVM declines to inline them).
-#[inline(always)]
-fn group_weights<S: Simd, C: F32Source + ?Sized>(
-    s: S,
-    lanes: &SoftmaxLanes,
-    costs: &C,
-    mask: &[u64],
-    rows: usize,
-    c_min: f32,
-    g: usize,
-) -> Option<(u8, S::F32)> {
-    if g * LANES >= rows {
-        return None;
-    }
-    let mut bits = group_bits(mask, g);
-    if (g + 1) * LANES > rows {
-        bits &= (1u8 << (rows - g * LANES)) - 1;
-    }
-    if bits == 0 {
-        None
-    } else {
-        Some((bits, lanes.weights(s, cost_lanes(s, costs, g, c_min), bits)))
-    }
-}
-
 /// Rows per mask word: the softmax sums weights a word at a time.
 const WORD_ROWS: usize = 64;
 const GROUPS_PER_WORD: usize = WORD_ROWS / LANES;
@@ -597,36 +570,119 @@ fn word_bits(mask: &[u64], rows: usize, w: usize) -> u64 {
     }
 }
 
-/// The sum of mask word `w`'s weights (eligible bits `bits`, not 0): the
-/// word's lane groups added lane by lane in row order, then the lanes
-/// reduced. A word whose 64 rows are all eligible skips the lane masks
-/// (`HALVED` is `lanes.halved()`).
-#[allow(clippy::too_many_arguments)]
-#[inline(always)]
-fn word_sum<S: Simd, C: F32Source + ?Sized, const HALVED: bool>(
-    s: S,
-    lanes: &SoftmaxLanes,
-    costs: &C,
-    mask: &[u64],
+/// What the softmax's two passes read: the weights' parameters, the costs,
+/// the eligible rows and the least cost.
+struct Weights<'a, C: ?Sized> {
+    lanes: SoftmaxLanes,
+    costs: &'a C,
+    mask: &'a [u64],
     rows: usize,
     c_min: f32,
-    w: usize,
-    bits: u64,
-) -> f32 {
-    let first = w * GROUPS_PER_WORD;
-    let mut acc = s.splat_f32(0.0);
-    if bits == u64::MAX && lanes.unmasked() {
-        for c in costs.lanes8(s, first) {
-            acc = acc + lanes.weights_all::<S, HALVED>(s, c);
+}
+
+impl<C: F32Source + ?Sized> Weights<'_, C> {
+    /// The eligible bits and weights of lane group `g`, `None` when no row
+    /// of it is eligible (a function, not a closure: closures do not inherit
+    /// the AVX2 entry point's target features when LLVM declines to inline
+    /// them).
+    #[inline(always)]
+    fn group<S: Simd>(&self, s: S, g: usize) -> Option<(u8, S::F32)> {
+        if g * LANES >= self.rows {
+            return None;
         }
-    } else {
-        for g in first..first + GROUPS_PER_WORD {
-            if let Some((_, wts)) = group_weights(s, lanes, costs, mask, rows, c_min, g) {
-                acc = acc + wts;
-            }
+        let mut bits = group_bits(self.mask, g);
+        if (g + 1) * LANES > self.rows {
+            bits &= (1u8 << (self.rows - g * LANES)) - 1;
+        }
+        if bits == 0 {
+            None
+        } else {
+            let costs = cost_lanes(s, self.costs, g, self.c_min);
+            Some((bits, self.lanes.weights(s, costs, bits)))
         }
     }
-    acc.reduce_add()
+
+    /// The sum of mask word `w`'s weights (eligible bits `bits`, not 0): the
+    /// word's lane groups added lane by lane in row order, then the lanes
+    /// reduced. A word whose 64 rows are all eligible skips the lane masks
+    /// (`HALVED` is `lanes.halved()`).
+    #[inline(always)]
+    fn word_sum<S: Simd, const HALVED: bool>(&self, s: S, w: usize, bits: u64) -> f32 {
+        let first = w * GROUPS_PER_WORD;
+        let mut acc = s.splat_f32(0.0);
+        if bits == u64::MAX && self.lanes.unmasked() {
+            for c in self.costs.lanes8(s, first) {
+                acc = acc + self.lanes.weights_all::<S, HALVED>(s, c);
+            }
+        } else {
+            for g in first..first + GROUPS_PER_WORD {
+                if let Some((_, wts)) = self.group(s, g) {
+                    acc = acc + wts;
+                }
+            }
+        }
+        acc.reduce_add()
+    }
+
+    /// [`word_sum`](Self::word_sum) with `HALVED` read from the lanes.
+    #[inline(always)]
+    fn word_sum_any<S: Simd>(&self, s: S, w: usize, bits: u64) -> f32 {
+        if self.lanes.halved() {
+            self.word_sum::<S, true>(s, w, bits)
+        } else {
+            self.word_sum::<S, false>(s, w, bits)
+        }
+    }
+
+    /// The first pass: the sum of every word's weights in `f64`, the first
+    /// words' sums kept in `sums` (`HALVED` is `lanes.halved()`, chosen once
+    /// for the pass).
+    #[inline(always)]
+    fn first_pass<S: Simd, const HALVED: bool>(&self, s: S, sums: &mut [f32; REMEMBERED_WORD_SUMS]) -> f64 {
+        let mut total = 0.0f64;
+        for w in 0..self.rows.div_ceil(WORD_ROWS) {
+            let bits = word_bits(self.mask, self.rows, w);
+            if bits != 0 {
+                let ws = self.word_sum::<S, HALVED>(s, w, bits);
+                if let Some(slot) = sums.get_mut(w) {
+                    *slot = ws;
+                }
+                total += ws as f64;
+            }
+        }
+        total
+    }
+
+    /// The walk inside mask word `w` (eligible bits `bits`, not 0), whose
+    /// sum crosses `target` from `cum`: group sums, then the lanes of the
+    /// group that crosses it. If rounding leaves the word's own walk short
+    /// of the target (its group sums can add up a little below the word's
+    /// sum), the word's last eligible row.
+    #[inline(always)]
+    fn walk_word<S: Simd>(&self, s: S, w: usize, bits: u64, mut cum: f64, target: f64) -> usize {
+        let first = w * GROUPS_PER_WORD;
+        for g in first..first + GROUPS_PER_WORD {
+            let Some((gbits, wts)) = self.group(s, g) else {
+                continue;
+            };
+            let gs = wts.reduce_add() as f64;
+            if target <= cum + gs {
+                let wts = wts.to_array();
+                let mut b = gbits;
+                while b != 0 {
+                    let lane = b.trailing_zeros() as usize;
+                    b &= b - 1;
+                    cum += wts[lane] as f64;
+                    if target <= cum {
+                        return g * LANES + lane;
+                    }
+                }
+            } else {
+                cum += gs;
+            }
+        }
+        w * WORD_ROWS + 63 - bits.leading_zeros() as usize
+    }
 }
 
 /// Word sums whose first pass the softmax remembers on the stack (4 KiB:
@@ -658,15 +714,21 @@ fn softmax_walk<S: Simd, C: F32Source + ?Sized>(
         let k = (libm::ceil(target) as usize).max(1) - 1;
         return nth(mask, rows, k.min(n - 1)).unwrap_or(last);
     }
-    let lanes = SoftmaxLanes::new(c_min, c_max, temperature);
+    let weights = Weights {
+        lanes: SoftmaxLanes::new(c_min, c_max, temperature),
+        costs,
+        mask,
+        rows,
+        c_min,
+    };
     let words = rows.div_ceil(WORD_ROWS);
     // Pass 1: the total, as a sum of per-word f32 sums in f64, remembering
     // the first words' sums (0 for a word without eligible rows).
     let mut sums = [0.0f32; REMEMBERED_WORD_SUMS];
-    let total = if lanes.halved() {
-        first_pass::<S, C, true>(s, &lanes, costs, mask, rows, c_min, &mut sums)
+    let total = if weights.lanes.halved() {
+        weights.first_pass::<S, true>(s, &mut sums)
     } else {
-        first_pass::<S, C, false>(s, &lanes, costs, mask, rows, c_min, &mut sums)
+        weights.first_pass::<S, false>(s, &mut sums)
     };
     let target = u * total;
     // Pass 2: walk the word sums (remembered, or recomputed past them) to
@@ -680,86 +742,15 @@ fn softmax_walk<S: Simd, C: F32Source + ?Sized>(
         }
         let ws = match sums.get(w) {
             Some(&ws) => ws,
-            None if lanes.halved() => word_sum::<S, C, true>(s, &lanes, costs, mask, rows, c_min, w, bits),
-            None => word_sum::<S, C, false>(s, &lanes, costs, mask, rows, c_min, w, bits),
+            None => weights.word_sum_any(s, w, bits),
         } as f64;
         if target > cum + ws {
             cum += ws;
             continue;
         }
-        return walk_word(s, &lanes, costs, mask, rows, c_min, w, bits, cum, target);
+        return weights.walk_word(s, w, bits, cum, target);
     }
     last
-}
-
-/// The softmax's first pass: the sum of every word's weights in `f64`, the
-/// first words' sums kept in `sums` (`HALVED` is `lanes.halved()`, chosen
-/// once for the pass).
-#[inline(always)]
-fn first_pass<S: Simd, C: F32Source + ?Sized, const HALVED: bool>(
-    s: S,
-    lanes: &SoftmaxLanes,
-    costs: &C,
-    mask: &[u64],
-    rows: usize,
-    c_min: f32,
-    sums: &mut [f32; REMEMBERED_WORD_SUMS],
-) -> f64 {
-    let mut total = 0.0f64;
-    for w in 0..rows.div_ceil(WORD_ROWS) {
-        let bits = word_bits(mask, rows, w);
-        if bits != 0 {
-            let ws = word_sum::<S, C, HALVED>(s, lanes, costs, mask, rows, c_min, w, bits);
-            if let Some(slot) = sums.get_mut(w) {
-                *slot = ws;
-            }
-            total += ws as f64;
-        }
-    }
-    total
-}
-
-/// The walk inside mask word `w` (eligible bits `bits`, not 0), whose sum
-/// crosses `target` from `cum`: group sums, then the lanes of the group that
-/// crosses it. If rounding leaves the word's own walk short of the target
-/// (its group sums can add up a little below the word's sum), the word's
-/// last eligible row.
-#[allow(clippy::too_many_arguments)]
-#[inline(always)]
-fn walk_word<S: Simd, C: F32Source + ?Sized>(
-    s: S,
-    lanes: &SoftmaxLanes,
-    costs: &C,
-    mask: &[u64],
-    rows: usize,
-    c_min: f32,
-    w: usize,
-    bits: u64,
-    mut cum: f64,
-    target: f64,
-) -> usize {
-    let first = w * GROUPS_PER_WORD;
-    for g in first..first + GROUPS_PER_WORD {
-        let Some((gbits, wts)) = group_weights(s, lanes, costs, mask, rows, c_min, g) else {
-            continue;
-        };
-        let gs = wts.reduce_add() as f64;
-        if target <= cum + gs {
-            let wts = wts.to_array();
-            let mut b = gbits;
-            while b != 0 {
-                let lane = b.trailing_zeros() as usize;
-                b &= b - 1;
-                cum += wts[lane] as f64;
-                if target <= cum {
-                    return g * LANES + lane;
-                }
-            }
-        } else {
-            cum += gs;
-        }
-    }
-    w * WORD_ROWS + 63 - bits.leading_zeros() as usize
 }
 
 /// One row's softmax weight as the reference computes it, in `f64`:
