@@ -33,7 +33,7 @@
 //! events per second (selkie's index synced to the service's rows after
 //! each worker's first event, so every block goes onto its row as it is
 //! applied; for the thread-pool indexer: enqueue all, then wait for its
-//! flush). **Memory**: live heap bytes the index holds after
+//! flush), the fastest of five builds that take turns. **Memory**: live heap bytes the index holds after
 //! ingestion (a counting global allocator; Dynamo's thread pool included)
 //! per distinct block and per (worker, block) entry.
 //!
@@ -115,6 +115,8 @@ const QUERY_BLOCKS: usize = 128;
 const RUN_BLOCKS: usize = 32;
 const BLOCK_SIZE: u32 = 16;
 const ROUNDS: usize = 51;
+/// Builds of each index from its events, taking turns.
+const INGEST_TURNS: usize = 5;
 const BATCH: Duration = Duration::from_millis(1);
 /// The timing loop of the run.
 const TIMING: Timing = Timing {
@@ -366,37 +368,47 @@ fn main() -> ExitCode {
         let service = service(workers);
         let blocks = fleet.selkie_blocks();
 
-        // Ingestion and memory, each index built alone from its events.
-        let before = live();
-        let start = Instant::now();
-        let mut index = KvIndex::new(BLOCK_SIZE);
-        fleet.feed(&mut index, &blocks, &service);
-        let selkie_s = start.elapsed().as_secs_f64();
-        let selkie_bytes = live() - before;
+        // Ingestion and memory, each index built alone from its events,
+        // the three taking turns; the fastest of the turns is reported (a
+        // first build also pays for fresh pages). The last build of each
+        // stays for the queries.
+        let (mut selkie_s, mut radix_s, mut concurrent_s) = (f64::MAX, f64::MAX, f64::MAX);
+        let mut built = None;
+        for _ in 0..INGEST_TURNS {
+            drop(built.take());
+            let before = live();
+            let start = Instant::now();
+            let mut index = KvIndex::new(BLOCK_SIZE);
+            fleet.feed(&mut index, &blocks, &service);
+            selkie_s = selkie_s.min(start.elapsed().as_secs_f64());
+            let selkie_bytes = live() - before;
 
-        // Dynamo's indexers consume and drop their events: the live bytes
-        // are taken before the events are built, so what stays is the
-        // index alone.
-        let before = live();
-        let events = fleet.dynamo_events();
-        let start = Instant::now();
-        let mut radix = RadixTree::new();
-        for e in events {
-            radix.apply_event(e).expect("the fleet's events are in order");
-        }
-        let radix_s = start.elapsed().as_secs_f64();
-        let radix_bytes = live() - before;
+            // Dynamo's indexers consume and drop their events: the live
+            // bytes are taken before the events are built, so what stays
+            // is the index alone.
+            let before = live();
+            let events = fleet.dynamo_events();
+            let start = Instant::now();
+            let mut radix = RadixTree::new();
+            for e in events {
+                radix.apply_event(e).expect("the fleet's events are in order");
+            }
+            radix_s = radix_s.min(start.elapsed().as_secs_f64());
+            let radix_bytes = live() - before;
 
-        let before = live();
-        let events = fleet.dynamo_events();
-        let start = Instant::now();
-        let pool = ThreadPoolIndexer::new(ConcurrentRadixTreeCompressed::new(), 1, BLOCK_SIZE);
-        for e in events {
-            pool.enqueue_event(e).expect("the indexer thread runs");
+            let before = live();
+            let events = fleet.dynamo_events();
+            let start = Instant::now();
+            let pool = ThreadPoolIndexer::new(ConcurrentRadixTreeCompressed::new(), 1, BLOCK_SIZE);
+            for e in events {
+                pool.enqueue_event(e).expect("the indexer thread runs");
+            }
+            runtime.block_on(pool.flush_and_wait()).expect("the indexer flushes");
+            concurrent_s = concurrent_s.min(start.elapsed().as_secs_f64());
+            let concurrent_bytes = live() - before;
+            built = Some((index, radix, pool, [selkie_bytes, radix_bytes, concurrent_bytes]));
         }
-        runtime.block_on(pool.flush_and_wait()).expect("the indexer flushes");
-        let concurrent_s = start.elapsed().as_secs_f64();
-        let concurrent_bytes = live() - before;
+        let (mut index, radix, pool, [selkie_bytes, radix_bytes, concurrent_bytes]) = built.expect("at least one turn");
         let n = fleet.runs.len();
         ingest_rows.push(IngestRow {
             workers,
@@ -554,10 +566,11 @@ fn main() -> ExitCode {
     println!("## Ingestion and memory");
     println!();
     println!(
-        "Events per second applying the fleet's stored events to an empty index (selkie: synced to the \
-         service's rows after each worker's first event, so blocks go onto rows as they are applied; \
-         ConcurrentRadixTreeCompressed: a one-thread ThreadPoolIndexer, enqueue then flush). Bytes: live heap the index holds after ingestion, \
-         per distinct block and per (worker, block) entry."
+        "Events per second applying the fleet's stored events to an empty index, the fastest of \
+         {INGEST_TURNS} builds taking turns (selkie: synced to the service's rows after each worker's first \
+         event, so blocks go onto rows as they are applied; ConcurrentRadixTreeCompressed: a one-thread \
+         ThreadPoolIndexer, enqueue then flush). Bytes: live heap the index holds after ingestion, per \
+         distinct block and per (worker, block) entry."
     );
     println!();
     println!(

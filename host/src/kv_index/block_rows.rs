@@ -131,10 +131,17 @@ impl BlockRows {
     }
 
     fn change(&mut self, sequence: u64, row: u32, tier: u8, add: bool, rows: usize) {
-        let from = self.blocks.get(sequence).unwrap_or(NONE);
-        if from == NONE && !add {
-            return;
-        }
+        // One probe: an addition inserts the block (as `NONE`) if it is
+        // new; `next_set` leaves the table alone, so the entry stays put.
+        let entry = if add {
+            self.blocks.index_or_insert(sequence, NONE)
+        } else {
+            match self.blocks.index_of(sequence) {
+                Some(entry) => entry,
+                None => return,
+            }
+        };
+        let from = self.blocks.at(entry);
         let to = self.next_set(from, row, tier, add, rows);
         if to == from {
             return;
@@ -142,7 +149,7 @@ impl BlockRows {
         if to == NONE {
             self.blocks.remove(sequence);
         } else {
-            self.blocks.insert(sequence, to);
+            *self.blocks.at_mut(entry) = to;
             self.sets[to as usize].blocks += 1;
         }
         if from != NONE {

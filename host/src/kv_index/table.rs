@@ -3,34 +3,44 @@
 //!
 //! A lookup is one multiply for the home slot (the top bits of the product,
 //! so sequential keys spread too) and, usually, one or two key comparisons
-//! in a row of the `keys` array; a miss stops at the first empty slot. Keys
-//! and values are separate arrays (a sequence hash's slot is 12 bytes) and
-//! the table grows past 4/5 full. Removal shifts the entries after the hole
-//! back (no tombstones), so probe runs never outlive their entries.
+//! along the entries; a miss stops at the first empty slot. A key and its
+//! value share an entry (one cache line holds both), an insertion probes
+//! once (finding the key or the empty slot it takes), and the table grows
+//! past 4/5 full. Removal shifts the entries after the hole back (no
+//! tombstones), so probe runs never outlive their entries.
 
-/// Key 0 marks an empty slot; a block whose sequence hash is 0 is kept
-/// apart, in `zero`.
+/// Key 0 marks an empty slot; key 0 itself is kept in the entry after the
+/// probed ones.
 const EMPTY: u64 = 0;
 
 #[derive(Clone, Debug, Default)]
 pub(crate) struct HashIndex<V> {
-    keys: Vec<u64>,
-    ids: Vec<V>,
-    /// Keys in the slots (not counting `zero`).
+    /// A power of two of probed entries, then key 0's entry (no entries
+    /// before the first insertion).
+    entries: Vec<(u64, V)>,
+    /// Keys in the probed entries (not counting key 0).
     len: usize,
-    /// `64 - log2(slots)`: the home slot is the top bits of the product.
+    /// `64 - log2(probed entries)`: the home slot is the top bits of the
+    /// product.
     shift: u32,
-    zero: Option<V>,
+    /// Whether key 0 is present (its value in the last entry).
+    has_zero: bool,
 }
 
 impl<V: Copy + Default> HashIndex<V> {
     pub(crate) fn len(&self) -> usize {
-        self.len + usize::from(self.zero.is_some())
+        self.len + usize::from(self.has_zero)
     }
 
     /// Heap bytes, as allocated.
     pub(crate) fn heap_bytes(&self) -> usize {
-        self.keys.capacity() * 8 + self.ids.capacity() * std::mem::size_of::<V>()
+        self.entries.capacity() * std::mem::size_of::<(u64, V)>()
+    }
+
+    /// Probed entries (a power of two, or 0).
+    #[inline]
+    fn slots(&self) -> usize {
+        self.entries.len().saturating_sub(1)
     }
 
     #[inline]
@@ -40,30 +50,42 @@ impl<V: Copy + Default> HashIndex<V> {
 
     #[inline]
     pub(crate) fn get(&self, key: u64) -> Option<V> {
-        if key == EMPTY {
-            return self.zero;
-        }
-        self.slot(key).map(|i| self.ids[i])
+        self.index_of(key).map(|i| self.entries[i].1)
     }
 
     #[inline]
     pub(crate) fn get_mut(&mut self, key: u64) -> Option<&mut V> {
-        if key == EMPTY {
-            return self.zero.as_mut();
-        }
-        self.slot(key).map(|i| &mut self.ids[i])
+        self.index_of(key).map(|i| &mut self.entries[i].1)
     }
 
-    /// The slot holding `key` (not 0).
+    /// The value at `index` (from [`index_of`](Self::index_of) or
+    /// [`index_or_insert`](Self::index_or_insert), with no removal or
+    /// insertion since).
     #[inline]
-    fn slot(&self, key: u64) -> Option<usize> {
-        if self.keys.is_empty() {
+    pub(crate) fn at(&self, index: usize) -> V {
+        self.entries[index].1
+    }
+
+    /// The value at `index`, to change (as for [`at`](Self::at)).
+    #[inline]
+    pub(crate) fn at_mut(&mut self, index: usize) -> &mut V {
+        &mut self.entries[index].1
+    }
+
+    /// The entry holding `key`.
+    #[inline]
+    pub(crate) fn index_of(&self, key: u64) -> Option<usize> {
+        let slots = self.slots();
+        if key == EMPTY {
+            return self.has_zero.then_some(slots);
+        }
+        if slots == 0 {
             return None;
         }
-        let mask = self.keys.len() - 1;
+        let mask = slots - 1;
         let mut i = self.home(key);
         loop {
-            let k = self.keys[i];
+            let k = self.entries[i].0;
             if k == key {
                 return Some(i);
             }
@@ -74,22 +96,49 @@ impl<V: Copy + Default> HashIndex<V> {
         }
     }
 
-    /// `key`'s value, inserting `value` first if the key is absent.
-    pub(crate) fn get_or_insert(&mut self, key: u64, value: V) -> &mut V {
-        if key == EMPTY {
-            return self.zero.get_or_insert(value);
+    /// The entry holding `key`, inserted with `value` first if the key is
+    /// absent: one probe either way.
+    #[inline]
+    pub(crate) fn index_or_insert(&mut self, key: u64, value: V) -> usize {
+        if (self.len + 1) * 5 > self.slots() * 4 {
+            self.grow();
         }
-        let i = match self.slot(key) {
-            Some(i) => i,
-            None => self.place(key, value).0,
-        };
-        &mut self.ids[i]
+        let slots = self.slots();
+        if key == EMPTY {
+            if !self.has_zero {
+                self.has_zero = true;
+                self.entries[slots].1 = value;
+            }
+            return slots;
+        }
+        let mask = slots - 1;
+        let mut i = self.home(key);
+        loop {
+            let k = self.entries[i].0;
+            if k == key {
+                return i;
+            }
+            if k == EMPTY {
+                self.entries[i] = (key, value);
+                self.len += 1;
+                return i;
+            }
+            i = (i + 1) & mask;
+        }
+    }
+
+    /// `key`'s value, inserting `value` first if the key is absent.
+    #[inline]
+    pub(crate) fn get_or_insert(&mut self, key: u64, value: V) -> &mut V {
+        let i = self.index_or_insert(key, value);
+        &mut self.entries[i].1
     }
 
     /// Keeps the entries `keep` returns `true` for (it may change them).
     pub(crate) fn retain(&mut self, mut keep: impl FnMut(u64, &mut V) -> bool) {
+        let slots = self.slots();
         let mut gone = Vec::new();
-        for (k, v) in self.keys.iter().zip(self.ids.iter_mut()) {
+        for (k, v) in &mut self.entries[..slots] {
             if *k != EMPTY && !keep(*k, v) {
                 gone.push(*k);
             }
@@ -97,91 +146,73 @@ impl<V: Copy + Default> HashIndex<V> {
         for k in gone {
             self.remove(k);
         }
-        if let Some(v) = self.zero.as_mut() {
-            if !keep(EMPTY, v) {
-                self.zero = None;
-            }
+        if self.has_zero && !keep(EMPTY, &mut self.entries[slots].1) {
+            self.has_zero = false;
         }
     }
 
-    /// Sets `key`'s id; returns the id it had.
-    pub(crate) fn insert(&mut self, key: u64, id: V) -> Option<V> {
-        if key == EMPTY {
-            return self.zero.replace(id);
+    /// Sets `key`'s value; returns the value it had.
+    #[cfg(test)]
+    pub(crate) fn insert(&mut self, key: u64, value: V) -> Option<V> {
+        let had = self.len();
+        let i = self.index_or_insert(key, value);
+        if self.len() > had {
+            return None;
         }
-        self.place(key, id).1
+        Some(std::mem::replace(&mut self.entries[i].1, value))
     }
 
-    /// Sets `key`'s (not 0) value; returns its slot and the value it had.
-    fn place(&mut self, key: u64, id: V) -> (usize, Option<V>) {
-        if (self.len + 1) * 5 > self.keys.len() * 4 {
-            self.grow();
-        }
-        let mask = self.keys.len() - 1;
-        let mut i = self.home(key);
-        loop {
-            let k = self.keys[i];
-            if k == key {
-                return (i, Some(std::mem::replace(&mut self.ids[i], id)));
-            }
-            if k == EMPTY {
-                self.keys[i] = key;
-                self.ids[i] = id;
-                self.len += 1;
-                return (i, None);
-            }
-            i = (i + 1) & mask;
-        }
-    }
-
-    /// Removes `key`; returns its id.
+    /// Removes `key`; returns its value.
     pub(crate) fn remove(&mut self, key: u64) -> Option<V> {
+        let mut hole = self.index_of(key)?;
+        let value = self.entries[hole].1;
         if key == EMPTY {
-            return self.zero.take();
+            self.has_zero = false;
+            return Some(value);
         }
-        let mut hole = self.slot(key)?;
-        let mask = self.keys.len() - 1;
-        let id = self.ids[hole];
-        self.keys[hole] = EMPTY;
+        let mask = self.slots() - 1;
+        self.entries[hole].0 = EMPTY;
         self.len -= 1;
         // Every entry of the run after the hole that the hole lies on the
         // probe path of (between its home and its slot) moves into it.
         let mut j = hole;
         loop {
             j = (j + 1) & mask;
-            let k = self.keys[j];
+            let k = self.entries[j].0;
             if k == EMPTY {
-                return Some(id);
+                return Some(value);
             }
             let home = self.home(k);
             if (j.wrapping_sub(home) & mask) >= (j.wrapping_sub(hole) & mask) {
-                self.keys[hole] = k;
-                self.ids[hole] = self.ids[j];
-                self.keys[j] = EMPTY;
+                self.entries[hole] = self.entries[j];
+                self.entries[j].0 = EMPTY;
                 hole = j;
             }
         }
     }
 
-    /// Every `(key, id)`.
+    /// Every `(key, value)`.
     pub(crate) fn iter(&self) -> impl Iterator<Item = (u64, V)> + '_ {
-        let slots = self.keys.iter().zip(&self.ids).filter(|(&k, _)| k != EMPTY);
-        slots.map(|(&k, &id)| (k, id)).chain(self.zero.map(|id| (EMPTY, id)))
+        let slots = self.slots();
+        let probed = self.entries[..slots].iter().filter(|(k, _)| *k != EMPTY).copied();
+        probed.chain(self.has_zero.then(|| (EMPTY, self.entries[slots].1)))
     }
 
     fn grow(&mut self) {
-        let slots = (self.keys.len() * 2).max(16);
-        let keys = std::mem::replace(&mut self.keys, vec![EMPTY; slots]);
-        let ids = std::mem::replace(&mut self.ids, vec![V::default(); slots]);
+        let slots = (self.slots() * 2).max(16);
+        let old = std::mem::replace(&mut self.entries, vec![(EMPTY, V::default()); slots + 1]);
         self.shift = 64 - slots.trailing_zeros();
         let mask = slots - 1;
-        for (k, id) in keys.into_iter().zip(ids).filter(|&(k, _)| k != EMPTY) {
+        let Some((&(_, zero), probed)) = old.split_last() else {
+            return;
+        };
+        self.entries[slots].1 = zero;
+        for &(k, v) in probed.iter().filter(|(k, _)| *k != EMPTY) {
             let mut i = self.home(k);
-            while self.keys[i] != EMPTY {
+            while self.entries[i].0 != EMPTY {
                 i = (i + 1) & mask;
             }
-            self.keys[i] = k;
-            self.ids[i] = id;
+            self.entries[i] = (k, v);
         }
     }
 }
@@ -270,7 +301,7 @@ mod tests {
         for (i, &k) in same.iter().enumerate() {
             table.insert(k, i as u32 + 10);
         }
-        assert_eq!(table.keys.len(), 16, "no growth yet");
+        assert_eq!(table.slots(), 16, "no growth yet");
         table.remove(same[2]);
         table.remove(1);
         for (i, &k) in same.iter().enumerate().filter(|&(i, _)| i != 2) {

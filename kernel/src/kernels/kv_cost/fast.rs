@@ -261,10 +261,70 @@ fn scan_loop<S: Simd, W: GroupValues, const DECODE: bool, const REQ: bool>(
     hi: &mut S::F32,
 ) {
     let mut g = 0;
+    let mut folds = 0;
     while let Some((at, c, bits)) = next_candidate::<S, W, DECODE, REQ>(s, plan, &cols, mask, g, ties.best, hi) {
         ties.fold_lanes(s, at, c, bits);
         g = at + 1;
+        folds += 1;
+        if folds == FOLDS_BEFORE_TIE_LOOP {
+            tie_loop::<S, W, DECODE, REQ>(s, plan, &cols, mask, g, ties, hi);
+            return;
+        }
     }
+}
+
+/// Groups folded by [`scan_loop`]'s search before it hands the rest of the
+/// scan to [`tie_loop`]: a fleet where this many groups hold the running
+/// minimum or tie with it (idle workers, nothing cached: every group ties)
+/// is cheaper to scan with the fold in the loop than by leaving and
+/// re-entering the search at every group.
+const FOLDS_BEFORE_TIE_LOOP: usize = 16;
+
+/// The rest of [`scan_loop`]'s scan from lane group `g` on, with the fold
+/// inside the loop: every group's costs folded into `hi` (as
+/// [`next_candidate`] does) and, where an eligible lane is `<= best`, into
+/// the running minimum and its ties.
+#[inline(always)]
+fn tie_loop<S: Simd, W: GroupValues, const DECODE: bool, const REQ: bool>(
+    s: S,
+    plan: &Plan<'_>,
+    cols: &Cols<'_, W>,
+    mask: &[u64],
+    g: usize,
+    ties: &mut Ties,
+    hi: &mut S::F32,
+) {
+    let k = Consts::new(s, plan);
+    let mut best = s.splat_f32(ties.best);
+    let mut acc = *hi;
+    for w in g / 8..cols.device.len() {
+        let word = mask.get(w).copied().unwrap_or(0);
+        let from = if w == g / 8 { g % 8 } else { 0 };
+        if word == u64::MAX && from == 0 {
+            for i in 0..8 {
+                let c = fast_cost_lanes::<S, W, DECODE, REQ>(s, &k, cols, w, i);
+                acc = c.max(acc);
+                if c.cmp_le(best).bits() != 0 {
+                    ties.fold_lanes(s, w * 8 + i, c, 0xFF);
+                    best = s.splat_f32(ties.best);
+                }
+            }
+        } else if word != 0 {
+            for i in from..8 {
+                let bits = (word >> (i * 8)) as u8;
+                if bits == 0 {
+                    continue;
+                }
+                let c = fast_cost_lanes::<S, W, DECODE, REQ>(s, &k, cols, w, i);
+                acc = c.max(acc);
+                if c.cmp_le(best).bits() & bits != 0 {
+                    ties.fold_lanes(s, w * 8 + i, c, bits);
+                    best = s.splat_f32(ties.best);
+                }
+            }
+        }
+    }
+    *hi = acc;
 }
 
 /// From lane group `g` on, the first group with an eligible cost `<= best`
