@@ -861,7 +861,7 @@ fn kv_cost_argmin_with_every_row_tied() {
 /// row below the others far into the scan. Every row and draw agrees with
 /// the unfused path on every backend and on fleet counters.
 #[test]
-fn kv_cost_argmin_on_an_idle_fleet_in_a_one_shape_loop() {
+fn kv_cost_argmin_when_idle_rows_tie_in_a_one_shape_loop() {
     let rows = 1000;
     let request = KvRequest::new(64, bs16(), true, WorkerRole::Aggregated);
     for lower in [None, Some(3), Some(700), Some(999)] {
