@@ -157,6 +157,25 @@ struct Run {
     blocks: Vec<(u64, u64)>,
 }
 
+impl Run {
+    /// The run as Dynamo's stored-event data.
+    fn dynamo_stored(&self) -> KvCacheEventData {
+        KvCacheEventData::Stored(KvCacheStoreData {
+            parent_hash: self.parent.map(ExternalSequenceBlockHash),
+            start_position: None,
+            blocks: self
+                .blocks
+                .iter()
+                .map(|&(seq, local)| KvCacheStoredBlockData {
+                    block_hash: ExternalSequenceBlockHash(seq),
+                    tokens_hash: LocalBlockHash(local),
+                    mm_extra_info: None,
+                })
+                .collect(),
+        })
+    }
+}
+
 /// A fleet: its stored runs (in event order) and the query chains.
 struct Fleet {
     workers: usize,
@@ -254,19 +273,7 @@ impl Fleet {
                     KvCacheEvent {
                         event_id: r.id,
                         dp_rank: 0,
-                        data: KvCacheEventData::Stored(KvCacheStoreData {
-                            parent_hash: r.parent.map(ExternalSequenceBlockHash),
-                            start_position: None,
-                            blocks: r
-                                .blocks
-                                .iter()
-                                .map(|&(seq, local)| KvCacheStoredBlockData {
-                                    block_hash: ExternalSequenceBlockHash(seq),
-                                    tokens_hash: LocalBlockHash(local),
-                                    mm_extra_info: None,
-                                })
-                                .collect(),
-                        }),
+                        data: r.dynamo_stored(),
                     },
                 )
             })
@@ -783,19 +790,7 @@ impl MixedIndex for RadixMixed<'_> {
                 block_hashes: run.blocks.iter().map(|&(h, _)| ExternalSequenceBlockHash(h)).collect(),
             })
         } else {
-            KvCacheEventData::Stored(KvCacheStoreData {
-                parent_hash: run.parent.map(ExternalSequenceBlockHash),
-                start_position: None,
-                blocks: run
-                    .blocks
-                    .iter()
-                    .map(|&(seq, local)| KvCacheStoredBlockData {
-                        block_hash: ExternalSequenceBlockHash(seq),
-                        tokens_hash: LocalBlockHash(local),
-                        mm_extra_info: None,
-                    })
-                    .collect(),
-            })
+            run.dynamo_stored()
         };
         RouterEvent::new(
             run.worker,

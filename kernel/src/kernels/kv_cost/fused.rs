@@ -36,6 +36,7 @@ use crate::lanes::{U32Source, LANES};
 use crate::mask::{contains, group_bits};
 use crate::simd::{dispatch, F32Lanes, Simd, U32Lanes};
 use crate::Rng;
+use core::mem::MaybeUninit;
 
 /// The row [`kv_cost_argmin`] chose and its cost.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -47,9 +48,11 @@ pub struct KvChoice {
 }
 
 /// Lane groups holding ties at the running minimum that the pass remembers
-/// on the stack (row order): past them, the k-th tie is found by
-/// recomputing the later groups' costs.
-const REMEMBERED_TIE_GROUPS: usize = 64;
+/// on the stack (row order; 1 KiB, left uninitialised until written, so a
+/// call that ties little pays nothing for the room): past them, the k-th
+/// tie is found by recomputing the later groups' costs. 128 groups hold an
+/// idle fleet of 1,024 rows.
+const REMEMBERED_TIE_GROUPS: usize = 128;
 
 dispatch! {
     /// The default KV cost of every eligible row and the temperature-0 pick
@@ -94,7 +97,8 @@ dispatch! {
 pub(super) struct Ties {
     pub(super) best: f32,
     count: usize,
-    groups: [(u32, u8); REMEMBERED_TIE_GROUPS],
+    /// The remembered groups: those below `listed` are written.
+    groups: [MaybeUninit<(u32, u8)>; REMEMBERED_TIE_GROUPS],
     listed: usize,
     /// Whether a tie group did not fit.
     overflow: bool,
@@ -134,6 +138,15 @@ impl Ties {
         self.overflow = false;
     }
 
+    /// The remembered tie groups, in row order.
+    fn listed(&self) -> &[(u32, u8)] {
+        let written = &self.groups[..self.listed];
+        // SAFETY: `tie` writes every entry below `listed` before it counts
+        // it, and `lower` only lowers `listed`; `MaybeUninit<T>` has `T`'s
+        // size and alignment, so the written prefix is a `[(u32, u8)]`.
+        unsafe { &*(core::ptr::from_ref(written) as *const [(u32, u8)]) }
+    }
+
     /// Counts group `g`'s lanes `eq` tied at `best` and remembers the group
     /// while there is room.
     #[inline(always)]
@@ -144,7 +157,7 @@ impl Ties {
         self.count += eq.count_ones() as usize;
         match self.groups.get_mut(self.listed) {
             Some(slot) if !self.overflow => {
-                *slot = (g as u32, eq);
+                *slot = MaybeUninit::new((g as u32, eq));
                 self.listed += 1;
             }
             _ => self.overflow = true,
@@ -179,7 +192,7 @@ fn kv_cost_argmin_in<S: Simd, L: U32Source + ?Sized>(
     let mut ties = Ties {
         best: f32::INFINITY,
         count: 0,
-        groups: [(0, 0); REMEMBERED_TIE_GROUPS],
+        groups: [const { MaybeUninit::uninit() }; REMEMBERED_TIE_GROUPS],
         listed: 0,
         overflow: false,
     };
@@ -235,7 +248,8 @@ fn kv_cost_argmin_in<S: Simd, L: U32Source + ?Sized>(
     } else {
         0
     };
-    for &(g, eq) in &ties.groups[..ties.listed] {
+    let listed = ties.listed();
+    for &(g, eq) in listed {
         let c = eq.count_ones() as usize;
         if k < c {
             return Ok(Some(KvChoice {
@@ -246,7 +260,7 @@ fn kv_cost_argmin_in<S: Simd, L: U32Source + ?Sized>(
         k -= c;
     }
     // More groups tied than were remembered: recompute the later ones.
-    let after = ties.groups[..ties.listed].last().map_or(0, |&(g, _)| g as usize + 1);
+    let after = listed.last().map_or(0, |&(g, _)| g as usize + 1);
     let target = s.splat_f32(range.min);
     for g in after..groups {
         let (bits, c) = group(g);

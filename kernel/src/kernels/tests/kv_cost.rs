@@ -829,7 +829,7 @@ fn kv_cost_argmin_ignores_non_finite_costs_on_ineligible_rows() {
 /// unfused path.
 #[test]
 fn kv_cost_argmin_with_every_row_tied() {
-    let rows = 1000;
+    let rows = 1500;
     let request = KvRequest::new(64, bs16(), true, WorkerRole::Prefill);
     let case = Case::new(KvCostConfig::default(), request, rows);
     let (costs, range) = case.simd();
