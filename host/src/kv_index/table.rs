@@ -75,22 +75,28 @@ impl<V: Copy + Default> HashIndex<V> {
     /// The entry holding `key`.
     #[inline]
     pub(crate) fn index_of(&self, key: u64) -> Option<usize> {
-        let slots = self.slots();
         if key == EMPTY {
-            return self.has_zero.then_some(slots);
+            return self.has_zero.then_some(self.slots());
         }
-        if slots == 0 {
+        if self.slots() == 0 {
             return None;
         }
-        let mask = slots - 1;
+        self.probe(key).ok()
+    }
+
+    /// Where the probe for `key` (not 0) stops, in a table with entries:
+    /// `Ok` at the entry holding it, `Err` at the empty slot it would take.
+    #[inline]
+    fn probe(&self, key: u64) -> Result<usize, usize> {
+        let mask = self.slots() - 1;
         let mut i = self.home(key);
         loop {
             let k = self.entries[i].0;
             if k == key {
-                return Some(i);
+                return Ok(i);
             }
             if k == EMPTY {
-                return None;
+                return Err(i);
             }
             i = (i + 1) & mask;
         }
@@ -111,19 +117,13 @@ impl<V: Copy + Default> HashIndex<V> {
             }
             return slots;
         }
-        let mask = slots - 1;
-        let mut i = self.home(key);
-        loop {
-            let k = self.entries[i].0;
-            if k == key {
-                return i;
-            }
-            if k == EMPTY {
+        match self.probe(key) {
+            Ok(i) => i,
+            Err(i) => {
                 self.entries[i] = (key, value);
                 self.len += 1;
-                return i;
+                i
             }
-            i = (i + 1) & mask;
         }
     }
 

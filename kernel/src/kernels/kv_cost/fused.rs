@@ -99,9 +99,9 @@ pub(super) struct Ties {
     count: usize,
     /// The remembered groups: those below `listed` are written.
     groups: [MaybeUninit<(u32, u8)>; REMEMBERED_TIE_GROUPS],
+    /// Groups remembered; once the room is full, later tie groups are
+    /// only counted.
     listed: usize,
-    /// Whether a tie group did not fit.
-    overflow: bool,
 }
 
 impl Ties {
@@ -135,7 +135,6 @@ impl Ties {
         self.best = m;
         self.count = 0;
         self.listed = 0;
-        self.overflow = false;
     }
 
     /// The remembered tie groups, in row order.
@@ -155,12 +154,9 @@ impl Ties {
             return;
         }
         self.count += eq.count_ones() as usize;
-        match self.groups.get_mut(self.listed) {
-            Some(slot) if !self.overflow => {
-                *slot = MaybeUninit::new((g as u32, eq));
-                self.listed += 1;
-            }
-            _ => self.overflow = true,
+        if let Some(slot) = self.groups.get_mut(self.listed) {
+            *slot = MaybeUninit::new((g as u32, eq));
+            self.listed += 1;
         }
     }
 }
@@ -194,7 +190,6 @@ fn kv_cost_argmin_in<S: Simd, L: U32Source + ?Sized>(
         count: 0,
         groups: [const { MaybeUninit::uninit() }; REMEMBERED_TIE_GROUPS],
         listed: 0,
-        overflow: false,
     };
     let mut hi = s.splat_f32(f32::NEG_INFINITY);
     // The full lane groups in one loop compiled for the call's shape, when
