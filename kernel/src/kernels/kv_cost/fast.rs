@@ -25,7 +25,7 @@
 //! This module must not pick or book: it computes costs and hands each
 //! lane group to the running minimum of `fused` or to the output column.
 
-use super::fused::Ties;
+use super::fused::{TieRun, Ties};
 use super::{KvLoad, KvOverlap, Prepared};
 use crate::lanes::{CounterValues, GroupValues, PlainValues, U32Source, Words, LANES};
 use crate::simd::{F32Lanes, Simd, U32Lanes};
@@ -278,7 +278,7 @@ fn scan_loop<S: Simd, W: GroupValues, const DECODE: bool, const REQ: bool>(
 /// minimum or tie with it (idle workers, nothing cached: every group ties)
 /// is cheaper to scan with the fold in the loop than by leaving and
 /// re-entering the search at every group.
-const FOLDS_BEFORE_TIE_LOOP: usize = 16;
+const FOLDS_BEFORE_TIE_LOOP: usize = 8;
 
 /// The rest of [`scan_loop`]'s scan from lane group `g` on, with the fold
 /// inside the loop: every group's costs folded into `hi` (as
@@ -295,7 +295,8 @@ fn tie_loop<S: Simd, W: GroupValues, const DECODE: bool, const REQ: bool>(
     hi: &mut S::F32,
 ) {
     let k = Consts::new(s, plan);
-    let mut best = s.splat_f32(ties.best);
+    let mut run = TieRun::new(ties);
+    let mut best = s.splat_f32(run.best);
     let mut acc = *hi;
     for w in g / 8..cols.device.len() {
         let word = mask.get(w).copied().unwrap_or(0);
@@ -304,9 +305,9 @@ fn tie_loop<S: Simd, W: GroupValues, const DECODE: bool, const REQ: bool>(
             for i in 0..8 {
                 let c = fast_cost_lanes::<S, W, DECODE, REQ>(s, &k, cols, w, i);
                 acc = c.max(acc);
-                if c.cmp_le(best).bits() != 0 {
-                    ties.fold_lanes(s, w * 8 + i, c, 0xFF);
-                    best = s.splat_f32(ties.best);
+                let le = c.cmp_le(best).bits();
+                if le != 0 && run.fold_le(s, w * 8 + i, c, best, le, 0xFF) {
+                    best = s.splat_f32(run.best);
                 }
             }
         } else if word != 0 {
@@ -317,13 +318,14 @@ fn tie_loop<S: Simd, W: GroupValues, const DECODE: bool, const REQ: bool>(
                 }
                 let c = fast_cost_lanes::<S, W, DECODE, REQ>(s, &k, cols, w, i);
                 acc = c.max(acc);
-                if c.cmp_le(best).bits() & bits != 0 {
-                    ties.fold_lanes(s, w * 8 + i, c, bits);
-                    best = s.splat_f32(ties.best);
+                let le = c.cmp_le(best).bits() & bits;
+                if le != 0 && run.fold_le(s, w * 8 + i, c, best, le, bits) {
+                    best = s.splat_f32(run.best);
                 }
             }
         }
     }
+    run.finish();
     *hi = acc;
 }
 

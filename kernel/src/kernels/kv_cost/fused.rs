@@ -161,6 +161,55 @@ impl Ties {
     }
 }
 
+/// [`Ties`] as a loop runs over it: the minimum and the counts in locals
+/// (registers), written back by [`finish`](Self::finish).
+pub(super) struct TieRun<'a> {
+    ties: &'a mut Ties,
+    pub(super) best: f32,
+    count: usize,
+    listed: usize,
+}
+
+impl<'a> TieRun<'a> {
+    pub(super) fn new(ties: &'a mut Ties) -> Self {
+        let (best, count, listed) = (ties.best, ties.count, ties.listed);
+        TieRun {
+            ties,
+            best,
+            count,
+            listed,
+        }
+    }
+
+    /// [`Ties::fold_lanes`] for a loop that has already compared: `le`
+    /// (not 0) are the eligible lanes (`bits`) of group `g` whose costs `c`
+    /// are `<= best` (`best_lanes` splat). Without a lane below `best`
+    /// those are exactly the ties (a NaN lane is in neither), so the common
+    /// case needs no equality compare. Returns whether `best` went down.
+    #[inline(always)]
+    pub(super) fn fold_le<S: Simd>(&mut self, s: S, g: usize, c: S::F32, best_lanes: S::F32, le: u8, bits: u8) -> bool {
+        let lowered = c.cmp_lt(best_lanes).bits() & bits != 0;
+        let eq = if lowered {
+            self.ties.lower(c.to_array(), bits);
+            (self.best, self.count, self.listed) = (self.ties.best, 0, 0);
+            c.cmp_eq(s.splat_f32(self.best)).bits() & bits
+        } else {
+            le
+        };
+        self.count += eq.count_ones() as usize;
+        if let Some(slot) = self.ties.groups.get_mut(self.listed) {
+            *slot = MaybeUninit::new((g as u32, eq));
+            self.listed += 1;
+        }
+        lowered
+    }
+
+    /// Writes the minimum and the counts back.
+    pub(super) fn finish(self) {
+        (self.ties.best, self.ties.count, self.ties.listed) = (self.best, self.count, self.listed);
+    }
+}
+
 /// The `k`-th set bit of `bits` (`k < bits.count_ones()`).
 #[inline]
 fn nth_bit(mut bits: u8, k: usize) -> usize {
