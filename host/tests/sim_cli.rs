@@ -189,3 +189,194 @@ fn bad_input_is_an_error_not_a_panic() {
     assert!(!String::from_utf8_lossy(&out.stdout).contains("KV hit %"), "{out:?}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Runs `selkie simulate` with `args` and checks that it refused before
+/// simulating: a non-zero exit, an `error:` naming `needle`, no panic and
+/// no table.
+fn refused(args: &[&str], needle: &str) {
+    let mut all = vec!["simulate", "--policy", "random"];
+    all.extend_from_slice(args);
+    let out = selkie(&all);
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(!out.status.success(), "{args:?} ran:\n{stdout}");
+    assert!(
+        stderr.contains("error") && stderr.contains(needle),
+        "{args:?}: {needle:?} not in {stderr}"
+    );
+    assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+    assert!(!stdout.contains("KV hit %"), "{args:?} simulated:\n{stdout}");
+}
+
+/// Every number the simulator used to raise silently, run anyway, loop on
+/// or crash with is refused with its option's or field's name.
+#[test]
+fn every_bad_number_is_refused_before_the_run() {
+    for (args, needle) in [
+        (&["--rate=-5"][..], "--rate = -5"),
+        (&["--rate", "0"], "--rate = 0"),
+        (&["--rate", "inf"], "--rate = inf"),
+        (&["--rate", "1e9"], "--rate = 1000000000"),
+        (&["--workers", "0"], "--workers = 0"),
+        (&["--requests", "0"], "--requests = 0"),
+        (&["--max-active", "0"], "--max-active = 0"),
+        (&["--kv-blocks", "0"], "--kv-blocks = 0"),
+        (&["--dp", "0"], "--dp = 0"),
+        (&["--dp", "4294967295"], "4294967295 DP ranks"),
+        (&["--requests", "18446744073709551615"], "workload.requests"),
+        (&["--requests", "1000000000"], "workload.requests"),
+    ] {
+        refused(args, needle);
+    }
+    // `direct` would fail every request: refused by name.
+    let out = selkie(&["simulate", "--requests", "10", "--policy", "direct"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("pinned"), "{out:?}");
+    // A rate cannot apply to a trace's arrivals.
+    let out = selkie(&["simulate", "--trace", "t.jsonl", "--rate", "5"]);
+    assert!(!out.status.success());
+}
+
+/// Scenario files: a misspelled field, an infinite think time, engines
+/// that never step, and inverted or NaN distributions are refused.
+#[test]
+fn every_bad_scenario_field_is_refused_before_the_run() {
+    let dir = scratch("scenario");
+    let good = "name: x\n\
+        fleet: {workers: 2, dp_size: 1, kv_blocks: 10, timing: {step_overhead_ms: 6, prefill_ms_per_token: 0.02, \
+        decode_ms_per_seq: 0.08, max_batched_tokens: 64, max_running: 4}}\n\
+        workload: {requests: 20, block_size: 16, arrivals: !poisson {rate_per_s: 5}, system_prompts: 1, \
+        system_prompt_tokens: !fixed 10, zipf_s: 1, session_fraction: 0.5, session_turns: !fixed 2, \
+        think_time_ms: 5, user_tokens: !uniform {lo: 3, hi: 9}, output_tokens: !fixed 5}\n";
+    let file = dir.join("s.yaml");
+    std::fs::write(&file, good).unwrap();
+    let out = selkie(&[
+        "simulate",
+        "--policy",
+        "random",
+        "--scenario-file",
+        file.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{out:?}");
+    for (from, to, needle) in [
+        ("think_time_ms: 5", "think_time_ms: 5, typo: 1", "unknown field `typo`"),
+        (
+            "think_time_ms: 5",
+            "think_time_ms: .inf",
+            "workload.think_time_ms = inf",
+        ),
+        ("max_running: 4", "max_running: 0", "fleet.timing.max_running = 0"),
+        (
+            "max_batched_tokens: 64",
+            "max_batched_tokens: 0",
+            "fleet.timing.max_batched_tokens = 0",
+        ),
+        (
+            "step_overhead_ms: 6",
+            "step_overhead_ms: .nan",
+            "fleet.timing.step_overhead_ms = NaN",
+        ),
+        ("workers: 2", "workers: 0", "fleet.workers = 0"),
+        ("lo: 3, hi: 9", "lo: 9, hi: 3", "workload.user_tokens.lo = 9"),
+        (
+            "rate_per_s: 5",
+            "rate_per_s: .nan",
+            "workload.arrivals.rate_per_s = NaN",
+        ),
+        (
+            "output_tokens: !fixed 5",
+            "output_tokens: !fixed 100000000",
+            "workload.output_tokens = 100000000",
+        ),
+    ] {
+        assert!(good.contains(from), "{from}");
+        std::fs::write(&file, good.replace(from, to)).unwrap();
+        refused(&["--scenario-file", file.to_str().unwrap()], needle);
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Output paths are checked before the run; a trace written by selkie reads
+/// back with its own block size; a long output's load samples stay bounded.
+#[test]
+fn outputs_are_checked_first_and_traces_read_back_exactly() {
+    let dir = scratch("outputs");
+    let missing = dir.join("no-such-dir").join("r.json");
+    refused(
+        &["--requests", "50", "--json", missing.to_str().unwrap()],
+        "no-such-dir",
+    );
+    let trace = dir.join("written.jsonl");
+    let args = ["--requests", "300", "--workers", "4"];
+    let mut write = vec!["--write-trace", trace.to_str().unwrap()];
+    write.extend_from_slice(&args);
+    let mut all = vec!["simulate", "--policy", "random"];
+    all.extend_from_slice(&write);
+    let generated = selkie(&all);
+    assert!(generated.status.success(), "{generated:?}");
+    let replayed = selkie(&[
+        "simulate",
+        "--policy",
+        "random",
+        "--workers",
+        "4",
+        "--trace",
+        trace.to_str().unwrap(),
+    ]);
+    assert!(replayed.status.success(), "{replayed:?}");
+    let row = |out: &Output| {
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .find(|l| l.starts_with("random"))
+            .map(str::to_owned)
+            .unwrap_or_default()
+    };
+    // The same requests, cached the same way: the same hit rate and
+    // latencies (load samples start at the first arrival, shifted to 0 in
+    // a trace).
+    let cut = |r: String| r.split_whitespace().take(5).collect::<Vec<_>>().join(" ");
+    assert_eq!(cut(row(&generated)), cut(row(&replayed)));
+    assert!(!cut(row(&replayed)).is_empty());
+    // Read with another block size, it is refused, not misread.
+    refused(
+        &["--trace", trace.to_str().unwrap(), "--trace-block-size", "512"],
+        "records block_size 16",
+    );
+    // One request generating 4 million tokens: bounded memory, finishes.
+    let long = dir.join("long.jsonl");
+    std::fs::write(
+        &long,
+        "{\"timestamp\": 5, \"input_length\": 100, \"output_length\": 4000000, \"hash_ids\": [1]}\n",
+    )
+    .unwrap();
+    let out = selkie(&[
+        "simulate",
+        "--policy",
+        "random",
+        "--workers",
+        "2",
+        "--trace",
+        long.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{out:?}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `selkie simulate | head -1`: the closed pipe ends the program quietly.
+#[test]
+fn a_closed_pipe_is_a_quiet_exit() {
+    use std::process::Stdio;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_selkie"))
+        .args(["simulate", "--requests", "300", "--workers", "4", "--policy", "random"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run selkie");
+    drop(child.stdout.take());
+    let out = child.wait_with_output().expect("selkie ends");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{:?}: {stderr}", out.status);
+    assert!(!stderr.contains("panicked") && !stderr.contains("error"), "{stderr}");
+}

@@ -7,7 +7,7 @@
 //! with `--plots DIR`, SVG charts). Built only with the `sim` feature.
 
 use std::fs::File;
-use std::io::BufReader;
+use std::io::{BufReader, BufWriter, Write};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 use clap::{Args, Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use selkie::sim::compare::{run_policy, PolicyChoice, PolicyRun};
+use selkie::sim::limits::{above_zero_option, MAX_RATE_PER_S};
 use selkie::sim::metrics::{render_table, PolicyReport};
 use selkie::sim::plot::{plot_load, plot_ttft};
 use selkie::sim::scenario::{Scenario, ScenarioName};
@@ -64,8 +65,9 @@ struct SimulateArgs {
     /// Number of requests (overrides the scenario; truncates a trace).
     #[arg(long)]
     requests: Option<usize>,
-    /// Mean arrival rate in requests per second (generated workloads).
-    #[arg(long)]
+    /// Mean arrival rate in requests per second (generated workloads; a
+    /// trace has its own arrivals).
+    #[arg(long, conflicts_with = "trace")]
     rate: Option<f64>,
     /// Admission limit per rank (requests in flight) given to the selection
     /// service; refused requests are counted as failed.
@@ -82,9 +84,11 @@ struct SimulateArgs {
     /// generating a workload.
     #[arg(long, value_name = "FILE")]
     trace: Option<PathBuf>,
-    /// Tokens per hash id in the trace (512 in the Mooncake traces).
-    #[arg(long, default_value_t = 512)]
-    trace_block_size: u32,
+    /// Tokens per hash id in the trace. Default: the block size the trace
+    /// records (traces written by `--write-trace` do), else 512 (the
+    /// Mooncake traces).
+    #[arg(long, value_name = "TOKENS", requires = "trace")]
+    trace_block_size: Option<u32>,
     /// Also simulate every policy instance of this worker-selection config
     /// file (YAML, or TOML when the name ends in `.toml`).
     #[arg(long, value_name = "FILE")]
@@ -112,11 +116,41 @@ fn main() -> ExitCode {
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
+        // The reader went away (`selkie simulate | head`): nothing is left
+        // to tell anyone.
+        Err(SimError::Io { source, .. }) if source.kind() == std::io::ErrorKind::BrokenPipe => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e}");
             ExitCode::FAILURE
         }
     }
+}
+
+/// Standard output, as a [`SimError`] on failure (a closed pipe included).
+fn stdout_err(source: std::io::Error) -> SimError {
+    SimError::Io {
+        path: PathBuf::from("<stdout>"),
+        source,
+    }
+}
+
+/// The command-line overrides, each checked under its option's name.
+fn check_options(args: &SimulateArgs) -> Result<(), SimError> {
+    let positive = |name: &str, v: Option<u64>| match v {
+        Some(0) => Err(SimError::Invalid {
+            field: name.into(),
+            value: "0".into(),
+            bound: "must be at least 1".into(),
+        }),
+        _ => Ok(()),
+    };
+    positive("--workers", args.workers.map(u64::from))?;
+    positive("--dp", args.dp.map(u64::from))?;
+    positive("--requests", args.requests.map(|n| n as u64))?;
+    positive("--max-active", args.max_active.map(u64::from))?;
+    positive("--kv-blocks", args.kv_blocks.map(u64::from))?;
+    positive("--trace-block-size", args.trace_block_size.map(u64::from))?;
+    above_zero_option("--rate", args.rate, MAX_RATE_PER_S)
 }
 
 fn io_err(path: &Path) -> impl Fn(std::io::Error) -> SimError + '_ {
@@ -128,6 +162,7 @@ fn io_err(path: &Path) -> impl Fn(std::io::Error) -> SimError + '_ {
 
 fn simulate(args: SimulateArgs) -> Result<(), SimError> {
     let started = Instant::now();
+    check_options(&args)?;
     let mut scenario = match &args.scenario_file {
         Some(path) => {
             let text = std::fs::read_to_string(path).map_err(io_err(path))?;
@@ -136,37 +171,50 @@ fn simulate(args: SimulateArgs) -> Result<(), SimError> {
         None => Scenario::embedded(args.scenario),
     };
     if let Some(w) = args.workers {
-        scenario.fleet.workers = w.max(1);
+        scenario.fleet.workers = w;
     }
     if let Some(dp) = args.dp {
-        scenario.fleet.dp_size = dp.max(1);
+        scenario.fleet.dp_size = dp;
     }
     if let Some(n) = args.requests {
-        scenario.workload.requests = n.max(1);
+        scenario.workload.requests = n;
     }
     if let Some(rate) = args.rate {
         scenario.workload.arrivals = scenario.workload.arrivals.with_rate(rate);
     }
     if let Some(kv) = args.kv_blocks {
-        scenario.fleet.kv_blocks = kv.max(1);
+        scenario.fleet.kv_blocks = kv;
     }
     if let Some(limit) = args.max_active {
-        scenario.fleet.max_active_requests = Some(limit.max(1));
+        scenario.fleet.max_active_requests = Some(limit);
     }
-    scenario.fleet.validate()?;
+    scenario.validate()?;
+    let mut out = std::io::stdout().lock();
     if args.print_scenario {
-        print!(
-            "{}",
-            serde_yaml::to_string(&scenario).map_err(|e| SimError::Usage(e.to_string()))?
-        );
-        return Ok(());
+        let text = serde_yaml::to_string(&scenario).map_err(|e| SimError::Usage(e.to_string()))?;
+        return out.write_all(text.as_bytes()).map_err(stdout_err);
     }
+    // Every output path is opened before the run, so a bad one fails in
+    // milliseconds, not after the simulation.
+    let mut json = match &args.json {
+        Some(path) => Some((path, File::create(path).map_err(io_err(path))?)),
+        None => None,
+    };
+    if let Some(dir) = &args.plots {
+        std::fs::create_dir_all(dir).map_err(io_err(dir))?;
+        let probe = dir.join("ttft.svg");
+        File::create(&probe).map_err(io_err(&probe))?;
+    }
+    let trace_out = match &args.write_trace {
+        Some(path) => Some((path, File::create(path).map_err(io_err(path))?)),
+        None => None,
+    };
     let (workload, source) = match &args.trace {
         Some(path) => {
             let file = File::open(path).map_err(io_err(path))?;
             let mut w = read_trace(BufReader::new(file), args.trace_block_size)?;
             if let Some(n) = args.requests {
-                w.requests.truncate(n.max(1));
+                w.requests.truncate(n);
             }
             // Keep the scenario's cache size in tokens.
             let tokens = u64::from(scenario.fleet.kv_blocks) * u64::from(scenario.workload.block_size);
@@ -179,11 +227,10 @@ fn simulate(args: SimulateArgs) -> Result<(), SimError> {
         ),
     };
     if let Some(kv) = args.kv_blocks {
-        scenario.fleet.kv_blocks = kv.max(1);
+        scenario.fleet.kv_blocks = kv;
     }
-    if let Some(path) = &args.write_trace {
-        let file = File::create(path).map_err(io_err(path))?;
-        write_trace(&workload, std::io::BufWriter::new(file)).map_err(io_err(path))?;
+    if let Some((path, file)) = trace_out {
+        write_trace(&workload, BufWriter::new(file)).map_err(io_err(path))?;
     }
 
     let mut choices = if args.policies.is_empty() {
@@ -214,7 +261,8 @@ fn simulate(args: SimulateArgs) -> Result<(), SimError> {
     let n = workload.requests.len();
     let span_s = workload.requests.last().map_or(0.0, |r| r.arrival_ms) / 1000.0;
     let prompt_tokens: u64 = workload.requests.iter().map(|r| u64::from(r.input_tokens)).sum();
-    println!(
+    writeln!(
+        out,
         "selkie simulate: {source}, seed {}: {} workers x {} DP ranks, {} KV blocks of {} tokens per rank{}",
         args.seed,
         fleet.workers,
@@ -224,14 +272,18 @@ fn simulate(args: SimulateArgs) -> Result<(), SimError> {
         fleet
             .max_active_requests
             .map_or(String::new(), |n| format!(", at most {n} requests in flight per rank"))
-    );
-    println!(
+    )
+    .map_err(stdout_err)?;
+    writeln!(
+        out,
         "{n} requests over {span_s:.1} s ({:.0} req/s), mean prompt {:.0} tokens; {} {} through the selection service",
         n as f64 / span_s.max(1e-9),
         prompt_tokens as f64 / n.max(1) as f64,
         choices.len(),
         if choices.len() == 1 { "policy" } else { "policies" }
-    );
+    )
+    .map_err(stdout_err)?;
+    out.flush().map_err(stdout_err)?;
 
     // The bar appears only once the run has taken more than a second.
     let bar = ProgressBar::with_draw_target(Some((n * choices.len()) as u64), ProgressDrawTarget::hidden());
@@ -264,18 +316,15 @@ fn simulate(args: SimulateArgs) -> Result<(), SimError> {
     bar.finish_and_clear();
 
     let reports: Vec<PolicyReport> = runs.iter().map(|r| r.report.clone()).collect();
-    println!();
-    print!("{}", render_table(&reports));
+    write!(out, "\n{}", render_table(&reports)).map_err(stdout_err)?;
     if let Some(first) = runs.iter().find_map(|r| r.record.first_failure.as_ref()) {
-        println!("first refusal: {first}");
+        writeln!(out, "first refusal: {first}").map_err(stdout_err)?;
     }
-    if let Some(path) = &args.json {
-        let file = File::create(path).map_err(io_err(path))?;
-        serde_json::to_writer_pretty(std::io::BufWriter::new(file), &reports)
+    if let Some((path, file)) = json.take() {
+        serde_json::to_writer_pretty(BufWriter::new(file), &reports)
             .map_err(|e| io_err(path)(std::io::Error::other(e)))?;
     }
     if let Some(dir) = &args.plots {
-        std::fs::create_dir_all(dir).map_err(io_err(dir))?;
         let ttft = dir.join("ttft.svg");
         plot_ttft(&ttft, &format!("time to first token, {source}"), &reports)?;
         for run in &runs {
@@ -298,8 +347,8 @@ fn simulate(args: SimulateArgs) -> Result<(), SimError> {
                 &run.record,
             )?;
         }
-        println!("plots written to {}", dir.display());
+        writeln!(out, "plots written to {}", dir.display()).map_err(stdout_err)?;
     }
-    println!("simulated in {:.1} s", started.elapsed().as_secs_f64());
-    Ok(())
+    writeln!(out, "simulated in {:.1} s", started.elapsed().as_secs_f64()).map_err(stdout_err)?;
+    out.flush().map_err(stdout_err)
 }

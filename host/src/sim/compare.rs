@@ -109,8 +109,17 @@ impl PolicyChoice {
 
     /// Checks that `registry` can build this policy (type name and
     /// parameters), so that a bad choice fails before any simulation runs.
+    ///
+    /// `direct` is refused: it routes only requests pinned to a worker, and
+    /// the simulator's requests name none (every one would fail).
     pub fn validate(&self, registry: &WorkerSelectionPolicyRegistry) -> Result<(), SimError> {
         registry.factory(&self.policy_type, &self.parameters)?;
+        if self.policy_type == "direct" {
+            return Err(SimError::Usage(format!(
+                "{}: `direct` routes only requests pinned to a worker, and simulated requests name none",
+                self.label
+            )));
+        }
         Ok(())
     }
 

@@ -23,7 +23,7 @@ pub fn standard_normal(rng: &mut Rng) -> f64 {
 
 /// A distribution of token counts (prompt, output or turn lengths).
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
+#[serde(rename_all = "snake_case", deny_unknown_fields)]
 pub enum LengthDist {
     /// Always `n`.
     Fixed(u32),

@@ -23,6 +23,7 @@ use super::workload::SimRequest;
 
 /// Speed and batch limits of one engine.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct TimingModel {
     /// Fixed cost of every step, in milliseconds.
     pub step_overhead_ms: f64,

@@ -33,6 +33,7 @@ pub mod compare;
 pub mod dist;
 pub mod engine;
 pub mod index;
+pub mod limits;
 pub mod metrics;
 pub mod plot;
 pub mod router;
@@ -74,6 +75,17 @@ pub enum SimError {
     /// A bad command-line value.
     #[error("{0}")]
     Usage(String),
+    /// A number of the scenario, a trace or the command line outside what
+    /// the simulator accepts (see [`limits`]).
+    #[error("{field} = {value}: {bound}")]
+    Invalid {
+        /// The option (`--workers`) or scenario field (`fleet.workers`).
+        field: String,
+        /// The value given.
+        value: String,
+        /// What it must be.
+        bound: String,
+    },
     /// The simulated fleet has more ranks than the selection service's fleet
     /// has rows.
     #[error("{workers} workers x {dp_size} DP ranks is more than the fleet's {capacity} rows")]

@@ -18,6 +18,7 @@ use super::workload::Workload;
 /// The simulated fleet: `workers` workers of `dp_size` ranks each; every rank
 /// is one engine with its own KV cache.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct FleetSpec {
     /// Number of workers.
     pub workers: u32,
@@ -38,21 +39,6 @@ impl FleetSpec {
     /// Number of ranks (rows).
     pub fn rows(&self) -> usize {
         usize::try_from(u64::from(self.workers.max(1)) * u64::from(self.dp_size.max(1))).unwrap_or(usize::MAX)
-    }
-
-    /// Checks that the fleet fits in the selection service's fleet
-    /// ([`FLEET_GROUPS`](crate::FLEET_GROUPS) `* 8` rows), before anything
-    /// is allocated per rank.
-    pub fn validate(&self) -> Result<(), super::SimError> {
-        let capacity = crate::FLEET_GROUPS * 8;
-        if self.rows() > capacity {
-            return Err(super::SimError::FleetTooLarge {
-                workers: self.workers,
-                dp_size: self.dp_size,
-                capacity,
-            });
-        }
-        Ok(())
     }
 
     /// The worker (0-based) and rank of a row: rows are worker-major.
@@ -148,6 +134,15 @@ impl Queue {
     }
 }
 
+/// Keeps every other element, the first included.
+fn thin<T>(v: &mut Vec<T>) {
+    let mut i = 0;
+    v.retain(|_| {
+        i += 1;
+        i % 2 == 1
+    });
+}
+
 /// Number of load samples taken over a run (for the load-over-time plot).
 pub const LOAD_SAMPLES: usize = 240;
 
@@ -184,8 +179,11 @@ pub fn simulate(
     }
     let span = reqs.last().map_or(0.0, |r| r.arrival_ms);
     // Sample the load at a fixed interval sized to the arrival span (the
-    // tail after the last arrival is sampled at the same pace).
-    let sample_every = (span / LOAD_SAMPLES as f64).max(1.0);
+    // tail after the last arrival is sampled at the same pace). A tail much
+    // longer than the span (a long output) thins the samples taken so far
+    // to every other one and doubles the interval, so at most
+    // `2 * LOAD_SAMPLES` are ever held.
+    let mut sample_every = (span / LOAD_SAMPLES as f64).max(1.0);
     queue.push(0.0, Kind::Sample);
     let mut load_area = vec![0.0; rows];
     let mut last_change = vec![0.0; rows];
@@ -306,6 +304,11 @@ pub fn simulate(
             Kind::Sample => {
                 sample_times.push(now);
                 samples.push(engines.iter().map(|e| e.in_flight() as u32).collect());
+                if samples.len() >= 2 * LOAD_SAMPLES {
+                    thin(&mut sample_times);
+                    thin(&mut samples);
+                    sample_every *= 2.0;
+                }
                 let arrivals_left = queue.heap.iter().any(|e| matches!(e.kind, Kind::Arrival(_)));
                 if arrivals_left || outstanding > 0 {
                     queue.push(now + sample_every, Kind::Sample);

@@ -24,6 +24,7 @@ use super::workload::{Arrivals, WorkloadSpec};
 
 /// A named fleet and workload.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Scenario {
     /// Name shown in reports.
     pub name: String,

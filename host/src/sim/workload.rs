@@ -41,7 +41,7 @@ pub struct Workload {
 
 /// How requests arrive.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
+#[serde(rename_all = "snake_case", deny_unknown_fields)]
 pub enum Arrivals {
     /// A Poisson process of `rate_per_s` requests per second.
     Poisson {
@@ -135,6 +135,7 @@ impl Arrivals {
 
 /// Parameters of a generated workload.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct WorkloadSpec {
     /// Number of requests.
     pub requests: usize,
@@ -167,7 +168,10 @@ fn block_hash(stream: u64, index: u64, salt: u64) -> u64 {
 }
 
 impl WorkloadSpec {
-    /// Generates the workload; the same spec and seed give the same requests.
+    /// Generates the workload; the same spec and seed give the same
+    /// requests. Check the spec first ([`validate`](Self::validate)): a
+    /// spec outside the [`limits`](super::limits) may allocate without
+    /// bound.
     pub fn generate(&self, seed: u64) -> Workload {
         let mut rng = Rng::new(seed);
         let bs = self.block_size.max(1);
@@ -187,8 +191,12 @@ impl WorkloadSpec {
         // 0 are dropped. Conversations also run past the end (later turns of
         // the last ones), so more are started than needed and the first
         // `requests` arrivals kept.
-        let warmup_ms = self.think_time_ms * (self.session_turns.mean() - 1.0).max(0.0);
+        // The warm-up covers at most twice the run's expected span: at high
+        // rates later turns fall past the run's end anyway, and a longer
+        // warm-up would only generate conversations that are dropped.
         let conv_rate = self.arrivals.rate_per_s() / mean_turns;
+        let span_ms = 1000.0 * self.requests as f64 / self.arrivals.rate_per_s();
+        let warmup_ms = (self.think_time_ms * (self.session_turns.mean() - 1.0).max(0.0)).min(2.0 * span_ms);
         let in_warmup = conv_rate * warmup_ms / 1000.0;
         let conversations = ((1.5 * self.requests as f64 / mean_turns + in_warmup).ceil() as usize).max(1);
         let starts: Vec<f64> = self
