@@ -16,7 +16,7 @@ use clap::{Args, Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use selkie::sim::compare::{run_policy, PolicyChoice, PolicyRun};
 use selkie::sim::limits::{above_zero_option, MAX_RATE_PER_S};
-use selkie::sim::metrics::{render_table, PolicyReport};
+use selkie::sim::metrics::{render_table, HitBounds, PolicyReport};
 use selkie::sim::plot::{plot_load, plot_ttft};
 use selkie::sim::scenario::{Scenario, ScenarioName};
 use selkie::sim::trace::{read_trace, write_trace};
@@ -281,6 +281,15 @@ fn simulate(args: SimulateArgs) -> Result<(), SimError> {
         prompt_tokens as f64 / n.max(1) as f64,
         choices.len(),
         if choices.len() == 1 { "policy" } else { "policies" }
+    )
+    .map_err(stdout_err)?;
+    let bounds = HitBounds::of(&workload, &fleet);
+    writeln!(
+        out,
+        "hit-rate bounds: {:.1}% with one unlimited cache for the fleet, {:.1}% pooled (one LRU cache of the fleet's {} blocks)",
+        bounds.unlimited * 100.0,
+        bounds.pooled * 100.0,
+        bounds.pooled_blocks
     )
     .map_err(stdout_err)?;
     out.flush().map_err(stdout_err)?;

@@ -11,7 +11,7 @@ use crate::{
     WorkerSelectionPolicyRegistry, WorkerType,
 };
 
-use super::metrics::PolicyReport;
+use super::metrics::{HitBounds, PolicyReport};
 use super::run::{simulate, FleetSpec, RunRecord};
 use super::service_router::{fleet_service, ServiceRouter};
 use super::workload::Workload;
@@ -184,6 +184,6 @@ pub fn run_policy(
     let mut router = ServiceRouter::new(&service, fleet).with_session_affinity(choice.session_affinity);
     let record = simulate(workload, fleet, &mut router, progress);
     debug_assert_eq!(router.outstanding(), 0, "every booking is released");
-    let report = PolicyReport::new(choice.label.clone(), workload, &record);
+    let report = PolicyReport::new(choice.label.clone(), &record, &HitBounds::of(workload, fleet));
     Ok(PolicyRun { report, record })
 }

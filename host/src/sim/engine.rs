@@ -227,7 +227,7 @@ impl Engine {
 
 /// The block a request's output blocks continue: its prompt's last full
 /// block (the output fills a partial last prompt block in their place).
-fn output_parent(req: &SimRequest, block_size: u32) -> Option<u64> {
+pub(crate) fn output_parent(req: &SimRequest, block_size: u32) -> Option<u64> {
     let full = (req.input_tokens / block_size.max(1)) as usize;
     full.checked_sub(1).and_then(|i| req.hash_ids.get(i).copied())
 }

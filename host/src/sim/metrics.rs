@@ -1,24 +1,72 @@
 //! What a run is judged by: [`PolicyReport`] computed from a [`RunRecord`],
 //! and the comparison table printed for a set of policies.
 //!
-//! * hit rate: prompt tokens served from the chosen rank's cache / all
-//!   prompt tokens;
+//! * where the prompt tokens came from, three shares adding up to 1: served
+//!   from the chosen rank's cache (the hit rate), cached on another rank
+//!   when the request was routed but missed, and cached nowhere;
+//! * the hit rate as a share of the pooled bound ([`HitBounds`]): what one
+//!   LRU cache holding the whole fleet's capacity would have served;
 //! * time to first token p50 / p99, request latency p99 (arrival to last
 //!   token), in milliseconds;
 //! * load imbalance across ranks: the time-averaged in-flight requests of
 //!   each rank, summarised by their coefficient of variation and max / mean;
-//! * flicker: how often a prefix moves between workers: of the requests
-//!   that extend a prefix seen before (their deepest block shared with an
-//!   earlier request), the share routed to another rank than the request
-//!   that last used that block;
+//! * missed reuse: of the requests some rank held a cached prefix for, the
+//!   share routed to a rank holding less of it than the longest (a policy
+//!   that follows the cache keeps it low; one that ignores it cannot);
 //! * selection time per request as measured around the router's selection
 //!   call, p50 / p99.
 
 use std::fmt::Write as _;
 
-use super::cache::BlockMap;
-use super::run::RunRecord;
+use super::cache::{BlockMap, KvCache};
+use super::engine::output_parent;
+use super::run::{FleetSpec, RunRecord};
 use super::workload::Workload;
+
+/// Upper bounds of a workload's prompt-token hit rate, from its requests
+/// alone (no timing, no routing): what no policy on the fleet can beat.
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
+pub struct HitBounds {
+    /// One cache of unlimited size shared by the whole fleet: every block
+    /// seen before is a hit.
+    pub unlimited: f64,
+    /// One LRU cache with the fleet's total capacity (every rank's blocks
+    /// pooled), requests taken in arrival order: the bound a router that
+    /// splits the fleet into separate caches approaches.
+    pub pooled: f64,
+    /// The pooled cache's capacity, in blocks.
+    pub pooled_blocks: u64,
+}
+
+impl HitBounds {
+    /// The bounds of `workload` on `fleet`. A prompt's hit is counted the
+    /// way the simulated engines count it: whole cached blocks, at most the
+    /// prompt less one token.
+    pub fn of(workload: &Workload, fleet: &FleetSpec) -> Self {
+        let bs = workload.block_size.max(1);
+        let pooled_blocks = fleet.rows() as u64 * u64::from(fleet.kv_blocks);
+        let mut pool = KvCache::new(u32::try_from(pooled_blocks).unwrap_or(u32::MAX));
+        let mut seen: BlockMap<()> = BlockMap::default();
+        let (mut prompt, mut unlimited, mut pooled) = (0u64, 0u64, 0u64);
+        let served =
+            |blocks: usize, input: u32| (blocks as u64 * u64::from(bs)).min(u64::from(input.saturating_sub(1)));
+        for r in &workload.requests {
+            prompt += u64::from(r.input_tokens);
+            let held = r.hash_ids.iter().take_while(|h| seen.contains_key(h)).count();
+            unlimited += served(held, r.input_tokens);
+            seen.extend(r.hash_ids.iter().chain(&r.output_hash_ids).map(|&h| (h, ())));
+            let got = pool.acquire(&r.hash_ids, 0, true).map_or(0, |a| a.hit_blocks);
+            pooled += served(got as usize, r.input_tokens);
+            pool.release(&r.hash_ids, 0, &r.output_hash_ids, output_parent(r, bs));
+        }
+        let share = |tokens: u64| if prompt > 0 { tokens as f64 / prompt as f64 } else { 0.0 };
+        HitBounds {
+            unlimited: share(unlimited),
+            pooled: share(pooled),
+            pooled_blocks,
+        }
+    }
+}
 
 /// The outcome of one policy on one scenario.
 #[derive(Clone, Debug, PartialEq, serde::Serialize)]
@@ -29,8 +77,17 @@ pub struct PolicyReport {
     pub routed: usize,
     /// Requests the router refused.
     pub failed: usize,
-    /// Cached prompt tokens / prompt tokens, in `[0, 1]`.
+    /// Prompt tokens served from the chosen rank's cache / prompt tokens,
+    /// in `[0, 1]`.
     pub hit_rate: f64,
+    /// Prompt tokens another rank held when the request was routed, beyond
+    /// what the chosen rank served / prompt tokens.
+    pub missed_elsewhere: f64,
+    /// Prompt tokens no rank held / prompt tokens
+    /// (`hit_rate + missed_elsewhere + cached_nowhere` is 1).
+    pub cached_nowhere: f64,
+    /// `hit_rate` / the pooled bound ([`HitBounds::pooled`]).
+    pub share_of_pooled: f64,
     /// Time to first token, median, ms.
     pub ttft_p50_ms: f64,
     /// Time to first token, 99th percentile, ms.
@@ -41,8 +98,9 @@ pub struct PolicyReport {
     pub load_cv: f64,
     /// Max / mean of the ranks' time-averaged load.
     pub load_max_over_mean: f64,
-    /// Share of repeated prefixes that moved to another rank, in `[0, 1]`.
-    pub flicker: f64,
+    /// Of the requests some rank held a cached prefix for, the share routed
+    /// to a rank holding less of it than the longest, in `[0, 1]`.
+    pub missed_reuse: f64,
     /// Selection time, median, ns.
     pub select_p50_ns: f64,
     /// Selection time, 99th percentile, ns.
@@ -67,11 +125,25 @@ fn sorted(mut v: Vec<f64>) -> Vec<f64> {
 }
 
 impl PolicyReport {
-    /// Summarises `run`, which replayed `workload`.
-    pub fn new(policy: impl Into<String>, workload: &Workload, run: &RunRecord) -> Self {
+    /// Summarises `run`, which replayed `workload` on a fleet whose hit
+    /// rate bounds are `bounds`.
+    pub fn new(policy: impl Into<String>, run: &RunRecord, bounds: &HitBounds) -> Self {
         let served: Vec<_> = run.requests.iter().filter(|r| r.row.is_some()).collect();
         let prompt: u64 = served.iter().map(|r| u64::from(r.input_tokens)).sum();
         let cached: u64 = served.iter().map(|r| u64::from(r.cached_tokens)).sum();
+        // Tokens another rank held beyond what the chosen one served (a hit
+        // above the routing-time best, the cache having grown before
+        // admission, misses nothing).
+        let elsewhere: u64 = served
+            .iter()
+            .map(|r| u64::from(r.best_cached_tokens.saturating_sub(r.cached_tokens)))
+            .sum();
+        let reusable = served.iter().filter(|r| r.best_cached_tokens > 0).count();
+        let missed = served
+            .iter()
+            .filter(|r| r.routed_cached_tokens < r.best_cached_tokens)
+            .count();
+        let share = |tokens: u64| if prompt > 0 { tokens as f64 / prompt as f64 } else { 0.0 };
         let ttft = sorted(
             served
                 .iter()
@@ -100,34 +172,25 @@ impl PolicyReport {
             (0.0, 1.0)
         };
 
-        // Flicker: the deepest block a request shares with earlier requests
-        // names the prefix it extends; it moved if that block was last served
-        // by another rank.
-        let mut last_row: BlockMap<u32> = BlockMap::default();
-        let (mut repeats, mut moves) = (0u64, 0u64);
-        for (req, rec) in workload.requests.iter().zip(&run.requests) {
-            let Some(row) = rec.row else { continue };
-            let shared = req.hash_ids.iter().take_while(|h| last_row.contains_key(h)).last();
-            if let Some(prev) = shared.map(|h| last_row[h]) {
-                repeats += 1;
-                moves += u64::from(prev != row);
-            }
-            for &h in &req.hash_ids {
-                last_row.insert(h, row);
-            }
-        }
         PolicyReport {
             policy: policy.into(),
             routed: served.len(),
             failed: run.failures,
-            hit_rate: if prompt > 0 { cached as f64 / prompt as f64 } else { 0.0 },
+            hit_rate: share(cached),
+            missed_elsewhere: share(elsewhere),
+            cached_nowhere: share(prompt - cached - elsewhere.min(prompt - cached)),
+            share_of_pooled: if bounds.pooled > 0.0 {
+                share(cached) / bounds.pooled
+            } else {
+                f64::NAN
+            },
             ttft_p50_ms: quantile(&ttft, 0.5),
             ttft_p99_ms: quantile(&ttft, 0.99),
             latency_p99_ms: quantile(&latency, 0.99),
             load_cv,
             load_max_over_mean,
-            flicker: if repeats > 0 {
-                moves as f64 / repeats as f64
+            missed_reuse: if reusable > 0 {
+                missed as f64 / reusable as f64
             } else {
                 0.0
             },
@@ -144,28 +207,34 @@ pub fn render_table(reports: &[PolicyReport]) -> String {
     let headers = [
         "policy",
         "KV hit %",
+        "missed %",
+        "uncached %",
+        "of pooled %",
         "TTFT p50 ms",
         "TTFT p99 ms",
         "latency p99 ms",
         "load CV",
         "load max/mean",
-        "flicker %",
+        "missed reuse %",
         "select p50 µs",
         "select p99 µs",
         "failed",
     ];
-    let rows: Vec<[String; 11]> = reports
+    let rows: Vec<[String; 14]> = reports
         .iter()
         .map(|r| {
             [
                 r.policy.clone(),
                 format!("{:.1}", r.hit_rate * 100.0),
+                format!("{:.1}", r.missed_elsewhere * 100.0),
+                format!("{:.1}", r.cached_nowhere * 100.0),
+                format!("{:.1}", r.share_of_pooled * 100.0),
                 format!("{:.0}", r.ttft_p50_ms),
                 format!("{:.0}", r.ttft_p99_ms),
                 format!("{:.0}", r.latency_p99_ms),
                 format!("{:.3}", r.load_cv),
                 format!("{:.2}", r.load_max_over_mean),
-                format!("{:.1}", r.flicker * 100.0),
+                format!("{:.1}", r.missed_reuse * 100.0),
                 format!("{:.2}", r.select_p50_ns / 1000.0),
                 format!("{:.2}", r.select_p99_ns / 1000.0),
                 r.failed.to_string(),
@@ -214,7 +283,7 @@ pub fn render_table(reports: &[PolicyReport]) -> String {
         );
         let _ = writeln!(out, "best latency p99:      {}", best(&|r| r.latency_p99_ms, false));
         let _ = writeln!(out, "most even load (CV):   {}", best(&|r| r.load_cv, false));
-        let _ = writeln!(out, "least flicker:         {}", best(&|r| r.flicker, false));
+        let _ = writeln!(out, "least missed reuse:    {}", best(&|r| r.missed_reuse, false));
         let _ = writeln!(out, "fastest selection p50: {}", best(&|r| r.select_p50_ns, false));
     }
     out

@@ -61,6 +61,13 @@ pub struct RequestRecord {
     pub finish_ms: f64,
     /// Prompt tokens served from the rank's cache.
     pub cached_tokens: u32,
+    /// The longest prompt prefix any rank held when the request was routed,
+    /// in tokens (as the engine would serve it: at most the prompt less one
+    /// token).
+    pub best_cached_tokens: u32,
+    /// The prefix the chosen rank held when the request was routed, in
+    /// tokens (same rule).
+    pub routed_cached_tokens: u32,
     /// Prompt tokens.
     pub input_tokens: u32,
     /// Time the router spent selecting, in ns.
@@ -166,6 +173,8 @@ pub fn simulate(
             first_token_ms: f64::NAN,
             finish_ms: f64::NAN,
             cached_tokens: 0,
+            best_cached_tokens: 0,
+            routed_cached_tokens: 0,
             input_tokens: r.input_tokens,
             selection_ns: 0,
         })
@@ -231,10 +240,15 @@ pub fn simulate(
                     overlaps: &overlaps,
                     session: r.session,
                 };
+                // What the engine would serve from `blocks` cached blocks.
+                let served = |blocks: u32| blocks.saturating_mul(bs).min(r.input_tokens.saturating_sub(1));
+                records[i].best_cached_tokens = served(overlaps.iter().map(|o| o.blocks).max().unwrap_or(0));
                 match router.select(&route) {
                     Ok(routed) if routed.row < rows => {
                         let row = routed.row;
                         records[i].row = Some(row as u32);
+                        records[i].routed_cached_tokens =
+                            served(overlaps.iter().find(|o| o.row as usize == row).map_or(0, |o| o.blocks));
                         records[i].selection_ns = routed.selection_ns;
                         touch(row, now, &engines, &mut load_area, &mut last_change);
                         engines[row].enqueue(i);

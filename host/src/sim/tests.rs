@@ -63,7 +63,9 @@ fn one_worker_gets_every_request() {
         let (report, per_row) = run(&p, &w, &fleet(1, 1));
         assert_eq!(per_row, vec![300], "{}", p.label);
         assert_eq!(report.failed, 0);
-        assert_eq!(report.flicker, 0.0, "a prefix cannot move with one worker");
+        assert_eq!(report.missed_reuse, 0.0, "no other worker can hold a longer prefix");
+        assert_eq!(report.missed_elsewhere, 0.0, "nothing is cached elsewhere");
+        assert!((report.hit_rate + report.missed_elsewhere + report.cached_nowhere - 1.0).abs() < 1e-9);
         assert!(report.ttft_p50_ms > 0.0 && report.ttft_p50_ms <= report.ttft_p99_ms);
     }
 }
@@ -93,12 +95,47 @@ fn cache_aware_policy_beats_random_on_hit_rate() {
         kv.hit_rate,
         random.hit_rate
     );
+    // Missed reuse separates them where the old "flicker" (any shared
+    // block moving) did not.
     assert!(
-        kv.flicker < random.flicker,
+        kv.missed_reuse + 0.2 < random.missed_reuse,
         "kv {} vs random {}",
-        kv.flicker,
-        random.flicker
+        kv.missed_reuse,
+        random.missed_reuse
     );
+    for r in [&kv, &random] {
+        let sum = r.hit_rate + r.missed_elsewhere + r.cached_nowhere;
+        assert!((sum - 1.0).abs() < 1e-9, "{}: shares add up to {sum}", r.policy);
+        assert!(r.share_of_pooled > 0.0 && r.share_of_pooled.is_finite(), "{r:?}");
+    }
+    assert!(kv.missed_elsewhere < random.missed_elsewhere);
+}
+
+/// The bounds are ordered (no policy's hit rate above the unlimited cache,
+/// the pooled cache at most that) and the pooled one grows with capacity.
+#[test]
+fn hit_bounds_are_ordered_and_bound_every_policy() {
+    use super::metrics::HitBounds;
+    let w = shared_prefix_workload(1_500, 3);
+    let small = FleetSpec {
+        kv_blocks: 600,
+        ..fleet(8, 1)
+    };
+    let b = HitBounds::of(&w, &small);
+    let tiny = HitBounds::of(&w, &FleetSpec { kv_blocks: 20, ..small });
+    assert!(b.pooled <= b.unlimited && b.unlimited <= 1.0, "{b:?}");
+    assert!(tiny.pooled < b.pooled, "{tiny:?} vs {b:?}");
+    assert!((tiny.unlimited - b.unlimited).abs() < 1e-12, "{tiny:?} vs {b:?}");
+    for p in [PolicyChoice::kv_at(0.0), PolicyChoice::builtin("random")] {
+        let (r, _) = run(&p, &w, &small);
+        assert!(
+            r.hit_rate <= b.unlimited + 1e-9,
+            "{}: {} > {}",
+            r.policy,
+            r.hit_rate,
+            b.unlimited
+        );
+    }
 }
 
 #[test]
@@ -145,10 +182,10 @@ fn session_affinity_keeps_conversations_on_their_cache() {
         plain.hit_rate
     );
     assert!(
-        sticky.flicker < plain.flicker,
+        sticky.missed_elsewhere < plain.missed_elsewhere,
         "{} vs {}",
-        sticky.flicker,
-        plain.flicker
+        sticky.missed_elsewhere,
+        plain.missed_elsewhere
     );
 }
 

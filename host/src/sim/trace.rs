@@ -10,7 +10,8 @@
 //! are equal prefixes. Extra fields are ignored, so users can replay their own
 //! traffic after exporting it in this shape. [`write_trace`] writes a
 //! workload back out in the same layout, with a `block_size` field on every
-//! line, so that it reads back exactly.
+//! line (and a session's `session` and `output_hash_ids`), so that it reads
+//! back exactly: the same requests at the same times.
 //!
 //! Every line is checked: its hash ids must number `ceil(input_length /
 //! block_size)` (a trace read with the wrong block size is refused, not
@@ -49,6 +50,13 @@ pub struct TraceRow {
     /// [`write_trace`] do).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub block_size: Option<u32>,
+    /// Hashes of the generated blocks a later prompt reuses (written by
+    /// [`write_trace`] for multi-turn sessions).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub output_hash_ids: Vec<u64>,
+    /// The multi-turn session of the request (written by [`write_trace`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session: Option<u64>,
 }
 
 /// Why a trace could not be read.
@@ -73,7 +81,8 @@ pub enum TraceError {
 /// Reads a trace. Its block size is the one its lines record, else
 /// `block_size`, else [`DEFAULT_TRACE_BLOCK_SIZE`]; a `block_size` that
 /// disagrees with the recorded one is refused. Blank lines are skipped;
-/// arrivals are shifted so the first is at 0 and sorted.
+/// arrivals are sorted and, unless the trace records its block size (a trace
+/// selkie wrote keeps its times), shifted so the first is at 0.
 pub fn read_trace(reader: impl BufRead, block_size: Option<u32>) -> Result<Workload, TraceError> {
     let mut requests = Vec::new();
     let mut size: Option<(u32, usize)> = None;
@@ -127,15 +136,15 @@ pub fn read_trace(reader: impl BufRead, block_size: Option<u32>) -> Result<Workl
             input_tokens: input,
             output_tokens: row.output_length.max(1),
             hash_ids: row.hash_ids,
-            output_hash_ids: Vec::new(),
-            session: None,
+            output_hash_ids: row.output_hash_ids,
+            session: row.session,
         });
     }
     if requests.is_empty() {
         return Err(TraceError::Empty);
     }
     requests.sort_by(|a, b| a.arrival_ms.total_cmp(&b.arrival_ms));
-    let t0 = requests[0].arrival_ms;
+    let t0 = if size.is_some() { 0.0 } else { requests[0].arrival_ms };
     for r in &mut requests {
         r.arrival_ms -= t0;
     }
@@ -145,8 +154,8 @@ pub fn read_trace(reader: impl BufRead, block_size: Option<u32>) -> Result<Workl
     })
 }
 
-/// Writes `workload` as a Mooncake-style trace (output hashes and sessions
-/// are not part of the layout and are dropped).
+/// Writes `workload` as a Mooncake-style trace, with the fields that make it
+/// read back exactly (see the module docs).
 pub fn write_trace(workload: &Workload, mut out: impl Write) -> std::io::Result<()> {
     for r in &workload.requests {
         let row = TraceRow {
@@ -155,6 +164,8 @@ pub fn write_trace(workload: &Workload, mut out: impl Write) -> std::io::Result<
             output_length: r.output_tokens,
             hash_ids: r.hash_ids.clone(),
             block_size: Some(workload.block_size),
+            output_hash_ids: r.output_hash_ids.clone(),
+            session: r.session,
         };
         serde_json::to_writer(&mut out, &row)?;
         out.write_all(b"\n")?;
