@@ -317,12 +317,16 @@ fn outputs_are_checked_first_and_traces_read_back_exactly() {
     all.extend_from_slice(&write);
     let generated = selkie(&all);
     assert!(generated.status.success(), "{generated:?}");
+    // The scenario's cache (a replayed trace would default to a real
+    // worker's).
     let replayed = selkie(&[
         "simulate",
         "--policy",
         "random",
         "--workers",
         "4",
+        "--kv-tokens",
+        "65536",
         "--trace",
         trace.to_str().unwrap(),
     ]);
@@ -382,4 +386,53 @@ fn a_closed_pipe_is_a_quiet_exit() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{:?}: {stderr}", out.status);
     assert!(!stderr.contains("panicked") && !stderr.contains("error"), "{stderr}");
+}
+
+/// Cache capacity in tokens; a replayed trace defaults to a typical GPU
+/// worker's cache, not the embedded scenario's small one.
+#[test]
+fn cache_capacity_is_given_in_tokens_and_traces_default_to_a_real_worker() {
+    let dir = scratch("capacity");
+    let trace = dir.join("t.jsonl");
+    std::fs::write(
+        &trace,
+        "{\"timestamp\": 0, \"input_length\": 1000, \"output_length\": 5, \"hash_ids\": [1, 2]}\n",
+    )
+    .unwrap();
+    let t = trace.to_str().unwrap();
+    let header = |args: &[&str]| {
+        let mut all = vec!["simulate", "--policy", "random", "--workers", "2"];
+        all.extend_from_slice(args);
+        let out = selkie(&all);
+        assert!(out.status.success(), "{out:?}");
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .next()
+            .unwrap_or_default()
+            .to_owned()
+    };
+    let typical = selkie::sim::run::TYPICAL_WORKER_KV_TOKENS;
+    let h = header(&["--trace", t]);
+    assert!(
+        h.contains(&format!(
+            "a KV cache of {} tokens per rank ({} blocks of 512; a typical GPU worker's",
+            typical / 512 * 512,
+            typical / 512
+        )),
+        "{h}"
+    );
+    let h = header(&["--trace", t, "--kv-tokens", "100000"]);
+    assert!(
+        h.contains("a KV cache of 99840 tokens per rank (195 blocks of 512)"),
+        "{h}"
+    );
+    let h = header(&["--requests", "50", "--kv-tokens", "100000"]);
+    assert!(
+        h.contains("a KV cache of 100000 tokens per rank (6250 blocks of 16)"),
+        "{h}"
+    );
+    refused(&["--trace", t, "--kv-tokens", "100"], "--kv-tokens = 100");
+    let out = selkie(&["simulate", "--kv-tokens", "1000", "--kv-blocks", "10"]);
+    assert!(!out.status.success());
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -18,6 +18,7 @@ use selkie::sim::compare::{run_policy, PolicyChoice, PolicyRun};
 use selkie::sim::limits::{above_zero_option, MAX_RATE_PER_S};
 use selkie::sim::metrics::{render_table, HitBounds, PolicyReport};
 use selkie::sim::plot::{plot_load, plot_ttft};
+use selkie::sim::run::TYPICAL_WORKER_KV_TOKENS;
 use selkie::sim::scenario::{Scenario, ScenarioName};
 use selkie::sim::trace::{read_trace, write_trace};
 use selkie::sim::SimError;
@@ -73,9 +74,15 @@ struct SimulateArgs {
     /// service; refused requests are counted as failed.
     #[arg(long, value_name = "N")]
     max_active: Option<u32>,
-    /// KV cache capacity per rank, in blocks.
-    #[arg(long)]
+    /// KV cache capacity per rank, in blocks of the workload's block size.
+    #[arg(long, conflicts_with = "kv_tokens")]
     kv_blocks: Option<u32>,
+    /// KV cache capacity per rank, in tokens (whole blocks of the workload's
+    /// block size). Default: the scenario's; replaying a trace, a typical GPU
+    /// worker's (`TYPICAL_WORKER_KV_TOKENS`: an 8B model on an 80 GiB
+    /// accelerator, about 437,000 tokens).
+    #[arg(long, value_name = "TOKENS")]
+    kv_tokens: Option<u64>,
     /// Seed of the workload and of every random choice.
     #[arg(long, default_value_t = 42)]
     seed: u64,
@@ -149,6 +156,7 @@ fn check_options(args: &SimulateArgs) -> Result<(), SimError> {
     positive("--requests", args.requests.map(|n| n as u64))?;
     positive("--max-active", args.max_active.map(u64::from))?;
     positive("--kv-blocks", args.kv_blocks.map(u64::from))?;
+    positive("--kv-tokens", args.kv_tokens)?;
     positive("--trace-block-size", args.trace_block_size.map(u64::from))?;
     above_zero_option("--rate", args.rate, MAX_RATE_PER_S)
 }
@@ -209,6 +217,7 @@ fn simulate(args: SimulateArgs) -> Result<(), SimError> {
         Some(path) => Some((path, File::create(path).map_err(io_err(path))?)),
         None => None,
     };
+    let mut capacity_note = "";
     let (workload, source) = match &args.trace {
         Some(path) => {
             let file = File::open(path).map_err(io_err(path))?;
@@ -216,9 +225,18 @@ fn simulate(args: SimulateArgs) -> Result<(), SimError> {
             if let Some(n) = args.requests {
                 w.requests.truncate(n);
             }
-            // Keep the scenario's cache size in tokens.
-            let tokens = u64::from(scenario.fleet.kv_blocks) * u64::from(scenario.workload.block_size);
-            scenario.fleet.kv_blocks = (tokens / u64::from(w.block_size)).max(1) as u32;
+            // A scenario file's cache keeps its size in tokens; the embedded
+            // scenarios' small caches are not a model of a real worker.
+            let tokens = match &args.scenario_file {
+                Some(_) => u64::from(scenario.fleet.kv_blocks) * u64::from(scenario.workload.block_size),
+                None => {
+                    capacity_note = "; a typical GPU worker's: an 8B model on an 80 GiB accelerator";
+                    TYPICAL_WORKER_KV_TOKENS
+                }
+            };
+            scenario.fleet.kv_blocks = u32::try_from(tokens / u64::from(w.block_size))
+                .unwrap_or(u32::MAX)
+                .max(1);
             (w, format!("trace {}", path.display()))
         }
         None => (
@@ -228,6 +246,23 @@ fn simulate(args: SimulateArgs) -> Result<(), SimError> {
     };
     if let Some(kv) = args.kv_blocks {
         scenario.fleet.kv_blocks = kv;
+        capacity_note = "";
+    }
+    if let Some(tokens) = args.kv_tokens {
+        let blocks = tokens / u64::from(workload.block_size);
+        if blocks == 0 || blocks > u64::from(u32::MAX) {
+            return Err(SimError::Invalid {
+                field: "--kv-tokens".into(),
+                value: tokens.to_string(),
+                bound: format!(
+                    "must hold from one block ({} tokens) to {} blocks",
+                    workload.block_size,
+                    u32::MAX
+                ),
+            });
+        }
+        scenario.fleet.kv_blocks = blocks as u32;
+        capacity_note = "";
     }
     if let Some((path, file)) = trace_out {
         write_trace(&workload, BufWriter::new(file)).map_err(io_err(path))?;
@@ -263,10 +298,11 @@ fn simulate(args: SimulateArgs) -> Result<(), SimError> {
     let prompt_tokens: u64 = workload.requests.iter().map(|r| u64::from(r.input_tokens)).sum();
     writeln!(
         out,
-        "selkie simulate: {source}, seed {}: {} workers x {} DP ranks, {} KV blocks of {} tokens per rank{}",
+        "selkie simulate: {source}, seed {}: {} workers x {} DP ranks, a KV cache of {} tokens per rank ({} blocks of {}{capacity_note}){}",
         args.seed,
         fleet.workers,
         fleet.dp_size,
+        u64::from(fleet.kv_blocks) * u64::from(workload.block_size),
         fleet.kv_blocks,
         workload.block_size,
         fleet

@@ -15,6 +15,18 @@ use super::index::OverlapIndex;
 use super::router::{RouteRequest, Router, RowOverlap};
 use super::workload::Workload;
 
+/// KV cache tokens of a typical GPU worker, the capacity a trace replays
+/// with when none is given: an 8B-parameter model (Llama 3.1 8B: 32 layers,
+/// 8 KV heads of 128 dimensions, 16-bit keys and values, so 128 KiB per
+/// token) served on one 80 GiB accelerator at 90% memory utilisation, less
+/// 16 GB of weights and 4 GB of activations and runtime: about 437,000
+/// tokens.
+pub const TYPICAL_WORKER_KV_TOKENS: u64 = {
+    let usable = 80 * (1u64 << 30) / 10 * 9 - 16_060_000_000 - 4_000_000_000;
+    let per_token = 2 * 32 * 8 * 128 * 2;
+    usable / per_token
+};
+
 /// The simulated fleet: `workers` workers of `dp_size` ranks each; every rank
 /// is one engine with its own KV cache.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
