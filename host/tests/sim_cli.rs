@@ -436,3 +436,37 @@ fn cache_capacity_is_given_in_tokens_and_traces_default_to_a_real_worker() {
     assert!(!out.status.success());
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `--session-affinity` runs the config file's policies with sessions too.
+#[test]
+fn session_affinity_applies_to_config_policies() {
+    let dir = scratch("affinity");
+    let config = dir.join("policies.yaml");
+    std::fs::write(
+        &config,
+        "aggregated: sticky\ninstances:\n  - name: sticky\n    type: kv\n    parameters: { overlap_score_credit: 2.0 }\n",
+    )
+    .unwrap();
+    let out = selkie(&[
+        "simulate",
+        "--requests",
+        "200",
+        "--workers",
+        "4",
+        "--policy",
+        "random",
+        "--config",
+        config.to_str().unwrap(),
+        "--session-affinity",
+        "soft",
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{out:?}");
+    for label in ["random ", "random +soft", "config:sticky ", "config:sticky +soft"] {
+        assert!(
+            stdout.lines().any(|l| l.starts_with(label)),
+            "no row {label:?}:\n{stdout}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -276,6 +276,10 @@ fn simulate(args: SimulateArgs) -> Result<(), SimError> {
             .map(|p| PolicyChoice::parse(p))
             .collect::<Result<_, _>>()?
     };
+    if let Some(path) = &args.config {
+        choices.extend(PolicyChoice::from_config(path)?);
+    }
+    // Every policy, the config file's included, also runs with sessions.
     if let Some(mode) = args.session_affinity.as_deref() {
         let mode = if mode == "hard" {
             AffinityMode::Hard
@@ -284,9 +288,6 @@ fn simulate(args: SimulateArgs) -> Result<(), SimError> {
         };
         let with: Vec<PolicyChoice> = choices.iter().map(|c| c.clone().with_session_affinity(mode)).collect();
         choices.extend(with);
-    }
-    if let Some(path) = &args.config {
-        choices.extend(PolicyChoice::from_config(path)?);
     }
     let registry = WorkerSelectionPolicyRegistry::new();
     for choice in &choices {

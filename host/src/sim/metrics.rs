@@ -268,9 +268,15 @@ pub fn render_table(reports: &[PolicyReport]) -> String {
     }
     if reports.len() > 1 {
         out.push('\n');
+        // Only the policies that refused the fewest requests can be best: a
+        // policy that fails requests would otherwise win on the requests it
+        // kept.
+        let fewest_failed = reports.iter().map(|r| r.failed).min().unwrap_or(0);
         let best = |key: &dyn Fn(&PolicyReport) -> f64, higher: bool| -> &str {
             let cmp = |a: &&PolicyReport, b: &&PolicyReport| key(a).total_cmp(&key(b));
-            let it = reports.iter().filter(|r| key(r).is_finite());
+            let it = reports
+                .iter()
+                .filter(|r| r.failed == fewest_failed && key(r).is_finite());
             let r = if higher { it.max_by(cmp) } else { it.min_by(cmp) };
             r.map_or("-", |r| r.policy.as_str())
         };
@@ -292,6 +298,37 @@ pub fn render_table(reports: &[PolicyReport]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn report(policy: &str, hit_rate: f64, failed: usize) -> PolicyReport {
+        PolicyReport {
+            policy: policy.into(),
+            routed: 100 - failed,
+            failed,
+            hit_rate,
+            missed_elsewhere: 0.0,
+            cached_nowhere: 1.0 - hit_rate,
+            share_of_pooled: hit_rate,
+            ttft_p50_ms: 10.0,
+            ttft_p99_ms: 20.0,
+            latency_p99_ms: 30.0,
+            load_cv: 0.1,
+            load_max_over_mean: 1.1,
+            missed_reuse: 0.5,
+            select_p50_ns: 100.0,
+            select_p99_ns: 200.0,
+            ttft_sorted_ms: Vec::new(),
+        }
+    }
+
+    /// A policy that refused requests is never "best", however well it
+    /// served the ones it kept.
+    #[test]
+    fn best_lines_skip_policies_that_failed_more() {
+        let table = render_table(&[report("greedy", 0.9, 40), report("steady", 0.5, 0)]);
+        assert!(table.contains("best KV hit rate:      steady\n"), "{table}");
+        let table = render_table(&[report("greedy", 0.9, 0), report("steady", 0.5, 0)]);
+        assert!(table.contains("best KV hit rate:      greedy\n"), "{table}");
+    }
 
     #[test]
     fn quantile_is_nearest_rank() {
