@@ -280,6 +280,16 @@ fn every_bad_scenario_field_is_refused_before_the_run() {
             "fleet.timing.step_overhead_ms = NaN",
         ),
         ("workers: 2", "workers: 0", "fleet.workers = 0"),
+        (
+            "max_running: 4}",
+            "max_running: 4}, classes: [{workers: 3}]",
+            "fleet.classes = 3 workers",
+        ),
+        (
+            "max_running: 4}",
+            "max_running: 4}, classes: [{workers: 1, speed: 0}]",
+            "fleet.classes[0].speed = 0",
+        ),
         ("lo: 3, hi: 9", "lo: 9, hi: 3", "workload.user_tokens.lo = 9"),
         (
             "rate_per_s: 5",

@@ -40,7 +40,9 @@ enum Command {
 #[derive(Args, Debug)]
 struct SimulateArgs {
     /// Embedded scenario: `default` (16 workers, Poisson, shared prompts,
-    /// sessions) or `skewed` (16 workers x 2 DP ranks, bursty, hot prompts).
+    /// sessions), `skewed` (16 workers x 2 DP ranks, bursty, hot prompts) or
+    /// `mixed` (the default workload on 4 fast, 8 default and 4 CPU
+    /// workers).
     #[arg(long, default_value = "default")]
     scenario: ScenarioName,
     /// Read the fleet and workload from a YAML (or JSON) file instead; see
@@ -311,6 +313,23 @@ fn simulate(args: SimulateArgs) -> Result<(), SimError> {
             .map_or(String::new(), |n| format!(", at most {n} requests in flight per rank"))
     )
     .map_err(stdout_err)?;
+    if !fleet.classes.is_empty() {
+        let classes: Vec<String> = fleet
+            .classes
+            .iter()
+            .map(|c| {
+                format!(
+                    "{} {}workers at {}x speed, {} blocks, weight {}",
+                    c.workers,
+                    if c.cpu { "CPU " } else { "" },
+                    c.speed,
+                    c.kv_blocks.unwrap_or(fleet.kv_blocks),
+                    c.capacity_weight
+                )
+            })
+            .collect();
+        writeln!(out, "mixed fleet: {}", classes.join("; ")).map_err(stdout_err)?;
+    }
     writeln!(
         out,
         "{n} requests over {span_s:.1} s ({:.0} req/s), mean prompt {:.0} tokens; {} {} through the selection service",

@@ -89,8 +89,8 @@ pub(crate) fn above_zero(field: &str, value: f64, hi: f64) -> Result<(), SimErro
     }
 }
 
-/// [`above_zero`] for an option that may be absent (`None` passes); public
-/// for the command line.
+/// A finite value above 0 and at most `hi`, for an option that may be absent
+/// (`None` passes); public for the command line.
 pub fn above_zero_option(field: &str, value: Option<f64>, hi: f64) -> Result<(), SimError> {
     value.map_or(Ok(()), |v| above_zero(field, v, hi))
 }
@@ -125,6 +125,24 @@ impl FleetSpec {
             positive("fleet.max_active_requests", limit)?;
         }
         self.timing.validate()?;
+        let mut classed = 0u64;
+        for (i, class) in self.classes.iter().enumerate() {
+            let field = |name: &str| format!("fleet.classes[{i}].{name}");
+            positive(&field("workers"), class.workers)?;
+            above_zero(&field("speed"), class.speed, 1e3)?;
+            if let Some(blocks) = class.kv_blocks {
+                positive(&field("kv_blocks"), blocks)?;
+            }
+            above_zero(&field("capacity_weight"), class.capacity_weight, 1e6)?;
+            classed += u64::from(class.workers);
+        }
+        if classed > u64::from(self.workers) {
+            return Err(invalid(
+                "fleet.classes",
+                format!("{classed} workers"),
+                format!("must be at most the fleet's {} workers", self.workers),
+            ));
+        }
         let capacity = crate::FLEET_GROUPS * 8;
         if self.rows() > capacity {
             return Err(SimError::FleetTooLarge {

@@ -44,7 +44,7 @@ impl HitBounds {
     /// prompt less one token.
     pub fn of(workload: &Workload, fleet: &FleetSpec) -> Self {
         let bs = workload.block_size.max(1);
-        let pooled_blocks = fleet.rows() as u64 * u64::from(fleet.kv_blocks);
+        let pooled_blocks = fleet.total_kv_blocks();
         let mut pool = KvCache::new(u32::try_from(pooled_blocks).unwrap_or(u32::MAX));
         let mut seen: BlockMap<()> = BlockMap::default();
         let (mut prompt, mut unlimited, mut pooled) = (0u64, 0u64, 0u64);

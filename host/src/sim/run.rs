@@ -27,9 +27,51 @@ pub const TYPICAL_WORKER_KV_TOKENS: u64 = {
     usable / per_token
 };
 
+/// A class of workers in a mixed fleet: faster or slower accelerators,
+/// larger or smaller caches, CPU workers. Classes take the fleet's workers in
+/// order (the first class the first `workers` of them, and so on); workers no
+/// class takes are of the fleet's own model.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WorkerClass {
+    /// Workers of this class.
+    pub workers: u32,
+    /// Speed relative to the fleet's timing model: every step takes
+    /// `1 / speed` times as long (2.0: twice as fast).
+    #[serde(default = "one")]
+    pub speed: f64,
+    /// KV cache capacity of each rank, in blocks (default: the fleet's).
+    #[serde(default)]
+    pub kv_blocks: Option<u32>,
+    /// The capacity weight discovery reports for these workers (what the
+    /// weighted policies read; default 1).
+    #[serde(default = "one")]
+    pub capacity_weight: f64,
+    /// The workers run on CPUs (what `device-aware-weighted` reads).
+    #[serde(default)]
+    pub cpu: bool,
+}
+
+fn one() -> f64 {
+    1.0
+}
+
+/// The model of one rank: its worker's class applied to the fleet's.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RankModel {
+    /// Step timing, scaled by the class's speed.
+    pub timing: TimingModel,
+    /// KV cache capacity, in blocks.
+    pub kv_blocks: u32,
+    /// Capacity weight given to discovery.
+    pub capacity_weight: f64,
+    /// A CPU worker.
+    pub cpu: bool,
+}
+
 /// The simulated fleet: `workers` workers of `dp_size` ranks each; every rank
 /// is one engine with its own KV cache.
-#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct FleetSpec {
     /// Number of workers.
@@ -45,12 +87,53 @@ pub struct FleetSpec {
     /// counted as failed. `None`: no limit.
     #[serde(default)]
     pub max_active_requests: Option<u32>,
+    /// Classes of workers that differ from the fleet's model (see
+    /// [`WorkerClass`]); empty: every worker is alike.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub classes: Vec<WorkerClass>,
 }
 
 impl FleetSpec {
     /// Number of ranks (rows).
     pub fn rows(&self) -> usize {
         usize::try_from(u64::from(self.workers.max(1)) * u64::from(self.dp_size.max(1))).unwrap_or(usize::MAX)
+    }
+
+    /// The model of worker `worker` (0-based): its class's, else the
+    /// fleet's.
+    pub fn worker_model(&self, worker: u32) -> RankModel {
+        let mut first = 0u32;
+        for class in &self.classes {
+            if worker < first.saturating_add(class.workers) {
+                let speed = class.speed;
+                return RankModel {
+                    timing: TimingModel {
+                        step_overhead_ms: self.timing.step_overhead_ms / speed,
+                        prefill_ms_per_token: self.timing.prefill_ms_per_token / speed,
+                        decode_ms_per_seq: self.timing.decode_ms_per_seq / speed,
+                        ..self.timing
+                    },
+                    kv_blocks: class.kv_blocks.unwrap_or(self.kv_blocks),
+                    capacity_weight: class.capacity_weight,
+                    cpu: class.cpu,
+                };
+            }
+            first = first.saturating_add(class.workers);
+        }
+        RankModel {
+            timing: self.timing,
+            kv_blocks: self.kv_blocks,
+            capacity_weight: 1.0,
+            cpu: false,
+        }
+    }
+
+    /// Total KV cache blocks of every rank.
+    pub fn total_kv_blocks(&self) -> u64 {
+        (0..self.workers.max(1))
+            .map(|w| u64::from(self.worker_model(w).kv_blocks))
+            .sum::<u64>()
+            * u64::from(self.dp_size.max(1))
     }
 
     /// The worker (0-based) and rank of a row: rows are worker-major.
@@ -176,7 +259,10 @@ pub fn simulate(
     let rows = fleet.rows();
     let reqs = &workload.requests;
     let bs = workload.block_size;
-    let mut engines: Vec<Engine> = (0..rows).map(|_| Engine::new(fleet.kv_blocks)).collect();
+    let models: Vec<RankModel> = (0..rows)
+        .map(|row| fleet.worker_model(fleet.worker_and_rank(row).0))
+        .collect();
+    let mut engines: Vec<Engine> = models.iter().map(|m| Engine::new(m.kv_blocks)).collect();
     let mut records: Vec<RequestRecord> = reqs
         .iter()
         .map(|r| RequestRecord {
@@ -377,7 +463,12 @@ fn start(
     events: &mut Vec<StepEvent>,
 ) {
     events.clear();
-    if let Some(duration) = engine.start_step(reqs, bs, &fleet.timing, events) {
+    if let Some(duration) = engine.start_step(
+        reqs,
+        bs,
+        &fleet.worker_model(fleet.worker_and_rank(row).0).timing,
+        events,
+    ) {
         queue.push(now + duration, Kind::StepDone(row));
     }
     for &e in events.iter() {

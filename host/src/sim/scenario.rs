@@ -11,6 +11,11 @@
 //!   (a few very hot, a long tail that no single cache holds) and a fleet
 //!   pushed past saturation during bursts: the case where cache affinity and
 //!   load balance pull hardest against each other.
+//! * `mixed`: the `default` workload on a mixed fleet of 16 workers: 4 of a
+//!   newer generation (twice as fast, twice the cache, capacity weight 2),
+//!   8 of the default model, and 4 CPU workers (a quarter of the speed, half
+//!   the cache, capacity weight 0.25): the case for device-aware and
+//!   weighted policies.
 
 use std::fmt;
 use std::str::FromStr;
@@ -19,7 +24,7 @@ use serde::{Deserialize, Serialize};
 
 use super::dist::LengthDist;
 use super::engine::TimingModel;
-use super::run::FleetSpec;
+use super::run::{FleetSpec, WorkerClass};
 use super::workload::{Arrivals, WorkloadSpec};
 
 /// A named fleet and workload.
@@ -42,17 +47,20 @@ pub enum ScenarioName {
     Default,
     /// See the module docs.
     Skewed,
+    /// See the module docs.
+    Mixed,
 }
 
 impl ScenarioName {
     /// Every embedded scenario.
-    pub const ALL: [ScenarioName; 2] = [ScenarioName::Default, ScenarioName::Skewed];
+    pub const ALL: [ScenarioName; 3] = [ScenarioName::Default, ScenarioName::Skewed, ScenarioName::Mixed];
 
     /// The name on the command line.
     pub fn as_str(self) -> &'static str {
         match self {
             ScenarioName::Default => "default",
             ScenarioName::Skewed => "skewed",
+            ScenarioName::Mixed => "mixed",
         }
     }
 }
@@ -69,7 +77,7 @@ impl FromStr for ScenarioName {
         Self::ALL
             .into_iter()
             .find(|n| n.as_str() == s)
-            .ok_or_else(|| format!("unknown scenario {s:?}; available: default, skewed"))
+            .ok_or_else(|| format!("unknown scenario {s:?}; available: default, skewed, mixed"))
     }
 }
 
@@ -85,6 +93,7 @@ impl Scenario {
                     kv_blocks: 4_096,
                     timing: TimingModel::default(),
                     max_active_requests: None,
+                    classes: Vec::new(),
                 },
                 workload: WorkloadSpec {
                     requests: 4_000,
@@ -115,6 +124,34 @@ impl Scenario {
                     },
                 },
             },
+            ScenarioName::Mixed => {
+                let mut s = Scenario::embedded(ScenarioName::Default);
+                s.name = "mixed".into();
+                s.fleet.classes = vec![
+                    WorkerClass {
+                        workers: 4,
+                        speed: 2.0,
+                        kv_blocks: Some(8_192),
+                        capacity_weight: 2.0,
+                        cpu: false,
+                    },
+                    WorkerClass {
+                        workers: 8,
+                        speed: 1.0,
+                        kv_blocks: None,
+                        capacity_weight: 1.0,
+                        cpu: false,
+                    },
+                    WorkerClass {
+                        workers: 4,
+                        speed: 0.25,
+                        kv_blocks: Some(2_048),
+                        capacity_weight: 0.25,
+                        cpu: true,
+                    },
+                ];
+                s
+            }
             ScenarioName::Skewed => Scenario {
                 name: "skewed".into(),
                 fleet: FleetSpec {
@@ -123,6 +160,7 @@ impl Scenario {
                     kv_blocks: 4_096,
                     timing: TimingModel::default(),
                     max_active_requests: None,
+                    classes: Vec::new(),
                 },
                 workload: WorkloadSpec {
                     requests: 4_000,

@@ -38,7 +38,13 @@ pub fn fleet_service(
     };
     let service = WorkerSelectionService::new(policy, config);
     for w in 0..fleet.workers.max(1) {
-        let mut record = WorkerRecord::new(u64::from(w) + 1).with_dp(0, fleet.dp_size.max(1));
+        let model = fleet.worker_model(w);
+        let mut record = WorkerRecord::new(u64::from(w) + 1)
+            .with_dp(0, fleet.dp_size.max(1))
+            .with_capacity_weight(model.capacity_weight as f32);
+        if model.cpu {
+            record = record.with_device(crate::DeviceKind::Cpu);
+        }
         if let Some(limit) = fleet.max_active_requests {
             record = record.with_max_active_requests(limit);
         }

@@ -16,6 +16,7 @@ fn fleet(workers: u32, dp_size: u32) -> FleetSpec {
         kv_blocks: 4_096,
         timing: TimingModel::default(),
         max_active_requests: None,
+        classes: Vec::new(),
     }
 }
 
@@ -122,7 +123,13 @@ fn hit_bounds_are_ordered_and_bound_every_policy() {
         ..fleet(8, 1)
     };
     let b = HitBounds::of(&w, &small);
-    let tiny = HitBounds::of(&w, &FleetSpec { kv_blocks: 20, ..small });
+    let tiny = HitBounds::of(
+        &w,
+        &FleetSpec {
+            kv_blocks: 20,
+            ..small.clone()
+        },
+    );
     assert!(b.pooled <= b.unlimited && b.unlimited <= 1.0, "{b:?}");
     assert!(tiny.pooled < b.pooled, "{tiny:?} vs {b:?}");
     assert!((tiny.unlimited - b.unlimited).abs() < 1e-12, "{tiny:?} vs {b:?}");
@@ -232,4 +239,61 @@ fn a_fleet_larger_than_the_service_is_refused_before_allocating() {
             "{e}"
         );
     }
+}
+
+/// A mixed fleet: a class's speed, cache and capacity weight reach the
+/// engines and the service, and the device-aware policy, identical to
+/// least-loaded on a uniform fleet, decides differently.
+#[test]
+fn worker_classes_change_speed_cache_and_what_the_policies_see() {
+    use super::run::WorkerClass;
+    let w = shared_prefix_workload(400, 8);
+    let mut two = fleet(2, 1);
+    two.classes = vec![WorkerClass {
+        workers: 1,
+        speed: 4.0,
+        kv_blocks: Some(50),
+        capacity_weight: 3.0,
+        cpu: false,
+    }];
+    assert_eq!(two.worker_model(0).kv_blocks, 50);
+    assert_eq!(two.worker_model(1).kv_blocks, 4_096);
+    assert_eq!(two.total_kv_blocks(), 4_146);
+    let r = super::compare::run_policy(
+        &crate::WorkerSelectionPolicyRegistry::new(),
+        &PolicyChoice::builtin("round-robin"),
+        &w,
+        &two,
+        1,
+        &mut |_| {},
+    )
+    .unwrap();
+    let mean_latency = |row: u32| {
+        let l: Vec<f64> = r
+            .record
+            .requests
+            .iter()
+            .filter(|q| q.row == Some(row))
+            .map(|q| q.finish_ms - q.arrival_ms)
+            .collect();
+        l.iter().sum::<f64>() / l.len() as f64
+    };
+    assert!(
+        mean_latency(0) * 2.0 < mean_latency(1),
+        "the 4x worker: {} ms, the other {} ms",
+        mean_latency(0),
+        mean_latency(1)
+    );
+    let service =
+        super::service_router::fleet_service(crate::WorkerSelectionPolicy::least_loaded(), &two, 16, 1).unwrap();
+    assert_eq!(service.worker_status(1).unwrap().record.capacity_weight, 3.0);
+
+    let mixed = super::scenario::Scenario::embedded(super::scenario::ScenarioName::Mixed);
+    mixed.validate().unwrap();
+    let mut spec = mixed.workload.clone();
+    spec.requests = 1_500;
+    let w = spec.generate(4);
+    let (ll, _) = run(&PolicyChoice::builtin("least-loaded"), &w, &mixed.fleet);
+    let (da, _) = run(&PolicyChoice::builtin("device-aware-weighted"), &w, &mixed.fleet);
+    assert_ne!((ll.hit_rate, ll.ttft_p99_ms), (da.hit_rate, da.ttft_p99_ms));
 }
