@@ -17,7 +17,7 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use selkie::sim::compare::{run_policy, PolicyChoice, PolicyRun};
 use selkie::sim::limits::{above_zero_option, MAX_RATE_PER_S};
 use selkie::sim::metrics::{render_table, HitBounds, PolicyReport};
-use selkie::sim::plot::{plot_load, plot_ttft};
+use selkie::sim::plot::{load_y_max, plot_load, plot_ttft};
 use selkie::sim::run::TYPICAL_WORKER_KV_TOKENS;
 use selkie::sim::scenario::{Scenario, ScenarioName};
 use selkie::sim::trace::{read_trace, write_trace};
@@ -392,6 +392,7 @@ fn simulate(args: SimulateArgs) -> Result<(), SimError> {
     if let Some(dir) = &args.plots {
         let ttft = dir.join("ttft.svg");
         plot_ttft(&ttft, &format!("time to first token, {source}"), &reports)?;
+        let y_max = load_y_max(&fleet, runs.iter().map(|r| &r.record));
         for run in &runs {
             let name: String = run
                 .report
@@ -410,6 +411,7 @@ fn simulate(args: SimulateArgs) -> Result<(), SimError> {
                 &format!("requests in flight per worker, {}", run.report.policy),
                 &fleet,
                 &run.record,
+                y_max,
             )?;
         }
         writeln!(out, "plots written to {}", dir.display()).map_err(stdout_err)?;

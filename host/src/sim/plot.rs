@@ -28,9 +28,21 @@ fn err(path: &Path) -> impl Fn(String) -> PlotError + '_ {
     }
 }
 
+/// The most requests any worker (its ranks summed) held at a load sample of
+/// any of `runs`: the common y scale of their load plots, so that policies
+/// compare at a glance.
+pub fn load_y_max<'a>(fleet: &FleetSpec, runs: impl IntoIterator<Item = &'a RunRecord>) -> f64 {
+    let dp = fleet.dp_size.max(1) as usize;
+    runs.into_iter()
+        .flat_map(|r| &r.load_samples)
+        .flat_map(|s| s.chunks(dp).map(|w| w.iter().sum::<u32>()))
+        .fold(1, u32::max) as f64
+}
+
 /// Writes the in-flight requests of every worker (its ranks summed) over
-/// time during `run` to `path`.
-pub fn plot_load(path: &Path, title: &str, fleet: &FleetSpec, run: &RunRecord) -> Result<(), PlotError> {
+/// time during `run` to `path`, on a y axis up to `y_max` (see
+/// [`load_y_max`]; the run's own maximum if smaller values would be cut).
+pub fn plot_load(path: &Path, title: &str, fleet: &FleetSpec, run: &RunRecord, y_max: f64) -> Result<(), PlotError> {
     let e = err(path);
     let dp = fleet.dp_size.max(1) as usize;
     let workers = fleet.rows() / dp;
@@ -44,7 +56,7 @@ pub fn plot_load(path: &Path, title: &str, fleet: &FleetSpec, run: &RunRecord) -
         })
         .collect();
     let t_max = run.sample_times_ms.last().copied().unwrap_or(0.0) / 1000.0;
-    let y_max = series.iter().flatten().map(|p| p.1).fold(1.0, f64::max);
+    let y_max = series.iter().flatten().map(|p| p.1).fold(y_max.max(1.0), f64::max);
     let root = SVGBackend::new(path, (960, 540)).into_drawing_area();
     root.fill(&WHITE).map_err(|x| e(x.to_string()))?;
     let mut chart = ChartBuilder::on(&root)
@@ -70,8 +82,10 @@ pub fn plot_load(path: &Path, title: &str, fleet: &FleetSpec, run: &RunRecord) -
 }
 
 /// Writes the cumulative distribution of time to first token of every
-/// policy in `reports` to `path` (x axis up to the largest p99, so the
-/// bodies of the distributions stay readable).
+/// policy in `reports` to `path`, on a logarithmic time axis up to the
+/// largest p99 (tails and bodies both readable). Policies whose
+/// distributions are identical share one curve, labelled with all their
+/// names, so that none hides under another.
 pub fn plot_ttft(path: &Path, title: &str, reports: &[PolicyReport]) -> Result<(), PlotError> {
     let e = err(path);
     let x_max = reports
@@ -80,6 +94,24 @@ pub fn plot_ttft(path: &Path, title: &str, reports: &[PolicyReport]) -> Result<(
         .filter(|v| v.is_finite())
         .fold(1.0, f64::max)
         * 1.1;
+    let x_min = reports
+        .iter()
+        .flat_map(|r| r.ttft_sorted_ms.first())
+        .copied()
+        .filter(|v| v.is_finite() && *v > 0.0)
+        .fold(x_max, f64::min)
+        .clamp(0.01, x_max / 2.0);
+    // One curve per distinct distribution.
+    let mut curves: Vec<(String, &[f64])> = Vec::new();
+    for r in reports {
+        match curves.iter_mut().find(|(_, t)| *t == r.ttft_sorted_ms.as_slice()) {
+            Some((label, _)) => {
+                label.push_str(" = ");
+                label.push_str(&r.policy);
+            }
+            None => curves.push((r.policy.clone(), &r.ttft_sorted_ms)),
+        }
+    }
     let root = SVGBackend::new(path, (960, 540)).into_drawing_area();
     root.fill(&WHITE).map_err(|x| e(x.to_string()))?;
     let mut chart = ChartBuilder::on(&root)
@@ -87,29 +119,28 @@ pub fn plot_ttft(path: &Path, title: &str, reports: &[PolicyReport]) -> Result<(
         .margin(12)
         .x_label_area_size(40)
         .y_label_area_size(56)
-        .build_cartesian_2d(0.0..x_max, 0.0..1.0)
+        .build_cartesian_2d((x_min..x_max).log_scale(), 0.0..1.0)
         .map_err(|x| e(x.to_string()))?;
     chart
         .configure_mesh()
-        .x_desc("time to first token (ms)")
+        .x_desc("time to first token (ms, log scale)")
         .y_desc("share of requests")
         .draw()
         .map_err(|x| e(x.to_string()))?;
-    for (i, r) in reports.iter().enumerate() {
-        let n = r.ttft_sorted_ms.len().max(1) as f64;
-        let step = (r.ttft_sorted_ms.len() / 400).max(1);
-        let points: Vec<(f64, f64)> = r
-            .ttft_sorted_ms
+    for (i, (label, ttft)) in curves.into_iter().enumerate() {
+        let n = ttft.len().max(1) as f64;
+        let step = (ttft.len() / 400).max(1);
+        let points: Vec<(f64, f64)> = ttft
             .iter()
             .enumerate()
-            .filter(|(k, _)| (k + 1) % step == 0 || k + 1 == r.ttft_sorted_ms.len())
-            .map(|(k, &t)| (t.min(x_max), (k + 1) as f64 / n))
+            .filter(|(k, _)| (k + 1) % step == 0 || k + 1 == ttft.len())
+            .map(|(k, &t)| (t.clamp(x_min, x_max), (k + 1) as f64 / n))
             .collect();
         let color = Palette99::pick(i).stroke_width(2);
         chart
             .draw_series(LineSeries::new(points, color))
             .map_err(|x| e(x.to_string()))?
-            .label(r.policy.clone())
+            .label(label)
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], Palette99::pick(i).stroke_width(2)));
     }
     chart

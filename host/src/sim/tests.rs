@@ -297,3 +297,66 @@ fn worker_classes_change_speed_cache_and_what_the_policies_see() {
     let (da, _) = run(&PolicyChoice::builtin("device-aware-weighted"), &w, &mixed.fleet);
     assert_ne!((ll.hit_rate, ll.ttft_p99_ms), (da.hit_rate, da.ttft_p99_ms));
 }
+
+/// Identical TTFT distributions share one labelled curve; every load plot
+/// of a comparison uses the same y scale.
+#[test]
+fn plots_show_identical_curves_once_and_share_the_load_scale() {
+    use super::plot::{load_y_max, plot_load, plot_ttft};
+    let w = shared_prefix_workload(300, 11);
+    let f = fleet(4, 1);
+    let (ll, _) = run(&PolicyChoice::builtin("least-loaded"), &w, &f);
+    let (da, _) = run(&PolicyChoice::builtin("device-aware-weighted"), &w, &f);
+    let (rr, _) = run(&PolicyChoice::builtin("round-robin"), &w, &f);
+    assert_eq!(
+        ll.ttft_sorted_ms, da.ttft_sorted_ms,
+        "a uniform fleet: the same decisions"
+    );
+    let dir = std::env::temp_dir().join(format!("selkie-plots-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let ttft = dir.join("ttft.svg");
+    plot_ttft(&ttft, "t", &[ll, da, rr]).unwrap();
+    let svg = std::fs::read_to_string(&ttft).unwrap();
+    assert!(svg.contains("least-loaded = device-aware-weighted"), "merged legend");
+    assert_eq!(svg.matches("device-aware-weighted").count(), 1, "one curve, one label");
+    assert!(svg.contains("round-robin"));
+
+    let runs: Vec<_> = ["random", "least-loaded"]
+        .iter()
+        .map(|p| {
+            super::compare::run_policy(
+                &crate::WorkerSelectionPolicyRegistry::new(),
+                &PolicyChoice::builtin(p),
+                &w,
+                &f,
+                1,
+                &mut |_| {},
+            )
+            .unwrap()
+            .record
+        })
+        .collect();
+    let y_max = load_y_max(&f, &runs);
+    let own: Vec<f64> = runs.iter().map(|r| load_y_max(&f, [r])).collect();
+    assert_eq!(y_max, own[0].max(own[1]));
+    assert_ne!(own[0], own[1], "the two runs peak differently (the case this checks)");
+    // The y axis's tick labels (right-aligned text) of a load plot.
+    let y_ticks = |r: &super::run::RunRecord, y: f64| {
+        let path = dir.join("load.svg");
+        plot_load(&path, "load", &f, r, y).unwrap();
+        let svg = std::fs::read_to_string(&path).unwrap();
+        let lines: Vec<&str> = svg.lines().collect();
+        lines
+            .windows(2)
+            .filter(|l| l[0].contains("text-anchor=\"end\""))
+            .map(|l| l[1].trim().to_owned())
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(y_ticks(&runs[0], y_max), y_ticks(&runs[1], y_max), "one scale");
+    assert_ne!(
+        y_ticks(&runs[0], own[0]),
+        y_ticks(&runs[1], own[1]),
+        "own scales differ"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
