@@ -12,6 +12,18 @@ fn selkie(args: &[&str]) -> Output {
         .expect("run selkie")
 }
 
+/// A worker-selection config file with one `kv` instance, `sticky` (twice
+/// the default credit for cached blocks), in `dir`.
+fn sticky_config(dir: &std::path::Path) -> PathBuf {
+    let config = dir.join("policies.yaml");
+    std::fs::write(
+        &config,
+        "aggregated: sticky\ninstances:\n  - name: sticky\n    type: kv\n    parameters: { overlap_score_credit: 2.0 }\n",
+    )
+    .unwrap();
+    config
+}
+
 fn scratch(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("selkie-sim-{}-{name}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
@@ -127,12 +139,7 @@ fn replays_a_trace_with_configured_policies() {
         })
         .collect();
     std::fs::write(&trace, rows).unwrap();
-    let config = dir.join("policies.yaml");
-    std::fs::write(
-        &config,
-        "aggregated: sticky\ninstances:\n  - name: sticky\n    type: kv\n    parameters: { overlap_score_credit: 2.0 }\n",
-    )
-    .unwrap();
+    let config = sticky_config(&dir);
     let out = selkie(&[
         "simulate",
         "--trace",
@@ -451,12 +458,7 @@ fn cache_capacity_is_given_in_tokens_and_traces_default_to_a_real_worker() {
 #[test]
 fn session_affinity_applies_to_config_policies() {
     let dir = scratch("affinity");
-    let config = dir.join("policies.yaml");
-    std::fs::write(
-        &config,
-        "aggregated: sticky\ninstances:\n  - name: sticky\n    type: kv\n    parameters: { overlap_score_credit: 2.0 }\n",
-    )
-    .unwrap();
+    let config = sticky_config(&dir);
     let out = selkie(&[
         "simulate",
         "--requests",

@@ -63,6 +63,15 @@ pub(crate) fn positive<T: PartialOrd + Default + ToString>(field: &str, value: T
     }
 }
 
+/// `value` is from 1 to `max`.
+pub(crate) fn count<T: PartialOrd + Default + ToString + Copy>(field: &str, value: T, max: T) -> Result<(), SimError> {
+    positive(field, value)?;
+    if value > max {
+        return Err(invalid(field, value, format!("must be at most {}", max.to_string())));
+    }
+    Ok(())
+}
+
 /// `value` is finite and in `lo..=hi`.
 pub(crate) fn within(field: &str, value: f64, lo: f64, hi: f64) -> Result<(), SimError> {
     if value.is_finite() && (lo..=hi).contains(&value) {
@@ -239,31 +248,10 @@ impl WorkloadSpec {
     /// Checks every parameter, and that the longest conversation's last
     /// prompt stays within [`MAX_TOKENS`].
     pub fn validate(&self) -> Result<(), SimError> {
-        positive("workload.requests", self.requests)?;
-        if self.requests > MAX_REQUESTS {
-            return Err(invalid(
-                "workload.requests",
-                self.requests,
-                format!("must be at most {MAX_REQUESTS}"),
-            ));
-        }
-        positive("workload.block_size", self.block_size)?;
-        if self.block_size > MAX_BLOCK_SIZE {
-            return Err(invalid(
-                "workload.block_size",
-                self.block_size,
-                format!("must be at most {MAX_BLOCK_SIZE}"),
-            ));
-        }
+        count("workload.requests", self.requests, MAX_REQUESTS)?;
+        count("workload.block_size", self.block_size, MAX_BLOCK_SIZE)?;
         self.arrivals.validate("workload.arrivals")?;
-        positive("workload.system_prompts", self.system_prompts)?;
-        if self.system_prompts > MAX_REQUESTS {
-            return Err(invalid(
-                "workload.system_prompts",
-                self.system_prompts,
-                format!("must be at most {MAX_REQUESTS}"),
-            ));
-        }
+        count("workload.system_prompts", self.system_prompts, MAX_REQUESTS)?;
         self.system_prompt_tokens.validate("workload.system_prompt_tokens")?;
         within("workload.zipf_s", self.zipf_s, 0.0, 100.0)?;
         within("workload.session_fraction", self.session_fraction, 0.0, 1.0)?;
