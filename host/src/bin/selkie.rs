@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use clap::{Args, Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
-use selkie::sim::compare::{run_policy, PolicyChoice, PolicyRun};
+use selkie::sim::compare::{run_policy_within, PolicyChoice, PolicyRun};
 use selkie::sim::limits::{above_zero_option, MAX_RATE_PER_S};
 use selkie::sim::metrics::{render_table, HitBounds, PolicyReport};
 use selkie::sim::plot::{load_y_max, plot_load, plot_ttft};
@@ -369,11 +369,12 @@ fn simulate(args: SimulateArgs) -> Result<(), SimError> {
             }
             bar.set_position(base + done as u64);
         };
-        runs.push(run_policy(
+        runs.push(run_policy_within(
             &registry,
             choice,
             &workload,
             &fleet,
+            &bounds,
             args.seed,
             &mut progress,
         )?);

@@ -173,6 +173,21 @@ pub fn run_policy(
     seed: u64,
     progress: &mut dyn FnMut(usize),
 ) -> Result<PolicyRun, SimError> {
+    let bounds = HitBounds::of(workload, fleet);
+    run_policy_within(registry, choice, workload, fleet, &bounds, seed, progress)
+}
+
+/// [`run_policy`] for a comparison that computed the workload's hit-rate
+/// bounds once (`bounds`: [`HitBounds::of`] the same workload and fleet).
+pub fn run_policy_within(
+    registry: &WorkerSelectionPolicyRegistry,
+    choice: &PolicyChoice,
+    workload: &Workload,
+    fleet: &FleetSpec,
+    bounds: &HitBounds,
+    seed: u64,
+    progress: &mut dyn FnMut(usize),
+) -> Result<PolicyRun, SimError> {
     let policy = registry.build(
         &choice.policy_type,
         &choice.parameters,
@@ -184,6 +199,6 @@ pub fn run_policy(
     let mut router = ServiceRouter::new(&service, fleet).with_session_affinity(choice.session_affinity);
     let record = simulate(workload, fleet, &mut router, progress);
     debug_assert_eq!(router.outstanding(), 0, "every booking is released");
-    let report = PolicyReport::new(choice.label.clone(), &record, &HitBounds::of(workload, fleet));
+    let report = PolicyReport::new(choice.label.clone(), &record, bounds);
     Ok(PolicyRun { report, record })
 }

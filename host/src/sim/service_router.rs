@@ -37,19 +37,24 @@ pub fn fleet_service(
         ..ServiceConfig::default()
     };
     let service = WorkerSelectionService::new(policy, config);
-    for w in 0..fleet.workers.max(1) {
-        let model = fleet.worker_model(w);
-        let mut record = WorkerRecord::new(u64::from(w) + 1)
-            .with_dp(0, fleet.dp_size.max(1))
-            .with_capacity_weight(model.capacity_weight as f32);
-        if model.cpu {
-            record = record.with_device(crate::DeviceKind::Cpu);
-        }
-        if let Some(limit) = fleet.max_active_requests {
-            record = record.with_max_active_requests(limit);
-        }
-        service.add_worker(record)?;
-    }
+    let records = (0..fleet.workers.max(1))
+        .map(|w| {
+            let model = fleet.worker_model(w);
+            let mut record = WorkerRecord::new(u64::from(w) + 1)
+                .with_dp(0, fleet.dp_size.max(1))
+                .with_capacity_weight(model.capacity_weight as f32);
+            if model.cpu {
+                record = record.with_device(crate::DeviceKind::Cpu);
+            }
+            if let Some(limit) = fleet.max_active_requests {
+                record = record.with_max_active_requests(limit);
+            }
+            record
+        })
+        .collect();
+    // One snapshot: registering the workers one by one costs a registry
+    // change each.
+    service.sync(records)?;
     Ok(service)
 }
 
