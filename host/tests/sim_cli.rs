@@ -482,3 +482,62 @@ fn session_affinity_applies_to_config_policies() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `selkie tune` searches, reports both halves and writes a config file the
+/// simulator (and a router) reads; bad arguments are refused before it runs.
+#[test]
+fn tune_writes_a_config_the_simulator_reads() {
+    let dir = scratch("tune");
+    let out_path = dir.join("tuned.yaml");
+    let out = selkie(&[
+        "tune",
+        "--requests",
+        "400",
+        "--workers",
+        "4",
+        "--trials",
+        "6",
+        "--out",
+        out_path.to_str().unwrap(),
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for needle in [
+        "6 candidate weights of the kv policy on the first 200 requests",
+        "(default)",
+        "on the second half",
+        "written to",
+    ] {
+        assert!(stdout.contains(needle), "{needle:?} not in\n{stdout}");
+    }
+    let yaml = std::fs::read_to_string(&out_path).unwrap();
+    assert!(
+        yaml.contains("type: kv") && yaml.contains("overlap_score_credit:"),
+        "{yaml}"
+    );
+    let sim = selkie(&[
+        "simulate",
+        "--requests",
+        "100",
+        "--workers",
+        "4",
+        "--policy",
+        "random",
+        "--config",
+        out_path.to_str().unwrap(),
+    ]);
+    assert!(sim.status.success(), "{sim:?}");
+    assert!(String::from_utf8_lossy(&sim.stdout).contains("config:tuned"));
+    let bad = selkie(&["tune", "--trials", "0", "--out", out_path.to_str().unwrap()]);
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("--trials = 0"));
+    let nowhere = dir.join("missing").join("t.yaml");
+    let bad = selkie(&["tune", "--out", nowhere.to_str().unwrap()]);
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("missing"));
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -21,6 +21,8 @@ use selkie::sim::plot::{load_y_max, plot_load, plot_ttft};
 use selkie::sim::run::TYPICAL_WORKER_KV_TOKENS;
 use selkie::sim::scenario::{Scenario, ScenarioName};
 use selkie::sim::trace::{read_trace, write_trace};
+use selkie::sim::tune::{split_in_time, tune as search, KvWeights, TuneSpace};
+use selkie::sim::workload::Workload;
 use selkie::sim::SimError;
 use selkie::{AffinityMode, WorkerSelectionPolicyRegistry};
 
@@ -35,10 +37,29 @@ struct Cli {
 enum Command {
     /// Simulate a fleet under every policy and compare them.
     Simulate(SimulateArgs),
+    /// Search the KV policy's weights with the simulator (trained on the
+    /// first half of the requests, tested on the second) and write the
+    /// winner as a worker-selection config file.
+    Tune(TuneArgs),
 }
 
 #[derive(Args, Debug)]
-struct SimulateArgs {
+struct TuneArgs {
+    #[command(flatten)]
+    workload: WorkloadArgs,
+    /// Candidates simulated on the first half of the requests, the default
+    /// weights included.
+    #[arg(long, default_value_t = 48)]
+    trials: usize,
+    /// Where the winner is written, as a worker-selection config file.
+    #[arg(long, value_name = "FILE", default_value = "tuned.yaml")]
+    out: PathBuf,
+}
+
+/// The fleet and the workload: an embedded scenario, a scenario file or a
+/// trace, with overrides (shared by `simulate` and `tune`).
+#[derive(Args, Debug)]
+struct WorkloadArgs {
     /// Embedded scenario: `default` (16 workers, Poisson, shared prompts,
     /// sessions), `skewed` (16 workers x 2 DP ranks, bursty, hot prompts) or
     /// `mixed` (the default workload on 4 fast, 8 default and 4 CPU
@@ -49,16 +70,6 @@ struct SimulateArgs {
     /// `--print-scenario` for the layout.
     #[arg(long, value_name = "FILE", conflicts_with = "scenario")]
     scenario_file: Option<PathBuf>,
-    /// Print the scenario (after overrides) as YAML and exit: a starting
-    /// point for `--scenario-file`.
-    #[arg(long)]
-    print_scenario: bool,
-    /// Policies to compare (repeatable): a registry type name (`kv`,
-    /// `least-loaded`, ...), `kv@TEMPERATURE`, or `TYPE:{PARAMETERS}` with
-    /// inline YAML parameters (`kv:{overlap_score_credit: 2}`). Default: every built-in
-    /// (except `direct`) and `kv` at temperatures 0, 0.5 and 1.
-    #[arg(long = "policy", value_name = "NAME")]
-    policies: Vec<String>,
     /// Number of workers (overrides the scenario).
     #[arg(long)]
     workers: Option<u32>,
@@ -98,6 +109,22 @@ struct SimulateArgs {
     /// Mooncake traces).
     #[arg(long, value_name = "TOKENS", requires = "trace")]
     trace_block_size: Option<u32>,
+}
+
+#[derive(Args, Debug)]
+struct SimulateArgs {
+    #[command(flatten)]
+    workload: WorkloadArgs,
+    /// Print the scenario (after overrides) as YAML and exit: a starting
+    /// point for `--scenario-file`.
+    #[arg(long)]
+    print_scenario: bool,
+    /// Policies to compare (repeatable): a registry type name (`kv`,
+    /// `least-loaded`, ...), `kv@TEMPERATURE`, or `TYPE:{PARAMETERS}` with
+    /// inline YAML parameters (`kv:{overlap_score_credit: 2}`). Default: every built-in
+    /// (except `direct`) and `kv` at temperatures 0, 0.5 and 1.
+    #[arg(long = "policy", value_name = "NAME")]
+    policies: Vec<String>,
     /// Also simulate every policy instance of this worker-selection config
     /// file (YAML, or TOML when the name ends in `.toml`).
     #[arg(long, value_name = "FILE")]
@@ -122,6 +149,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Simulate(args) => simulate(args),
+        Command::Tune(args) => tune(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -144,7 +172,7 @@ fn stdout_err(source: std::io::Error) -> SimError {
 }
 
 /// The command-line overrides, each checked under its option's name.
-fn check_options(args: &SimulateArgs) -> Result<(), SimError> {
+fn check_options(args: &WorkloadArgs) -> Result<(), SimError> {
     let positive = |name: &str, v: Option<u64>| match v {
         Some(0) => Err(SimError::Invalid {
             field: name.into(),
@@ -170,9 +198,10 @@ fn io_err(path: &Path) -> impl Fn(std::io::Error) -> SimError + '_ {
     }
 }
 
-fn simulate(args: SimulateArgs) -> Result<(), SimError> {
-    let started = Instant::now();
-    check_options(&args)?;
+/// The scenario of `args`: the embedded or file scenario with the
+/// command line's overrides, checked.
+fn scenario_of(args: &WorkloadArgs) -> Result<Scenario, SimError> {
+    check_options(args)?;
     let mut scenario = match &args.scenario_file {
         Some(path) => {
             let text = std::fs::read_to_string(path).map_err(io_err(path))?;
@@ -199,26 +228,13 @@ fn simulate(args: SimulateArgs) -> Result<(), SimError> {
         scenario.fleet.max_active_requests = Some(limit);
     }
     scenario.validate()?;
-    let mut out = std::io::stdout().lock();
-    if args.print_scenario {
-        let text = serde_yaml::to_string(&scenario).map_err(|e| SimError::Usage(e.to_string()))?;
-        return out.write_all(text.as_bytes()).map_err(stdout_err);
-    }
-    // Every output path is opened before the run, so a bad one fails in
-    // milliseconds, not after the simulation.
-    let mut json = match &args.json {
-        Some(path) => Some((path, File::create(path).map_err(io_err(path))?)),
-        None => None,
-    };
-    if let Some(dir) = &args.plots {
-        std::fs::create_dir_all(dir).map_err(io_err(dir))?;
-        let probe = dir.join("ttft.svg");
-        File::create(&probe).map_err(io_err(&probe))?;
-    }
-    let trace_out = match &args.write_trace {
-        Some(path) => Some((path, File::create(path).map_err(io_err(path))?)),
-        None => None,
-    };
+    Ok(scenario)
+}
+
+/// The requests of `args` (the trace's, else generated from `scenario`),
+/// where they come from, and a note on where the cache size comes from;
+/// sets `scenario`'s cache size for them.
+fn workload_of(args: &WorkloadArgs, scenario: &mut Scenario) -> Result<(Workload, String, &'static str), SimError> {
     let mut capacity_note = "";
     let (workload, source) = match &args.trace {
         Some(path) => {
@@ -266,6 +282,33 @@ fn simulate(args: SimulateArgs) -> Result<(), SimError> {
         scenario.fleet.kv_blocks = blocks as u32;
         capacity_note = "";
     }
+    Ok((workload, source, capacity_note))
+}
+
+fn simulate(args: SimulateArgs) -> Result<(), SimError> {
+    let started = Instant::now();
+    let mut scenario = scenario_of(&args.workload)?;
+    let mut out = std::io::stdout().lock();
+    if args.print_scenario {
+        let text = serde_yaml::to_string(&scenario).map_err(|e| SimError::Usage(e.to_string()))?;
+        return out.write_all(text.as_bytes()).map_err(stdout_err);
+    }
+    // Every output path is opened before the run, so a bad one fails in
+    // milliseconds, not after the simulation.
+    let mut json = match &args.json {
+        Some(path) => Some((path, File::create(path).map_err(io_err(path))?)),
+        None => None,
+    };
+    if let Some(dir) = &args.plots {
+        std::fs::create_dir_all(dir).map_err(io_err(dir))?;
+        let probe = dir.join("ttft.svg");
+        File::create(&probe).map_err(io_err(&probe))?;
+    }
+    let trace_out = match &args.write_trace {
+        Some(path) => Some((path, File::create(path).map_err(io_err(path))?)),
+        None => None,
+    };
+    let (workload, source, capacity_note) = workload_of(&args.workload, &mut scenario)?;
     if let Some((path, file)) = trace_out {
         write_trace(&workload, BufWriter::new(file)).map_err(io_err(path))?;
     }
@@ -302,7 +345,7 @@ fn simulate(args: SimulateArgs) -> Result<(), SimError> {
     writeln!(
         out,
         "selkie simulate: {source}, seed {}: {} workers x {} DP ranks, a KV cache of {} tokens per rank ({} blocks of {}{capacity_note}){}",
-        args.seed,
+        args.workload.seed,
         fleet.workers,
         fleet.dp_size,
         u64::from(fleet.kv_blocks) * u64::from(workload.block_size),
@@ -375,7 +418,7 @@ fn simulate(args: SimulateArgs) -> Result<(), SimError> {
             &workload,
             &fleet,
             &bounds,
-            args.seed,
+            args.workload.seed,
             &mut progress,
         )?);
     }
@@ -418,5 +461,135 @@ fn simulate(args: SimulateArgs) -> Result<(), SimError> {
         writeln!(out, "plots written to {}", dir.display()).map_err(stdout_err)?;
     }
     writeln!(out, "simulated in {:.1} s", started.elapsed().as_secs_f64()).map_err(stdout_err)?;
+    out.flush().map_err(stdout_err)
+}
+
+/// A label for `weights` in a table.
+fn weights_label(w: &KvWeights) -> String {
+    format!(
+        "kv credit {:.2} prefill {:.2} decode {:.2} T {:.2}",
+        w.overlap_score_credit, w.prefill_load_scale, w.decode_active_request_weight, w.router_temperature
+    )
+}
+
+fn tune(args: TuneArgs) -> Result<(), SimError> {
+    let started = Instant::now();
+    if args.trials == 0 {
+        return Err(SimError::Invalid {
+            field: "--trials".into(),
+            value: "0".into(),
+            bound: "must be at least 1".into(),
+        });
+    }
+    let mut scenario = scenario_of(&args.workload)?;
+    let file = File::create(&args.out).map_err(io_err(&args.out))?;
+    let (workload, source, capacity_note) = workload_of(&args.workload, &mut scenario)?;
+    if workload.requests.len() < 2 {
+        return Err(SimError::Usage(
+            "tuning needs at least 2 requests (one half trains, the other tests)".into(),
+        ));
+    }
+    let (train, test) = split_in_time(&workload);
+    let fleet = scenario.fleet;
+    let registry = WorkerSelectionPolicyRegistry::new();
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let mut out = std::io::stdout().lock();
+    writeln!(
+        out,
+        "selkie tune: {source}, seed {}: {} workers x {} DP ranks, a KV cache of {} tokens per rank ({} blocks of {}{capacity_note})",
+        args.workload.seed,
+        fleet.workers,
+        fleet.dp_size,
+        u64::from(fleet.kv_blocks) * u64::from(workload.block_size),
+        fleet.kv_blocks,
+        workload.block_size,
+    )
+    .map_err(stdout_err)?;
+    writeln!(
+        out,
+        "{} candidate weights of the kv policy on the first {} requests, on {threads} threads; the winner and the defaults on the last {}",
+        args.trials,
+        train.requests.len(),
+        test.requests.len()
+    )
+    .map_err(stdout_err)?;
+    out.flush().map_err(stdout_err)?;
+    let bar = ProgressBar::with_draw_target(Some(args.trials as u64), ProgressDrawTarget::hidden());
+    bar.set_style(
+        ProgressStyle::with_template("{spinner} [{bar:40}] {pos}/{len} candidates ({eta} left)")
+            .expect("static template")
+            .progress_chars("=> "),
+    );
+    let shown = std::sync::atomic::AtomicBool::new(false);
+    let progress = |done: usize| {
+        if started.elapsed() > Duration::from_secs(1) && !shown.swap(true, std::sync::atomic::Ordering::Relaxed) {
+            bar.set_draw_target(ProgressDrawTarget::stderr());
+        }
+        bar.set_position(done as u64);
+    };
+    let trials = search(
+        &registry,
+        &train,
+        &fleet,
+        &TuneSpace::default(),
+        args.trials,
+        args.workload.seed,
+        threads,
+        &progress,
+    )?;
+    bar.finish_and_clear();
+
+    let best: Vec<PolicyReport> = trials
+        .iter()
+        .take(5)
+        .map(|t| {
+            let mut r = t.report.clone();
+            r.policy = format!(
+                "{}{}",
+                weights_label(&t.weights),
+                if t.is_default { " (default)" } else { "" }
+            );
+            r
+        })
+        .collect();
+    writeln!(
+        out,
+        "\nbest candidates on the first half (score {:.3} .. {:.3}; the defaults score 2):",
+        trials[0].score,
+        trials[best.len() - 1].score
+    )
+    .map_err(stdout_err)?;
+    write!(out, "{}", render_table(&best)).map_err(stdout_err)?;
+
+    let winner = trials[0].weights;
+    let bounds = HitBounds::of(&test, &fleet);
+    let mut tested = Vec::new();
+    for (label, w) in [("defaults", KvWeights::default()), ("tuned", winner)] {
+        let run = run_policy_within(
+            &registry,
+            &w.choice(label),
+            &test,
+            &fleet,
+            &bounds,
+            args.workload.seed,
+            &mut |_| {},
+        )?;
+        tested.push(run.report);
+    }
+    writeln!(out, "\non the second half (requests the search did not see):").map_err(stdout_err)?;
+    write!(out, "{}", render_table(&tested)).map_err(stdout_err)?;
+    let mut file = BufWriter::new(file);
+    file.write_all(winner.config_yaml("tuned").as_bytes())
+        .and_then(|()| file.flush())
+        .map_err(io_err(&args.out))?;
+    writeln!(
+        out,
+        "\n{} written to {} (`selkie simulate --config {}`, or a router's worker-selection config)",
+        weights_label(&winner),
+        args.out.display(),
+        args.out.display()
+    )
+    .map_err(stdout_err)?;
+    writeln!(out, "tuned in {:.1} s", started.elapsed().as_secs_f64()).map_err(stdout_err)?;
     out.flush().map_err(stdout_err)
 }

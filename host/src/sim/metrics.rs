@@ -295,11 +295,13 @@ pub fn render_table(reports: &[PolicyReport]) -> String {
     out
 }
 
+/// Reports to test with.
 #[cfg(test)]
-mod tests {
-    use super::*;
+pub(crate) mod tests_support {
+    use super::PolicyReport;
 
-    fn report(policy: &str, hit_rate: f64, failed: usize) -> PolicyReport {
+    /// A report of `policy` with the given hit rate and refusals.
+    pub(crate) fn report(policy: &str, hit_rate: f64, failed: usize) -> PolicyReport {
         PolicyReport {
             policy: policy.into(),
             routed: 100 - failed,
@@ -319,6 +321,12 @@ mod tests {
             ttft_sorted_ms: Vec::new(),
         }
     }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::tests_support::report;
+    use super::*;
 
     /// A policy that refused requests is never "best", however well it
     /// served the ones it kept.

@@ -41,6 +41,7 @@ pub mod run;
 pub mod scenario;
 pub mod service_router;
 pub mod trace;
+pub mod tune;
 pub mod workload;
 
 #[cfg(test)]

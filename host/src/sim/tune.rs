@@ -1,0 +1,336 @@
+//! `selkie tune`: a search over the KV policy's weights with the simulator.
+//!
+//! The workload is split in time: the first half of the requests trains
+//! (every candidate is simulated on it), the second half tests (the
+//! winner and the default weights are simulated on it, so a user sees
+//! whether the gain holds on requests the search never saw). Candidates are
+//! the default weights and random draws over [`TuneSpace`], from a seed.
+//!
+//! A candidate's score (lower is better) weighs its time-to-first-token
+//! p99 and its cache misses against the default weights' on the same
+//! requests: `ttft_p99 / default_ttft_p99 + (1 - hit) / (1 - default_hit)`;
+//! the default scores 2, and a candidate that refuses more requests than
+//! the default is never chosen.
+//!
+//! ```
+//! use selkie::sim::scenario::{Scenario, ScenarioName};
+//! use selkie::sim::tune::{split_in_time, tune, TuneSpace};
+//! use selkie::WorkerSelectionPolicyRegistry;
+//!
+//! let mut scenario = Scenario::embedded(ScenarioName::Default);
+//! scenario.workload.requests = 400;
+//! scenario.fleet.workers = 4;
+//! let (train, _test) = split_in_time(&scenario.workload.generate(1));
+//! let trials = tune(&WorkerSelectionPolicyRegistry::new(), &train, &scenario.fleet, &TuneSpace::default(), 4, 1, 2, &|_| {})?;
+//! assert_eq!(trials.len(), 4);
+//! assert!(trials[0].score <= trials.iter().find(|t| t.is_default).unwrap().score);
+//! # Ok::<(), selkie::sim::SimError>(())
+//! ```
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+
+use selkie_kernel::Rng;
+
+use super::compare::{run_policy_within, PolicyChoice};
+use super::metrics::{HitBounds, PolicyReport};
+use super::run::FleetSpec;
+use super::workload::Workload;
+use super::SimError;
+use crate::{KvRouterConfig, WorkerSelectionPolicyParameters, WorkerSelectionPolicyRegistry};
+
+/// The ranges candidates are drawn from (log-uniform for the scales,
+/// uniform for the temperature, which is 0 for half of the candidates).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct TuneSpace {
+    /// `overlap_score_credit`: credit per cached block.
+    pub overlap_score_credit: (f64, f64),
+    /// `prefill_load_scale`: weight of the prompt tokens still to prefill.
+    pub prefill_load_scale: (f64, f64),
+    /// `decode_active_request_weight`: cost per request decoding (0 half of
+    /// the time).
+    pub decode_active_request_weight: (f64, f64),
+    /// `router_temperature`.
+    pub router_temperature: (f64, f64),
+}
+
+impl Default for TuneSpace {
+    fn default() -> Self {
+        TuneSpace {
+            overlap_score_credit: (0.25, 8.0),
+            prefill_load_scale: (0.25, 8.0),
+            decode_active_request_weight: (0.5, 64.0),
+            router_temperature: (0.0, 0.5),
+        }
+    }
+}
+
+/// The KV weights a search varies.
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
+pub struct KvWeights {
+    /// `overlap_score_credit`.
+    pub overlap_score_credit: f64,
+    /// `prefill_load_scale`.
+    pub prefill_load_scale: f64,
+    /// `decode_active_request_weight`.
+    pub decode_active_request_weight: f64,
+    /// `router_temperature`.
+    pub router_temperature: f64,
+}
+
+impl Default for KvWeights {
+    /// Dynamo's defaults.
+    fn default() -> Self {
+        let d = KvRouterConfig::default();
+        KvWeights {
+            overlap_score_credit: d.overlap_score_credit,
+            prefill_load_scale: d.prefill_load_scale,
+            decode_active_request_weight: d.decode_active_request_weight,
+            router_temperature: d.router_temperature,
+        }
+    }
+}
+
+impl KvWeights {
+    /// The `kv` policy's parameters (a config file's `parameters:`).
+    pub fn parameters(&self) -> WorkerSelectionPolicyParameters {
+        let mut map = serde_yaml::Mapping::new();
+        map.insert("overlap_score_credit".into(), self.overlap_score_credit.into());
+        map.insert("prefill_load_scale".into(), self.prefill_load_scale.into());
+        map.insert(
+            "decode_active_request_weight".into(),
+            self.decode_active_request_weight.into(),
+        );
+        map.insert("router_temperature".into(), self.router_temperature.into());
+        WorkerSelectionPolicyParameters::new(serde_yaml::Value::Mapping(map))
+    }
+
+    /// The `kv` policy with these weights, labelled `label`.
+    pub fn choice(&self, label: &str) -> PolicyChoice {
+        PolicyChoice {
+            label: label.to_owned(),
+            policy_type: "kv".to_owned(),
+            parameters: self.parameters(),
+            session_affinity: None,
+        }
+    }
+
+    /// A worker-selection config file (YAML) whose one instance, `name`, is
+    /// the `kv` policy with these weights.
+    pub fn config_yaml(&self, name: &str) -> String {
+        format!(
+            "# Written by `selkie tune`.\naggregated: {name}\ninstances:\n  - name: {name}\n    type: kv\n    parameters:\n      \
+             overlap_score_credit: {:?}\n      prefill_load_scale: {:?}\n      decode_active_request_weight: {:?}\n      \
+             router_temperature: {:?}\n",
+            self.overlap_score_credit, self.prefill_load_scale, self.decode_active_request_weight, self.router_temperature
+        )
+    }
+}
+
+/// One simulated candidate.
+#[derive(Clone, Debug)]
+pub struct Trial {
+    /// Its weights.
+    pub weights: KvWeights,
+    /// Whether these are the default weights.
+    pub is_default: bool,
+    /// Its report on the requests it was simulated on.
+    pub report: PolicyReport,
+    /// Its score (see the module docs; lower is better).
+    pub score: f64,
+}
+
+/// The first and the second half of `workload`'s requests, in arrival
+/// order; the second half's arrivals are shifted to start at 0 (its caches
+/// start empty, as a fresh fleet's do).
+pub fn split_in_time(workload: &Workload) -> (Workload, Workload) {
+    let half = workload.requests.len() / 2;
+    let first = Workload {
+        block_size: workload.block_size,
+        requests: workload.requests[..half].to_vec(),
+    };
+    let mut second = Workload {
+        block_size: workload.block_size,
+        requests: workload.requests[half..].to_vec(),
+    };
+    let t0 = second.requests.first().map_or(0.0, |r| r.arrival_ms);
+    for r in &mut second.requests {
+        r.arrival_ms -= t0;
+    }
+    (first, second)
+}
+
+/// `n` candidates from `seed`: the default weights first, then draws over
+/// `space`.
+pub fn candidates(space: &TuneSpace, n: usize, seed: u64) -> Vec<KvWeights> {
+    let mut rng = Rng::new(seed ^ 0x7E57_7E57);
+    let log_uniform = |(lo, hi): (f64, f64), rng: &mut Rng| (lo.ln() + rng.unit_f64() * (hi.ln() - lo.ln())).exp();
+    let mut out = vec![KvWeights::default()];
+    while out.len() < n {
+        let w = KvWeights {
+            overlap_score_credit: log_uniform(space.overlap_score_credit, &mut rng),
+            prefill_load_scale: log_uniform(space.prefill_load_scale, &mut rng),
+            decode_active_request_weight: if rng.unit_f64() < 0.5 {
+                0.0
+            } else {
+                log_uniform(space.decode_active_request_weight, &mut rng)
+            },
+            router_temperature: if rng.unit_f64() < 0.5 {
+                0.0
+            } else {
+                let (lo, hi) = space.router_temperature;
+                lo + rng.unit_f64() * (hi - lo)
+            },
+        };
+        out.push(w);
+    }
+    out.truncate(n.max(1));
+    out
+}
+
+/// The score of `report` against the default weights' `baseline` on the
+/// same requests (module docs).
+pub fn score(report: &PolicyReport, baseline: &PolicyReport) -> f64 {
+    if report.failed > baseline.failed {
+        return f64::INFINITY;
+    }
+    let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { a + 1.0 };
+    let s = ratio(report.ttft_p99_ms, baseline.ttft_p99_ms) + ratio(1.0 - report.hit_rate, 1.0 - baseline.hit_rate);
+    if s.is_finite() {
+        s
+    } else {
+        f64::INFINITY
+    }
+}
+
+/// Simulates `trials` candidates ([`candidates`] of `seed`) on `workload`
+/// over `threads` threads; returns them best first. `progress` gets the
+/// number of candidates done.
+#[allow(clippy::too_many_arguments)]
+pub fn tune(
+    registry: &WorkerSelectionPolicyRegistry,
+    workload: &Workload,
+    fleet: &FleetSpec,
+    space: &TuneSpace,
+    trials: usize,
+    seed: u64,
+    threads: usize,
+    progress: &(dyn Fn(usize) + Sync),
+) -> Result<Vec<Trial>, SimError> {
+    let weights = candidates(space, trials, seed);
+    let bounds = HitBounds::of(workload, fleet);
+    let next = AtomicUsize::new(0);
+    let done = AtomicUsize::new(0);
+    let results: Mutex<Vec<Option<Result<PolicyReport, SimError>>>> =
+        Mutex::new((0..weights.len()).map(|_| None).collect());
+    std::thread::scope(|scope| {
+        for _ in 0..threads.clamp(1, weights.len()) {
+            scope.spawn(|| loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                let Some(w) = weights.get(i) else { break };
+                let run = run_policy_within(
+                    registry,
+                    &w.choice("candidate"),
+                    workload,
+                    fleet,
+                    &bounds,
+                    seed,
+                    &mut |_| {},
+                )
+                .map(|r| r.report);
+                results.lock().unwrap_or_else(std::sync::PoisonError::into_inner)[i] = Some(run);
+                progress(done.fetch_add(1, Ordering::Relaxed) + 1);
+            });
+        }
+    });
+    let reports = results
+        .into_inner()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .into_iter()
+        .map(|r| r.expect("every candidate ran"))
+        .collect::<Result<Vec<_>, _>>()?;
+    let baseline = reports[0].clone();
+    let mut trials: Vec<Trial> = weights
+        .into_iter()
+        .zip(reports)
+        .enumerate()
+        .map(|(i, (weights, report))| Trial {
+            score: score(&report, &baseline),
+            is_default: i == 0,
+            weights,
+            report,
+        })
+        .collect();
+    trials.sort_by(|a, b| a.score.total_cmp(&b.score));
+    Ok(trials)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sim::scenario::{Scenario, ScenarioName};
+
+    #[test]
+    fn the_halves_split_in_time_and_the_second_starts_at_zero() {
+        let w = Scenario::embedded(ScenarioName::Default).workload.generate(3);
+        let (a, b) = split_in_time(&w);
+        assert_eq!(a.requests.len() + b.requests.len(), w.requests.len());
+        assert_eq!(a.requests[..], w.requests[..a.requests.len()]);
+        assert_eq!(b.requests[0].arrival_ms, 0.0);
+        assert_eq!(b.requests[0].hash_ids, w.requests[a.requests.len()].hash_ids);
+    }
+
+    #[test]
+    fn candidates_start_with_the_defaults_and_stay_in_the_space() {
+        let space = TuneSpace::default();
+        let c = candidates(&space, 200, 9);
+        assert_eq!(c, candidates(&space, 200, 9), "seeded");
+        assert_eq!(c[0], KvWeights::default());
+        let inside = |v: f64, (lo, hi): (f64, f64)| (lo * 0.999..=hi * 1.001).contains(&v);
+        for w in &c[1..] {
+            assert!(inside(w.overlap_score_credit, space.overlap_score_credit), "{w:?}");
+            assert!(inside(w.prefill_load_scale, space.prefill_load_scale), "{w:?}");
+            assert!(
+                w.decode_active_request_weight == 0.0
+                    || inside(w.decode_active_request_weight, space.decode_active_request_weight)
+            );
+            assert!(w.router_temperature == 0.0 || inside(w.router_temperature, space.router_temperature));
+        }
+        assert!(c.iter().filter(|w| w.router_temperature == 0.0).count() > 50);
+    }
+
+    #[test]
+    fn scores_weigh_tail_latency_and_misses_against_the_default() {
+        let mut base = crate::sim::metrics::tests_support::report("kv", 0.5, 0);
+        base.ttft_p99_ms = 100.0;
+        assert_eq!(score(&base, &base), 2.0);
+        let mut better = base.clone();
+        (better.ttft_p99_ms, better.hit_rate) = (50.0, 0.75);
+        assert_eq!(score(&better, &base), 1.0);
+        let mut refusing = better.clone();
+        refusing.failed = 1;
+        assert_eq!(score(&refusing, &base), f64::INFINITY);
+    }
+
+    /// The written config file builds the same policy through the config
+    /// path.
+    #[test]
+    fn the_winner_is_written_as_a_config_the_simulator_reads() {
+        let w = KvWeights {
+            overlap_score_credit: 2.5,
+            prefill_load_scale: 0.75,
+            decode_active_request_weight: 4.0,
+            router_temperature: 0.125,
+        };
+        let dir = std::env::temp_dir().join(format!("selkie-tune-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("tuned.yaml");
+        std::fs::write(&path, w.config_yaml("tuned")).unwrap();
+        let choices = PolicyChoice::from_config(&path).unwrap();
+        assert_eq!(choices.len(), 1);
+        assert_eq!(choices[0].label, "config:tuned");
+        assert_eq!(choices[0].parameters, w.parameters());
+        choices[0].validate(&WorkerSelectionPolicyRegistry::new()).unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
