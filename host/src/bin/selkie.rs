@@ -344,16 +344,15 @@ fn simulate(args: SimulateArgs) -> Result<(), SimError> {
     let prompt_tokens: u64 = workload.requests.iter().map(|r| u64::from(r.input_tokens)).sum();
     writeln!(
         out,
-        "selkie simulate: {source}, seed {}: {} workers x {} DP ranks, a KV cache of {} tokens per rank ({} blocks of {}{capacity_note}){}",
-        args.workload.seed,
-        fleet.workers,
-        fleet.dp_size,
-        u64::from(fleet.kv_blocks) * u64::from(workload.block_size),
-        fleet.kv_blocks,
-        workload.block_size,
-        fleet
-            .max_active_requests
-            .map_or(String::new(), |n| format!(", at most {n} requests in flight per rank"))
+        "{}",
+        fleet_line(
+            "simulate",
+            &source,
+            args.workload.seed,
+            &fleet,
+            workload.block_size,
+            capacity_note
+        )
     )
     .map_err(stdout_err)?;
     if !fleet.classes.is_empty() {
@@ -464,6 +463,28 @@ fn simulate(args: SimulateArgs) -> Result<(), SimError> {
     out.flush().map_err(stdout_err)
 }
 
+/// The first line of a run's output: what runs on which fleet.
+fn fleet_line(
+    command: &str,
+    source: &str,
+    seed: u64,
+    fleet: &selkie::sim::run::FleetSpec,
+    block_size: u32,
+    capacity_note: &str,
+) -> String {
+    format!(
+        "selkie {command}: {source}, seed {seed}: {} workers x {} DP ranks, a KV cache of {} tokens per rank ({} blocks of \
+         {block_size}{capacity_note}){}",
+        fleet.workers,
+        fleet.dp_size,
+        u64::from(fleet.kv_blocks) * u64::from(block_size),
+        fleet.kv_blocks,
+        fleet
+            .max_active_requests
+            .map_or(String::new(), |n| format!(", at most {n} requests in flight per rank"))
+    )
+}
+
 /// A label for `weights` in a table.
 fn weights_label(w: &KvWeights) -> String {
     format!(
@@ -496,13 +517,15 @@ fn tune(args: TuneArgs) -> Result<(), SimError> {
     let mut out = std::io::stdout().lock();
     writeln!(
         out,
-        "selkie tune: {source}, seed {}: {} workers x {} DP ranks, a KV cache of {} tokens per rank ({} blocks of {}{capacity_note})",
-        args.workload.seed,
-        fleet.workers,
-        fleet.dp_size,
-        u64::from(fleet.kv_blocks) * u64::from(workload.block_size),
-        fleet.kv_blocks,
-        workload.block_size,
+        "{}",
+        fleet_line(
+            "tune",
+            &source,
+            args.workload.seed,
+            &fleet,
+            workload.block_size,
+            capacity_note
+        )
     )
     .map_err(stdout_err)?;
     writeln!(
