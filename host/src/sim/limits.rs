@@ -143,6 +143,9 @@ impl FleetSpec {
                 positive(&field("kv_blocks"), blocks)?;
             }
             above_zero(&field("capacity_weight"), class.capacity_weight, 1e6)?;
+            if let Some(dp) = class.dp_size {
+                positive(&field("dp_size"), dp)?;
+            }
             classed += u64::from(class.workers);
         }
         if classed > u64::from(self.workers) {

@@ -32,11 +32,21 @@ fn err(path: &Path) -> impl Fn(String) -> PlotError + '_ {
 /// any of `runs`: the common y scale of their load plots, so that policies
 /// compare at a glance.
 pub fn load_y_max<'a>(fleet: &FleetSpec, runs: impl IntoIterator<Item = &'a RunRecord>) -> f64 {
-    let dp = fleet.dp_size.max(1) as usize;
+    let spans = worker_rows(fleet);
     runs.into_iter()
         .flat_map(|r| &r.load_samples)
-        .flat_map(|s| s.chunks(dp).map(|w| w.iter().sum::<u32>()))
+        .flat_map(|s| spans.iter().map(|span| s[span.clone()].iter().sum::<u32>()))
         .fold(1, u32::max) as f64
+}
+
+/// The rows of each worker of `fleet`.
+fn worker_rows(fleet: &FleetSpec) -> Vec<std::ops::Range<usize>> {
+    (0..fleet.workers.max(1))
+        .map(|w| {
+            let first = fleet.first_row(w);
+            first..first + fleet.worker_model(w).dp_size as usize
+        })
+        .collect()
 }
 
 /// Writes the in-flight requests of every worker (its ranks summed) over
@@ -44,14 +54,13 @@ pub fn load_y_max<'a>(fleet: &FleetSpec, runs: impl IntoIterator<Item = &'a RunR
 /// [`load_y_max`]; the run's own maximum if smaller values would be cut).
 pub fn plot_load(path: &Path, title: &str, fleet: &FleetSpec, run: &RunRecord, y_max: f64) -> Result<(), PlotError> {
     let e = err(path);
-    let dp = fleet.dp_size.max(1) as usize;
-    let workers = fleet.rows() / dp;
-    let series: Vec<Vec<(f64, f64)>> = (0..workers)
-        .map(|w| {
+    let series: Vec<Vec<(f64, f64)>> = worker_rows(fleet)
+        .into_iter()
+        .map(|span| {
             run.sample_times_ms
                 .iter()
                 .zip(&run.load_samples)
-                .map(|(&t, s)| (t / 1000.0, s[w * dp..(w + 1) * dp].iter().sum::<u32>() as f64))
+                .map(|(&t, s)| (t / 1000.0, s[span.clone()].iter().sum::<u32>() as f64))
                 .collect()
         })
         .collect();

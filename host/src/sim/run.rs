@@ -50,6 +50,9 @@ pub struct WorkerClass {
     /// The workers run on CPUs (what `device-aware-weighted` reads).
     #[serde(default)]
     pub cpu: bool,
+    /// Data-parallel ranks of each of these workers (default: the fleet's).
+    #[serde(default)]
+    pub dp_size: Option<u32>,
 }
 
 fn one() -> f64 {
@@ -67,6 +70,8 @@ pub struct RankModel {
     pub capacity_weight: f64,
     /// A CPU worker.
     pub cpu: bool,
+    /// Data-parallel ranks of the worker.
+    pub dp_size: u32,
 }
 
 /// The simulated fleet: `workers` workers of `dp_size` ranks each; every rank
@@ -96,7 +101,10 @@ pub struct FleetSpec {
 impl FleetSpec {
     /// Number of ranks (rows).
     pub fn rows(&self) -> usize {
-        usize::try_from(u64::from(self.workers.max(1)) * u64::from(self.dp_size.max(1))).unwrap_or(usize::MAX)
+        let rows = self
+            .runs()
+            .fold(0u64, |a, (_, n, dp)| a.saturating_add(u64::from(n) * u64::from(dp)));
+        usize::try_from(rows).unwrap_or(usize::MAX)
     }
 
     /// The model of worker `worker` (0-based): its class's, else the
@@ -116,6 +124,7 @@ impl FleetSpec {
                     kv_blocks: class.kv_blocks.unwrap_or(self.kv_blocks),
                     capacity_weight: class.capacity_weight,
                     cpu: class.cpu,
+                    dp_size: class.dp_size.unwrap_or(self.dp_size).max(1),
                 };
             }
             first = first.saturating_add(class.workers);
@@ -125,21 +134,71 @@ impl FleetSpec {
             kv_blocks: self.kv_blocks,
             capacity_weight: 1.0,
             cpu: false,
+            dp_size: self.dp_size.max(1),
         }
+    }
+
+    /// The workers' runs of rows, in worker order: `(first worker, workers,
+    /// ranks of each)` per class, then the workers of the fleet's own model.
+    fn runs(&self) -> impl Iterator<Item = (u32, u32, u32)> + '_ {
+        let workers = self.workers.max(1);
+        let mut first = 0u32;
+        let classes = self.classes.iter().map(move |c| {
+            let run = (
+                first,
+                c.workers.min(workers.saturating_sub(first)),
+                c.dp_size.unwrap_or(self.dp_size).max(1),
+            );
+            first = first.saturating_add(c.workers).min(workers);
+            run
+        });
+        let classed = self
+            .classes
+            .iter()
+            .fold(0u32, |a, c| a.saturating_add(c.workers))
+            .min(workers);
+        classes.chain(std::iter::once((classed, workers - classed, self.dp_size.max(1))))
+    }
+
+    /// The first row of worker `worker` (0-based; its ranks' rows follow).
+    pub fn first_row(&self, worker: u32) -> usize {
+        let mut row = 0usize;
+        for (first, n, dp) in self.runs() {
+            if worker < first + n {
+                return row + (worker - first) as usize * dp as usize;
+            }
+            row += n as usize * dp as usize;
+        }
+        row
     }
 
     /// Total KV cache blocks of every rank.
     pub fn total_kv_blocks(&self) -> u64 {
         (0..self.workers.max(1))
-            .map(|w| u64::from(self.worker_model(w).kv_blocks))
-            .sum::<u64>()
-            * u64::from(self.dp_size.max(1))
+            .map(|w| {
+                let m = self.worker_model(w);
+                u64::from(m.kv_blocks) * u64::from(m.dp_size)
+            })
+            .sum()
     }
 
     /// The worker (0-based) and rank of a row: rows are worker-major.
     pub fn worker_and_rank(&self, row: usize) -> (u32, u32) {
-        let dp = self.dp_size.max(1) as usize;
-        ((row / dp) as u32, (row % dp) as u32)
+        let mut start = 0usize;
+        let mut last = (0, 0);
+        for (first, n, dp) in self.runs() {
+            let dp_rows = dp as usize;
+            let end = start + n as usize * dp_rows;
+            if row < end {
+                let at = row - start;
+                return (first + (at / dp_rows) as u32, (at % dp_rows) as u32);
+            }
+            if n > 0 {
+                last = (first + n - 1, dp - 1);
+            }
+            start = end;
+        }
+        last
     }
 }
 

@@ -134,6 +134,7 @@ impl Scenario {
                         kv_blocks: Some(8_192),
                         capacity_weight: 2.0,
                         cpu: false,
+                        dp_size: None,
                     },
                     WorkerClass {
                         workers: 8,
@@ -141,6 +142,7 @@ impl Scenario {
                         kv_blocks: None,
                         capacity_weight: 1.0,
                         cpu: false,
+                        dp_size: None,
                     },
                     WorkerClass {
                         workers: 4,
@@ -148,6 +150,7 @@ impl Scenario {
                         kv_blocks: Some(2_048),
                         capacity_weight: 0.25,
                         cpu: true,
+                        dp_size: None,
                     },
                 ];
                 s

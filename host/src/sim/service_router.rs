@@ -6,9 +6,9 @@
 //! [`Selection`], so the service's load columns follow the simulated
 //! requests the way they follow real ones.
 //!
-//! Workers are registered as ids `1..=workers`, each with `dp_size` ranks;
-//! row `r` of the simulated fleet is worker `r / dp_size + 1`, rank
-//! `r % dp_size`.
+//! Workers are registered as ids `1..=workers`, each with its ranks; row
+//! `r` of the simulated fleet is worker `w + 1`, rank `k` for
+//! `(w, k) = fleet.worker_and_rank(r)`.
 
 use std::collections::HashMap;
 use std::time::Instant;
@@ -41,7 +41,7 @@ pub fn fleet_service(
         .map(|w| {
             let model = fleet.worker_model(w);
             let mut record = WorkerRecord::new(u64::from(w) + 1)
-                .with_dp(0, fleet.dp_size.max(1))
+                .with_dp(0, model.dp_size)
                 .with_capacity_weight(model.capacity_weight as f32);
             if model.cpu {
                 record = record.with_device(crate::DeviceKind::Cpu);
@@ -61,7 +61,7 @@ pub fn fleet_service(
 /// A [`Router`] over a [`WorkerSelectionService`] built by [`fleet_service`].
 pub struct ServiceRouter<'s> {
     service: &'s WorkerSelectionService,
-    dp_size: u32,
+    fleet: FleetSpec,
     block_size: u32,
     overlaps: Vec<WorkerOverlap>,
     bookings: HashMap<u64, Selection<'s>>,
@@ -74,7 +74,7 @@ impl<'s> ServiceRouter<'s> {
     pub fn new(service: &'s WorkerSelectionService, fleet: &FleetSpec) -> Self {
         ServiceRouter {
             service,
-            dp_size: fleet.dp_size.max(1),
+            fleet: fleet.clone(),
             block_size: service.config().block_size,
             overlaps: Vec::with_capacity(fleet.rows()),
             bookings: HashMap::new(),
@@ -96,11 +96,13 @@ impl<'s> ServiceRouter<'s> {
     }
 
     fn rank_of(&self, row: u32) -> WorkerWithDpRank {
-        WorkerWithDpRank::new(u64::from(row / self.dp_size) + 1, row % self.dp_size)
+        let (worker, rank) = self.fleet.worker_and_rank(row as usize);
+        WorkerWithDpRank::new(u64::from(worker) + 1, rank)
     }
 
     fn row_of(&self, w: WorkerWithDpRank) -> usize {
-        (w.worker_id.saturating_sub(1) as usize) * self.dp_size as usize + w.dp_rank as usize
+        let worker = u32::try_from(w.worker_id.saturating_sub(1)).unwrap_or(u32::MAX);
+        self.fleet.first_row(worker) + w.dp_rank as usize
     }
 }
 

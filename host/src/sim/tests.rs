@@ -255,6 +255,7 @@ fn worker_classes_change_speed_cache_and_what_the_policies_see() {
         kv_blocks: Some(50),
         capacity_weight: 3.0,
         cpu: false,
+        dp_size: None,
     }];
     assert_eq!(two.worker_model(0).kv_blocks, 50);
     assert_eq!(two.worker_model(1).kv_blocks, 4_096);
@@ -359,4 +360,33 @@ fn plots_show_identical_curves_once_and_share_the_load_scale() {
         "own scales differ"
     );
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A class with its own DP ranks: rows follow the workers' ranks, the
+/// service registers each worker with its own, and every rank serves.
+#[test]
+fn worker_classes_with_their_own_dp_ranks_map_rows_both_ways() {
+    use super::run::WorkerClass;
+    let mut f = fleet(3, 1);
+    f.classes = vec![WorkerClass {
+        workers: 1,
+        speed: 1.0,
+        kv_blocks: None,
+        capacity_weight: 1.0,
+        cpu: false,
+        dp_size: Some(4),
+    }];
+    assert_eq!(f.rows(), 6);
+    let mapped: Vec<(u32, u32)> = (0..6).map(|r| f.worker_and_rank(r)).collect();
+    assert_eq!(mapped, vec![(0, 0), (0, 1), (0, 2), (0, 3), (1, 0), (2, 0)]);
+    assert_eq!((0..3).map(|w| f.first_row(w)).collect::<Vec<_>>(), vec![0, 4, 5]);
+    assert_eq!(f.total_kv_blocks(), 6 * 4_096);
+    let service =
+        super::service_router::fleet_service(crate::WorkerSelectionPolicy::least_loaded(), &f, 16, 1).unwrap();
+    assert_eq!(service.worker_status(1).unwrap().ranks.len(), 4);
+    assert_eq!(service.worker_status(2).unwrap().ranks.len(), 1);
+    let w = shared_prefix_workload(600, 12);
+    let (report, per_row) = run(&PolicyChoice::builtin("round-robin"), &w, &f);
+    assert_eq!(report.failed, 0);
+    assert_eq!(per_row, vec![100; 6], "round-robin over the six ranks");
 }
