@@ -67,7 +67,7 @@ struct WorkloadArgs {
     #[arg(long, default_value = "default")]
     scenario: ScenarioName,
     /// Read the fleet and workload from a YAML (or JSON) file instead; see
-    /// `--print-scenario` for the layout.
+    /// `selkie simulate --print-scenario` for the layout.
     #[arg(long, value_name = "FILE", conflicts_with = "scenario")]
     scenario_file: Option<PathBuf>,
     /// Number of workers (overrides the scenario).
