@@ -345,7 +345,7 @@ fn simulate(args: SimulateArgs) -> Result<(), SimError> {
     writeln!(
         out,
         "{}",
-        fleet_line(
+        fleet_lines(
             "simulate",
             &source,
             args.workload.seed,
@@ -355,23 +355,6 @@ fn simulate(args: SimulateArgs) -> Result<(), SimError> {
         )
     )
     .map_err(stdout_err)?;
-    if !fleet.classes.is_empty() {
-        let classes: Vec<String> = fleet
-            .classes
-            .iter()
-            .map(|c| {
-                format!(
-                    "{} {}workers at {}x speed, {} blocks, weight {}",
-                    c.workers,
-                    if c.cpu { "CPU " } else { "" },
-                    c.speed,
-                    c.kv_blocks.unwrap_or(fleet.kv_blocks),
-                    c.capacity_weight
-                )
-            })
-            .collect();
-        writeln!(out, "mixed fleet: {}", classes.join("; ")).map_err(stdout_err)?;
-    }
     writeln!(
         out,
         "{n} requests over {span_s:.1} s ({:.0} req/s), mean prompt {:.0} tokens; {} {} through the selection service",
@@ -463,8 +446,9 @@ fn simulate(args: SimulateArgs) -> Result<(), SimError> {
     out.flush().map_err(stdout_err)
 }
 
-/// The first line of a run's output: what runs on which fleet.
-fn fleet_line(
+/// The first lines of a run's output: what runs on which fleet (and its
+/// worker classes).
+fn fleet_lines(
     command: &str,
     source: &str,
     seed: u64,
@@ -472,7 +456,7 @@ fn fleet_line(
     block_size: u32,
     capacity_note: &str,
 ) -> String {
-    format!(
+    let mut text = format!(
         "selkie {command}: {source}, seed {seed}: {} workers x {} DP ranks, a KV cache of {} tokens per rank ({} blocks of \
          {block_size}{capacity_note}){}",
         fleet.workers,
@@ -482,7 +466,26 @@ fn fleet_line(
         fleet
             .max_active_requests
             .map_or(String::new(), |n| format!(", at most {n} requests in flight per rank"))
-    )
+    );
+    if !fleet.classes.is_empty() {
+        let classes: Vec<String> = fleet
+            .classes
+            .iter()
+            .map(|c| {
+                format!(
+                    "{} {}workers at {}x speed, {} blocks, {} DP ranks, weight {}",
+                    c.workers,
+                    if c.cpu { "CPU " } else { "" },
+                    c.speed,
+                    c.kv_blocks.unwrap_or(fleet.kv_blocks),
+                    c.dp_size.unwrap_or(fleet.dp_size),
+                    c.capacity_weight
+                )
+            })
+            .collect();
+        text.push_str(&format!("\nmixed fleet: {}", classes.join("; ")));
+    }
+    text
 }
 
 /// A label for `weights` in a table.
@@ -518,7 +521,7 @@ fn tune(args: TuneArgs) -> Result<(), SimError> {
     writeln!(
         out,
         "{}",
-        fleet_line(
+        fleet_lines(
             "tune",
             &source,
             args.workload.seed,

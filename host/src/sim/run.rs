@@ -417,7 +417,7 @@ pub fn simulate(
                                 now,
                                 reqs,
                                 bs,
-                                fleet,
+                                &models[row].timing,
                                 &mut records,
                                 &mut queue,
                                 &mut events,
@@ -465,7 +465,7 @@ pub fn simulate(
                     now,
                     reqs,
                     bs,
-                    fleet,
+                    &models[row].timing,
                     &mut records,
                     &mut queue,
                     &mut events,
@@ -516,18 +516,13 @@ fn start(
     now: f64,
     reqs: &[super::workload::SimRequest],
     bs: u32,
-    fleet: &FleetSpec,
+    timing: &TimingModel,
     records: &mut [RequestRecord],
     queue: &mut Queue,
     events: &mut Vec<StepEvent>,
 ) {
     events.clear();
-    if let Some(duration) = engine.start_step(
-        reqs,
-        bs,
-        &fleet.worker_model(fleet.worker_and_rank(row).0).timing,
-        events,
-    ) {
+    if let Some(duration) = engine.start_step(reqs, bs, timing, events) {
         queue.push(now + duration, Kind::StepDone(row));
     }
     for &e in events.iter() {

@@ -61,7 +61,10 @@ pub fn fleet_service(
 /// A [`Router`] over a [`WorkerSelectionService`] built by [`fleet_service`].
 pub struct ServiceRouter<'s> {
     service: &'s WorkerSelectionService,
-    fleet: FleetSpec,
+    /// The worker rank of each row.
+    ranks: Vec<WorkerWithDpRank>,
+    /// The first row of each worker (0-based).
+    first_rows: Vec<usize>,
     block_size: u32,
     overlaps: Vec<WorkerOverlap>,
     bookings: HashMap<u64, Selection<'s>>,
@@ -72,9 +75,18 @@ pub struct ServiceRouter<'s> {
 impl<'s> ServiceRouter<'s> {
     /// Routes through `service`, whose workers mirror `fleet`.
     pub fn new(service: &'s WorkerSelectionService, fleet: &FleetSpec) -> Self {
+        // Rows and ranks are mapped once here, not per overlap entry.
+        let ranks = (0..fleet.rows())
+            .map(|row| {
+                let (worker, rank) = fleet.worker_and_rank(row);
+                WorkerWithDpRank::new(u64::from(worker) + 1, rank)
+            })
+            .collect();
+        let first_rows = (0..fleet.workers.max(1)).map(|w| fleet.first_row(w)).collect();
         ServiceRouter {
             service,
-            fleet: fleet.clone(),
+            ranks,
+            first_rows,
             block_size: service.config().block_size,
             overlaps: Vec::with_capacity(fleet.rows()),
             bookings: HashMap::new(),
@@ -96,13 +108,11 @@ impl<'s> ServiceRouter<'s> {
     }
 
     fn rank_of(&self, row: u32) -> WorkerWithDpRank {
-        let (worker, rank) = self.fleet.worker_and_rank(row as usize);
-        WorkerWithDpRank::new(u64::from(worker) + 1, rank)
+        self.ranks[row as usize]
     }
 
     fn row_of(&self, w: WorkerWithDpRank) -> usize {
-        let worker = u32::try_from(w.worker_id.saturating_sub(1)).unwrap_or(u32::MAX);
-        self.fleet.first_row(worker) + w.dp_rank as usize
+        self.first_rows[w.worker_id.saturating_sub(1) as usize] + w.dp_rank as usize
     }
 }
 

@@ -140,9 +140,11 @@ impl Ties {
     /// The remembered tie groups, in row order.
     fn listed(&self) -> &[(u32, u8)] {
         let written = &self.groups[..self.listed];
-        // SAFETY: `tie` writes every entry below `listed` before it counts
-        // it, and `lower` only lowers `listed`; `MaybeUninit<T>` has `T`'s
-        // size and alignment, so the written prefix is a `[(u32, u8)]`.
+        // SAFETY: `remember`, the only writer of entries, writes an entry
+        // before it moves `listed` past it; `lower` and `TieRun` only set
+        // `listed` to 0 or to a count `remember` reached. `MaybeUninit<T>`
+        // has `T`'s size and alignment, so the written prefix is a
+        // `[(u32, u8)]`.
         unsafe { &*(core::ptr::from_ref(written) as *const [(u32, u8)]) }
     }
 
@@ -153,11 +155,25 @@ impl Ties {
         if eq == 0 {
             return;
         }
-        self.count += eq.count_ones() as usize;
-        if let Some(slot) = self.groups.get_mut(self.listed) {
-            *slot = MaybeUninit::new((g as u32, eq));
-            self.listed += 1;
-        }
+        remember(&mut self.groups, &mut self.count, &mut self.listed, g, eq);
+    }
+}
+
+/// Counts group `g`'s tied lanes `eq` into `count` and, while there is
+/// room, writes the group at `listed` and moves `listed` on (the one way
+/// [`Ties`] and [`TieRun`] fill the room).
+#[inline(always)]
+fn remember(
+    groups: &mut [MaybeUninit<(u32, u8)>; REMEMBERED_TIE_GROUPS],
+    count: &mut usize,
+    listed: &mut usize,
+    g: usize,
+    eq: u8,
+) {
+    *count += eq.count_ones() as usize;
+    if let Some(slot) = groups.get_mut(*listed) {
+        *slot = MaybeUninit::new((g as u32, eq));
+        *listed += 1;
     }
 }
 
@@ -196,11 +212,7 @@ impl<'a> TieRun<'a> {
         } else {
             le
         };
-        self.count += eq.count_ones() as usize;
-        if let Some(slot) = self.ties.groups.get_mut(self.listed) {
-            *slot = MaybeUninit::new((g as u32, eq));
-            self.listed += 1;
-        }
+        remember(&mut self.ties.groups, &mut self.count, &mut self.listed, g, eq);
         lowered
     }
 
