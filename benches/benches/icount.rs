@@ -18,7 +18,7 @@
 //! * `slices(n)`: the same numbers as plain `u32` / `f32` slices: the
 //!   pure-kernel cases (the cost column for the pickers is the fleet's KV
 //!   cost, computed in setup).
-//! * `service_MODE(n)` (`service_random`, ..., `service_kv_t0`,
+//! * `service_MODE(n)` (`service_random`, ..., `service_prefix_hash`, `service_kv_t0`,
 //!   `service_kv_t07`, `service_kv_keyed_t0`): a `WorkerSelectionService`
 //!   with that built-in policy ([`HostFixture`]); the measured call is
 //!   `select` + drop of the booking. The `kv` cases send row-indexed
@@ -52,6 +52,9 @@ use selkie_kernel::kernels::least_loaded::{
 use selkie_kernel::kernels::pick::{
     first_non_finite, first_non_finite_reference, pick, pick_min, pick_min_reference, pick_reference, pick_softmax,
     pick_softmax_reference,
+};
+use selkie_kernel::kernels::rendezvous::{
+    bounded_rendezvous, bounded_rendezvous_reference, RendezvousPick, DEFAULT_LOAD_FACTOR,
 };
 use selkie_kernel::KernelError;
 use std::hint::black_box;
@@ -462,6 +465,46 @@ fn device_aware_scalar(mut f: KernelFixture) -> (DeviceAwarePicked, KernelFixtur
 
 library_benchmark_group!(name = device_aware_group; benchmarks = device_aware_simd, device_aware_scalar);
 
+// ---- bounded-load rendezvous (prefix hashing) ------------------------------
+
+type RendezvousPicked = Result<Option<RendezvousPick>, KernelError>;
+
+#[library_benchmark]
+#[benches::workers(args = [8, 64, 1024, 10000], setup = fleet, teardown = release)]
+fn rendezvous_simd(mut f: KernelFixture) -> (RendezvousPicked, KernelFixture) {
+    let choice = {
+        let (active, salts) = (f.fleet.active_requests(), f.fleet.rendezvous_salts());
+        black_box(bounded_rendezvous(
+            black_box(0x5EED_F00D),
+            black_box(&active),
+            black_box(&salts),
+            black_box(&f.mask),
+            DEFAULT_LOAD_FACTOR,
+            &mut f.rng,
+        ))
+    };
+    (choice, f)
+}
+
+#[library_benchmark]
+#[benches::workers(args = [8, 64, 1024, 10000], setup = fleet, teardown = release)]
+fn rendezvous_scalar(mut f: KernelFixture) -> (RendezvousPicked, KernelFixture) {
+    let choice = {
+        let (active, salts) = (f.fleet.active_requests(), f.fleet.rendezvous_salts());
+        black_box(bounded_rendezvous_reference(
+            black_box(0x5EED_F00D),
+            black_box(&active),
+            black_box(&salts),
+            black_box(&f.mask),
+            DEFAULT_LOAD_FACTOR,
+            &mut f.rng,
+        ))
+    };
+    (choice, f)
+}
+
+library_benchmark_group!(name = rendezvous_group; benchmarks = rendezvous_simd, rendezvous_scalar);
+
 // ---- the host: select + book, then drop of the booking ---------------------
 
 fn service_random(n: usize) -> HostFixture {
@@ -478,6 +521,9 @@ fn service_power_of_two(n: usize) -> HostFixture {
 }
 fn service_device_aware(n: usize) -> HostFixture {
     HostFixture::new(Mode::DeviceAwareWeighted, n, 0.0)
+}
+fn service_prefix_hash(n: usize) -> HostFixture {
+    HostFixture::new(Mode::PrefixHash, n, 0.0)
 }
 fn service_direct(n: usize) -> HostFixture {
     HostFixture::new(Mode::Direct, n, 0.0)
@@ -548,6 +594,12 @@ fn host_device_aware(f: HostFixture) -> (WorkerWithDpRank, HostFixture) {
 }
 
 #[library_benchmark]
+#[benches::workers(args = [8, 64, 1024, 10000], setup = service_prefix_hash, teardown = release)]
+fn host_prefix_hash(f: HostFixture) -> (WorkerWithDpRank, HostFixture) {
+    select_and_release(f)
+}
+
+#[library_benchmark]
 #[benches::workers(args = [8, 64, 1024, 10000], setup = service_direct, teardown = release)]
 fn host_direct(f: HostFixture) -> (WorkerWithDpRank, HostFixture) {
     select_and_release(f)
@@ -588,11 +640,11 @@ fn host_kv_index_t0(mut f: IndexFixture) -> (WorkerWithDpRank, IndexFixture) {
 library_benchmark_group!(
     name = host_group;
     benchmarks = host_random, host_round_robin, host_least_loaded, host_least_loaded_marked, host_power_of_two,
-        host_device_aware, host_direct, host_kv_t0, host_kv_t07, host_kv_keyed_t0, host_kv_index_t0
+        host_device_aware, host_prefix_hash, host_direct, host_kv_t0, host_kv_t07, host_kv_keyed_t0, host_kv_index_t0
 );
 
 main!(
     config = LibraryBenchmarkConfig::default().tool(Callgrind::with_args(["--cache-sim=no"]));
     library_benchmark_groups = least_loaded_group, index_group, kv_group, pick_group, device_aware_group,
-        host_group
+        rendezvous_group, host_group
 );

@@ -20,9 +20,9 @@
 use std::sync::Arc;
 
 use selkie::{
-    DeviceAwareConfig, DeviceKind, KvRouterConfig, OwnedSelection, RowLayout, RowOverlaps, SelectionRequest,
-    ServiceConfig, WorkerOverlap, WorkerRecord, WorkerSelectionPolicy, WorkerSelectionService, WorkerType,
-    WorkerWithDpRank,
+    DeviceAwareConfig, DeviceKind, KvRouterConfig, OwnedSelection, PrefixHashConfig, RowLayout, RowOverlaps,
+    SelectionRequest, ServiceConfig, WorkerOverlap, WorkerRecord, WorkerSelectionPolicy, WorkerSelectionService,
+    WorkerType, WorkerWithDpRank,
 };
 
 /// Prompt length of the measured request, in tokens.
@@ -47,12 +47,15 @@ pub enum Mode {
     Direct,
     /// `kv`, the default policy (default `KvRouterConfig`, aggregated).
     Kv,
+    /// `prefix-hash` (default config): the request carries its prompt's
+    /// block hashes.
+    PrefixHash,
 }
 
 impl Mode {
     /// Every built-in mode; `Random` first (the wall-clock report's
     /// reference).
-    pub const ALL: [Mode; 7] = [
+    pub const ALL: [Mode; 8] = [
         Mode::Random,
         Mode::RoundRobin,
         Mode::LeastLoaded,
@@ -60,6 +63,7 @@ impl Mode {
         Mode::DeviceAwareWeighted,
         Mode::Direct,
         Mode::Kv,
+        Mode::PrefixHash,
     ];
 
     /// The policy's name as configs spell it.
@@ -72,6 +76,7 @@ impl Mode {
             Mode::DeviceAwareWeighted => "device-aware-weighted",
             Mode::Direct => "direct",
             Mode::Kv => "kv",
+            Mode::PrefixHash => "prefix-hash",
         }
     }
 
@@ -85,6 +90,9 @@ impl Mode {
             Mode::DeviceAwareWeighted => WorkerSelectionPolicy::device_aware_weighted(DeviceAwareConfig::default()),
             Mode::Direct => WorkerSelectionPolicy::direct(),
             Mode::Kv => WorkerSelectionPolicy::kv(KvRouterConfig::default(), WorkerType::Aggregated),
+            Mode::PrefixHash => {
+                WorkerSelectionPolicy::prefix_hash(PrefixHashConfig::default()).expect("the defaults are valid")
+            }
         }
     }
 }
@@ -101,6 +109,8 @@ pub struct HostFixture {
     rows: (RowLayout, Vec<f32>, Vec<f32>),
     /// Send the worker-keyed overlaps instead of the row columns.
     keyed: bool,
+    /// The prompt's block hashes (`prefix-hash`).
+    blocks: Vec<u64>,
     mode: Mode,
     temperature: f64,
     workers: usize,
@@ -152,6 +162,7 @@ impl HostFixture {
             overlaps,
             rows: (layout, device, cached),
             keyed: false,
+            blocks: (0..PROMPT_TOKENS as u64 / 16).map(|i| 0x5EED_0000 + i).collect(),
             mode,
             temperature,
             workers: n,
@@ -185,6 +196,7 @@ impl HostFixture {
                 req.with_row_overlaps(overlaps).with_temperature(self.temperature)
             }
             Mode::Direct => req.pinned_to_worker((self.workers / 2) as u64),
+            Mode::PrefixHash => req.with_prompt_blocks(&self.blocks),
             _ => req,
         }
     }

@@ -18,6 +18,9 @@ pub enum Branch {
     KvMinimum,
     /// KV policy, temperature > 0: softmax sampling.
     KvSoftmax,
+    /// KV policy with a switching margin: the worker rank holding the
+    /// request's longest cached prefix, within the margin of the cheapest.
+    KvHeld,
     /// Fewest in-flight requests (per unit of capacity weight).
     LeastLoaded,
     /// Data-parallel fleet: the worker with the fewest in-flight requests
@@ -42,6 +45,12 @@ pub enum Branch {
     Direct,
     /// A custom policy's picker.
     CustomPicker,
+    /// Prefix hashing: the eligible row under the load bound that ranks
+    /// first for the request's prefix key.
+    PrefixHash,
+    /// Prefix hashing, for a request without a prefix key (no prompt
+    /// blocks, no explicit key): least-loaded.
+    PrefixHashUnkeyed,
 }
 
 impl Branch {
@@ -50,6 +59,7 @@ impl Branch {
         match self {
             Branch::KvMinimum => "kv-minimum",
             Branch::KvSoftmax => "kv-softmax",
+            Branch::KvHeld => "kv-held",
             Branch::LeastLoaded => "least-loaded",
             Branch::LeastLoadedWorkerThenRank => "least-loaded-worker-then-rank",
             Branch::PowerOfTwo => "power-of-two",
@@ -61,6 +71,8 @@ impl Branch {
             Branch::DeviceAwareAccelerator => "device-aware-accelerator",
             Branch::Direct => "direct",
             Branch::CustomPicker => "custom-picker",
+            Branch::PrefixHash => "prefix-hash",
+            Branch::PrefixHashUnkeyed => "prefix-hash-unkeyed",
         }
     }
 }

@@ -33,9 +33,9 @@ pub use plugin::{
     WorkerInputs, WorkerLoadInput, WorkerOccupancy, WorkerPicker, WorkerScorer, WorkerSelectionContext,
 };
 pub use policy::{
-    DeviceAwareConfig, KvRouterConfig, WorkerSelectionPolicy, WorkerSelectionPolicyFactory,
-    WorkerSelectionPolicyParameters, WorkerSelectionPolicyProvider, WorkerSelectionPolicyRegistry, BUILTIN_ALIASES,
-    BUILTIN_POLICIES,
+    prefix_key, DeviceAwareConfig, KvRouterConfig, PrefixHashConfig, WorkerSelectionPolicy,
+    WorkerSelectionPolicyFactory, WorkerSelectionPolicyParameters, WorkerSelectionPolicyProvider,
+    WorkerSelectionPolicyRegistry, BUILTIN_ALIASES, BUILTIN_POLICIES,
 };
 pub use request::{
     AffinityMode, KvCostOverrides, Pin, RowLayout, RowOverlaps, SelectionRequest, SessionAffinity, WorkerOverlap,

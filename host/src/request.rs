@@ -267,6 +267,12 @@ pub struct SelectionRequest<'a> {
     /// policy (0: no cache preference). A row's hits are its overlap's
     /// `device_blocks`.
     pub required_cache_hits: u32,
+    /// The prompt's block hashes, in order (as the KV index hashes them):
+    /// the prefix-hash policy keys the request by the leading ones.
+    pub prompt_blocks: &'a [u64],
+    /// The prefix-hash policy's key, when the caller hashes the prompt
+    /// itself (takes precedence over [`prompt_blocks`](Self::prompt_blocks)).
+    pub prefix_key: Option<u64>,
     /// Fill in the runner-up in the selection's explanation (one more pass).
     pub explain: bool,
 }
@@ -289,6 +295,8 @@ impl<'a> SelectionRequest<'a> {
             kv_overrides: None,
             expected_output_tokens: None,
             required_cache_hits: 0,
+            prompt_blocks: &[],
+            prefix_key: None,
             explain: false,
         }
     }
@@ -369,6 +377,20 @@ impl<'a> SelectionRequest<'a> {
     /// Sets the expected output length.
     pub fn with_expected_output_tokens(mut self, n: u32) -> Self {
         self.expected_output_tokens = Some(n);
+        self
+    }
+
+    /// Sets the prompt's block hashes, in order (the prefix-hash policy
+    /// keys the request by its configured number of leading blocks).
+    pub fn with_prompt_blocks(mut self, blocks: &'a [u64]) -> Self {
+        self.prompt_blocks = blocks;
+        self
+    }
+
+    /// Sets the prefix-hash policy's key directly, for a caller that hashes
+    /// the prompt's prefix itself (KubeAI hashes its first characters).
+    pub fn with_prefix_key(mut self, key: u64) -> Self {
+        self.prefix_key = Some(key);
         self
     }
 

@@ -521,3 +521,279 @@ fn overlap_order_does_not_change_costs() {
         .unwrap();
     assert_eq!(sel.prefill_tokens(), 512 - 9 * 16);
 }
+
+/// Prompt blocks of a conversation: `shared` leading blocks common to all,
+/// then blocks of its own.
+fn prompt(conversation: u64, shared: u64, len: u64) -> Vec<u64> {
+    (0..len)
+        .map(|i| if i < shared { 1_000 + i } else { conversation << 32 | i })
+        .collect()
+}
+
+#[test]
+fn prefix_hash_keeps_a_prefix_on_one_rank_until_the_bound() {
+    let s = svc(
+        WorkerSelectionPolicy::prefix_hash(PrefixHashConfig::default()).unwrap(),
+        1,
+    );
+    for id in 0..8 {
+        s.add_worker(WorkerRecord::new(id).with_dp(0, 2)).unwrap();
+    }
+    // Idle fleet: each conversation's requests all go to one rank.
+    let blocks: Vec<Vec<u64>> = (0..50).map(|c| prompt(c, 1, 10)).collect();
+    let mut homes = Vec::new();
+    for b in &blocks {
+        let req = SelectionRequest::new(160).with_prompt_blocks(b);
+        let first = s.peek(&req).unwrap();
+        assert_eq!(first.explanation.branch, Branch::PrefixHash);
+        for _ in 0..3 {
+            assert_eq!(s.peek(&req).unwrap().worker, first.worker);
+        }
+        homes.push(first.worker);
+    }
+    homes.sort();
+    homes.dedup();
+    assert!(homes.len() >= 10, "50 prefixes spread over the 16 ranks: {homes:?}");
+    // One hot prefix, booked and held: no rank ever exceeds the bound of
+    // the request that went there (ceil(1.25 * (n + 1) / 16)).
+    let hot = prompt(7, 1, 10);
+    let req = SelectionRequest::new(160).with_prompt_blocks(&hot);
+    let mut held = Vec::new();
+    let mut load: BTreeMap<WorkerWithDpRank, u64> = BTreeMap::new();
+    for n in 0..400u64 {
+        let sel = s.select(&req).unwrap();
+        let l = load.entry(sel.worker()).or_insert(0);
+        *l += 1;
+        let bound = (1.25 * (n + 1) as f64 / 16.0).ceil() as u64;
+        assert!(*l <= bound, "request {n}: {:?} holds {l} > {bound}", sel.worker());
+        held.push(sel);
+    }
+    // The last bound is ceil(1.25 * 400 / 16) = 32: 400 requests need at
+    // least 13 ranks.
+    let max = *load.values().max().unwrap();
+    assert!(max <= 32 && load.len() >= 13, "{load:?}");
+    drop(held);
+}
+
+#[test]
+fn prefix_hash_keys_by_the_leading_blocks_or_an_explicit_key() {
+    let config = PrefixHashConfig {
+        prefix_blocks: 2,
+        ..Default::default()
+    };
+    let s = svc(WorkerSelectionPolicy::prefix_hash(config).unwrap(), 1);
+    for id in 0..32 {
+        s.add_worker(WorkerRecord::new(id)).unwrap();
+    }
+    let peek = |blocks: &[u64]| {
+        s.peek(&SelectionRequest::new(64).with_prompt_blocks(blocks))
+            .unwrap()
+            .worker
+    };
+    // Only the first two blocks count.
+    for tail in 0..20u64 {
+        assert_eq!(peek(&[5, 6, tail]), peek(&[5, 6]));
+    }
+    let spread: std::collections::BTreeSet<_> = (0..40u64).map(|b| peek(&[b, 6])).collect();
+    assert!(spread.len() > 10, "the first block changes the key: {spread:?}");
+    // An explicit key wins over the blocks, and is what the blocks hash to.
+    let keyed = SelectionRequest::new(64)
+        .with_prompt_blocks(&[9, 9])
+        .with_prefix_key(prefix_key(&[5, 6]));
+    assert_eq!(s.peek(&keyed).unwrap().worker, peek(&[5, 6]));
+    // A request with no blocks and no key is routed least-loaded.
+    let busy: Vec<_> = (0..31)
+        .map(|_| s.select(&SelectionRequest::new(1).with_prompt_blocks(&[1])).unwrap())
+        .collect();
+    let p = s.peek(&SelectionRequest::new(64)).unwrap();
+    assert_eq!(p.explanation.branch, Branch::PrefixHashUnkeyed);
+    let idle: Vec<u64> = (0..32)
+        .filter(|id| busy.iter().all(|b| b.worker().worker_id != *id))
+        .collect();
+    assert!(
+        idle.contains(&p.worker.worker_id),
+        "{:?} not among the idle {idle:?}",
+        p.worker
+    );
+}
+
+#[test]
+fn prefix_hash_moves_only_the_keys_of_a_departed_worker() {
+    let s = svc(
+        WorkerSelectionPolicy::prefix_hash(PrefixHashConfig::default()).unwrap(),
+        1,
+    );
+    for id in 0..20 {
+        s.add_worker(WorkerRecord::new(id)).unwrap();
+    }
+    let blocks: Vec<Vec<u64>> = (0..400).map(|c| prompt(c, 0, 4)).collect();
+    let home = |b: &[u64]| {
+        s.peek(&SelectionRequest::new(64).with_prompt_blocks(b))
+            .unwrap()
+            .worker
+            .worker_id
+    };
+    let before: Vec<u64> = blocks.iter().map(|b| home(b)).collect();
+    s.remove_worker(13).unwrap();
+    let mut moved = 0;
+    for (b, &was) in blocks.iter().zip(&before) {
+        let now = home(b);
+        if was == 13 {
+            moved += 1;
+            assert_ne!(now, 13);
+        } else {
+            assert_eq!(now, was, "a key moved though its worker stayed");
+        }
+    }
+    assert!(moved > 5, "{moved}");
+    // And it returns to the same worker when the worker comes back.
+    s.add_worker(WorkerRecord::new(13)).unwrap();
+    let again: Vec<u64> = blocks.iter().map(|b| home(b)).collect();
+    assert_eq!(again, before);
+}
+
+#[test]
+fn prefix_hash_parameters_come_from_the_registry() {
+    let r = WorkerSelectionPolicyRegistry::new();
+    let params = |yaml: &str| WorkerSelectionPolicyParameters::new(serde_yaml::from_str(yaml).unwrap());
+    let p = r
+        .build(
+            "prefix-hash",
+            &params("{load_factor: 2.0, prefix_blocks: 8}"),
+            &KvRouterConfig::default(),
+            WorkerType::Aggregated,
+            RoutingPartitionRef::model("m"),
+        )
+        .unwrap();
+    assert_eq!(p.name(), "prefix-hash");
+    for (yaml, field) in [
+        ("{load_factor: 0.5}", "load_factor"),
+        ("{load_factor: .nan}", "load_factor"),
+        ("{prefix_blocks: 0}", "prefix_blocks"),
+        ("{prefix_block: 3}", "prefix_block"),
+    ] {
+        let err = r.factory("prefix-hash", &params(yaml)).err().unwrap().to_string();
+        assert!(err.contains(field), "{yaml}: {err}");
+    }
+}
+
+/// Two workers: worker 1 holds 4 cached blocks of the request and `busy`
+/// requests of 160 prompt tokens in flight (its cost rises with them),
+/// worker 2 holds nothing. Returns the service and the bookings.
+fn held_fleet(config: KvRouterConfig, busy: usize) -> (Arc<WorkerSelectionService>, Vec<OwnedSelection>) {
+    let s = Arc::new(svc(WorkerSelectionPolicy::kv(config, WorkerType::Aggregated), 1));
+    s.add_worker(WorkerRecord::new(1)).unwrap();
+    s.add_worker(WorkerRecord::new(2)).unwrap();
+    let held = (0..busy)
+        .map(|_| s.select_owned(&SelectionRequest::new(160).pinned_to_worker(1)).unwrap())
+        .collect();
+    (s, held)
+}
+
+const HOLDER: [WorkerOverlap; 1] = [WorkerOverlap {
+    worker: WorkerWithDpRank::new(1, 0),
+    device_blocks: 4,
+    host_blocks: 0,
+    disk_blocks: 0,
+    shared_blocks: 0,
+    cached_tokens: 64,
+}];
+
+fn cost_gap(s: &WorkerSelectionService, req: &SelectionRequest<'_>) -> f64 {
+    let costs: BTreeMap<u64, f64> = s
+        .costs(req)
+        .unwrap()
+        .into_iter()
+        .map(|(w, c)| (w.worker_id, c))
+        .collect();
+    costs[&1] - costs[&2]
+}
+
+#[test]
+fn a_switching_margin_keeps_the_prefix_holder_within_the_margin() {
+    let req = SelectionRequest::new(160).with_overlaps(&HOLDER);
+    // Without a margin the cheaper worker 2 wins: Dynamo's decision.
+    let (s, _held) = held_fleet(KvRouterConfig::default(), 1);
+    let gap = cost_gap(&s, &req);
+    assert!(gap > 0.0, "the holder is dearer by {gap}");
+    assert_eq!(s.peek(&req).unwrap().worker.worker_id, 2);
+    // An absolute margin at the gap keeps the request on the holder...
+    let at_gap = KvRouterConfig {
+        switch_margin: gap,
+        ..KvRouterConfig::default()
+    };
+    let (s, _held) = held_fleet(at_gap, 1);
+    let p = s.peek(&req.explained()).unwrap();
+    assert_eq!((p.worker.worker_id, p.explanation.branch), (1, Branch::KvHeld));
+    assert_eq!(p.explanation.runner_up.map(|(w, _)| w.worker_id), Some(2));
+    // ...one just below it does not.
+    let below = KvRouterConfig {
+        switch_margin: gap * 0.99,
+        ..KvRouterConfig::default()
+    };
+    let (s, _held) = held_fleet(below, 1);
+    assert_eq!(s.peek(&req).unwrap().worker.worker_id, 2);
+    // The relative margin is a share of the holder's cost.
+    let holder_cost = s
+        .costs(&req)
+        .unwrap()
+        .into_iter()
+        .find(|(w, _)| w.worker_id == 1)
+        .unwrap()
+        .1;
+    for (share, expected) in [(gap / holder_cost * 1.01, 1), (gap / holder_cost * 0.99, 2)] {
+        let relative = KvRouterConfig {
+            switch_margin_relative: share,
+            ..KvRouterConfig::default()
+        };
+        let (s, _held) = held_fleet(relative, 1);
+        assert_eq!(
+            s.peek(&req).unwrap().worker.worker_id,
+            expected,
+            "relative margin {share}"
+        );
+    }
+    // A request with no cached prefix anywhere is not held.
+    let (s, _held) = held_fleet(at_gap, 1);
+    assert_eq!(s.peek(&SelectionRequest::new(160)).unwrap().worker.worker_id, 2);
+}
+
+#[test]
+fn the_dwell_bounds_how_many_requests_in_a_row_the_margin_keeps() {
+    let req = SelectionRequest::new(160).with_overlaps(&HOLDER);
+    let config = KvRouterConfig {
+        switch_margin: 1.0e6,
+        max_dwell: 3,
+        ..KvRouterConfig::default()
+    };
+    let (s, _held) = held_fleet(config, 1);
+    // A preview changes nothing.
+    for _ in 0..10 {
+        assert_eq!(s.peek(&req).unwrap().worker.worker_id, 1);
+    }
+    // Three requests are kept on the holder by the margin, the fourth goes
+    // to the cheapest worker, and the count starts again.
+    let mut got = Vec::new();
+    let mut bookings = Vec::new();
+    for _ in 0..8 {
+        let sel = s.select_owned(&req).unwrap();
+        got.push((sel.worker().worker_id, sel.explanation().branch));
+        bookings.push(sel);
+    }
+    let ids: Vec<u64> = got.iter().map(|g| g.0).collect();
+    assert_eq!(ids, [1, 1, 1, 2, 1, 1, 1, 2], "{got:?}");
+    assert!(
+        got.iter().filter(|g| g.0 == 1).all(|g| g.1 == Branch::KvHeld),
+        "{got:?}"
+    );
+    let bad = KvRouterConfig {
+        max_dwell: KvRouterConfig::MAX_DWELL + 1,
+        ..KvRouterConfig::default()
+    };
+    assert!(bad.validate().unwrap_err().contains("max_dwell"));
+    let bad = KvRouterConfig {
+        switch_margin: -1.0,
+        ..KvRouterConfig::default()
+    };
+    assert!(bad.validate().unwrap_err().contains("switch_margin"));
+}

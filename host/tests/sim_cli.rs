@@ -55,6 +55,7 @@ fn readme_main_job_prints_the_comparison_table() {
         "least-loaded",
         "power-of-two",
         "device-aware-weighted",
+        "prefix-hash",
     ];
     for label in labels {
         let row = stdout
@@ -63,7 +64,7 @@ fn readme_main_job_prints_the_comparison_table() {
             .unwrap_or_else(|| panic!("no row {label:?}\n{stdout}"));
         assert!(row.trim_end().ends_with(" 0"), "requests refused: {row}");
     }
-    assert!(stdout.contains("best KV hit rate:      kv T=0\n"), "{stdout}");
+    assert!(stdout.contains("best KV hit rate:      prefix-hash\n"), "{stdout}");
 }
 
 #[test]

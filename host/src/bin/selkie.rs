@@ -490,10 +490,19 @@ fn fleet_lines(
 
 /// A label for `weights` in a table.
 fn weights_label(w: &KvWeights) -> String {
-    format!(
+    let mut label = format!(
         "kv credit {:.2} prefill {:.2} decode {:.2} T {:.2}",
         w.overlap_score_credit, w.prefill_load_scale, w.decode_active_request_weight, w.router_temperature
-    )
+    );
+    if w.switch_margin > 0.0 || w.switch_margin_relative > 0.0 {
+        label.push_str(&format!(
+            " margin {:.1}+{:.0}% dwell {}",
+            w.switch_margin,
+            w.switch_margin_relative * 100.0,
+            w.max_dwell
+        ));
+    }
+    label
 }
 
 fn tune(args: TuneArgs) -> Result<(), SimError> {
@@ -565,9 +574,13 @@ fn tune(args: TuneArgs) -> Result<(), SimError> {
     )?;
     bar.finish_and_clear();
 
-    let best: Vec<PolicyReport> = trials
+    // The five best, and the defaults below them when they are not among
+    // them.
+    let shown = trials
         .iter()
         .take(5)
+        .chain(trials.iter().skip(5).filter(|t| t.is_default));
+    let best: Vec<PolicyReport> = shown
         .map(|t| {
             let mut r = t.report.clone();
             r.policy = format!(
@@ -582,7 +595,7 @@ fn tune(args: TuneArgs) -> Result<(), SimError> {
         out,
         "\nbest candidates on the first half (score {:.3} .. {:.3}; the defaults score 2):",
         trials[0].score,
-        trials[best.len() - 1].score
+        trials[best.len().min(5) - 1].score
     )
     .map_err(stdout_err)?;
     write!(out, "{}", render_table(&best)).map_err(stdout_err)?;

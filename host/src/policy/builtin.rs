@@ -25,7 +25,7 @@ use crate::explain::Branch;
 use crate::filter::for_each_row;
 use crate::fleet::{HostFleet, FLEET_GROUPS};
 
-fn choice(row: usize, cost: f64, branch: Branch, candidates: usize) -> Choice {
+pub(crate) fn choice(row: usize, cost: f64, branch: Branch, candidates: usize) -> Choice {
     Choice {
         row,
         cost,
@@ -37,7 +37,7 @@ fn choice(row: usize, cost: f64, branch: Branch, candidates: usize) -> Choice {
 }
 
 /// In-flight requests per unit of weight of `row`.
-fn load_of(env: &Env<'_>, row: usize) -> f64 {
+pub(crate) fn load_of(env: &Env<'_>, row: usize) -> f64 {
     row_load(env.reg, &env.view, row)
 }
 
@@ -55,14 +55,14 @@ fn load_runner_up(env: &Env<'_>, words: &[u64], chosen: usize) -> Option<(usize,
     best
 }
 
-fn finish(env: &Env<'_>, mut c: Choice) -> Choice {
+pub(crate) fn finish(env: &Env<'_>, mut c: Choice) -> Choice {
     if env.explain {
         c.runner_up = load_runner_up(env, env.mask, c.row);
     }
     c
 }
 
-fn none() -> SelectionError {
+pub(crate) fn none() -> SelectionError {
     SelectionError::AllEligibleWorkersOverloaded
 }
 

@@ -4,9 +4,17 @@
 //! columns, compute the preferred-taint multipliers (only when the request
 //! prefers taints and is not pinned), apply per-request overrides, then let
 //! the kernel write one `f32` cost per row and pick. Nothing here allocates.
+//!
+//! With a switching margin (`KvRouterConfig::switch_margin`,
+//! `switch_margin_relative`), the eligible row holding the request's
+//! longest cached prefix keeps the request unless the cheapest row is
+//! cheaper by more than the margin, before the temperature's pick; the
+//! policy's per-row dwell counters bound how many requests in a row a row
+//! keeps that way (`max_dwell`).
 
 use std::collections::BTreeSet;
 use std::num::NonZeroU32;
+use std::sync::atomic::{AtomicU32, Ordering};
 
 use selkie_kernel::kernels::kv_cost::{
     kv_cost, kv_cost_argmin, preferred_taint_multiplier as kernel_multiplier, CostRange, KvCostConfig, KvCostError,
@@ -305,6 +313,86 @@ fn choose_minimum(
     })
 }
 
+/// The eligible row holding the request's longest cached prefix on its
+/// device (most device blocks; ties to the lower cost in `costs`, then the
+/// lower row). `None` when no eligible row holds any.
+fn longest_prefix_row(env: &Env<'_>, costs: &[f32]) -> Option<usize> {
+    let (mask, rows) = (env.mask, env.rows.min(costs.len()));
+    let mut best: Option<(f32, usize)> = None;
+    let mut consider = |row: usize, blocks: f32| {
+        if blocks > 0.0 && row < rows && selkie_kernel::mask::contains(mask, row) {
+            let better = best.is_none_or(|(b, r)| {
+                blocks > b || (blocks == b && (costs[row] < costs[r] || (costs[row] == costs[r] && row < r)))
+            });
+            if better {
+                best = Some((blocks, row));
+            }
+        }
+    };
+    match env.req.row_overlaps {
+        Some(r) => {
+            for_each_row(mask, rows, |row| {
+                if let Some(&b) = r.device_blocks.get(row) {
+                    consider(row, b);
+                }
+            });
+        }
+        None => {
+            for o in env.req.overlaps {
+                if let Some(row) = env.reg.table_row_of(o.worker) {
+                    consider(row, o.device_blocks as f32);
+                }
+            }
+        }
+    }
+    best.map(|(_, row)| row)
+}
+
+/// The switching margin (`cfg.has_switch_margin()`): the row holding the
+/// request's longest cached prefix keeps it unless the cheapest row is
+/// cheaper by more than the margin, for at most `cfg.max_dwell` requests in
+/// a row that it keeps by the margin alone (`dwell`: one counter per row).
+/// `Some` when the holder keeps the request.
+fn held_by_margin(env: &Env<'_>, cfg: &KvRouterConfig, costs: &[f32], min: f32, dwell: &[AtomicU32]) -> Option<Choice> {
+    let home = longest_prefix_row(env, costs)?;
+    let cost = costs[home];
+    let saving = f64::from(cost) - f64::from(min);
+    let margin = cfg
+        .switch_margin
+        .max(cfg.switch_margin_relative * f64::from(cost).abs());
+    let preview = env.ctx.is_preview();
+    let counter = dwell.get(home);
+    let branch = if saving <= 0.0 {
+        // The holder is a cheapest row: it wins on its cost.
+        if let (Some(c), false) = (counter, preview) {
+            c.store(0, Ordering::Relaxed);
+        }
+        Branch::KvMinimum
+    } else if saving <= margin {
+        let held = counter.map_or(0, |c| c.load(Ordering::Relaxed));
+        if held >= cfg.max_dwell {
+            if let (Some(c), false) = (counter, preview) {
+                c.store(0, Ordering::Relaxed);
+            }
+            return None;
+        }
+        if let (Some(c), false) = (counter, preview) {
+            c.store(held + 1, Ordering::Relaxed);
+        }
+        Branch::KvHeld
+    } else {
+        return None;
+    };
+    Some(Choice {
+        row: home,
+        cost: f64::from(cost),
+        runner_up: None,
+        branch,
+        candidates: selkie_kernel::mask::count(env.mask, env.rows),
+        temperature: 0.0,
+    })
+}
+
 // Kept out of line: inlined into the policy dispatch, its cost kernel's
 // code depends on everything else the dispatch inlines.
 #[inline(never)]
@@ -314,14 +402,27 @@ pub(crate) fn choose(
     rng: &mut Rng,
     cfg: &KvRouterConfig,
     worker_type: WorkerType,
+    dwell: &[AtomicU32],
 ) -> Result<Choice, SelectionError> {
     let kcfg = effective_config(cfg, env);
-    if kcfg.router_temperature == 0.0 && !env.explain {
+    let margin = cfg.has_switch_margin();
+    if kcfg.router_temperature == 0.0 && !env.explain && !margin {
         return choose_minimum(env, s, rng, &kcfg, worker_type);
     }
     let range = column_costs(env, s, &kcfg, worker_type)?;
     let (mask, costs, rows) = (env.mask, &mut s.costs, env.rows);
     let t = kcfg.router_temperature;
+    if margin && range.min.is_finite() && range.max.is_finite() {
+        if let Some(mut held) = held_by_margin(env, cfg, &costs[..rows], range.min, dwell) {
+            held.temperature = f64::from(t);
+            if env.explain {
+                held.runner_up = explain(&costs[..rows], mask, held.row)
+                    .and_then(|o| o.runner_up)
+                    .map(|(r, c)| (r, f64::from(c)));
+            }
+            return Ok(held);
+        }
+    }
     // `kv_cost` returned the eligible range while writing the costs: the pick
     // skips its own finiteness and min/max passes (non-finite ranges fall
     // back to the checked pick inside `pick_in_range`).
@@ -331,6 +432,12 @@ pub(crate) fn choose(
         Err(KernelError::NonFiniteCost { row }) => return Err(non_finite(row)),
         Err(_) => return Err(SelectionError::InvalidRequest("temperature must be finite and >= 0")),
     };
+    if margin && !env.ctx.is_preview() {
+        // The chosen row won on its cost: its dwell starts again.
+        if let Some(c) = dwell.get(row) {
+            c.store(0, Ordering::Relaxed);
+        }
+    }
     let cost = f64::from(costs[row]);
     let runner_up = if env.explain {
         explain(&costs[..rows], mask, row)

@@ -5,6 +5,8 @@
 //!   device-aware weighted and direct, on the kernel's SIMD kernels.
 //! * `kv`: the default KV cost policy (SPEC §4) on the kernel's `kv_cost`
 //!   and `pick`.
+//! * `prefix_hash`: bounded-load prefix hashing on the kernel's
+//!   `rendezvous`.
 //! * `composed`: custom policies, with the contract enforced (finite costs,
 //!   in-range picks, caught panics).
 //! * `registry`: the policy registry, which builds a policy by type name
@@ -20,6 +22,7 @@
 pub(crate) mod builtin;
 pub(crate) mod composed;
 pub(crate) mod kv;
+pub(crate) mod prefix_hash;
 mod registry;
 pub(crate) mod scratch;
 
@@ -28,6 +31,7 @@ use serde::{Deserialize, Serialize};
 use crate::plugin::{WorkerFilter, WorkerInputs, WorkerPicker, WorkerScorer};
 use crate::types::WorkerType;
 
+pub use prefix_hash::{prefix_key, PrefixHashConfig};
 pub use registry::{
     WorkerSelectionPolicyFactory, WorkerSelectionPolicyParameters, WorkerSelectionPolicyProvider,
     WorkerSelectionPolicyRegistry, BUILTIN_ALIASES, BUILTIN_POLICIES,
@@ -59,6 +63,22 @@ pub struct KvRouterConfig {
     pub shared_cache_multiplier: f64,
     /// Softmax temperature (0: always the minimum cost).
     pub router_temperature: f64,
+    /// Switching margin, absolute, in cost units (blocks): a request stays
+    /// on the eligible worker rank holding its longest cached prefix unless
+    /// the cheapest rank's cost is lower by more than this and by more than
+    /// [`switch_margin_relative`](Self::switch_margin_relative) of the
+    /// holder's cost. 0 with a relative margin of 0 (the default): no
+    /// margin, Dynamo's decisions.
+    pub switch_margin: f64,
+    /// Switching margin, relative to the holder's cost (0.1: the cheapest
+    /// rank must be more than 10% cheaper).
+    pub switch_margin_relative: f64,
+    /// Bounded dwell: the most requests in a row a rank may keep by the
+    /// margin alone (not being the cheapest); the next one the margin would
+    /// keep there goes to the cheapest rank, and the count starts again.
+    /// Also restarted when the rank wins a request on its cost. At most
+    /// [`MAX_DWELL`](Self::MAX_DWELL).
+    pub max_dwell: u32,
 }
 
 impl Default for KvRouterConfig {
@@ -72,11 +92,22 @@ impl Default for KvRouterConfig {
             disk_cache_hit_weight: 0.25,
             shared_cache_multiplier: 0.0,
             router_temperature: 0.0,
+            switch_margin: 0.0,
+            switch_margin_relative: 0.0,
+            max_dwell: 16,
         }
     }
 }
 
 impl KvRouterConfig {
+    /// The largest [`max_dwell`](Self::max_dwell).
+    pub const MAX_DWELL: u32 = 1_000_000;
+
+    /// Whether the switching margin is on (either margin above 0).
+    pub fn has_switch_margin(&self) -> bool {
+        self.switch_margin > 0.0 || self.switch_margin_relative > 0.0
+    }
+
     /// Checks every weight is finite and non-negative, and the host, disk
     /// and shared weights at most 1 (as Dynamo does); names the first bad
     /// field.
@@ -99,6 +130,8 @@ impl KvRouterConfig {
             ("disk_cache_hit_weight", self.disk_cache_hit_weight),
             ("shared_cache_multiplier", self.shared_cache_multiplier),
             ("router_temperature", self.router_temperature),
+            ("switch_margin", self.switch_margin),
+            ("switch_margin_relative", self.switch_margin_relative),
         ];
         for (name, v) in fields {
             if !((v as f32).is_finite() && v >= 0.0) {
@@ -113,6 +146,13 @@ impl KvRouterConfig {
             if v > 1.0 {
                 return Err(format!("{name} must be at most 1, got {v}"));
             }
+        }
+        if self.max_dwell > Self::MAX_DWELL {
+            return Err(format!(
+                "max_dwell must be at most {}, got {}",
+                Self::MAX_DWELL,
+                self.max_dwell
+            ));
         }
         Ok(())
     }
@@ -172,6 +212,7 @@ pub(crate) enum PolicyKind {
     DeviceAware(DeviceAwareConfig),
     Direct,
     Kv(KvRouterConfig),
+    PrefixHash(PrefixHashConfig),
     Composed(Composed),
 }
 
@@ -182,6 +223,9 @@ pub struct WorkerSelectionPolicy {
     pub(crate) worker_type: WorkerType,
     pub(crate) name: &'static str,
     pub(crate) config: KvRouterConfig,
+    /// The KV policy's dwell counters, one per fleet row, when it has a
+    /// switching margin (empty otherwise).
+    pub(crate) dwell: Box<[std::sync::atomic::AtomicU32]>,
 }
 
 impl WorkerSelectionPolicy {
@@ -230,6 +274,7 @@ impl WorkerSelectionPolicy {
             worker_type,
             name: "custom",
             config,
+            dwell: Box::default(),
         }
     }
 
@@ -239,16 +284,26 @@ impl WorkerSelectionPolicy {
             worker_type,
             name,
             config: KvRouterConfig::default(),
+            dwell: Box::default(),
         }
     }
 
-    /// The default KV cost policy (SPEC §4).
+    /// The default KV cost policy (SPEC §4), with the switching margin of
+    /// `config` if it has one.
     pub fn kv(config: KvRouterConfig, worker_type: WorkerType) -> Self {
+        let dwell = if config.has_switch_margin() {
+            (0..crate::fleet::KernelFleet::CAPACITY)
+                .map(|_| std::sync::atomic::AtomicU32::new(0))
+                .collect()
+        } else {
+            Box::default()
+        };
         WorkerSelectionPolicy {
             kind: PolicyKind::Kv(config),
             worker_type,
             name: "kv",
             config,
+            dwell,
         }
     }
     /// Uniformly random over eligible rows.
@@ -274,6 +329,28 @@ impl WorkerSelectionPolicy {
             "device-aware-weighted",
             WorkerType::Aggregated,
         )
+    }
+    /// Bounded-load prefix hashing: requests whose prompts share their
+    /// leading blocks go to the same rank while it has room (see
+    /// [`PrefixHashConfig`]). Requests carry their prompt's block hashes
+    /// ([`SelectionRequest::with_prompt_blocks`]) or a key
+    /// ([`SelectionRequest::with_prefix_key`]); a request with neither is
+    /// routed least-loaded.
+    ///
+    /// ```
+    /// use selkie::{PrefixHashConfig, WorkerSelectionPolicy};
+    /// let p = WorkerSelectionPolicy::prefix_hash(PrefixHashConfig::default()).unwrap();
+    /// assert_eq!(p.name(), "prefix-hash");
+    /// let bad = PrefixHashConfig { prefix_blocks: 0, ..Default::default() };
+    /// assert!(WorkerSelectionPolicy::prefix_hash(bad).unwrap_err().contains("prefix_blocks"));
+    /// ```
+    pub fn prefix_hash(config: PrefixHashConfig) -> Result<Self, String> {
+        config.validate()?;
+        Ok(Self::builtin(
+            PolicyKind::PrefixHash(config),
+            "prefix-hash",
+            WorkerType::Aggregated,
+        ))
     }
     /// Direct routing: the request names its worker; no fallback.
     pub fn direct() -> Self {
@@ -311,7 +388,7 @@ impl WorkerSelectionPolicy {
     pub fn required_worker_inputs(&self) -> WorkerInputs {
         match &self.kind {
             PolicyKind::Random | PolicyKind::RoundRobin | PolicyKind::Direct => WorkerInputs::NONE,
-            PolicyKind::LeastLoaded | PolicyKind::PowerOfTwo => WorkerInputs::OCCUPANCY,
+            PolicyKind::LeastLoaded | PolicyKind::PowerOfTwo | PolicyKind::PrefixHash(_) => WorkerInputs::OCCUPANCY,
             PolicyKind::DeviceAware(_) => WorkerInputs::OCCUPANCY | WorkerInputs::DEVICE_AWARE | WorkerInputs::CACHE,
             PolicyKind::Kv(_) => WorkerInputs::LOAD | WorkerInputs::CACHE | WorkerInputs::PREFERRED_TAINT,
             PolicyKind::Composed(c) => c.inputs,
@@ -388,7 +465,8 @@ impl WorkerSelectionPolicy {
             PolicyKind::PowerOfTwo => builtin::power_of_two(env, s, rng),
             PolicyKind::DeviceAware(c) => builtin::device_aware(env, s, rng, c),
             PolicyKind::Direct => builtin::direct(env, s, rng),
-            PolicyKind::Kv(c) => kv::choose(env, s, rng, c, self.worker_type),
+            PolicyKind::Kv(c) => kv::choose(env, s, rng, c, self.worker_type, &self.dwell),
+            PolicyKind::PrefixHash(c) => prefix_hash::choose(env, s, rng, c),
             PolicyKind::Composed(c) => composed::choose(env, s, c),
         }
     }

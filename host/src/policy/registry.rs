@@ -1,7 +1,8 @@
 //! The policy registry: build a worker-selection policy by type name.
 //!
 //! The built-ins (`kv`, `random`, `round-robin`, `least-loaded`,
-//! `power-of-two`, `device-aware-weighted`, `direct`) are present in every
+//! `power-of-two`, `device-aware-weighted`, `prefix-hash`, `direct`) are
+//! present in every
 //! registry, including one built with custom providers; a custom provider
 //! may not take a built-in's name (nor `default`, which means `kv`); an
 //! unknown name is an error listing every available name.
@@ -20,7 +21,7 @@ use std::sync::Arc;
 
 use serde::de::DeserializeOwned;
 
-use super::{DeviceAwareConfig, KvRouterConfig, WorkerSelectionPolicy};
+use super::{DeviceAwareConfig, KvRouterConfig, PolicyKind, PrefixHashConfig, WorkerSelectionPolicy};
 use crate::error::{RegistryError, WorkerSelectionPolicyProviderError};
 use crate::types::{RoutingPartitionRef, WorkerType};
 
@@ -74,13 +75,14 @@ fn canonical(name: &str) -> &str {
 }
 
 /// Names of the built-in policy types.
-pub const BUILTIN_POLICIES: [&str; 7] = [
+pub const BUILTIN_POLICIES: [&str; 8] = [
     "kv",
     "random",
     "round-robin",
     "least-loaded",
     "power-of-two",
     "device-aware-weighted",
+    "prefix-hash",
     "direct",
 ];
 
@@ -130,6 +132,15 @@ fn builtin(name: &str) -> Option<WorkerSelectionPolicyProvider> {
             Ok(
                 Arc::new(move |_: &KvRouterConfig, t: WorkerType, _: RoutingPartitionRef<'_>| {
                     WorkerSelectionPolicy::device_aware_weighted(c).with_worker_type(t)
+                }) as WorkerSelectionPolicyFactory,
+            )
+        }),
+        "prefix-hash" => Arc::new(|p: &WorkerSelectionPolicyParameters| {
+            let c: PrefixHashConfig = p.deserialize()?;
+            c.validate().map_err(WorkerSelectionPolicyProviderError::new)?;
+            Ok(
+                Arc::new(move |_: &KvRouterConfig, t: WorkerType, _: RoutingPartitionRef<'_>| {
+                    WorkerSelectionPolicy::builtin(PolicyKind::PrefixHash(c), "prefix-hash", t)
                 }) as WorkerSelectionPolicyFactory,
             )
         }),

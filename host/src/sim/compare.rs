@@ -66,6 +66,7 @@ impl PolicyChoice {
             "least-loaded",
             "power-of-two",
             "device-aware-weighted",
+            "prefix-hash",
         ] {
             v.push(Self::builtin(name));
         }

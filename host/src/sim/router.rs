@@ -30,6 +30,8 @@ pub struct RouteRequest<'a> {
     pub output_tokens: u32,
     /// Overlaps for the ranks that have any.
     pub overlaps: &'a [RowOverlap],
+    /// The prompt's block hashes, in order (what prefix hashing keys by).
+    pub prompt_blocks: &'a [u64],
     /// The multi-turn session, if any.
     pub session: Option<u64>,
 }

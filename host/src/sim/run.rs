@@ -395,6 +395,7 @@ pub fn simulate(
                     input_tokens: r.input_tokens,
                     output_tokens: r.output_tokens,
                     overlaps: &overlaps,
+                    prompt_blocks: &r.hash_ids,
                     session: r.session,
                 };
                 // What the engine would serve from `blocks` cached blocks.

@@ -128,6 +128,7 @@ impl Router for ServiceRouter<'_> {
         );
         let mut req = SelectionRequest::new(request.input_tokens as usize)
             .with_overlaps(&overlaps)
+            .with_prompt_blocks(request.prompt_blocks)
             .with_expected_output_tokens(request.output_tokens);
         if let (Some(mode), Some(session)) = (self.affinity, request.session) {
             let name = self

@@ -4,7 +4,9 @@
 //! (every candidate is simulated on it), the second half tests (the
 //! winner and the default weights are simulated on it, so a user sees
 //! whether the gain holds on requests the search never saw). Candidates are
-//! the default weights and random draws over [`TuneSpace`], from a seed.
+//! the default weights and random draws over [`TuneSpace`], from a seed:
+//! the cost weights, the temperature and the switching margin with its
+//! bounded dwell.
 //!
 //! A candidate's score (lower is better) weighs its time-to-first-token
 //! p99 and its cache misses against the default weights' on the same
@@ -52,6 +54,13 @@ pub struct TuneSpace {
     pub decode_active_request_weight: (f64, f64),
     /// `router_temperature`.
     pub router_temperature: (f64, f64),
+    /// `switch_margin`: the absolute switching margin, in blocks (0 for a
+    /// third of the candidates).
+    pub switch_margin: (f64, f64),
+    /// `switch_margin_relative` (0 for a third of the candidates).
+    pub switch_margin_relative: (f64, f64),
+    /// `max_dwell`, log-uniform over whole requests.
+    pub max_dwell: (u32, u32),
 }
 
 impl Default for TuneSpace {
@@ -61,6 +70,9 @@ impl Default for TuneSpace {
             prefill_load_scale: (0.25, 8.0),
             decode_active_request_weight: (0.5, 64.0),
             router_temperature: (0.0, 0.5),
+            switch_margin: (1.0, 512.0),
+            switch_margin_relative: (0.02, 1.0),
+            max_dwell: (1, 1024),
         }
     }
 }
@@ -76,10 +88,16 @@ pub struct KvWeights {
     pub decode_active_request_weight: f64,
     /// `router_temperature`.
     pub router_temperature: f64,
+    /// `switch_margin`.
+    pub switch_margin: f64,
+    /// `switch_margin_relative`.
+    pub switch_margin_relative: f64,
+    /// `max_dwell`.
+    pub max_dwell: u32,
 }
 
 impl Default for KvWeights {
-    /// Dynamo's defaults.
+    /// Dynamo's defaults (no switching margin).
     fn default() -> Self {
         let d = KvRouterConfig::default();
         KvWeights {
@@ -87,6 +105,9 @@ impl Default for KvWeights {
             prefill_load_scale: d.prefill_load_scale,
             decode_active_request_weight: d.decode_active_request_weight,
             router_temperature: d.router_temperature,
+            switch_margin: d.switch_margin,
+            switch_margin_relative: d.switch_margin_relative,
+            max_dwell: d.max_dwell,
         }
     }
 }
@@ -102,6 +123,9 @@ impl KvWeights {
             self.decode_active_request_weight.into(),
         );
         map.insert("router_temperature".into(), self.router_temperature.into());
+        map.insert("switch_margin".into(), self.switch_margin.into());
+        map.insert("switch_margin_relative".into(), self.switch_margin_relative.into());
+        map.insert("max_dwell".into(), self.max_dwell.into());
         WorkerSelectionPolicyParameters::new(serde_yaml::Value::Mapping(map))
     }
 
@@ -121,8 +145,15 @@ impl KvWeights {
         format!(
             "# Written by `selkie tune`.\naggregated: {name}\ninstances:\n  - name: {name}\n    type: kv\n    parameters:\n      \
              overlap_score_credit: {:?}\n      prefill_load_scale: {:?}\n      decode_active_request_weight: {:?}\n      \
-             router_temperature: {:?}\n",
-            self.overlap_score_credit, self.prefill_load_scale, self.decode_active_request_weight, self.router_temperature
+             router_temperature: {:?}\n      switch_margin: {:?}\n      switch_margin_relative: {:?}\n      \
+             max_dwell: {}\n",
+            self.overlap_score_credit,
+            self.prefill_load_scale,
+            self.decode_active_request_weight,
+            self.router_temperature,
+            self.switch_margin,
+            self.switch_margin_relative,
+            self.max_dwell
         )
     }
 }
@@ -180,6 +211,20 @@ pub fn candidates(space: &TuneSpace, n: usize, seed: u64) -> Vec<KvWeights> {
             } else {
                 let (lo, hi) = space.router_temperature;
                 lo + rng.unit_f64() * (hi - lo)
+            },
+            switch_margin: if rng.unit_f64() < 1.0 / 3.0 {
+                0.0
+            } else {
+                log_uniform(space.switch_margin, &mut rng)
+            },
+            switch_margin_relative: if rng.unit_f64() < 1.0 / 3.0 {
+                0.0
+            } else {
+                log_uniform(space.switch_margin_relative, &mut rng)
+            },
+            max_dwell: {
+                let (lo, hi) = space.max_dwell;
+                log_uniform((f64::from(lo.max(1)), f64::from(hi.max(lo).max(1))), &mut rng).round() as u32
             },
         };
         out.push(w);
@@ -295,7 +340,20 @@ mod tests {
                     || inside(w.decode_active_request_weight, space.decode_active_request_weight)
             );
             assert!(w.router_temperature == 0.0 || inside(w.router_temperature, space.router_temperature));
+            assert!(
+                w.switch_margin == 0.0 || inside(w.switch_margin, space.switch_margin),
+                "{w:?}"
+            );
+            assert!(
+                w.switch_margin_relative == 0.0 || inside(w.switch_margin_relative, space.switch_margin_relative),
+                "{w:?}"
+            );
+            assert!((space.max_dwell.0..=space.max_dwell.1).contains(&w.max_dwell), "{w:?}");
         }
+        assert!(
+            c.iter().filter(|w| w.switch_margin > 0.0).count() > 100,
+            "margins are searched"
+        );
         assert!(c.iter().filter(|w| w.router_temperature == 0.0).count() > 50);
     }
 
@@ -321,6 +379,9 @@ mod tests {
             prefill_load_scale: 0.75,
             decode_active_request_weight: 4.0,
             router_temperature: 0.125,
+            switch_margin: 12.5,
+            switch_margin_relative: 0.25,
+            max_dwell: 7,
         };
         let dir = std::env::temp_dir().join(format!("selkie-tune-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();

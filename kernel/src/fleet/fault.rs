@@ -52,6 +52,7 @@ impl<const GROUPS: usize> Fleet<GROUPS> {
             worker_lo: Column::new(0),
             worker_hi: Column::new(0),
             dp_rank: Column::new(0),
+            rendezvous_salt: Column::new(0),
             capacity_weight: Column::new(0),
             inv_capacity_weight: Column::new(0),
             admission_limit: Column::new(0),

@@ -132,6 +132,9 @@ pub struct Fleet<const GROUPS: usize> {
     worker_hi: Column<GROUPS>,
     /// Data-parallel rank.
     dp_rank: Column<GROUPS>,
+    /// The row's rendezvous salt, `worker_salt(worker id, rank)` (see
+    /// `kernels::rendezvous`).
+    rendezvous_salt: Column<GROUPS>,
     /// Capacity weight, `f32` bits.
     capacity_weight: Column<GROUPS>,
     /// `1 / capacity weight`, `f32` bits (least-loaded-weighted multiplies).
@@ -173,6 +176,7 @@ impl<const GROUPS: usize> Fleet<GROUPS> {
             worker_lo: Column::new(0),
             worker_hi: Column::new(0),
             dp_rank: Column::new(0),
+            rendezvous_salt: Column::new(0),
             capacity_weight: Column::new(0),
             inv_capacity_weight: Column::new(0),
             admission_limit: Column::new(0),
@@ -289,6 +293,14 @@ impl<const GROUPS: usize> Fleet<GROUPS> {
         self.dp_rank.view(self.scan_rows(), Decode::Raw)
     }
 
+    /// Each row's rendezvous salt, as a `U32Source`: the
+    /// [`worker_salt`](crate::kernels::rendezvous::worker_salt) of its worker
+    /// id and rank, written when the row is added (0 in rows never used).
+    #[inline]
+    pub fn rendezvous_salts(&self) -> AtomicView<'_> {
+        self.rendezvous_salt.view(self.scan_rows(), Decode::Raw)
+    }
+
     /// Every load column over exactly `rows` rows (rounded up to whole lane
     /// groups, at most [`CAPACITY`](Self::CAPACITY)), whatever the fleet's
     /// high-water mark is now.
@@ -371,6 +383,12 @@ impl<'a, const GROUPS: usize> FleetView<'a, GROUPS> {
     #[inline]
     pub fn dp_ranks(&self) -> AtomicView<'a> {
         (self.fleet.dp_rank).view(self.rows, Decode::Raw)
+    }
+
+    /// Each row's rendezvous salt (see [`Fleet::rendezvous_salts`]).
+    #[inline]
+    pub fn rendezvous_salts(&self) -> AtomicView<'a> {
+        (self.fleet.rendezvous_salt).view(self.rows, Decode::Raw)
     }
 }
 

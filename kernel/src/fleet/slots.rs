@@ -283,6 +283,10 @@ impl<const GROUPS: usize> Fleet<GROUPS> {
             .at(row)
             .store((worker_id >> 32) as u32, Ordering::Release);
         self.dp_rank.at(row).store(dp_rank, Ordering::Release);
+        self.rendezvous_salt.at(row).store(
+            crate::kernels::rendezvous::worker_salt(worker_id, dp_rank),
+            Ordering::Release,
+        );
     }
 
     fn write_weight(&self, row: usize, weight: f32) {

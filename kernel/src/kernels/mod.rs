@@ -12,6 +12,7 @@ pub mod index;
 pub mod kv_cost;
 pub mod least_loaded;
 pub mod pick;
+pub mod rendezvous;
 
 #[cfg(test)]
 mod tests;
@@ -26,6 +27,9 @@ pub enum KernelError {
     },
     /// The temperature is negative or not finite.
     BadTemperature,
+    /// The load factor of a bounded-load kernel is not finite or outside
+    /// `1 ..= MAX_LOAD_FACTOR` (see `rendezvous::check_load_factor`).
+    BadLoadFactor,
     /// A column is shorter than the number of rows scanned.
     ColumnTooShort {
         /// Rows the kernel was asked to scan.
@@ -40,6 +44,11 @@ impl core::fmt::Display for KernelError {
         match self {
             KernelError::NonFiniteCost { row } => write!(f, "row {row} has a non-finite cost"),
             KernelError::BadTemperature => f.write_str("temperature must be finite and >= 0"),
+            KernelError::BadLoadFactor => write!(
+                f,
+                "load factor must be finite and within 1 ..= {}",
+                rendezvous::MAX_LOAD_FACTOR
+            ),
             KernelError::ColumnTooShort { rows, len } => {
                 write!(f, "column has {len} rows, scan needs {rows}")
             }

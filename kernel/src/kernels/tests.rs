@@ -16,6 +16,7 @@ mod device_aware;
 mod index;
 mod kv_cost;
 mod pick;
+mod rendezvous;
 mod stats;
 
 /// Row counts: every length up to `3 * LANES + 7`, some longer ones, 1000.

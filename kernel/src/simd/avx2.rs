@@ -154,6 +154,14 @@ impl U32Lanes for U32x8 {
         U32x8(avx!(_mm256_cmpeq_epi32(self.0, o.0)))
     }
     #[inline(always)]
+    fn xor(self, o: Self) -> Self {
+        U32x8(avx!(_mm256_xor_si256(self.0, o.0)))
+    }
+    #[inline(always)]
+    fn mul_lo(self, o: Self) -> Self {
+        U32x8(avx!(_mm256_mullo_epi32(self.0, o.0)))
+    }
+    #[inline(always)]
     fn shr(self, s: u32) -> Self {
         U32x8(avx!(_mm256_srl_epi32(self.0, _mm_cvtsi32_si128(s as i32))))
     }

@@ -108,6 +108,10 @@ pub trait U32Lanes:
     fn max(self, o: Self) -> Self;
     /// All-ones where equal.
     fn cmp_eq(self, o: Self) -> Self;
+    /// Lane-wise exclusive or.
+    fn xor(self, o: Self) -> Self;
+    /// Lane-wise wrapping product (the low 32 bits).
+    fn mul_lo(self, o: Self) -> Self;
     /// Logical right shift of every lane by `s` (`s < 32`).
     fn shr(self, s: u32) -> Self;
     /// Left shift of every lane by `s` (`s < 32`).

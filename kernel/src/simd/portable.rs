@@ -78,6 +78,14 @@ impl U32Lanes for u32x8 {
         CmpEq::cmp_eq(self, o)
     }
     #[inline(always)]
+    fn xor(self, o: Self) -> Self {
+        self ^ o
+    }
+    #[inline(always)]
+    fn mul_lo(self, o: Self) -> Self {
+        self * o
+    }
+    #[inline(always)]
     fn shr(self, s: u32) -> Self {
         self >> s
     }
