@@ -59,7 +59,8 @@ impl WorkerPicker for LowestCost {
     }
 }
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// The built-ins and the scorer, as the type `active-minus-cached`.
+pub fn registry() -> Result<WorkerSelectionPolicyRegistry, RegistryError> {
     let provider: WorkerSelectionPolicyProvider = Arc::new(|_: &WorkerSelectionPolicyParameters| {
         let factory: WorkerSelectionPolicyFactory = Arc::new(|config: &KvRouterConfig, role, _| {
             WorkerSelectionPolicy::new(*config, role, vec![Box::new(ActiveMinusCached)], Box::new(LowestCost))
@@ -68,6 +69,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     });
     let mut registry = WorkerSelectionPolicyRegistry::new();
     registry.register("active-minus-cached", provider)?;
+    Ok(registry)
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let registry = registry()?;
 
     let mut scenario = Scenario::embedded(ScenarioName::Default);
     if let Some(n) = std::env::args().nth(1) {

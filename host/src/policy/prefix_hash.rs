@@ -10,6 +10,11 @@
 //! once by the kernel's `rendezvous` module, so there is no ring to rebuild
 //! when workers come and go, and a departing worker moves only its own keys.
 //! Ranks are hashed separately (each has its own cache).
+//!
+//! The bound follows the fleet's load: on a nearly idle fleet it is one
+//! request, so a second request of a prefix held alongside the first goes to
+//! the prefix's next rank; as load grows, each rank keeps up to
+//! `load_factor` times the average.
 
 use selkie_kernel::kernels::rendezvous::{bounded_rendezvous, check_load_factor, DEFAULT_LOAD_FACTOR, MAX_LOAD_FACTOR};
 use selkie_kernel::mask;

@@ -106,10 +106,41 @@ fn load_bound_is_the_ceiling_of_the_scaled_average() {
     assert_eq!(load_bound(u64::from(u32::MAX), 1, 1.0), 1 << 32);
 }
 
+/// Loads too large for a lane sum of plain `u32`s, and a lone row at
+/// `u32::MAX`: the row is still under its bound (which can exceed
+/// `u32::MAX`), on every backend.
+#[test]
+fn huge_loads_are_summed_exactly() {
+    for load in [[20_971_522u32], [u32::MAX]] {
+        let salt = salts(1);
+        for backend in Backend::available() {
+            let p = bounded_rendezvous_on(backend, 9, &load[..], &salt[..], &[1], 1.0, &mut Rng::new(0))
+                .unwrap()
+                .unwrap();
+            assert_eq!(p.row, 0);
+            assert_eq!(p.load_bound, u64::from(load[0]) + 1, "{backend:?}");
+        }
+    }
+    // Eight full groups of u32::MAX loads: the sum needs 38 bits.
+    let load = vec![u32::MAX; 64];
+    let (salt, mask) = (salts(64), [u64::MAX]);
+    for backend in Backend::available() {
+        let p = bounded_rendezvous_on(backend, 3, &load[..], &salt[..], &mask, 1.0, &mut Rng::new(0))
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            p.load_bound,
+            load_bound(64 * u64::from(u32::MAX), 64, 1.0),
+            "{backend:?}"
+        );
+        assert_eq!(p.load_bound, u64::from(u32::MAX) + 1);
+    }
+}
+
 /// With nothing in flight every key goes to its lowest-scoring row, and the
 /// same key always to the same row.
 #[test]
-fn an_idle_fleet_gives_every_key_its_lowest_scoring_row() {
+fn idle_rows_give_every_key_its_lowest_scoring_row() {
     let n = 100;
     let (load, salt, mask) = (vec![0u32; n], salts(n), [u64::MAX, u64::MAX]);
     for key in 0..2_000u64 {
