@@ -471,7 +471,7 @@ type RendezvousPicked = Result<Option<RendezvousPick>, KernelError>;
 
 #[library_benchmark]
 #[benches::workers(args = [8, 64, 1024, 10000], setup = fleet, teardown = release)]
-fn rendezvous_simd(mut f: KernelFixture) -> (RendezvousPicked, KernelFixture) {
+fn rendezvous_simd(f: KernelFixture) -> (RendezvousPicked, KernelFixture) {
     let choice = {
         let (active, salts) = (f.fleet.active_requests(), f.fleet.rendezvous_salts());
         black_box(bounded_rendezvous(
@@ -480,7 +480,6 @@ fn rendezvous_simd(mut f: KernelFixture) -> (RendezvousPicked, KernelFixture) {
             black_box(&salts),
             black_box(&f.mask),
             DEFAULT_LOAD_FACTOR,
-            &mut f.rng,
         ))
     };
     (choice, f)
@@ -488,7 +487,7 @@ fn rendezvous_simd(mut f: KernelFixture) -> (RendezvousPicked, KernelFixture) {
 
 #[library_benchmark]
 #[benches::workers(args = [8, 64, 1024, 10000], setup = fleet, teardown = release)]
-fn rendezvous_scalar(mut f: KernelFixture) -> (RendezvousPicked, KernelFixture) {
+fn rendezvous_scalar(f: KernelFixture) -> (RendezvousPicked, KernelFixture) {
     let choice = {
         let (active, salts) = (f.fleet.active_requests(), f.fleet.rendezvous_salts());
         black_box(bounded_rendezvous_reference(
@@ -497,7 +496,6 @@ fn rendezvous_scalar(mut f: KernelFixture) -> (RendezvousPicked, KernelFixture) 
             black_box(&salts),
             black_box(&f.mask),
             DEFAULT_LOAD_FACTOR,
-            &mut f.rng,
         ))
     };
     (choice, f)

@@ -19,7 +19,8 @@ pub enum Branch {
     /// KV policy, temperature > 0: softmax sampling.
     KvSoftmax,
     /// KV policy with a switching margin: the worker rank holding the
-    /// request's longest cached prefix, within the margin of the cheapest.
+    /// request's longest cached prefix, within the margin of the cheapest
+    /// (or the cheapest itself); not sampled by the temperature.
     KvHeld,
     /// Fewest in-flight requests (per unit of capacity weight).
     LeastLoaded,

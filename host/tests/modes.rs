@@ -753,6 +753,17 @@ fn a_switching_margin_keeps_the_prefix_holder_within_the_margin() {
             "relative margin {share}"
         );
     }
+    // The margin comes before the temperature: a request kept by it is not
+    // sampled.
+    let hot = KvRouterConfig {
+        router_temperature: 1.0,
+        ..at_gap
+    };
+    let (s, _held) = held_fleet(hot, 1);
+    for _ in 0..20 {
+        let p = s.peek(&req).unwrap();
+        assert_eq!((p.worker.worker_id, p.explanation.branch), (1, Branch::KvHeld));
+    }
     // A request with no cached prefix anywhere is not held.
     let (s, _held) = held_fleet(at_gap, 1);
     assert_eq!(s.peek(&SelectionRequest::new(160)).unwrap().worker.worker_id, 2);

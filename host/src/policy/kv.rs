@@ -349,10 +349,13 @@ fn longest_prefix_row(env: &Env<'_>, costs: &[f32]) -> Option<usize> {
 }
 
 /// The switching margin (`cfg.has_switch_margin()`): the row holding the
-/// request's longest cached prefix keeps it unless the cheapest row is
-/// cheaper by more than the margin, for at most `cfg.max_dwell` requests in
-/// a row that it keeps by the margin alone (`dwell`: one counter per row).
-/// `Some` when the holder keeps the request.
+/// request's longest cached prefix keeps it when its cost is within the
+/// margin of the cheapest (before any temperature draw). A holder that is
+/// not itself the cheapest keeps at most `cfg.max_dwell` requests in a row
+/// that way (`dwell`: one counter per row, taken by compare-and-swap, so the
+/// bound holds under concurrent selections; a holder that is the cheapest
+/// restarts its count). `Some` when the holder keeps the request; `None`
+/// when the choice is left to the normal pick.
 fn held_by_margin(env: &Env<'_>, cfg: &KvRouterConfig, costs: &[f32], min: f32, dwell: &[AtomicU32]) -> Option<Choice> {
     let home = longest_prefix_row(env, costs)?;
     let cost = costs[home];
@@ -360,34 +363,33 @@ fn held_by_margin(env: &Env<'_>, cfg: &KvRouterConfig, costs: &[f32], min: f32, 
     let margin = cfg
         .switch_margin
         .max(cfg.switch_margin_relative * f64::from(cost).abs());
-    let preview = env.ctx.is_preview();
-    let counter = dwell.get(home);
-    let branch = if saving <= 0.0 {
-        // The holder is a cheapest row: it wins on its cost.
-        if let (Some(c), false) = (counter, preview) {
-            c.store(0, Ordering::Relaxed);
-        }
-        Branch::KvMinimum
-    } else if saving <= margin {
-        let held = counter.map_or(0, |c| c.load(Ordering::Relaxed));
-        if held >= cfg.max_dwell {
-            if let (Some(c), false) = (counter, preview) {
-                c.store(0, Ordering::Relaxed);
-            }
-            return None;
-        }
-        if let (Some(c), false) = (counter, preview) {
-            c.store(held + 1, Ordering::Relaxed);
-        }
-        Branch::KvHeld
-    } else {
+    if saving > margin {
         return None;
+    }
+    let counter = dwell.get(home)?;
+    let preview = env.ctx.is_preview();
+    let room = |held: u32| (held < cfg.max_dwell).then_some(held + 1);
+    let kept = if saving <= 0.0 {
+        // The holder is among the cheapest: it wins on its cost.
+        if !preview {
+            counter.store(0, Ordering::Relaxed);
+        }
+        true
+    } else if preview {
+        room(counter.load(Ordering::Relaxed)).is_some()
+    } else if counter.fetch_update(Ordering::Relaxed, Ordering::Relaxed, room).is_ok() {
+        true
+    } else {
+        // The dwell is used up: this request goes to the normal pick, and
+        // the count starts again.
+        counter.store(0, Ordering::Relaxed);
+        false
     };
-    Some(Choice {
+    kept.then(|| Choice {
         row: home,
         cost: f64::from(cost),
         runner_up: None,
-        branch,
+        branch: Branch::KvHeld,
         candidates: selkie_kernel::mask::count(env.mask, env.rows),
         temperature: 0.0,
     })

@@ -67,16 +67,20 @@ pub struct KvRouterConfig {
     /// on the eligible worker rank holding its longest cached prefix unless
     /// the cheapest rank's cost is lower by more than this and by more than
     /// [`switch_margin_relative`](Self::switch_margin_relative) of the
-    /// holder's cost. 0 with a relative margin of 0 (the default): no
-    /// margin, Dynamo's decisions.
+    /// holder's cost. This is checked before the temperature's draw: a
+    /// request whose holder is within the margin (or is itself the
+    /// cheapest) goes there and is not sampled. 0 with a relative margin of
+    /// 0 (the default): no margin, Dynamo's decisions.
     pub switch_margin: f64,
     /// Switching margin, relative to the holder's cost (0.1: the cheapest
     /// rank must be more than 10% cheaper).
     pub switch_margin_relative: f64,
     /// Bounded dwell: the most requests in a row a rank may keep by the
     /// margin alone (not being the cheapest); the next one the margin would
-    /// keep there goes to the cheapest rank, and the count starts again.
-    /// Also restarted when the rank wins a request on its cost. At most
+    /// keep there is chosen on cost (the cheapest rank, or the temperature's
+    /// draw), and the count starts again. Also restarted when the rank wins
+    /// a request on its cost. Counted per fleet row: a worker that takes a
+    /// freed row starts from its predecessor's count. At most
     /// [`MAX_DWELL`](Self::MAX_DWELL).
     pub max_dwell: u32,
 }

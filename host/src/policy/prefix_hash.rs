@@ -133,7 +133,6 @@ pub(crate) fn choose(
         &env.view.rendezvous_salts(),
         env.mask,
         config.load_factor,
-        rng,
     )
     // The load factor was checked when the policy was built.
     .map_err(|_| none())?

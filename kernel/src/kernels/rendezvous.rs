@@ -23,8 +23,10 @@
 //!         bound    = ceil(load_factor * (total + 1) / n)
 //! key(row) = score(key, salt[row]) >> 1   if load[row] < bound
 //!          = u32::MAX                      otherwise
-//! then the argmin of `argmin` (ties, which need two salts whose scores
-//! agree in 31 bits, uniformly at random)
+//! then the argmin of `argmin`; ties (two rows with equal salts, or scores
+//! that agree in 31 bits) are broken by a draw from a generator seeded by
+//! the key, so a key's row depends only on the key and the fleet's state
+//! and a key does not bounce between two rows whose salts collide
 //! ```
 //!
 //! Scores are 32-bit: murmur3's finaliser (two multiply-xorshift rounds, a
@@ -246,6 +248,11 @@ fn eligible_load<S: Simd, A: U32Source + ?Sized>(s: S, active: &A, rows: usize, 
     (total, n)
 }
 
+/// The generator that breaks a key's ties.
+fn tie_breaker(key: u64) -> Rng {
+    Rng::new(key ^ 0x7131_E5B2_EA4F_0D1C)
+}
+
 #[inline(always)]
 fn bounded_rendezvous_in<S: Simd, A: U32Source + ?Sized, T: U32Source + ?Sized>(
     s: S,
@@ -254,7 +261,6 @@ fn bounded_rendezvous_in<S: Simd, A: U32Source + ?Sized, T: U32Source + ?Sized>(
     salts: &T,
     mask: &[u64],
     load_factor: f64,
-    rng: &mut Rng,
 ) -> Result<Option<RendezvousPick>, KernelError> {
     check_load_factor(load_factor)?;
     let rows = active.rows().min(salts.rows());
@@ -269,7 +275,7 @@ fn bounded_rendezvous_in<S: Simd, A: U32Source + ?Sized, T: U32Source + ?Sized>(
         salts,
         room: room(load_bound),
     };
-    Ok(argmin(s, &k, mask, rng).map(|row| RendezvousPick { row, load_bound }))
+    Ok(argmin(s, &k, mask, &mut tie_breaker(key)).map(|row| RendezvousPick { row, load_bound }))
 }
 
 dispatch! {
@@ -279,32 +285,30 @@ dispatch! {
     ///
     /// `salts` holds each row's [`worker_salt`]; rows past the shorter of
     /// the two columns are not scanned. `None` iff no row is eligible; an
-    /// error iff `load_factor` fails [`check_load_factor`]. `rng` is drawn
-    /// from only when two rows tie (salts whose scores agree in 31 bits).
-    /// Over a live load column that changes during the scan, the row may be
+    /// error iff `load_factor` fails [`check_load_factor`]. Deterministic:
+    /// ties are broken by a generator seeded by `key`. Over a live load column that changes during the scan, the row may be
     /// at or over the bound by the time it is booked.
     ///
     /// ```
     /// use selkie_kernel::kernels::rendezvous::{bounded_rendezvous, worker_salt};
-    /// use selkie_kernel::Rng;
-    /// let salts: Vec<u32> = (0..4).map(|w| worker_salt(w, 0)).collect();
+        /// let salts: Vec<u32> = (0..4).map(|w| worker_salt(w, 0)).collect();
     /// let mask = [0b1111u64];
     /// let idle = [0u32; 4];
-    /// let first = bounded_rendezvous(42, &idle[..], &salts[..], &mask, 1.25, &mut Rng::new(1)).unwrap().unwrap();
+    /// let first = bounded_rendezvous(42, &idle[..], &salts[..], &mask, 1.25).unwrap().unwrap();
     /// // The same key goes to the same row while it has room...
     /// let mut busy = [1u32; 4];
-    /// let again = bounded_rendezvous(42, &busy[..], &salts[..], &mask, 1.25, &mut Rng::new(1)).unwrap().unwrap();
+    /// let again = bounded_rendezvous(42, &busy[..], &salts[..], &mask, 1.25).unwrap().unwrap();
     /// assert_eq!(first.row, again.row);
     /// // ...and elsewhere once it holds the bound (ceil(1.25 * 6 / 4) = 2).
     /// busy[first.row] = 2;
-    /// let spilled = bounded_rendezvous(42, &busy[..], &salts[..], &mask, 1.25, &mut Rng::new(1)).unwrap().unwrap();
+    /// let spilled = bounded_rendezvous(42, &busy[..], &salts[..], &mask, 1.25).unwrap().unwrap();
     /// assert_ne!(spilled.row, first.row);
     /// assert_eq!(spilled.load_bound, 2);
     /// ```
     pub fn bounded_rendezvous / bounded_rendezvous_on [A: U32Source + ?Sized, T: U32Source + ?Sized]
-        (key: u64, active: &A, salts: &T, mask: &[u64], load_factor: f64, rng: &mut Rng)
+        (key: u64, active: &A, salts: &T, mask: &[u64], load_factor: f64)
         -> Result<Option<RendezvousPick>, KernelError>
-        = |s| bounded_rendezvous_in(s, key, active, salts, mask, load_factor, rng)
+        = |s| bounded_rendezvous_in(s, key, active, salts, mask, load_factor)
 }
 
 /// Scalar reference of [`bounded_rendezvous`].
@@ -314,7 +318,6 @@ pub fn bounded_rendezvous_reference<A: U32Source + ?Sized, T: U32Source + ?Sized
     salts: &T,
     mask: &[u64],
     load_factor: f64,
-    rng: &mut Rng,
 ) -> Result<Option<RendezvousPick>, KernelError> {
     check_load_factor(load_factor)?;
     let rows = active.rows().min(salts.rows());
@@ -333,5 +336,5 @@ pub fn bounded_rendezvous_reference<A: U32Source + ?Sized, T: U32Source + ?Sized
         salts,
         room: room(load_bound),
     };
-    Ok(argmin_reference(&k, mask, rng).map(|row| RendezvousPick { row, load_bound }))
+    Ok(argmin_reference(&k, mask, &mut tie_breaker(key)).map(|row| RendezvousPick { row, load_bound }))
 }
