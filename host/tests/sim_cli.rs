@@ -236,9 +236,17 @@ fn every_bad_number_is_refused_before_the_run() {
         (&["--dp", "4294967295"], "4294967295 DP ranks"),
         (&["--requests", "18446744073709551615"], "workload.requests"),
         (&["--requests", "1000000000"], "workload.requests"),
+        (&["--routers", "0"], "--routers = 0"),
+        (&["--routers", "65"], "fleet.routers"),
+        (&["--routers", "4", "--sync-delay=-1"], "--sync-delay = -1"),
+        (&["--routers", "4", "--sync-delay", "soon"], "--sync-delay = soon"),
     ] {
         refused(args, needle);
     }
+    // A sync delay needs replicas.
+    let out = selkie(&["simulate", "--sync-delay", "5"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--routers"), "{out:?}");
     // `direct` would fail every request: refused by name.
     let out = selkie(&["simulate", "--requests", "10", "--policy", "direct"]);
     assert!(!out.status.success());

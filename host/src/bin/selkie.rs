@@ -87,6 +87,16 @@ struct WorkloadArgs {
     /// service; refused requests are counted as failed.
     #[arg(long, value_name = "N")]
     max_active: Option<u32>,
+    /// Router replicas, each with its own selection service; requests are
+    /// spread over them in turn (default 1).
+    #[arg(long, value_name = "N")]
+    routers: Option<u32>,
+    /// With --routers: how long a replica's bookings take to reach the
+    /// others, in ms, or `never` (the default: replicas without sync). The
+    /// `herd` column counts requests to one rank within this delay (10 ms
+    /// without one).
+    #[arg(long, value_name = "MS|never", requires = "routers")]
+    sync_delay: Option<String>,
     /// KV cache capacity per rank, in blocks of the workload's block size.
     #[arg(long, conflicts_with = "kv_tokens")]
     kv_blocks: Option<u32>,
@@ -185,6 +195,7 @@ fn check_options(args: &WorkloadArgs) -> Result<(), SimError> {
     positive("--dp", args.dp.map(u64::from))?;
     positive("--requests", args.requests.map(|n| n as u64))?;
     positive("--max-active", args.max_active.map(u64::from))?;
+    positive("--routers", args.routers.map(u64::from))?;
     positive("--kv-blocks", args.kv_blocks.map(u64::from))?;
     positive("--kv-tokens", args.kv_tokens)?;
     positive("--trace-block-size", args.trace_block_size.map(u64::from))?;
@@ -226,6 +237,24 @@ fn scenario_of(args: &WorkloadArgs) -> Result<Scenario, SimError> {
     }
     if let Some(limit) = args.max_active {
         scenario.fleet.max_active_requests = Some(limit);
+    }
+    if let Some(n) = args.routers {
+        scenario.fleet.routers = n;
+    }
+    if let Some(text) = &args.sync_delay {
+        scenario.fleet.sync_delay_ms = match text.as_str() {
+            "never" => None,
+            t => match t.parse::<f64>() {
+                Ok(ms) if ms.is_finite() && ms >= 0.0 => Some(ms),
+                _ => {
+                    return Err(SimError::Invalid {
+                        field: "--sync-delay".into(),
+                        value: t.into(),
+                        bound: "must be a number of ms >= 0, or `never`".into(),
+                    })
+                }
+            },
+        };
     }
     scenario.validate()?;
     Ok(scenario)
@@ -484,6 +513,17 @@ fn fleet_lines(
             })
             .collect();
         text.push_str(&format!("\nmixed fleet: {}", classes.join("; ")));
+    }
+    if fleet.routers > 1 {
+        text.push_str(&format!(
+            "\n{} router replicas, requests spread over them in turn; bookings reach the other replicas {}; herd: the \
+             most requests to one rank within {} ms",
+            fleet.routers,
+            fleet
+                .sync_delay_ms
+                .map_or("never".to_owned(), |d| format!("after {d} ms")),
+            fleet.herd_window_ms()
+        ));
     }
     text
 }

@@ -13,7 +13,7 @@ use crate::{
 
 use super::metrics::{HitBounds, PolicyReport};
 use super::run::{simulate, FleetSpec, RunRecord};
-use super::service_router::{fleet_service, ServiceRouter};
+use super::service_router::{fleet_service, ReplicatedRouter, ServiceRouter};
 use super::workload::Workload;
 use super::SimError;
 
@@ -189,17 +189,36 @@ pub fn run_policy_within(
     seed: u64,
     progress: &mut dyn FnMut(usize),
 ) -> Result<PolicyRun, SimError> {
-    let policy = registry.build(
-        &choice.policy_type,
-        &choice.parameters,
-        &KvRouterConfig::default(),
-        WorkerType::Aggregated,
-        RoutingPartitionRef::model("simulated"),
-    )?;
-    let service = fleet_service(policy, fleet, workload.block_size, seed)?;
-    let mut router = ServiceRouter::new(&service, fleet).with_session_affinity(choice.session_affinity);
-    let record = simulate(workload, fleet, &mut router, progress);
-    debug_assert_eq!(router.outstanding(), 0, "every booking is released");
+    // The service of router replica `r`, each seeded apart (replicas do
+    // not draw the same random numbers); replica 0 is the one router.
+    let service = |r: u32| {
+        let policy = registry.build(
+            &choice.policy_type,
+            &choice.parameters,
+            &KvRouterConfig::default(),
+            WorkerType::Aggregated,
+            RoutingPartitionRef::model("simulated"),
+        )?;
+        fleet_service(policy, fleet, workload.block_size, seed.wrapping_add(u64::from(r)))
+    };
+    let record = if fleet.routers > 1 {
+        let services = (0..fleet.routers).map(service).collect::<Result<Vec<_>, SimError>>()?;
+        let replicas = services
+            .iter()
+            .map(|s| ServiceRouter::new(s, fleet).with_session_affinity(choice.session_affinity))
+            .collect();
+        let mut router = ReplicatedRouter::new(replicas, fleet.sync_delay_ms);
+        let record = simulate(workload, fleet, &mut router, progress);
+        router.flush();
+        debug_assert_eq!(router.outstanding(), 0, "every booking is released");
+        record
+    } else {
+        let service = service(0)?;
+        let mut router = ServiceRouter::new(&service, fleet).with_session_affinity(choice.session_affinity);
+        let record = simulate(workload, fleet, &mut router, progress);
+        debug_assert_eq!(router.outstanding(), 0, "every booking is released");
+        record
+    };
     let report = PolicyReport::new(choice.label.clone(), &record, bounds);
     Ok(PolicyRun { report, record })
 }

@@ -45,6 +45,10 @@ pub const MAX_MS: f64 = 30.0 * 24.0 * 3_600_000.0;
 /// The largest block size, in tokens.
 pub const MAX_BLOCK_SIZE: u32 = 1 << 16;
 
+/// The most router replicas a simulation runs (each holds a selection
+/// service and a copy of every booking).
+pub const MAX_ROUTERS: u32 = 64;
+
 /// The error for `field` holding `value`, which breaks `bound`.
 pub(crate) fn invalid(field: impl Into<String>, value: impl ToString, bound: impl Into<String>) -> SimError {
     SimError::Invalid {
@@ -132,6 +136,17 @@ impl FleetSpec {
         positive("fleet.kv_blocks", self.kv_blocks)?;
         if let Some(limit) = self.max_active_requests {
             positive("fleet.max_active_requests", limit)?;
+        }
+        positive("fleet.routers", self.routers)?;
+        if self.routers > MAX_ROUTERS {
+            return Err(invalid(
+                "fleet.routers",
+                self.routers.to_string(),
+                format!("must be at most {MAX_ROUTERS}"),
+            ));
+        }
+        if let Some(d) = self.sync_delay_ms {
+            within("fleet.sync_delay_ms", d, 0.0, MAX_MS)?;
         }
         self.timing.validate()?;
         let mut classed = 0u64;

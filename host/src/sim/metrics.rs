@@ -101,6 +101,10 @@ pub struct PolicyReport {
     /// Of the requests some rank held a cached prefix for, the share routed
     /// to a rank holding less of it than the longest, in `[0, 1]`.
     pub missed_reuse: f64,
+    /// Burst herding: the most requests routed to one rank within any
+    /// window of [`RunRecord::herd_window_ms`](super::run::RunRecord::herd_window_ms)
+    /// (the sync delay of synced router replicas).
+    pub herd: u32,
     /// Selection time, median, ns.
     pub select_p50_ns: f64,
     /// Selection time, 99th percentile, ns.
@@ -194,11 +198,39 @@ impl PolicyReport {
             } else {
                 0.0
             },
+            herd: herding(run),
             select_p50_ns: quantile(&select, 0.5),
             select_p99_ns: quantile(&select, 0.99),
             ttft_sorted_ms: ttft,
         }
     }
+}
+
+/// The most requests routed to one rank whose arrivals fall within one
+/// window of `run.herd_window_ms` (requests are recorded in arrival order).
+fn herding(run: &RunRecord) -> u32 {
+    let mut by_row: Vec<Vec<f64>> = Vec::new();
+    for r in &run.requests {
+        if let Some(row) = r.row {
+            let row = row as usize;
+            if by_row.len() <= row {
+                by_row.resize_with(row + 1, Vec::new);
+            }
+            by_row[row].push(r.arrival_ms);
+        }
+    }
+    let w = run.herd_window_ms;
+    let mut most = 0;
+    for times in &by_row {
+        let mut first = 0;
+        for (last, &t) in times.iter().enumerate() {
+            while t - times[first] >= w {
+                first += 1;
+            }
+            most = most.max(last + 1 - first);
+        }
+    }
+    u32::try_from(most).unwrap_or(u32::MAX)
 }
 
 /// The comparison table, one row per policy, followed by which policy is
@@ -216,11 +248,12 @@ pub fn render_table(reports: &[PolicyReport]) -> String {
         "load CV",
         "load max/mean",
         "missed reuse %",
+        "herd",
         "select p50 µs",
         "select p99 µs",
         "failed",
     ];
-    let rows: Vec<[String; 14]> = reports
+    let rows: Vec<[String; 15]> = reports
         .iter()
         .map(|r| {
             [
@@ -235,6 +268,7 @@ pub fn render_table(reports: &[PolicyReport]) -> String {
                 format!("{:.3}", r.load_cv),
                 format!("{:.2}", r.load_max_over_mean),
                 format!("{:.1}", r.missed_reuse * 100.0),
+                r.herd.to_string(),
                 format!("{:.2}", r.select_p50_ns / 1000.0),
                 format!("{:.2}", r.select_p99_ns / 1000.0),
                 r.failed.to_string(),
@@ -290,6 +324,7 @@ pub fn render_table(reports: &[PolicyReport]) -> String {
         let _ = writeln!(out, "best latency p99:      {}", best(&|r| r.latency_p99_ms, false));
         let _ = writeln!(out, "most even load (CV):   {}", best(&|r| r.load_cv, false));
         let _ = writeln!(out, "least missed reuse:    {}", best(&|r| r.missed_reuse, false));
+        let _ = writeln!(out, "least herding:         {}", best(&|r| f64::from(r.herd), false));
         let _ = writeln!(out, "fastest selection p50: {}", best(&|r| r.select_p50_ns, false));
     }
     out
@@ -316,6 +351,7 @@ pub(crate) mod tests_support {
             load_cv: 0.1,
             load_max_over_mean: 1.1,
             missed_reuse: 0.5,
+            herd: 3,
             select_p50_ns: 100.0,
             select_p99_ns: 200.0,
             ttft_sorted_ms: Vec::new(),
@@ -336,6 +372,49 @@ mod tests {
         assert!(table.contains("best KV hit rate:      steady\n"), "{table}");
         let table = render_table(&[report("greedy", 0.9, 0), report("steady", 0.5, 0)]);
         assert!(table.contains("best KV hit rate:      greedy\n"), "{table}");
+    }
+
+    /// Herding counts, per rank, the arrivals within one window.
+    #[test]
+    fn herding_is_the_densest_window_of_one_rank() {
+        let record = |row: u32, at: f64| crate::sim::run::RequestRecord {
+            row: Some(row),
+            arrival_ms: at,
+            first_token_ms: f64::NAN,
+            finish_ms: f64::NAN,
+            cached_tokens: 0,
+            best_cached_tokens: 0,
+            routed_cached_tokens: 0,
+            input_tokens: 1,
+            selection_ns: 0,
+        };
+        let run = RunRecord {
+            requests: vec![
+                record(0, 0.0),
+                record(1, 1.0),
+                record(0, 5.0),
+                record(0, 9.9),
+                record(0, 10.0),
+                record(1, 2.0),
+            ],
+            makespan_ms: 20.0,
+            load_area: vec![0.0; 2],
+            sample_times_ms: Vec::new(),
+            load_samples: Vec::new(),
+            failures: 0,
+            first_failure: None,
+            herd_window_ms: 10.0,
+        };
+        // Rank 0 takes 0, 5 and 9.9 within 10 ms (10.0 starts a new window
+        // without 0); rank 1 takes two.
+        assert_eq!(herding(&run), 3);
+        assert_eq!(
+            herding(&RunRecord {
+                herd_window_ms: 10.5,
+                ..run
+            }),
+            4
+        );
     }
 
     #[test]

@@ -67,4 +67,9 @@ pub trait Router {
     fn output_block(&mut self, id: u64);
     /// The request completed: release its booking.
     fn release(&mut self, id: u64);
+    /// Simulated time has reached `now_ms` (called before every event's
+    /// calls; never goes back). Default: nothing to do.
+    fn advance_to(&mut self, now_ms: f64) {
+        let _ = now_ms;
+    }
 }

@@ -96,9 +96,38 @@ pub struct FleetSpec {
     /// [`WorkerClass`]); empty: every worker is alike.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub classes: Vec<WorkerClass>,
+    /// Router replicas, each with its own selection service; requests are
+    /// spread over them in turn (1: one router).
+    #[serde(default = "one_router", skip_serializing_if = "is_one")]
+    pub routers: u32,
+    /// With several routers, how long a replica's bookings (book, prefill
+    /// complete, release) take to reach its peers, in ms; `None`: never
+    /// (replicas without sync).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sync_delay_ms: Option<f64>,
 }
 
+fn one_router() -> u32 {
+    1
+}
+
+fn is_one(n: &u32) -> bool {
+    *n == 1
+}
+
+/// The window of the herding column when no sync delay sets it, in ms.
+pub const DEFAULT_HERD_WINDOW_MS: f64 = 10.0;
+
 impl FleetSpec {
+    /// The window in which herding is counted: the sync delay of several
+    /// synced routers, else [`DEFAULT_HERD_WINDOW_MS`].
+    pub fn herd_window_ms(&self) -> f64 {
+        match self.sync_delay_ms {
+            Some(d) if self.routers > 1 && d > 0.0 => d,
+            _ => DEFAULT_HERD_WINDOW_MS,
+        }
+    }
+
     /// Number of ranks (rows).
     pub fn rows(&self) -> usize {
         let rows = self
@@ -245,6 +274,8 @@ pub struct RunRecord {
     pub failures: usize,
     /// The first refusal's message.
     pub first_failure: Option<String>,
+    /// The window of the herding measure ([`FleetSpec::herd_window_ms`]).
+    pub herd_window_ms: f64,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -369,6 +400,7 @@ pub fn simulate(
 
     while let Some(ev) = queue.heap.pop() {
         now = ev.at;
+        router.advance_to(now);
         match ev.kind {
             Kind::Arrival(i) => {
                 if i + 1 < reqs.len() {
@@ -506,6 +538,7 @@ pub fn simulate(
         load_samples: samples,
         failures,
         first_failure,
+        herd_window_ms: fleet.herd_window_ms(),
     }
 }
 

@@ -94,6 +94,8 @@ impl Scenario {
                     timing: TimingModel::default(),
                     max_active_requests: None,
                     classes: Vec::new(),
+                    routers: 1,
+                    sync_delay_ms: None,
                 },
                 workload: WorkloadSpec {
                     requests: 4_000,
@@ -164,6 +166,8 @@ impl Scenario {
                     timing: TimingModel::default(),
                     max_active_requests: None,
                     classes: Vec::new(),
+                    routers: 1,
+                    sync_delay_ms: None,
                 },
                 workload: WorkloadSpec {
                     requests: 4_000,

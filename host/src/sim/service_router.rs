@@ -68,6 +68,8 @@ pub struct ServiceRouter<'s> {
     block_size: u32,
     overlaps: Vec<WorkerOverlap>,
     bookings: HashMap<u64, Selection<'s>>,
+    /// Bookings of peer replicas, applied here when they arrive.
+    mirrored: HashMap<u64, Selection<'s>>,
     affinity: Option<AffinityMode>,
     session_names: HashMap<u64, String>,
 }
@@ -90,6 +92,7 @@ impl<'s> ServiceRouter<'s> {
             block_size: service.config().block_size,
             overlaps: Vec::with_capacity(fleet.rows()),
             bookings: HashMap::new(),
+            mirrored: HashMap::new(),
             affinity: None,
             session_names: HashMap::new(),
         }
@@ -102,9 +105,39 @@ impl<'s> ServiceRouter<'s> {
         self
     }
 
-    /// Requests booked and not yet released.
+    /// Requests booked and not yet released (its own and its peers').
     pub fn outstanding(&self) -> usize {
-        self.bookings.len()
+        self.bookings.len() + self.mirrored.len()
+    }
+
+    /// A peer booked request `id` of `input_tokens` prompt tokens on `row`:
+    /// book the same load there (pinned to the row's rank). `false` when
+    /// the rank refuses it (at its admission limit).
+    fn mirror_book(&mut self, id: u64, row: usize, input_tokens: u32, output_tokens: u32) -> bool {
+        let req = SelectionRequest::new(input_tokens as usize)
+            .pinned_to_rank(self.ranks[row])
+            .with_expected_output_tokens(output_tokens);
+        match self.service.select(&req) {
+            Ok(selection) => {
+                self.mirrored.insert(id, selection);
+                true
+            }
+            Err(_) => false,
+        }
+    }
+
+    /// A peer's request `id` finished its prefill.
+    fn mirror_prefill(&mut self, id: u64) {
+        if let Some(s) = self.mirrored.get_mut(&id) {
+            s.prefill_complete();
+        }
+    }
+
+    /// A peer released request `id`.
+    fn mirror_release(&mut self, id: u64) {
+        if let Some(s) = self.mirrored.remove(&id) {
+            s.finish();
+        }
     }
 
     fn rank_of(&self, row: u32) -> WorkerWithDpRank {
@@ -163,6 +196,141 @@ impl Router for ServiceRouter<'_> {
     fn release(&mut self, id: u64) {
         if let Some(s) = self.bookings.remove(&id) {
             s.finish();
+        }
+    }
+}
+
+/// A booking change one replica sends its peers.
+#[derive(Clone, Copy, Debug)]
+enum Sync {
+    Book {
+        row: usize,
+        input_tokens: u32,
+        output_tokens: u32,
+    },
+    Prefill,
+    Release,
+}
+
+/// Several router replicas, each a [`ServiceRouter`] over its own service:
+/// requests go to them in turn, and each replica's bookings, prefill
+/// completions and releases reach its peers after a fixed delay (or never),
+/// as replica sync over a message bus would deliver them. Output-block
+/// growth is not synced (as Dynamo's replica sync does not).
+pub struct ReplicatedRouter<'s> {
+    replicas: Vec<ServiceRouter<'s>>,
+    delay_ms: Option<f64>,
+    /// Changes in flight: (due time, request, change, sender), in due order
+    /// (one delay for all, sent in time order).
+    pending: std::collections::VecDeque<(f64, u64, Sync, usize)>,
+    owner: HashMap<u64, usize>,
+    next: usize,
+    now_ms: f64,
+    /// Peer bookings a replica refused (its rank at the admission limit).
+    refused: usize,
+}
+
+impl<'s> ReplicatedRouter<'s> {
+    /// Replicas over `replicas` (at least one), syncing after `delay_ms`
+    /// (`None`: never).
+    pub fn new(replicas: Vec<ServiceRouter<'s>>, delay_ms: Option<f64>) -> Self {
+        assert!(!replicas.is_empty(), "at least one replica");
+        ReplicatedRouter {
+            replicas,
+            delay_ms,
+            pending: std::collections::VecDeque::new(),
+            owner: HashMap::new(),
+            next: 0,
+            now_ms: 0.0,
+            refused: 0,
+        }
+    }
+
+    /// Delivers every change still in flight (the end of a run).
+    pub fn flush(&mut self) {
+        self.advance_to(f64::INFINITY);
+    }
+
+    /// Requests booked and not yet released, over all replicas.
+    pub fn outstanding(&self) -> usize {
+        self.replicas.iter().map(ServiceRouter::outstanding).sum()
+    }
+
+    /// Peer bookings refused by a replica's admission limit.
+    pub fn refused_peer_bookings(&self) -> usize {
+        self.refused
+    }
+
+    fn send(&mut self, id: u64, change: Sync, from: usize) {
+        if let Some(d) = self.delay_ms {
+            self.pending.push_back((self.now_ms + d, id, change, from));
+        }
+    }
+}
+
+impl Router for ReplicatedRouter<'_> {
+    fn select(&mut self, request: &RouteRequest<'_>) -> Result<Routed, RouteError> {
+        let i = self.next % self.replicas.len();
+        self.next = self.next.wrapping_add(1);
+        let routed = self.replicas[i].select(request)?;
+        self.owner.insert(request.id, i);
+        self.send(
+            request.id,
+            Sync::Book {
+                row: routed.row,
+                input_tokens: request.input_tokens,
+                output_tokens: request.output_tokens,
+            },
+            i,
+        );
+        Ok(routed)
+    }
+
+    fn prefill_complete(&mut self, id: u64) {
+        if let Some(&i) = self.owner.get(&id) {
+            self.replicas[i].prefill_complete(id);
+            self.send(id, Sync::Prefill, i);
+        }
+    }
+
+    fn output_block(&mut self, id: u64) {
+        if let Some(&i) = self.owner.get(&id) {
+            self.replicas[i].output_block(id);
+        }
+    }
+
+    fn release(&mut self, id: u64) {
+        if let Some(i) = self.owner.remove(&id) {
+            self.replicas[i].release(id);
+            self.send(id, Sync::Release, i);
+        }
+    }
+
+    fn advance_to(&mut self, now_ms: f64) {
+        self.now_ms = self.now_ms.max(now_ms);
+        while let Some(&(due, id, change, from)) = self.pending.front() {
+            if due > now_ms {
+                break;
+            }
+            self.pending.pop_front();
+            for (j, peer) in self.replicas.iter_mut().enumerate() {
+                if j == from {
+                    continue;
+                }
+                match change {
+                    Sync::Book {
+                        row,
+                        input_tokens,
+                        output_tokens,
+                    } => {
+                        if !peer.mirror_book(id, row, input_tokens, output_tokens) {
+                            self.refused += 1;
+                        }
+                    }
+                    Sync::Prefill => peer.mirror_prefill(id),
+                    Sync::Release => peer.mirror_release(id),
+                }
+            }
         }
     }
 }

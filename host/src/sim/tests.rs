@@ -17,6 +17,8 @@ fn fleet(workers: u32, dp_size: u32) -> FleetSpec {
         timing: TimingModel::default(),
         max_active_requests: None,
         classes: Vec::new(),
+        routers: 1,
+        sync_delay_ms: None,
     }
 }
 
@@ -389,4 +391,84 @@ fn worker_classes_with_their_own_dp_ranks_map_rows_both_ways() {
     let (report, per_row) = run(&PolicyChoice::builtin("round-robin"), &w, &f);
     assert_eq!(report.failed, 0);
     assert_eq!(per_row, vec![100; 6], "round-robin over the six ranks");
+}
+
+/// Router replicas: a replica's booking reaches its peers after the sync
+/// delay and not before, and a peer releases it when the owner does.
+#[test]
+fn replica_bookings_reach_peers_after_the_sync_delay() {
+    use super::router::{RouteRequest, Router};
+    use super::service_router::{fleet_service, ReplicatedRouter, ServiceRouter};
+    use crate::WorkerSelectionPolicy;
+    let f = fleet(2, 1);
+    let services: Vec<_> = (0..2)
+        .map(|i| fleet_service(WorkerSelectionPolicy::least_loaded(), &f, 16, i).unwrap())
+        .collect();
+    let held = |s: &crate::WorkerSelectionService| -> Vec<u32> {
+        (1..=2)
+            .map(|w| s.worker_status(w).unwrap().ranks[0].active_requests)
+            .collect()
+    };
+    let mut router = ReplicatedRouter::new(services.iter().map(|s| ServiceRouter::new(s, &f)).collect(), Some(5.0));
+    let request = |id| RouteRequest {
+        id,
+        input_tokens: 64,
+        output_tokens: 8,
+        overlaps: &[],
+        prompt_blocks: &[],
+        session: None,
+    };
+    router.advance_to(0.0);
+    let first = router.select(&request(0)).unwrap().row; // replica 0
+    assert_eq!(held(&services[1]), [0, 0], "not yet at the peer");
+    router.advance_to(4.9);
+    assert_eq!(held(&services[1]), [0, 0]);
+    router.advance_to(5.0);
+    let mut expected = [0, 0];
+    expected[first] = 1;
+    assert_eq!(held(&services[1]), expected, "the peer holds the booking");
+    // Replica 1 now sees the load and goes to the other worker.
+    let second = router.select(&request(1)).unwrap().row;
+    assert_ne!(first, second);
+    router.release(0);
+    router.advance_to(9.0);
+    assert_eq!(held(&services[1])[first], 1, "the release is still in flight");
+    router.advance_to(10.0);
+    assert_eq!(held(&services[1])[first], 0);
+    router.release(1);
+    router.flush();
+    assert_eq!(router.outstanding(), 0);
+    for s in &services {
+        assert_eq!(held(s), [0, 0]);
+    }
+}
+
+/// Replicas routing on stale views herd: with a long sync delay
+/// least-loaded sends more requests to one rank within one delay than with
+/// a short one, and power-of-two herds less than least-loaded.
+#[test]
+fn stale_replicas_herd_and_power_of_two_herds_less() {
+    let workload = shared_prefix_workload(600, 3);
+    let replicated = |delay: f64| FleetSpec {
+        routers: 4,
+        sync_delay_ms: Some(delay),
+        ..fleet(8, 1)
+    };
+    let herd = |policy: &str, delay: f64| {
+        run(&PolicyChoice::builtin(policy), &workload, &replicated(delay))
+            .0
+            .herd
+    };
+    let (slow, fast) = (herd("least-loaded", 500.0), herd("least-loaded", 1.0));
+    assert!(slow > fast, "least-loaded: {slow} within 500 ms vs {fast} within 1 ms");
+    let p2 = herd("power-of-two", 500.0);
+    assert!(p2 < slow, "power-of-two {p2} vs least-loaded {slow}");
+    // One router and one replica without sync give the same decisions.
+    let one = run(&PolicyChoice::builtin("least-loaded"), &workload, &fleet(8, 1)).1;
+    let alone = FleetSpec {
+        routers: 1,
+        sync_delay_ms: Some(500.0),
+        ..fleet(8, 1)
+    };
+    assert_eq!(run(&PolicyChoice::builtin("least-loaded"), &workload, &alone).1, one);
 }
