@@ -189,7 +189,26 @@ impl<A: U32Source + ?Sized, T: U32Source + ?Sized> ArgminKey for Bounded<'_, A, 
     }
 }
 
-impl<A: ?Sized, T: ?Sized> Bounded<'_, A, T> {
+impl<'a, A: ?Sized, T: ?Sized> Bounded<'a, A, T> {
+    /// The keys of `key` for `n` eligible rows holding `total` requests,
+    /// with the request's load bound; `None` when no row is eligible.
+    fn new(key: u64, active: &'a A, salts: &'a T, total: u64, n: u32, load_factor: f64) -> Option<(Self, u64)> {
+        if n == 0 {
+            return None;
+        }
+        let load_bound = load_bound(total, n, load_factor);
+        let room = room(load_bound);
+        Some((
+            Bounded {
+                key,
+                active,
+                salts,
+                room,
+            },
+            load_bound,
+        ))
+    }
+
     /// The keys of eight rows from their loads and salts.
     #[inline(always)]
     fn of<S: Simd>(&self, s: S, load: S::U32, salt: S::U32) -> S::U32 {
@@ -265,15 +284,8 @@ fn bounded_rendezvous_in<S: Simd, A: U32Source + ?Sized, T: U32Source + ?Sized>(
     check_load_factor(load_factor)?;
     let rows = active.rows().min(salts.rows());
     let (total, n) = eligible_load(s, active, rows, mask);
-    if n == 0 {
+    let Some((k, load_bound)) = Bounded::new(key, active, salts, total, n, load_factor) else {
         return Ok(None);
-    }
-    let load_bound = load_bound(total, n, load_factor);
-    let k = Bounded {
-        key,
-        active,
-        salts,
-        room: room(load_bound),
     };
     Ok(argmin(s, &k, mask, &mut tie_breaker(key)).map(|row| RendezvousPick { row, load_bound }))
 }
@@ -326,15 +338,8 @@ pub fn bounded_rendezvous_reference<A: U32Source + ?Sized, T: U32Source + ?Sized
         total += u64::from(active.value(row));
         n += 1;
     }
-    if n == 0 {
+    let Some((k, load_bound)) = Bounded::new(key, active, salts, total, n, load_factor) else {
         return Ok(None);
-    }
-    let load_bound = load_bound(total, n, load_factor);
-    let k = Bounded {
-        key,
-        active,
-        salts,
-        room: room(load_bound),
     };
     Ok(argmin_reference(&k, mask, &mut tie_breaker(key)).map(|row| RendezvousPick { row, load_bound }))
 }
