@@ -169,7 +169,7 @@ pub(crate) struct CounterValues<'a>(pub(crate) &'a [[AtomicGroup; 8]], pub(crate
 impl GroupValues for CounterValues<'_> {
     #[inline(always)]
     fn values_f32<S: Simd>(self, s: S, w: usize, i: usize) -> S::F32 {
-        s.load_atomic(&self.0[w][i].0).shr(self.1).small_to_f32()
+        s.load_atomic(&self.0[w][i]).shr(self.1).small_to_f32()
     }
 }
 
@@ -261,9 +261,12 @@ impl F32Source for [f32] {
 }
 
 /// One 8-row lane group of atomics, aligned so [`load_lanes`] may use
-/// aligned vector loads.
+/// aligned vector loads. Public only so that the sealed
+/// [`Simd`](crate::simd::Simd) trait can name it; nothing outside the
+/// kernel can build or read one.
+#[doc(hidden)]
 #[repr(C, align(32))]
-pub(crate) struct AtomicGroup(pub(crate) [AtomicU32; LANES]);
+pub struct AtomicGroup(pub(crate) [AtomicU32; LANES]);
 
 impl AtomicGroup {
     #[cfg(not(selkie_loom))]
@@ -384,18 +387,21 @@ impl U32Source for AtomicView<'_> {
     }
     #[inline(always)]
     fn group(&self, group: usize) -> [u32; LANES] {
-        load_lanes(&self.groups[group].0).map(|w| self.decode_one(w))
+        load_lanes(&self.groups[group]).map(|w| self.decode_one(w))
     }
     #[inline(always)]
     fn lanes<S: Simd>(&self, s: S, group: usize) -> S::U32 {
-        self.decode_lanes(s.load_atomic(&self.groups[group].0))
+        self.decode_lanes(s.load_atomic(&self.groups[group]))
     }
     #[inline(always)]
     fn lanes8<S: Simd>(&self, s: S, first_group: usize) -> [S::U32; 8] {
         // One bounds check for the block; the eight loads index a slice of
         // known length 8.
-        let block = &self.groups[first_group..first_group + 8];
-        by_lane8!(i => self.decode_lanes(s.load_atomic(&block[i].0)))
+        let block: &[AtomicGroup; 8] = self.groups[first_group..first_group + 8]
+            .try_into()
+            .expect("a range of 8 is 8 groups");
+        let words = s.load_atomic8(block);
+        by_lane8!(i => self.decode_lanes(words[i]))
     }
     #[inline(always)]
     fn word_shift(&self) -> u32 {
@@ -406,12 +412,14 @@ impl U32Source for AtomicView<'_> {
     }
     #[inline(always)]
     fn words8<S: Simd>(&self, s: S, first_group: usize) -> [S::U32; 8] {
-        let block = &self.groups[first_group..first_group + 8];
-        by_lane8!(i => s.load_atomic(&block[i].0))
+        let block: &[AtomicGroup; 8] = self.groups[first_group..first_group + 8]
+            .try_into()
+            .expect("a range of 8 is 8 groups");
+        s.load_atomic8(block)
     }
     #[inline(always)]
     fn words<S: Simd>(&self, s: S, group: usize) -> S::U32 {
-        s.load_atomic(&self.groups[group].0)
+        s.load_atomic(&self.groups[group])
     }
     #[inline(always)]
     fn group_words(&self, words: usize) -> Option<GroupWords<'_>> {
@@ -434,15 +442,15 @@ impl F32Source for AtomicView<'_> {
     }
     #[inline(always)]
     fn group(&self, group: usize) -> [f32; LANES] {
-        load_lanes(&self.groups[group].0).map(f32::from_bits)
+        load_lanes(&self.groups[group]).map(f32::from_bits)
     }
     #[inline(always)]
     fn lanes<S: Simd>(&self, s: S, group: usize) -> S::F32 {
-        s.load_atomic(&self.groups[group].0).cast_f32()
+        s.load_atomic(&self.groups[group]).cast_f32()
     }
     #[inline(always)]
     fn lanes8<S: Simd>(&self, s: S, first_group: usize) -> [S::F32; 8] {
         let block = &self.groups[first_group..first_group + 8];
-        by_lane8!(i => s.load_atomic(&block[i].0).cast_f32())
+        by_lane8!(i => s.load_atomic(&block[i]).cast_f32())
     }
 }

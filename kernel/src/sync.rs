@@ -70,45 +70,57 @@ pub(crate) fn atomic_u32(v: u32) -> AtomicU32 {
 /// without a vector backend) performs `LANES` relaxed atomic loads, which is
 /// data-race free in Rust's memory model by definition.
 ///
-/// On x86-64 the fast path reads the same bytes with aligned 16-byte vector
-/// loads in inline assembly: `movdqa` here (`vmovdqa` when the build enables
-/// AVX), and always the VEX form `vmovdqa` in `load_lanes_vex`, which the AVX2
-/// backend uses. Inline assembly may do anything that
-/// Rust code could do, so the question is which Rust operations it is
-/// equivalent to. Intel SDM vol. 3A §9.1.1 guarantees that an aligned
-/// doubleword access is atomic, and that on processors with AVX an aligned
-/// 16-byte `MOVDQA` load is performed as a single atomic access (AMD APM vol.
-/// 2 §7.3.2 makes the same promise). Each 4-byte lane sits at a 4-byte aligned
-/// address inside a 16-byte aligned block (columns are 32-byte aligned, see
-/// [`crate::lanes::Column`]), so the instruction observes every lane as a
-/// single, untorn, relaxed atomic load of an `AtomicU32`, exactly what the
-/// portable path does in Rust. The assembly does not write memory and keeps
-/// no pointer past the call.
+/// On x86-64 the fast paths read the same bytes with aligned vector loads in
+/// inline assembly: two 16-byte `movdqa` on the SSE2 baseline, one 32-byte
+/// `vmovdqa` when AVX is available ([`load_lanes_vex`], and here when the
+/// build enables AVX). Inline assembly may do anything that Rust code could
+/// do, so the question is which Rust operations these loads are equivalent
+/// to. Each 4-byte lane sits at a 4-byte aligned address inside a 32-byte
+/// aligned group (see [`crate::lanes::AtomicGroup`]). If the processor reads
+/// every lane in one access, the instruction is exactly `LANES` relaxed
+/// `AtomicU32` loads, which is what the portable path does.
+///
+/// What the manuals promise, and what is relied on beyond it: Intel SDM vol.
+/// 3A §9.1.1 and AMD APM vol. 2 §7.3.2 make aligned accesses of up to 8
+/// bytes atomic, and (Intel, on processors with AVX) the 16-byte `movdqa` /
+/// `vmovdqa` forms; they also say that wider SSE/AVX accesses may be
+/// performed as several memory accesses, without saying where such an
+/// access may be split. No x86-64 implementation splits inside an aligned
+/// doubleword (they move whole 8-, 16- or 32-byte chunks), and
+/// per-lane atomicity of aligned vector loads is what this code relies on;
+/// it is not a documented guarantee for the 32-byte form, nor for `movdqa`
+/// on processors without AVX. Were a lane ever torn, the kernel would see a
+/// `u32` its counter never held: kernels treat lanes as plain numbers (never
+/// as an index without a bounds check), so the effect could only be a worse
+/// pick, which the booking then re-validates. The assembly writes no memory
+/// and keeps no pointer past the call.
 #[inline(always)]
-pub(crate) fn load_lanes(group: &[AtomicU32; LANES]) -> [u32; LANES] {
-    #[cfg(all(target_arch = "x86_64", not(miri), not(selkie_loom)))]
+pub(crate) fn load_lanes(group: &crate::lanes::AtomicGroup) -> [u32; LANES] {
+    #[cfg(all(target_arch = "x86_64", target_feature = "avx", not(miri), not(selkie_loom)))]
     {
-        let p = group.as_ptr();
-        debug_assert_eq!(p as usize % 16, 0, "lane groups are 16-byte aligned");
+        // With AVX enabled the rest of the scan uses VEX-encoded
+        // instructions; a legacy-SSE `movdqa` among them would force an
+        // AVX-SSE state transition (about 70 times the cost of the load).
+        // SAFETY: the build enables AVX, so every CPU this code runs on
+        // has it.
+        let lanes = unsafe { load_lanes_vex(group) };
+        // SAFETY: an `__m256i` is 32 bytes of plain integers; every bit
+        // pattern is a valid `[u32; 8]`.
+        unsafe { core::mem::transmute::<core::arch::x86_64::__m256i, [u32; LANES]>(lanes) }
+    }
+    #[cfg(all(target_arch = "x86_64", not(target_feature = "avx"), not(miri), not(selkie_loom)))]
+    {
+        let p = group.0.as_ptr();
+        debug_assert_eq!(p as usize % 32, 0, "lane groups are 32-byte aligned");
         let lo: core::arch::x86_64::__m128i;
         let hi: core::arch::x86_64::__m128i;
         // SAFETY: `group` is a live shared reference to 32 readable bytes,
-        // 16-byte aligned (columns are `#[repr(align(32))]` and groups start
-        // at multiples of 32 bytes), so both aligned loads are in bounds and
-        // cannot fault. Each lane is read as one atomic 4-byte access (see the
-        // function docs), which is what `AtomicU32::load(Relaxed)` does; the
-        // asm writes no memory and does not touch the stack or flags.
+        // 32-byte aligned (`AtomicGroup` is `#[repr(align(32))]`), so both
+        // aligned loads are in bounds and cannot fault. Each lane is read as
+        // one relaxed atomic load (see the function docs for what this
+        // relies on); the asm writes no memory and does not touch the stack
+        // or flags.
         unsafe {
-            // With AVX enabled the rest of the scan uses VEX-encoded
-            // instructions; a legacy-SSE `movdqa` among them forces an
-            // AVX-SSE state transition that costs ~70x the load itself, so
-            // the VEX.128 form is used there (same atomicity guarantee: SDM
-            // §9.1.1 names VMOVDQA).
-            #[cfg(target_feature = "avx")]
-            {
-                (lo, hi) = vmovdqa_pair(p);
-            }
-            #[cfg(not(target_feature = "avx"))]
             core::arch::asm!(
                 "movdqa {lo}, xmmword ptr [{p}]",
                 "movdqa {hi}, xmmword ptr [{p} + 16]",
@@ -124,54 +136,75 @@ pub(crate) fn load_lanes(group: &[AtomicU32; LANES]) -> [u32; LANES] {
     }
     #[cfg(not(all(target_arch = "x86_64", not(miri), not(selkie_loom))))]
     {
-        core::array::from_fn(|i| group[i].load(Ordering::Relaxed))
+        core::array::from_fn(|i| group.0[i].load(Ordering::Relaxed))
     }
 }
 
-/// [`load_lanes`] for the AVX2 backend: the two aligned 16-byte loads in
-/// their VEX encoding (`vmovdqa`), so that no legacy-SSE instruction sits in
-/// the middle of VEX code (an AVX-SSE state transition costs about 70 times
-/// the load). Atomicity and soundness are [`load_lanes`]'s: SDM §9.1.1 names
-/// `VMOVDQA` among the 16-byte loads that are single atomic accesses on
-/// processors with AVX. The token proves the CPU has AVX.
+/// [`load_lanes`] in one 32-byte `vmovdqa` (VEX encoded, so that no
+/// legacy-SSE instruction sits in the middle of VEX code): the AVX2
+/// backend's load. What it may observe, and what its soundness relies on,
+/// is written at [`load_lanes`]. Callers prove the CPU has AVX (the
+/// `Avx2` token) before calling it.
 #[cfg(all(target_arch = "x86_64", not(miri), not(selkie_loom)))]
-#[inline(always)]
-pub(crate) fn load_lanes_vex(
-    _avx2: crate::simd::Avx2,
-    group: &[AtomicU32; LANES],
-) -> (core::arch::x86_64::__m128i, core::arch::x86_64::__m128i) {
-    let p = group.as_ptr();
-    debug_assert_eq!(p as usize % 16, 0, "lane groups are 16-byte aligned");
-    // SAFETY: `group` is a live shared reference to 32 readable, 16-byte
-    // aligned bytes (see `load_lanes`), and the `Avx2` token proves the CPU
-    // has AVX.
-    unsafe { vmovdqa_pair(p) }
-}
-
-/// The two aligned 16-byte `vmovdqa` loads of one lane group, each lane one
-/// atomic 4-byte access (see [`load_lanes`]); the asm writes no memory,
-/// stack or flags.
-///
-/// # Safety
-/// `p` points to 32 readable bytes, 16-byte aligned, that stay live for the
-/// call, and the CPU has AVX.
-#[cfg(all(target_arch = "x86_64", not(miri), not(selkie_loom)))]
-#[inline(always)]
-unsafe fn vmovdqa_pair(p: *const AtomicU32) -> (core::arch::x86_64::__m128i, core::arch::x86_64::__m128i) {
-    let lo: core::arch::x86_64::__m128i;
-    let hi: core::arch::x86_64::__m128i;
-    // SAFETY: the caller's contract: 32 readable, 16-byte aligned bytes, so
-    // both aligned loads are in bounds and cannot fault, and AVX for the VEX
-    // encoding.
+#[target_feature(enable = "avx")]
+#[inline]
+pub(crate) fn load_lanes_vex(group: &crate::lanes::AtomicGroup) -> core::arch::x86_64::__m256i {
+    let p = group.0.as_ptr();
+    debug_assert_eq!(p as usize % 32, 0, "lane groups are 32-byte aligned");
+    let lanes: core::arch::x86_64::__m256i;
+    // SAFETY: `group` is a live shared reference to 32 readable, 32-byte
+    // aligned bytes (`AtomicGroup` is `#[repr(align(32))]`), so the
+    // aligned load is in bounds and cannot fault; the function's target
+    // feature makes the VEX encoding available. Each lane is read as one
+    // relaxed atomic load (see `load_lanes`); the asm writes no memory and
+    // does not touch the stack or flags.
     unsafe {
         core::arch::asm!(
-            "vmovdqa {lo}, xmmword ptr [{p}]",
-            "vmovdqa {hi}, xmmword ptr [{p} + 16]",
+            "vmovdqa {lanes}, ymmword ptr [{p}]",
             p = in(reg) p,
-            lo = out(xmm_reg) lo,
-            hi = out(xmm_reg) hi,
+            lanes = out(ymm_reg) lanes,
             options(readonly, nostack, preserves_flags),
         );
     }
-    (lo, hi)
+    lanes
+}
+
+/// [`load_lanes_vex`] for the eight lane groups of one mask word: eight
+/// 32-byte `vmovdqa` at constant offsets from one pointer (no address
+/// arithmetic between them). Callers prove the CPU has AVX.
+#[cfg(all(target_arch = "x86_64", not(miri), not(selkie_loom)))]
+#[target_feature(enable = "avx")]
+#[inline]
+pub(crate) fn load_lane_block_vex(block: &[crate::lanes::AtomicGroup; 8]) -> [core::arch::x86_64::__m256i; 8] {
+    use core::arch::x86_64::__m256i;
+    let p = block.as_ptr();
+    let (g0, g1, g2, g3, g4, g5, g6, g7): (__m256i, __m256i, __m256i, __m256i, __m256i, __m256i, __m256i, __m256i);
+    // SAFETY: `block` is a live shared reference to eight 32-byte aligned
+    // groups, 256 contiguous bytes, so every load is aligned and in bounds;
+    // the function's target feature makes the VEX encoding available. Each
+    // lane is read as one relaxed atomic load (see `load_lanes`); the asm
+    // writes no memory and does not touch the stack or flags.
+    unsafe {
+        core::arch::asm!(
+            "vmovdqa {g0}, ymmword ptr [{p}]",
+            "vmovdqa {g1}, ymmword ptr [{p} + 32]",
+            "vmovdqa {g2}, ymmword ptr [{p} + 64]",
+            "vmovdqa {g3}, ymmword ptr [{p} + 96]",
+            "vmovdqa {g4}, ymmword ptr [{p} + 128]",
+            "vmovdqa {g5}, ymmword ptr [{p} + 160]",
+            "vmovdqa {g6}, ymmword ptr [{p} + 192]",
+            "vmovdqa {g7}, ymmword ptr [{p} + 224]",
+            p = in(reg) p,
+            g0 = out(ymm_reg) g0,
+            g1 = out(ymm_reg) g1,
+            g2 = out(ymm_reg) g2,
+            g3 = out(ymm_reg) g3,
+            g4 = out(ymm_reg) g4,
+            g5 = out(ymm_reg) g5,
+            g6 = out(ymm_reg) g6,
+            g7 = out(ymm_reg) g7,
+            options(readonly, nostack, preserves_flags),
+        );
+    }
+    [g0, g1, g2, g3, g4, g5, g6, g7]
 }

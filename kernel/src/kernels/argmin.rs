@@ -2,24 +2,30 @@
 //! shared by least-loaded, device-aware and the temperature-0 pick.
 //!
 //! ```text
-//! pass 1: m     = min over eligible rows of key(row)          (SIMD min)
-//!         per 64-row mask word: the min of its stored words (a fleet
-//!         counter's value is its high bits: no decode shift), reduced and
-//!         shifted once, remembered
-//! pass 2: ties  = #{eligible rows with key == m}              (SIMD compare, lane counters)
-//!         only in the words whose remembered min is m,
-//!         remembering the tie count of each 64-row mask word
-//!         k     = 0 if ties == 1 else rng.below(ties)         (exactly one draw iff ties > 1)
+//! pass 1: per 64-row mask word, the lane-wise min of its stored words (a
+//!         fleet counter's value is its high bits: no decode shift), then
+//!         one vector test against the least key so far:
+//!           above it     -> next word (no reduction, no count)
+//!           otherwise    -> m = the word's least key; the ties of m counted
+//!                           from the lanes already loaded; m below the least
+//!                           so far restarts the count at this word
+//!         = min over eligible rows, ties = #{eligible rows with key == min},
+//!           each word's tie count remembered
+//!         k = 0 if ties == 1 else rng.below(ties)          (exactly one draw iff ties > 1)
 //! pass 3: skip whole words by their remembered counts, then find the k-th
 //!         tie inside one word (8 lane groups)
 //! ```
+//!
+//! A caller that already knows the minimum (the fused KV scan) runs pass 2
+//! instead of pass 1: ties counted in the words whose least key is the
+//! minimum, then pass 3.
 //!
 //! Mask words that are all ones (every row eligible: the common case) take a
 //! path with no per-group mask work; all-zero words are skipped.
 //!
 //! Keys are compared with `<` / `==`; callers guarantee keys are not NaN.
 //!
-//! Over a live fleet column the three passes may see different values. The
+//! Over a live fleet column the passes may see different values. The
 //! kernel then still returns an eligible row (or `None` only when no row is
 //! eligible) and never panics: a tie that vanished between passes makes pass
 //! 3 walk on, and if the chosen tie is gone altogether one scalar pass takes
@@ -69,6 +75,19 @@ pub(crate) trait ArgminKey {
     fn key_of_ordered(&self, k: Self::Key) -> Self::Key {
         k
     }
+    /// The greatest [`ordered`](Self::ordered) value whose key is at most
+    /// `key`. Default: `key`.
+    #[inline(always)]
+    fn ordered_at_most(&self, key: Self::Key) -> Self::Key {
+        key
+    }
+    /// The keys of eight [`ordered8`](Self::ordered8) lane groups, decoded in
+    /// registers (no second read). Default: the ordered lanes are the keys.
+    #[inline(always)]
+    fn keys_of_ordered8<S: Simd>(&self, s: S, ordered: [KeyLanes<S, Self::Key>; 8]) -> [KeyLanes<S, Self::Key>; 8] {
+        let _ = s;
+        ordered
+    }
 }
 
 /// The lanes of backend `S` that hold keys of type `K`.
@@ -89,6 +108,8 @@ pub(crate) trait Key: Copy + PartialOrd {
     fn eq_lanes<S: Simd>(s: S, keys: Self::Lanes<S>, k: Self) -> S::U32;
     /// Horizontal min.
     fn reduce_min<S: Simd>(lanes: Self::Lanes<S>) -> Self;
+    /// Whether some lane is at most `bound`.
+    fn any_at_most<S: Simd>(s: S, lanes: Self::Lanes<S>, bound: Self) -> bool;
 }
 
 impl Key for u32 {
@@ -113,6 +134,10 @@ impl Key for u32 {
     #[inline(always)]
     fn reduce_min<S: Simd>(lanes: S::U32) -> u32 {
         lanes.reduce_min()
+    }
+    #[inline(always)]
+    fn any_at_most<S: Simd>(s: S, lanes: S::U32, bound: u32) -> bool {
+        lanes.min(s.splat_u32(bound)).cmp_eq(lanes).bits() != 0
     }
 }
 
@@ -139,6 +164,10 @@ impl Key for f32 {
     #[inline(always)]
     fn reduce_min<S: Simd>(lanes: S::F32) -> f32 {
         lanes.to_array().into_iter().fold(f32::INFINITY, f32::min)
+    }
+    #[inline(always)]
+    fn any_at_most<S: Simd>(s: S, lanes: S::F32, bound: f32) -> bool {
+        lanes.cmp_le(s.splat_f32(bound)).bits() != 0
     }
 }
 
@@ -221,37 +250,93 @@ pub(crate) fn argmin<S: Simd, C: ArgminKey + ?Sized>(s: S, col: &C, mask: &[u64]
     let rows = col.rows();
     let groups = rows / LANES;
     let words = groups.div_ceil(8);
-    let tail = groups * LANES..rows;
-    // Pass 1: minimum, remembering each word's (an upper bound where its
-    // rows are not all eligible: ineligible lanes read as the worst key).
-    let mut word_min = [C::Key::WORST; REMEMBERED_WORDS];
+    // Mask words whose eight lane groups all exist.
+    let full = (groups / 8).min(mask.len());
+    // Pass 1 (min and ties in one read): each word's least key `m`; a word
+    // whose `m` is not above the least so far counts its ties of `m` from
+    // the lanes it already holds, and a new least discards the counts
+    // before it (`first`: the first word that can hold a tie).
+    let mut word_ties = [0u8; REMEMBERED_WORDS];
     let mut min = C::Key::WORST;
+    let mut ties = 0usize;
+    let mut first = 0usize;
+    // `ordered_at_most(min)`: a word none of whose ordered lanes is at most
+    // this holds no key at most `min` (one vector test, no reduction).
+    let mut bound = col.ordered_at_most(min);
     for w in 0..words {
-        let m = col.key_of_ordered(C::Key::reduce_min::<S>(min_of_word(
-            s,
-            col,
-            mask,
-            w,
-            groups,
-            C::Key::worst(s),
-        )));
-        if let Some(slot) = word_min.get_mut(w) {
-            *slot = m;
-        }
+        let (m, c) = if w < full && mask[w] == u64::MAX {
+            let ordered = col.ordered8(s, w * 8);
+            let mut acc = ordered[0];
+            for lanes in &ordered[1..] {
+                acc = C::Key::min_eligible(s, acc, *lanes, 0xFF);
+            }
+            if !C::Key::any_at_most(s, acc, bound) {
+                continue;
+            }
+            let m = col.key_of_ordered(C::Key::reduce_min::<S>(acc));
+            let keys = col.keys_of_ordered8(s, ordered);
+            let mut lane_ties = s.splat_u32(0);
+            for k in keys {
+                lane_ties = lane_ties - C::Key::eq_lanes(s, k, m);
+            }
+            (m, lane_ties.reduce_add() as usize)
+        } else {
+            let m = col.key_of_ordered(C::Key::reduce_min::<S>(min_of_word(
+                s,
+                col,
+                mask,
+                w,
+                groups,
+                C::Key::worst(s),
+            )));
+            if m > min {
+                continue;
+            }
+            (m, ties_in_word(s, col, mask, w, groups, m))
+        };
         if m < min {
-            min = m;
+            (min, ties, first) = (m, 0, w);
+            bound = col.ordered_at_most(min);
+        }
+        ties += c;
+        if let Some(slot) = word_ties.get_mut(w) {
+            *slot = c as u8; // at most 64
         }
     }
-    let remembered = &word_min[..words.min(REMEMBERED_WORDS)];
-    for row in tail {
+    // The rows past the last whole lane group.
+    let mut tail_min = C::Key::WORST;
+    for row in groups * LANES..rows {
         if contains(mask, row) {
             let k = col.key(row);
-            if k < min {
-                min = k;
+            if k < tail_min {
+                tail_min = k;
             }
         }
     }
-    argmin_given_min(s, col, mask, min, remembered, rng)
+    if tail_min < min {
+        // Only tail rows hold the minimum: no word holds a tie.
+        (min, ties, first) = (tail_min, 0, words);
+    }
+    ties += tail_ties(col, mask, min);
+    pick_tie(
+        s,
+        col,
+        mask,
+        min,
+        ties,
+        &word_ties[..words.min(REMEMBERED_WORDS)],
+        first,
+        rng,
+    )
+}
+
+/// Eligible rows past the last whole lane group whose key equals `min`.
+#[inline(always)]
+fn tail_ties<C: ArgminKey + ?Sized>(col: &C, mask: &[u64], min: C::Key) -> usize {
+    let rows = col.rows();
+    (rows / LANES * LANES..rows)
+        .filter(|&row| contains(mask, row) && col.key(row) == min)
+        .count()
 }
 
 /// Passes 2 and 3 of [`argmin`] for a caller that already knows the minimum
@@ -271,7 +356,6 @@ pub(crate) fn argmin_given_min<S: Simd, C: ArgminKey + ?Sized>(
     let rows = col.rows();
     let groups = rows / LANES;
     let words = groups.div_ceil(8);
-    let tail = groups * LANES..rows;
     // Pass 2: ties, remembering each word's count.
     let mut word_ties = [0u8; REMEMBERED_WORDS];
     let mut ties = 0usize;
@@ -286,19 +370,46 @@ pub(crate) fn argmin_given_min<S: Simd, C: ArgminKey + ?Sized>(
         }
         ties += c;
     }
-    let tail_ties = tail
-        .clone()
-        .filter(|&row| contains(mask, row) && col.key(row) == min)
-        .count();
-    ties += tail_ties;
+    ties += tail_ties(col, mask, min);
+    pick_tie(
+        s,
+        col,
+        mask,
+        min,
+        ties,
+        &word_ties[..words.min(REMEMBERED_WORDS)],
+        0,
+        rng,
+    )
+}
+
+/// Pass 3: draws which of the `ties` eligible rows of key `min` to return
+/// (one `rng.below` iff `ties > 1`) and finds it, skipping whole words by
+/// `word_ties` (the counts of the words from `first` on, by word index;
+/// words past it are recounted). No word before `first` holds a tie.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn pick_tie<S: Simd, C: ArgminKey + ?Sized>(
+    s: S,
+    col: &C,
+    mask: &[u64],
+    min: C::Key,
+    ties: usize,
+    word_ties: &[u8],
+    first: usize,
+    rng: &mut Rng,
+) -> Option<usize> {
+    let rows = col.rows();
+    let groups = rows / LANES;
+    let words = groups.div_ceil(8);
     if ties == 0 {
         // No row holds `min` any more (a live column changed since it was
         // computed), or none is eligible: one more pass decides.
         return settle(col, mask);
     }
     let mut k = if ties > 1 { rng.below(ties as u64) as usize } else { 0 };
-    // Pass 3: skip whole words, then the k-th tie inside one word.
-    for w in 0..words {
+    // Skip whole words, then the k-th tie inside one word.
+    for w in first..words {
         let c = match word_ties.get(w) {
             Some(&c) => c as usize,
             None => ties_in_word(s, col, mask, w, groups, min),
@@ -320,10 +431,11 @@ pub(crate) fn argmin_given_min<S: Simd, C: ArgminKey + ?Sized>(
             }
             k -= c;
         }
-        // Fewer ties than pass 2 counted: a live column changed between the
+        // Fewer ties than counted: a live column changed between the
         // passes. `k` is now past this word's ties; keep walking.
     }
-    tail.filter(|&row| contains(mask, row) && col.key(row) == min)
+    (groups * LANES..rows)
+        .filter(|&row| contains(mask, row) && col.key(row) == min)
         .nth(k)
         .or_else(|| settle(col, mask))
 }

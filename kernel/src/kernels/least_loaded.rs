@@ -46,6 +46,27 @@ impl<A: U32Source + ?Sized> ArgminKey for Active<'_, A> {
     fn key_of_ordered(&self, k: u32) -> u32 {
         k >> self.0.word_shift()
     }
+    #[inline(always)]
+    fn ordered_at_most(&self, key: u32) -> u32 {
+        let shift = self.0.word_shift();
+        match key.checked_shl(shift) {
+            Some(high) if high >> shift == key => high | ((1u32 << shift) - 1),
+            // Every word's key is at most `key`.
+            _ => u32::MAX,
+        }
+    }
+    #[inline(always)]
+    fn keys_of_ordered8<S: Simd>(&self, _s: S, ordered: [S::U32; 8]) -> [S::U32; 8] {
+        let shift = self.0.word_shift();
+        if shift == 0 {
+            return ordered;
+        }
+        let mut keys = ordered;
+        for k in &mut keys {
+            *k = k.shr(shift);
+        }
+        keys
+    }
 }
 
 struct Weighted<'a, A: ?Sized, W: ?Sized>(&'a A, &'a W);

@@ -18,7 +18,6 @@
 
 use super::{F32Lanes, Sealed, Simd, U32Lanes};
 use crate::lanes::LANES;
-use crate::sync::AtomicU32;
 use core::arch::x86_64::*;
 use core::ops::{Add, BitAnd, BitOr, Div, Mul, Not, Sub};
 
@@ -83,9 +82,24 @@ impl Simd for Avx2 {
         F32x8(avx!(_mm256_loadu_ps(a.as_ptr())))
     }
     #[inline(always)]
-    fn load_atomic(self, group: &[AtomicU32; LANES]) -> U32x8 {
-        let (lo, hi) = crate::sync::load_lanes_vex(self, group);
-        U32x8(avx!(_mm256_set_m128i(hi, lo)))
+    fn load_atomic(self, group: &crate::lanes::AtomicGroup) -> U32x8 {
+        // SAFETY: the `Avx2` token proves the CPU has AVX.
+        U32x8(unsafe { crate::sync::load_lanes_vex(group) })
+    }
+    #[inline(always)]
+    fn load_atomic8(self, block: &[crate::lanes::AtomicGroup; 8]) -> [U32x8; 8] {
+        // SAFETY: the `Avx2` token proves the CPU has AVX.
+        let [g0, g1, g2, g3, g4, g5, g6, g7] = unsafe { crate::sync::load_lane_block_vex(block) };
+        [
+            U32x8(g0),
+            U32x8(g1),
+            U32x8(g2),
+            U32x8(g3),
+            U32x8(g4),
+            U32x8(g5),
+            U32x8(g6),
+            U32x8(g7),
+        ]
     }
     #[inline(always)]
     fn lane_mask(self, bits: u8) -> U32x8 {

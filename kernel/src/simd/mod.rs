@@ -63,7 +63,6 @@ mod avx2;
 pub use avx2::Avx2;
 
 use crate::lanes::LANES;
-use crate::sync::AtomicU32;
 use core::ops::{Add, BitAnd, BitOr, Div, Mul, Not, Sub};
 
 mod sealed {
@@ -91,7 +90,24 @@ pub trait Simd: Copy + Sealed {
     /// One lane group of atomics other threads may be updating: each lane is
     /// one relaxed atomic load (see `sync`).
     #[doc(hidden)]
-    fn load_atomic(self, group: &[AtomicU32; LANES]) -> Self::U32;
+    fn load_atomic(self, group: &crate::lanes::AtomicGroup) -> Self::U32;
+    /// Eight consecutive lane groups of atomics (the 64 rows of one mask
+    /// word), each lane one relaxed atomic load (see `sync`). The default
+    /// makes eight [`load_atomic`](Self::load_atomic) calls.
+    #[doc(hidden)]
+    #[inline(always)]
+    fn load_atomic8(self, block: &[crate::lanes::AtomicGroup; 8]) -> [Self::U32; 8] {
+        [
+            self.load_atomic(&block[0]),
+            self.load_atomic(&block[1]),
+            self.load_atomic(&block[2]),
+            self.load_atomic(&block[3]),
+            self.load_atomic(&block[4]),
+            self.load_atomic(&block[5]),
+            self.load_atomic(&block[6]),
+            self.load_atomic(&block[7]),
+        ]
+    }
     /// All-ones in lane `i` where bit `i` of `bits` is set, zeros elsewhere.
     fn lane_mask(self, bits: u8) -> Self::U32;
 }

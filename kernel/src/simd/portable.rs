@@ -6,7 +6,6 @@
 
 use super::{reduce_add_array, F32Lanes, Sealed, Simd, U32Lanes};
 use crate::lanes::LANES;
-use crate::sync::AtomicU32;
 use wide::{f32x8, i32x8, u32x8, CmpEq, CmpGt, CmpLt};
 
 /// The portable backend's token (always available).
@@ -53,7 +52,7 @@ impl Simd for Portable {
         f32x8::from(*a)
     }
     #[inline(always)]
-    fn load_atomic(self, group: &[AtomicU32; LANES]) -> u32x8 {
+    fn load_atomic(self, group: &crate::lanes::AtomicGroup) -> u32x8 {
         u32x8::from(crate::sync::load_lanes(group))
     }
     #[inline(always)]
