@@ -148,6 +148,12 @@ pub(crate) enum Words<'a> {
 pub(crate) trait GroupValues: Copy {
     /// Group `i` (`< 8`) of word `w` as `f32` lanes.
     fn values_f32<S: Simd>(self, s: S, w: usize, i: usize) -> S::F32;
+    /// Group `I` of word `w` as `f32` lanes (a constant group: no address
+    /// arithmetic per load in an unrolled loop).
+    #[inline(always)]
+    fn values_f32_at<S: Simd, const I: usize>(self, s: S, w: usize) -> S::F32 {
+        self.values_f32(s, w, I)
+    }
 }
 
 /// [`Words::Plain`]'s reader: the full `u32` range, two-part conversion.
@@ -170,6 +176,10 @@ impl GroupValues for CounterValues<'_> {
     #[inline(always)]
     fn values_f32<S: Simd>(self, s: S, w: usize, i: usize) -> S::F32 {
         s.load_atomic(&self.0[w][i]).shr(self.1).small_to_f32()
+    }
+    #[inline(always)]
+    fn values_f32_at<S: Simd, const I: usize>(self, s: S, w: usize) -> S::F32 {
+        s.load_atomic_in::<I>(&self.0[w]).shr(self.1).small_to_f32()
     }
 }
 

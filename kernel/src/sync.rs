@@ -208,3 +208,32 @@ pub(crate) fn load_lane_block_vex(block: &[crate::lanes::AtomicGroup; 8]) -> [co
     }
     [g0, g1, g2, g3, g4, g5, g6, g7]
 }
+
+/// [`load_lanes_vex`] for lane group `I` of a block of eight: one 32-byte
+/// `vmovdqa` at the constant offset `32 * I` from the block's pointer, so a
+/// loop over the block's groups needs no address arithmetic per load.
+/// Callers prove the CPU has AVX.
+#[cfg(all(target_arch = "x86_64", not(miri), not(selkie_loom)))]
+#[target_feature(enable = "avx")]
+#[inline]
+pub(crate) fn load_lanes_vex_at<const I: usize>(block: &[crate::lanes::AtomicGroup; 8]) -> core::arch::x86_64::__m256i {
+    const { assert!(I < 8, "a block holds eight lane groups") };
+    let p = block.as_ptr();
+    let lanes: core::arch::x86_64::__m256i;
+    // SAFETY: `block` is a live shared reference to eight 32-byte aligned
+    // groups, 256 contiguous bytes, and `I < 8`, so the load at `32 * I` is
+    // aligned and in bounds; the function's target feature makes the VEX
+    // encoding available. Each lane is read as one relaxed atomic load (see
+    // `load_lanes`); the asm writes no memory and does not touch the stack
+    // or flags.
+    unsafe {
+        core::arch::asm!(
+            "vmovdqa {lanes}, ymmword ptr [{p} + {off}]",
+            p = in(reg) p,
+            off = const I * 32,
+            lanes = out(ymm_reg) lanes,
+            options(readonly, nostack, preserves_flags),
+        );
+    }
+    lanes
+}

@@ -139,7 +139,7 @@ fn from_list_or_scan(
         draw_from_list(kind, env.reg, env.fleet, &env.view, list, advance, rng).map(|d| (list.len(), d.0))
     }) {
         Some(d) => d,
-        None => (mask::count(env.mask, env.rows), scan(rng).ok_or_else(none)?),
+        None => (env.candidates(), scan(rng).ok_or_else(none)?),
     };
     Ok(finish(env, choice(row, load_of(env, row), branch, n)))
 }
@@ -232,7 +232,7 @@ fn pick_leader_least_loaded(env: &Env<'_>, s: &Scratch, rng: &mut Rng) -> Option
 }
 
 pub(crate) fn least_loaded(env: &Env<'_>, s: &mut Scratch, rng: &mut Rng) -> Result<Choice, SelectionError> {
-    let n = mask::count(env.mask, env.rows);
+    let n = env.candidates();
     if by_worker(env) {
         sum_by_worker(env, s);
         let leader = pick_leader_least_loaded(env, s, rng).ok_or_else(none)?;
@@ -247,7 +247,7 @@ pub(crate) fn least_loaded(env: &Env<'_>, s: &mut Scratch, rng: &mut Rng) -> Res
 }
 
 pub(crate) fn power_of_two(env: &Env<'_>, s: &mut Scratch, rng: &mut Rng) -> Result<Choice, SelectionError> {
-    let n = mask::count(env.mask, env.rows);
+    let n = env.candidates();
     if by_worker(env) {
         sum_by_worker(env, s);
         let leader = index::power_of_two(&s.sums[..env.rows], &s.aux, rng).ok_or_else(none)?;
@@ -271,7 +271,7 @@ pub(crate) fn direct(env: &Env<'_>, _s: &mut Scratch, rng: &mut Rng) -> Result<C
     if !env.pinned {
         return Err(SelectionError::DirectWorkerMissing);
     }
-    let n = mask::count(env.mask, env.rows);
+    let n = env.candidates();
     let row = ll(&env.view.active_requests(), env.mask, rng).ok_or_else(none)?;
     Ok(finish(env, choice(row, load_of(env, row), Branch::Direct, n)))
 }
@@ -290,7 +290,7 @@ pub(crate) fn device_aware(
     cfg: &DeviceAwareConfig,
 ) -> Result<Choice, SelectionError> {
     let rows = env.rows;
-    let n = mask::count(env.mask, rows);
+    let n = env.candidates();
     let hits = &mut s.sums[..rows];
     hits.fill(0);
     if env.req.required_cache_hits > 0 {

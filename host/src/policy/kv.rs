@@ -308,7 +308,7 @@ fn choose_minimum(
         cost: f64::from(choice.cost),
         runner_up: None,
         branch: Branch::KvMinimum,
-        candidates: selkie_kernel::mask::count(mask, env.rows),
+        candidates: env.candidates(),
         temperature: f64::from(kcfg.router_temperature),
     })
 }
@@ -390,7 +390,7 @@ fn held_by_margin(env: &Env<'_>, cfg: &KvRouterConfig, costs: &[f32], min: f32, 
         cost: f64::from(cost),
         runner_up: None,
         branch: Branch::KvHeld,
-        candidates: selkie_kernel::mask::count(env.mask, env.rows),
+        candidates: env.candidates(),
         temperature: 0.0,
     })
 }
@@ -453,7 +453,7 @@ pub(crate) fn choose(
         cost,
         runner_up,
         branch: if t == 0.0 { Branch::KvMinimum } else { Branch::KvSoftmax },
-        candidates: selkie_kernel::mask::count(mask, rows),
+        candidates: env.candidates(),
         temperature: f64::from(t),
     })
 }

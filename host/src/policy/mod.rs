@@ -448,6 +448,18 @@ pub(crate) struct Env<'a> {
     pub(crate) explain: bool,
 }
 
+impl Env<'_> {
+    /// The number of eligible rows: the list's length when there is one,
+    /// else a count of the mask (one pass over its words).
+    #[inline]
+    pub(crate) fn candidates(&self) -> usize {
+        match self.list {
+            Some(list) => list.len(),
+            None => selkie_kernel::mask::count(self.mask, self.rows),
+        }
+    }
+}
+
 /// What a policy chose.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Choice {

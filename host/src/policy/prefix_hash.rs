@@ -17,7 +17,6 @@
 //! `load_factor` times the average.
 
 use selkie_kernel::kernels::rendezvous::{bounded_rendezvous, check_load_factor, DEFAULT_LOAD_FACTOR, MAX_LOAD_FACTOR};
-use selkie_kernel::mask;
 use selkie_kernel::Rng;
 use serde::{Deserialize, Serialize};
 
@@ -126,7 +125,7 @@ pub(crate) fn choose(
         c.branch = Branch::PrefixHashUnkeyed;
         return Ok(c);
     };
-    let n = mask::count(env.mask, env.rows);
+    let n = env.candidates();
     let picked = bounded_rendezvous(
         key,
         &env.view.active_requests(),

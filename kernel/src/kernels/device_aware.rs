@@ -123,7 +123,7 @@ struct GroupLanes<S: Simd> {
 }
 
 impl<S: Simd> GroupLanes<S> {
-    #[inline(always)]
+    #[cfg_attr(not(debug_assertions), inline(always))]
     fn new(s: S) -> Self {
         GroupLanes {
             s,
@@ -134,7 +134,7 @@ impl<S: Simd> GroupLanes<S> {
             total: 0,
         }
     }
-    #[inline(always)]
+    #[cfg_attr(not(debug_assertions), inline(always))]
     fn add(&mut self, loads: S::U32, bits: u8) {
         if bits == 0 {
             return;
@@ -145,7 +145,7 @@ impl<S: Simd> GroupLanes<S> {
         self.min = self.min.min(loads | !on);
         self.count += bits.count_ones() as u64;
     }
-    #[inline(always)]
+    #[cfg_attr(not(debug_assertions), inline(always))]
     fn flush(&mut self) {
         let (l, h) = (self.lo.to_array(), self.hi.to_array());
         let (mut lo, mut hi) = (0u64, 0u64);
@@ -157,7 +157,7 @@ impl<S: Simd> GroupLanes<S> {
         self.lo = self.s.splat_u32(0);
         self.hi = self.s.splat_u32(0);
     }
-    #[inline(always)]
+    #[cfg_attr(not(debug_assertions), inline(always))]
     fn finish(mut self) -> GroupStats {
         self.flush();
         GroupStats {
@@ -229,7 +229,7 @@ dispatch! {
 /// compiled without the entry point's target features, and every lane
 /// operation in it becomes a call. The per-group and per-row helpers below
 /// are `#[inline(always)]` functions instead.
-#[inline(always)]
+#[cfg_attr(not(debug_assertions), inline(always))]
 fn device_aware_in<S: Simd, L, H>(
     s: S,
     load: &L,
@@ -384,7 +384,7 @@ struct Columns<'a, L: ?Sized, H: ?Sized> {
 impl<L: U32Source + ?Sized, H: U32Source + ?Sized> Columns<'_, L, H> {
     /// The bits of lane group `g` among `bits` in each device group:
     /// `[full-cache, CPU, accelerator]`.
-    #[inline(always)]
+    #[cfg_attr(not(debug_assertions), inline(always))]
     fn split<S: Simd>(&self, s: S, g: usize, bits: u8) -> [u8; 3] {
         let cpu = group_bits(self.is_cpu, g);
         [self.full_bits(s, g, bits), cpu & bits, !cpu & bits]
@@ -392,7 +392,7 @@ impl<L: U32Source + ?Sized, H: U32Source + ?Sized> Columns<'_, L, H> {
 
     /// The bits of lane group `g` among `bits` with at least the required
     /// cache hits (none when the rule is off).
-    #[inline(always)]
+    #[cfg_attr(not(debug_assertions), inline(always))]
     fn full_bits<S: Simd>(&self, s: S, g: usize, bits: u8) -> u8 {
         if self.required > 0 {
             let hits = self.cache_hits.lanes(s, g);
@@ -405,7 +405,7 @@ impl<L: U32Source + ?Sized, H: U32Source + ?Sized> Columns<'_, L, H> {
     /// The eligible rows of mask word `w` (lane groups `8 * w .. 8 * w + 8`,
     /// all below `rows / LANES`) in `group` whose load is `min`, row `64 * w
     /// + i` in bit `i`.
-    #[inline(always)]
+    #[cfg_attr(not(debug_assertions), inline(always))]
     fn tie_word<S: Simd>(&self, s: S, w: usize, group: DeviceGroup, min: u32) -> u64 {
         let m = word(self.mask, w);
         let candidates = match group {
@@ -431,7 +431,7 @@ impl<L: U32Source + ?Sized, H: U32Source + ?Sized> Columns<'_, L, H> {
 
     /// Whether row `r` is in each device group: `[full-cache, CPU,
     /// accelerator]`.
-    #[inline(always)]
+    #[cfg_attr(not(debug_assertions), inline(always))]
     fn row_is(&self, r: usize) -> [bool; 3] {
         let cpu = contains(self.is_cpu, r);
         [
@@ -442,7 +442,7 @@ impl<L: U32Source + ?Sized, H: U32Source + ?Sized> Columns<'_, L, H> {
     }
 
     /// The eligible rows of lane group `g` in `group` whose load is `min`.
-    #[inline(always)]
+    #[cfg_attr(not(debug_assertions), inline(always))]
     fn ties<S: Simd>(&self, s: S, g: usize, group: DeviceGroup, min: u32) -> u8 {
         let bits = group_bits(self.mask, g);
         if bits == 0 {
@@ -453,7 +453,7 @@ impl<L: U32Source + ?Sized, H: U32Source + ?Sized> Columns<'_, L, H> {
     }
 
     /// Whether row `r` is eligible, in `group` and (if given) at load `min`.
-    #[inline(always)]
+    #[cfg_attr(not(debug_assertions), inline(always))]
     fn chosen_row(&self, r: usize, group: DeviceGroup, min: Option<u32>) -> bool {
         let [f, c, a] = self.row_is(r);
         contains(self.mask, r)
@@ -466,13 +466,13 @@ impl<L: U32Source + ?Sized, H: U32Source + ?Sized> Columns<'_, L, H> {
 }
 
 /// Word `w` of a bitmask (0 past its end).
-#[inline(always)]
+#[cfg_attr(not(debug_assertions), inline(always))]
 fn word(words: &[u64], w: usize) -> u64 {
     words.get(w).copied().unwrap_or(0)
 }
 
 /// The member of `[f, c, a]` (full-cache, CPU, accelerator) for `group`.
-#[inline(always)]
+#[cfg_attr(not(debug_assertions), inline(always))]
 fn chosen<T>(group: DeviceGroup, f: T, c: T, a: T) -> T {
     match group {
         DeviceGroup::FullCache => f,
@@ -483,7 +483,7 @@ fn chosen<T>(group: DeviceGroup, f: T, c: T, a: T) -> T {
 
 /// The rows both kernels scan: the load column's, if the cache-hit column
 /// covers them.
-#[inline(always)]
+#[cfg_attr(not(debug_assertions), inline(always))]
 fn checked_rows<L, H>(load: &L, cache_hits: &H) -> Result<usize, KernelError>
 where
     L: U32Source + ?Sized,

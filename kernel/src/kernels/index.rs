@@ -58,7 +58,7 @@ dispatch! {
 }
 
 /// The body of [`random`].
-#[inline(always)]
+#[cfg_attr(not(debug_assertions), inline(always))]
 fn random_in(rows: usize, mask: &[u64], rng: &mut Rng) -> Option<usize> {
     let n = count(mask, rows);
     if n == 0 {
@@ -98,7 +98,7 @@ dispatch! {
 }
 
 /// The body of [`power_of_two`].
-#[inline(always)]
+#[cfg_attr(not(debug_assertions), inline(always))]
 fn power_of_two_in<L: U32Source + ?Sized>(load: &L, mask: &[u64], rng: &mut Rng) -> Option<usize> {
     let rows = load.rows();
     let n = count(mask, rows);
@@ -135,7 +135,7 @@ pub fn power_of_two_reference<L: U32Source + ?Sized>(load: &L, mask: &[u64], rng
 
 /// Two distinct positions in `0..n` (`n >= 2`), each pair equally likely,
 /// drawn the way Dynamo draws them (see the module docs).
-#[inline(always)]
+#[cfg_attr(not(debug_assertions), inline(always))]
 fn two_distinct(n: usize, rng: &mut Rng) -> (usize, usize) {
     let k1 = rng.below(n as u64) as usize;
     let offset = 1 + rng.below(n as u64 - 1) as usize;
@@ -164,7 +164,7 @@ dispatch! {
 }
 
 /// The body of [`round_robin`].
-#[inline(always)]
+#[cfg_attr(not(debug_assertions), inline(always))]
 fn round_robin_in(rows: usize, mask: &[u64], ticket: u64) -> Option<usize> {
     let n = count(mask, rows);
     if n == 0 {

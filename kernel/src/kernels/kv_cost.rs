@@ -80,6 +80,7 @@ mod parity;
 pub use config::{KvConfigError, KvConfigField, KvConfigProblem, KvCostConfig};
 #[cfg(test)]
 pub(crate) use fused::kv_cost_argmin_on;
+pub(crate) use fused::FEW_TIE_CELLS;
 pub use fused::{kv_cost_argmin, kv_cost_argmin_reference, KvChoice};
 pub use inputs::{KvLoad, KvOverlap, KvRequest, WorkerRole};
 pub use parity::{kv_cost_f64_reference, KvCostF64, KV_COST_PARITY_ULPS};
@@ -163,7 +164,7 @@ impl CostRange {
         max: f32::NEG_INFINITY,
     };
 
-    #[inline(always)]
+    #[cfg_attr(not(debug_assertions), inline(always))]
     fn add(&mut self, c: f32) {
         if c < self.min {
             self.min = c;
@@ -234,7 +235,7 @@ impl Prepared {
 }
 
 /// `max(0, x)` with NaN mapped to 0 (Dynamo's `x.max(0.0)`).
-#[inline(always)]
+#[cfg_attr(not(debug_assertions), inline(always))]
 fn clamp0(x: f32) -> f32 {
     if x > 0.0 {
         x
@@ -244,7 +245,7 @@ fn clamp0(x: f32) -> f32 {
 }
 
 /// Lane-wise [`clamp0`].
-#[inline(always)]
+#[cfg_attr(not(debug_assertions), inline(always))]
 fn clamp0_lanes<S: Simd>(s: S, x: S::F32) -> S::F32 {
     let zero = s.splat_f32(0.0);
     x.cmp_gt(zero).blend(x, zero)
@@ -358,7 +359,7 @@ fn check<L: U32Source + ?Sized>(
 }
 
 /// Whether row `row` has a load observation.
-#[inline(always)]
+#[cfg_attr(not(debug_assertions), inline(always))]
 fn available(load_available: Option<&[u64]>, row: usize) -> bool {
     load_available.is_none_or(|m| contains(m, row))
 }
@@ -474,7 +475,7 @@ dispatch! {
 }
 
 /// The body of [`kv_cost`].
-#[inline(always)]
+#[cfg_attr(not(debug_assertions), inline(always))]
 fn kv_cost_in<S: Simd, L: U32Source + ?Sized>(
     s: S,
     config: &KvCostConfig,
@@ -539,7 +540,7 @@ fn kv_cost_in<S: Simd, L: U32Source + ?Sized>(
 
 /// The per-request constants, with the decay's `min_prefill` (one SIMD pass
 /// over the eligible rows' prefill load, only when the decay is on).
-#[inline(always)]
+#[cfg_attr(not(debug_assertions), inline(always))]
 fn prepare<S: Simd, L: U32Source + ?Sized>(
     s: S,
     config: &KvCostConfig,
@@ -583,7 +584,7 @@ fn prepare<S: Simd, L: U32Source + ?Sized>(
 
 /// One full lane group of costs: [`row_cost`] lane-wise, operation for
 /// operation.
-#[inline(always)]
+#[cfg_attr(not(debug_assertions), inline(always))]
 fn cost_lanes<S: Simd, L: U32Source + ?Sized>(
     s: S,
     p: &Prepared,

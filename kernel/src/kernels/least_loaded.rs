@@ -9,44 +9,82 @@
 //!   kernel and the reference compute the same single IEEE multiply, so they
 //!   agree bit for bit.
 
-use super::argmin::{argmin, argmin_reference, ArgminKey};
+use super::argmin::{argmin, argmin_reference, least_run_by_word, ArgminKey, Least};
 use crate::lanes::{F32Source, U32Source};
+use crate::lanes::{GroupWords, Words};
 use crate::simd::{dispatch, Simd, U32Lanes};
 use crate::Rng;
 
 struct Active<'a, A: ?Sized>(&'a A);
 
+/// The lane-wise least of eight lane groups.
+#[cfg_attr(not(debug_assertions), inline(always))]
+fn least_of<L: U32Lanes>(groups: [L; 8]) -> L {
+    let [a, b, c, d, e, f, g, h] = groups;
+    a.min(b).min(c.min(d)).min(e.min(f).min(g.min(h)))
+}
+
 impl<A: U32Source + ?Sized> ArgminKey for Active<'_, A> {
     type Key = u32;
-    #[inline(always)]
+    #[cfg_attr(not(debug_assertions), inline(always))]
     fn rows(&self) -> usize {
         self.0.rows()
     }
-    #[inline(always)]
+    #[cfg_attr(not(debug_assertions), inline(always))]
     fn key(&self, row: usize) -> u32 {
         self.0.value(row)
     }
-    #[inline(always)]
+    #[cfg_attr(not(debug_assertions), inline(always))]
     fn keys<S: Simd>(&self, s: S, group: usize) -> S::U32 {
         self.0.lanes(s, group)
     }
-    #[inline(always)]
+    #[cfg_attr(not(debug_assertions), inline(always))]
     fn keys8<S: Simd>(&self, s: S, first_group: usize) -> [S::U32; 8] {
         self.0.lanes8(s, first_group)
     }
-    #[inline(always)]
+    #[cfg_attr(not(debug_assertions), inline(always))]
     fn ordered<S: Simd>(&self, s: S, group: usize) -> S::U32 {
         self.0.words(s, group)
     }
-    #[inline(always)]
+    #[cfg_attr(not(debug_assertions), inline(always))]
     fn ordered8<S: Simd>(&self, s: S, first_group: usize) -> [S::U32; 8] {
         self.0.words8(s, first_group)
     }
-    #[inline(always)]
+    #[cfg_attr(not(debug_assertions), inline(always))]
     fn key_of_ordered(&self, k: u32) -> u32 {
         k >> self.0.word_shift()
     }
-    #[inline(always)]
+    #[cfg_attr(not(debug_assertions), inline(always))]
+    fn least_run<S: Simd>(&self, s: S, mask: &[u64], mut w: usize, end: usize, least: &mut Least<'_, S, u32>) -> usize {
+        // The column's mask words as blocks of eight lane groups, cut once:
+        // no bounds check or address arithmetic per word.
+        match self.0.group_words(end) {
+            Some(GroupWords(Words::Counter(blocks, shift))) => {
+                while w < end && mask[w] == u64::MAX {
+                    let lanes = least_of(s.load_atomic8(&blocks[w]));
+                    least.push_remembered(s, w, lanes, lanes.shr(shift));
+                    w += 1;
+                }
+                w
+            }
+            Some(GroupWords(Words::Plain(blocks))) => {
+                while w < end && mask[w] == u64::MAX {
+                    let b = &blocks[w];
+                    let lanes = least_of([0, 1, 2, 3, 4, 5, 6, 7].map(|i| s.load_u32(&b[i])));
+                    least.push_remembered(s, w, lanes, lanes);
+                    w += 1;
+                }
+                w
+            }
+            None => least_run_by_word(s, self, mask, w, end, least),
+        }
+    }
+    #[cfg_attr(not(debug_assertions), inline(always))]
+    fn keys_of_ordered<S: Simd>(&self, _s: S, ordered: S::U32) -> S::U32 {
+        // A shift by 0 leaves the lanes as they are: no branch.
+        ordered.shr(self.0.word_shift())
+    }
+    #[cfg_attr(not(debug_assertions), inline(always))]
     fn ordered_at_most(&self, key: u32) -> u32 {
         let shift = self.0.word_shift();
         match key.checked_shl(shift) {
@@ -55,37 +93,25 @@ impl<A: U32Source + ?Sized> ArgminKey for Active<'_, A> {
             _ => u32::MAX,
         }
     }
-    #[inline(always)]
-    fn keys_of_ordered8<S: Simd>(&self, _s: S, ordered: [S::U32; 8]) -> [S::U32; 8] {
-        let shift = self.0.word_shift();
-        if shift == 0 {
-            return ordered;
-        }
-        let mut keys = ordered;
-        for k in &mut keys {
-            *k = k.shr(shift);
-        }
-        keys
-    }
 }
 
 struct Weighted<'a, A: ?Sized, W: ?Sized>(&'a A, &'a W);
 
 impl<A: U32Source + ?Sized, W: F32Source + ?Sized> ArgminKey for Weighted<'_, A, W> {
     type Key = f32;
-    #[inline(always)]
+    #[cfg_attr(not(debug_assertions), inline(always))]
     fn rows(&self) -> usize {
         self.0.rows().min(self.1.rows())
     }
-    #[inline(always)]
+    #[cfg_attr(not(debug_assertions), inline(always))]
     fn key(&self, row: usize) -> f32 {
         self.0.value(row) as f32 * self.1.value(row)
     }
-    #[inline(always)]
+    #[cfg_attr(not(debug_assertions), inline(always))]
     fn keys<S: Simd>(&self, s: S, group: usize) -> S::F32 {
         self.0.lanes(s, group).to_f32() * self.1.lanes(s, group)
     }
-    #[inline(always)]
+    #[cfg_attr(not(debug_assertions), inline(always))]
     fn keys8<S: Simd>(&self, s: S, first_group: usize) -> [S::F32; 8] {
         let (active, inv_weight) = (self.0.lanes8(s, first_group), self.1.lanes8(s, first_group));
         let mut keys = [active[0].to_f32(); 8];

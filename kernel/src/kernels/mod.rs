@@ -5,6 +5,15 @@
 //!
 //! Kernels never allocate, never lock and never write to the fleet: booking
 //! is `fleet`'s job, filtering is the host's.
+//!
+//! Inlining: a kernel's scan is written as small generic functions that an
+//! optimised build must inline into the backend's `#[target_feature]` entry
+//! point, so they are `inline(always)` there. Without optimisation
+//! (`debug_assertions`, as in `cargo test`'s default profile) they are left
+//! as calls: forced inlining at `opt-level = 0` keeps a stack slot for every
+//! local of every inlined copy, and the KV kernel's unrolled lane-group
+//! loops would need a frame of megabytes, more than a spawned thread's
+//! default stack.
 
 mod argmin;
 pub mod device_aware;

@@ -27,8 +27,8 @@
 //! The SIMD kernel computes each exponent in base 2, as `(c_min - c) *
 //! (log2(e) / ((c_max - c_min) * T))` in `f32`, and the weight with the
 //! kernel's own `2^t` (a polynomial evaluated with separate multiplies and
-//! adds, so that every SIMD backend computes the same bits, flushing the
-//! weight to 0 below `2^-125.94`, that is `exp(x)` for `x <= -87.3`),
+//! adds, so that every SIMD backend computes the same bits, and raising a
+//! weight below `2^-126` to it, that is `exp(x)` for `x < -87.3`),
 //! sums the weights in `f32` in a fixed order and walks the cumulative sum
 //! in `f64`, in two passes over the costs (sum, then walk until the target is
 //! reached) with no heap memory. The first pass adds the weights of a mask
@@ -53,27 +53,30 @@
 //!
 //! This module must not compute costs or book anything.
 
-use super::argmin::{argmin, argmin_given_min, argmin_reference, ArgminKey};
+use super::argmin::{argmin, argmin_reference, ArgminKey};
 use super::KernelError;
 use crate::lanes::{F32Source, LANES};
 use crate::mask::{contains, count, group_bits, nth};
 use crate::simd::{dispatch, exp2_lanes, F32Lanes, Simd, U32Lanes};
 use crate::Rng;
+use core::mem::MaybeUninit;
 
 /// A cost column as argmin keys.
 struct Costs<'a, C: ?Sized>(&'a C);
 
 impl<C: F32Source + ?Sized> ArgminKey for Costs<'_, C> {
     type Key = f32;
-    #[inline(always)]
+    // The fused KV scan's bound: a KV cost column draws as the scan does.
+    const FEW_CELLS: usize = super::kv_cost::FEW_TIE_CELLS;
+    #[cfg_attr(not(debug_assertions), inline(always))]
     fn rows(&self) -> usize {
         self.0.rows()
     }
-    #[inline(always)]
+    #[cfg_attr(not(debug_assertions), inline(always))]
     fn key(&self, row: usize) -> f32 {
         self.0.value(row)
     }
-    #[inline(always)]
+    #[cfg_attr(not(debug_assertions), inline(always))]
     fn keys<S: Simd>(&self, s: S, group: usize) -> S::F32 {
         self.0.lanes(s, group)
     }
@@ -93,7 +96,7 @@ dispatch! {
 }
 
 /// The body of [`first_non_finite`].
-#[inline(always)]
+#[cfg_attr(not(debug_assertions), inline(always))]
 fn non_finite_in<S: Simd, C: F32Source + ?Sized>(s: S, costs: &C, mask: &[u64]) -> Option<usize> {
     let rows = costs.rows();
     let groups = rows / LANES;
@@ -133,7 +136,7 @@ dispatch! {
 }
 
 /// The body of [`pick_min`].
-#[inline(always)]
+#[cfg_attr(not(debug_assertions), inline(always))]
 fn pick_min_in<S: Simd, C: F32Source + ?Sized>(
     s: S,
     costs: &C,
@@ -257,7 +260,7 @@ impl SoftmaxLanes {
 
     /// The weights of one lane group: `exp(x)` with `x = -(c - c_min) / ((c_max - c_min) T)`,
     /// 1 everywhere when `c_min == c_max`, 0 on lanes whose bit is clear.
-    #[inline(always)]
+    #[cfg_attr(not(debug_assertions), inline(always))]
     pub(crate) fn weights<S: Simd>(&self, s: S, costs: S::F32, bits: u8) -> S::F32 {
         let on = s.lane_mask(bits).cast_f32();
         if self.flat {
@@ -275,13 +278,13 @@ impl SoftmaxLanes {
     /// Whether [`weights_all`](Self::weights_all) applies: the costs are not
     /// all equal and every exponent is one subtraction and one
     /// multiplication.
-    #[inline(always)]
+    #[cfg_attr(not(debug_assertions), inline(always))]
     pub(crate) fn unmasked(&self) -> bool {
         !self.flat && self.inv != 0.0
     }
 
     /// Whether costs are halved first (a range that overflows `f32`).
-    #[inline(always)]
+    #[cfg_attr(not(debug_assertions), inline(always))]
     pub(crate) fn halved(&self) -> bool {
         self.pre != 1.0
     }
@@ -290,7 +293,7 @@ impl SoftmaxLanes {
     /// eligible, when [`unmasked`](Self::unmasked) and `HALVED ==
     /// self.halved()`: the same bits, without the lane mask (the caller
     /// chooses `HALVED` once per pass, not per group).
-    #[inline(always)]
+    #[cfg_attr(not(debug_assertions), inline(always))]
     pub(crate) fn weights_all<S: Simd, const HALVED: bool>(&self, s: S, costs: S::F32) -> S::F32 {
         let d = if HALVED {
             s.splat_f32(self.min) - costs * s.splat_f32(self.pre)
@@ -301,7 +304,7 @@ impl SoftmaxLanes {
     }
 
     /// The base-2 exponent `(c_min - c) * inv` per lane (`inv != 0`).
-    #[inline(always)]
+    #[cfg_attr(not(debug_assertions), inline(always))]
     fn fast_exponent<S: Simd>(&self, s: S, costs: S::F32) -> S::F32 {
         let d = if self.pre == 1.0 {
             s.splat_f32(self.min) - costs
@@ -360,7 +363,7 @@ dispatch! {
 
 /// The eligible rows' cost range as the SIMD kernel sees it: `(min, max,
 /// last eligible row)`, `None` when no row is eligible. Costs are finite.
-#[inline(always)]
+#[cfg_attr(not(debug_assertions), inline(always))]
 fn range_and_last<S: Simd, C: F32Source + ?Sized>(s: S, costs: &C, mask: &[u64]) -> Option<(f32, f32, usize)> {
     let rows = costs.rows();
     let groups = rows / LANES;
@@ -402,7 +405,7 @@ fn range_and_last<S: Simd, C: F32Source + ?Sized>(s: S, costs: &C, mask: &[u64])
 
 /// One lane group of costs, the partial last group padded with `pad` (whose
 /// lanes the caller masks off).
-#[inline(always)]
+#[cfg_attr(not(debug_assertions), inline(always))]
 fn cost_lanes<S: Simd, C: F32Source + ?Sized>(s: S, costs: &C, g: usize, pad: f32) -> S::F32 {
     let rows = costs.rows();
     if (g + 1) * LANES <= rows {
@@ -441,7 +444,7 @@ dispatch! {
 }
 
 /// The body of [`pick_softmax`].
-#[inline(always)]
+#[cfg_attr(not(debug_assertions), inline(always))]
 fn pick_softmax_in<S: Simd, C: F32Source + ?Sized>(
     s: S,
     costs: &C,
@@ -498,7 +501,7 @@ dispatch! {
         (costs: &C, mask: &[u64], range: super::kv_cost::CostRange, temperature: f32, last: usize, rng: &mut Rng)
         -> Option<usize>
         = |s| if temperature == 0.0 {
-            argmin_given_min(s, &Costs(costs), mask, range.min, &[], rng)
+            argmin(s, &Costs(costs), mask, rng)
         } else {
             Some(softmax_walk(s, costs, mask, range.min, range.max, last, temperature, rng))
         }
@@ -560,7 +563,7 @@ const WORD_ROWS: usize = 64;
 const GROUPS_PER_WORD: usize = WORD_ROWS / LANES;
 
 /// The eligible rows of mask word `w` below `rows`.
-#[inline(always)]
+#[cfg_attr(not(debug_assertions), inline(always))]
 fn word_bits(mask: &[u64], rows: usize, w: usize) -> u64 {
     let word = mask.get(w).copied().unwrap_or(0);
     if (w + 1) * WORD_ROWS > rows {
@@ -585,7 +588,7 @@ impl<C: F32Source + ?Sized> Weights<'_, C> {
     /// of it is eligible (a function, not a closure: closures do not inherit
     /// the AVX2 entry point's target features when LLVM declines to inline
     /// them).
-    #[inline(always)]
+    #[cfg_attr(not(debug_assertions), inline(always))]
     fn group<S: Simd>(&self, s: S, g: usize) -> Option<(u8, S::F32)> {
         if g * LANES >= self.rows {
             return None;
@@ -606,7 +609,7 @@ impl<C: F32Source + ?Sized> Weights<'_, C> {
     /// word's lane groups added lane by lane in row order, then the lanes
     /// reduced. A word whose 64 rows are all eligible skips the lane masks
     /// (`HALVED` is `lanes.halved()`).
-    #[inline(always)]
+    #[cfg_attr(not(debug_assertions), inline(always))]
     fn word_sum<S: Simd, const HALVED: bool>(&self, s: S, w: usize, bits: u64) -> f32 {
         let first = w * GROUPS_PER_WORD;
         let mut acc = s.splat_f32(0.0);
@@ -625,7 +628,7 @@ impl<C: F32Source + ?Sized> Weights<'_, C> {
     }
 
     /// [`word_sum`](Self::word_sum) with `HALVED` read from the lanes.
-    #[inline(always)]
+    #[cfg_attr(not(debug_assertions), inline(always))]
     fn word_sum_any<S: Simd>(&self, s: S, w: usize, bits: u64) -> f32 {
         if self.lanes.halved() {
             self.word_sum::<S, true>(s, w, bits)
@@ -637,15 +640,15 @@ impl<C: F32Source + ?Sized> Weights<'_, C> {
     /// The first pass: the sum of every word's weights in `f64`, the first
     /// words' sums kept in `sums` (`HALVED` is `lanes.halved()`, chosen once
     /// for the pass).
-    #[inline(always)]
-    fn first_pass<S: Simd, const HALVED: bool>(&self, s: S, sums: &mut [f32; REMEMBERED_WORD_SUMS]) -> f64 {
+    #[cfg_attr(not(debug_assertions), inline(always))]
+    fn first_pass<S: Simd, const HALVED: bool>(&self, s: S, sums: &mut WordSums) -> f64 {
         let mut total = 0.0f64;
         for w in 0..self.rows.div_ceil(WORD_ROWS) {
             let bits = word_bits(self.mask, self.rows, w);
             if bits != 0 {
                 let ws = self.word_sum::<S, HALVED>(s, w, bits);
                 if let Some(slot) = sums.get_mut(w) {
-                    *slot = ws;
+                    slot.write(ws);
                 }
                 total += ws as f64;
             }
@@ -658,7 +661,7 @@ impl<C: F32Source + ?Sized> Weights<'_, C> {
     /// group that crosses it. If rounding leaves the word's own walk short
     /// of the target (its group sums can add up a little below the word's
     /// sum), the word's last eligible row.
-    #[inline(always)]
+    #[cfg_attr(not(debug_assertions), inline(always))]
     fn walk_word<S: Simd>(&self, s: S, w: usize, bits: u64, mut cum: f64, target: f64) -> usize {
         let first = w * GROUPS_PER_WORD;
         for g in first..first + GROUPS_PER_WORD {
@@ -690,10 +693,16 @@ impl<C: F32Source + ?Sized> Weights<'_, C> {
 /// it stops; past them it recomputes every word it walks.
 const REMEMBERED_WORD_SUMS: usize = 1024;
 
+/// The remembered word sums, left uninitialised until the first pass
+/// writes them (a call pays nothing for the room it does not use): the
+/// first pass writes the sum of every word with an eligible row, and the
+/// walk reads only those words.
+type WordSums = [MaybeUninit<f32>; REMEMBERED_WORD_SUMS];
+
 /// The softmax draw and walk over eligible rows whose range is
 /// `[c_min, c_max]` and whose last row is `last` (one `unit_f64` draw).
 #[allow(clippy::too_many_arguments)]
-#[inline(always)]
+#[cfg_attr(not(debug_assertions), inline(always))]
 fn softmax_walk<S: Simd, C: F32Source + ?Sized>(
     s: S,
     costs: &C,
@@ -724,7 +733,7 @@ fn softmax_walk<S: Simd, C: F32Source + ?Sized>(
     let words = rows.div_ceil(WORD_ROWS);
     // Pass 1: the total, as a sum of per-word f32 sums in f64, remembering
     // the first words' sums (0 for a word without eligible rows).
-    let mut sums = [0.0f32; REMEMBERED_WORD_SUMS];
+    let mut sums: WordSums = [const { MaybeUninit::uninit() }; REMEMBERED_WORD_SUMS];
     let total = if weights.lanes.halved() {
         weights.first_pass::<S, true>(s, &mut sums)
     } else {
@@ -741,7 +750,10 @@ fn softmax_walk<S: Simd, C: F32Source + ?Sized>(
             continue;
         }
         let ws = match sums.get(w) {
-            Some(&ws) => ws,
+            // SAFETY: the first pass wrote the sum of every word with an
+            // eligible row (`word_bits` of the same immutable mask and row
+            // count is not 0), and this is such a word.
+            Some(ws) => unsafe { ws.assume_init() },
             None => weights.word_sum_any(s, w, bits),
         } as f64;
         if target > cum + ws {

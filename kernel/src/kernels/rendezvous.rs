@@ -61,7 +61,7 @@ pub struct RendezvousPick {
 const C1: u32 = 0x85EB_CA6B;
 const C2: u32 = 0xC2B2_AE35;
 
-#[inline(always)]
+#[cfg_attr(not(debug_assertions), inline(always))]
 fn fmix32(mut h: u32) -> u32 {
     h ^= h >> 16;
     h = h.wrapping_mul(C1);
@@ -70,7 +70,7 @@ fn fmix32(mut h: u32) -> u32 {
     h ^ (h >> 16)
 }
 
-#[inline(always)]
+#[cfg_attr(not(debug_assertions), inline(always))]
 fn fmix_lanes<S: Simd>(s: S, h: S::U32) -> S::U32 {
     let h = h.xor(h.shr(16)).mul_lo(s.splat_u32(C1));
     let h = h.xor(h.shr(13)).mul_lo(s.splat_u32(C2));
@@ -115,7 +115,7 @@ pub fn rendezvous_score(key: u64, salt: u32) -> u32 {
 }
 
 /// The 32 bits of a key the score mixes in.
-#[inline(always)]
+#[cfg_attr(not(debug_assertions), inline(always))]
 const fn fold(key: u64) -> u32 {
     (key ^ (key >> 32)) as u32
 }
@@ -162,11 +162,11 @@ struct Bounded<'a, A: ?Sized, S: ?Sized> {
 
 impl<A: U32Source + ?Sized, T: U32Source + ?Sized> ArgminKey for Bounded<'_, A, T> {
     type Key = u32;
-    #[inline(always)]
+    #[cfg_attr(not(debug_assertions), inline(always))]
     fn rows(&self) -> usize {
         self.active.rows().min(self.salts.rows())
     }
-    #[inline(always)]
+    #[cfg_attr(not(debug_assertions), inline(always))]
     fn key(&self, row: usize) -> u32 {
         if self.active.value(row) <= self.room {
             rendezvous_score(self.key, self.salts.value(row)) >> 1
@@ -174,11 +174,11 @@ impl<A: U32Source + ?Sized, T: U32Source + ?Sized> ArgminKey for Bounded<'_, A, 
             u32::MAX
         }
     }
-    #[inline(always)]
+    #[cfg_attr(not(debug_assertions), inline(always))]
     fn keys<S: Simd>(&self, s: S, group: usize) -> S::U32 {
         self.of(s, self.active.lanes(s, group), self.salts.lanes(s, group))
     }
-    #[inline(always)]
+    #[cfg_attr(not(debug_assertions), inline(always))]
     fn keys8<S: Simd>(&self, s: S, first_group: usize) -> [S::U32; 8] {
         let (load, salt) = (self.active.lanes8(s, first_group), self.salts.lanes8(s, first_group));
         let mut keys = load;
@@ -210,7 +210,7 @@ impl<'a, A: ?Sized, T: ?Sized> Bounded<'a, A, T> {
     }
 
     /// The keys of eight rows from their loads and salts.
-    #[inline(always)]
+    #[cfg_attr(not(debug_assertions), inline(always))]
     fn of<S: Simd>(&self, s: S, load: S::U32, salt: S::U32) -> S::U32 {
         let over = !load.min(s.splat_u32(self.room)).cmp_eq(load);
         let score = fmix_lanes(s, salt.xor(s.splat_u32(fold(self.key))));
@@ -221,7 +221,7 @@ impl<'a, A: ?Sized, T: ?Sized> Bounded<'a, A, T> {
 /// Sum and count of the eligible rows' loads. Each lane sums the low and
 /// the high 16 bits of at most 8 loads per mask word apart, so nothing
 /// wraps whatever the loads.
-#[inline(always)]
+#[cfg_attr(not(debug_assertions), inline(always))]
 fn eligible_load<S: Simd, A: U32Source + ?Sized>(s: S, active: &A, rows: usize, mask: &[u64]) -> (u64, u32) {
     let full_groups = rows / LANES;
     let low = s.splat_u32(0xFFFF);
@@ -272,7 +272,7 @@ fn tie_breaker(key: u64) -> Rng {
     Rng::new(key ^ 0x7131_E5B2_EA4F_0D1C)
 }
 
-#[inline(always)]
+#[cfg_attr(not(debug_assertions), inline(always))]
 fn bounded_rendezvous_in<S: Simd, A: U32Source + ?Sized, T: U32Source + ?Sized>(
     s: S,
     key: u64,

@@ -12,6 +12,7 @@ use proptest::prelude::*;
 use std::vec;
 use std::vec::Vec;
 
+mod argmin;
 mod device_aware;
 mod index;
 mod kv_cost;
@@ -110,6 +111,19 @@ pub(super) fn chi_square(observed: &[u64], p: &[f64]) -> f64 {
 
 /// 99.9% quantiles of the chi-square distribution, by degrees of freedom.
 pub(super) const CHI2_999: [f64; 6] = [f64::NAN, 10.828, 13.816, 16.266, 18.467, 20.515];
+
+/// The 99.9% quantile of the chi-square distribution with `df >= 1`
+/// degrees of freedom: the table up to 5, the Wilson-Hilferty
+/// approximation above (within 1% there).
+pub(super) fn chi2_999(df: usize) -> f64 {
+    match CHI2_999.get(df) {
+        Some(&q) if df > 0 => q,
+        _ => {
+            let (k, z) = (df as f64, 3.090_232);
+            k * (1.0 - 2.0 / (9.0 * k) + z * (2.0 / (9.0 * k)).sqrt()).powi(3)
+        }
+    }
+}
 
 /// A load column that changes under the scan, as the fleet's live columns
 /// may while other threads book and release: every read of a row returns a

@@ -87,6 +87,11 @@ impl Simd for Avx2 {
         U32x8(unsafe { crate::sync::load_lanes_vex(group) })
     }
     #[inline(always)]
+    fn load_atomic_in<const I: usize>(self, block: &[crate::lanes::AtomicGroup; 8]) -> U32x8 {
+        // SAFETY: the `Avx2` token proves the CPU has AVX.
+        U32x8(unsafe { crate::sync::load_lanes_vex_at::<I>(block) })
+    }
+    #[inline(always)]
     fn load_atomic8(self, block: &[crate::lanes::AtomicGroup; 8]) -> [U32x8; 8] {
         // SAFETY: the `Avx2` token proves the CPU has AVX.
         let [g0, g1, g2, g3, g4, g5, g6, g7] = unsafe { crate::sync::load_lane_block_vex(block) };

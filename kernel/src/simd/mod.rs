@@ -108,6 +108,16 @@ pub trait Simd: Copy + Sealed {
             self.load_atomic(&block[7]),
         ]
     }
+    /// Lane group `I` of a block of eight (see
+    /// [`load_atomic8`](Self::load_atomic8)), one group at a time: a loop
+    /// over the block's groups, unrolled with a constant `I`, addresses
+    /// every load from the block's pointer. The default makes one
+    /// [`load_atomic`](Self::load_atomic) call.
+    #[doc(hidden)]
+    #[inline(always)]
+    fn load_atomic_in<const I: usize>(self, block: &[crate::lanes::AtomicGroup; 8]) -> Self::U32 {
+        self.load_atomic(&block[I])
+    }
     /// All-ones in lane `i` where bit `i` of `bits` is set, zeros elsewhere.
     fn lane_mask(self, bits: u8) -> Self::U32;
 }
@@ -156,7 +166,7 @@ pub trait F32Lanes:
 {
     /// The backend's `u32` lanes.
     type U32;
-    /// Lane-wise `if self < o { self } else { o }` (callers never pass NaN).
+    /// Lane-wise `if self < o { self } else { o }`: `o` where either is NaN.
     fn min(self, o: Self) -> Self;
     /// Lane-wise `if self > o { self } else { o }`: `o` where either is NaN.
     fn max(self, o: Self) -> Self;
@@ -189,17 +199,24 @@ pub(crate) fn reduce_add_array(l: [f32; LANES]) -> f32 {
     ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]))
 }
 
-/// `2^t` for `t <= 0`, lane-wise: 0 for `t <= -125.94` or NaN, otherwise
-/// `2^r * 2^f` with `r` the nearest integer and `f = t - r` in `[-0.5, 0.5]`,
-/// `2^f` a degree-5 polynomial fitted for the least relative error on that
+/// `2^t` for `t <= 0`, lane-wise: `t` is first raised to at least
+/// [`EXP_MIN_T`] (`-126`; NaN becomes it too), then `2^t = 2^r * 2^f` with
+/// `r` the nearest integer and `f = t - r` in `[-0.5, 0.5]`, `2^f` a
+/// degree-5 polynomial fitted for the least relative error on that
 /// interval, evaluated with separate multiplies and adds so that every
 /// backend and [`exp2_scalar`] return the same bits. Relative error below
-/// `2e-7` on the range (`1.9e-7` measured over 200,001 points of `f`). The softmax folds `log2(e)` into its scale, so `exp(x)` costs no
-/// extra multiply.
+/// `2e-7` on the range (`1.9e-7` measured over 200,001 points of `f`); a
+/// weight below `2^-126` (about `1.2e-38`) is returned as `2^-126`, the
+/// least normal `f32`, which no sum of weights at least `2^-126` apart
+/// from it can tell from 0. The softmax folds `log2(e)` into its scale, so
+/// `exp(x)` costs no extra multiply.
 #[inline(always)]
 pub(crate) fn exp2_lanes<S: Simd>(s: S, t: S::F32) -> S::F32 {
-    // Round to nearest (even) by adding and subtracting 1.5 * 2^23: exact for
-    // |t| < 2^22, and the integer ends up in the low bits of the sum.
+    // `max` returns its second operand where either is NaN.
+    let t = t.max(s.splat_f32(EXP_MIN_T));
+    // Round to nearest by adding and subtracting 1.5 * 2^23 + 127: exact
+    // for |t| < 2^22, and `r + 127` ends up in the low bits of the sum, so
+    // that its bits shifted up by 23 are `2^r` (`r + 127` in 1..=127).
     let shifted = t + s.splat_f32(EXP_ROUND);
     let r = shifted - s.splat_f32(EXP_ROUND);
     let f = t - r;
@@ -207,19 +224,15 @@ pub(crate) fn exp2_lanes<S: Simd>(s: S, t: S::F32) -> S::F32 {
     for c in [EXP2_P[1], EXP2_P[2], EXP2_P[3], EXP2_P[4]] {
         p = p * f + s.splat_f32(c);
     }
-    // 2^r from the integer's bits: (r + 127) << 23, with the rounding
-    // constant's bits folded into one wrapping add.
-    let pow2 = (shifted.cast_u32().shl(23) + s.splat_u32(EXP2_BIAS)).cast_f32();
-    let e = (p * f + s.splat_f32(1.0)) * pow2;
-    t.cmp_gt(s.splat_f32(EXP_MIN_T)) & e
+    let pow2 = shifted.cast_u32().shl(23).cast_f32();
+    (p * f + s.splat_f32(1.0)) * pow2
 }
 
-const EXP_ROUND: f32 = 12_582_912.0;
-/// `(127 - bits(EXP_ROUND)) << 23`, wrapping: added to `bits(shifted) << 23`
-/// it leaves `(r + 127) << 23`.
-const EXP2_BIAS: u32 = 127u32.wrapping_sub(EXP_ROUND.to_bits()).wrapping_shl(23);
-/// Below it `2^t` is flushed to 0 (and `2^r` would leave the normal range).
-const EXP_MIN_T: f32 = -125.94;
+/// `1.5 * 2^23 + 127`: in `[2^23, 2^24)`, so adding it rounds to an
+/// integer, whose bits end in `r + 127` (the `f32` exponent of `2^r`).
+const EXP_ROUND: f32 = 12_583_039.0;
+/// The least exponent: `2^-126` is the least normal `f32`.
+const EXP_MIN_T: f32 = -126.0;
 /// `2^f ~ 1 + f (P4 + f (P3 + f (P2 + f (P1 + f P0))))` on `[-0.5, 0.5]`.
 /// Fitted coefficients: `P4` is close to `ln 2` but is not it.
 #[allow(clippy::approx_constant)]
@@ -234,6 +247,7 @@ const EXP2_P: [f32; 5] = [
 /// [`exp2_lanes`] for one value, operation for operation (the tests' twin).
 #[cfg(test)]
 pub(crate) fn exp2_scalar(t: f32) -> f32 {
+    let t = if t > EXP_MIN_T { t } else { EXP_MIN_T };
     let shifted = t + EXP_ROUND;
     let r = shifted - EXP_ROUND;
     let f = t - r;
@@ -241,13 +255,8 @@ pub(crate) fn exp2_scalar(t: f32) -> f32 {
     for c in [EXP2_P[1], EXP2_P[2], EXP2_P[3], EXP2_P[4]] {
         p = p * f + c;
     }
-    let pow2 = f32::from_bits(shifted.to_bits().wrapping_shl(23).wrapping_add(EXP2_BIAS));
-    let e = (p * f + 1.0) * pow2;
-    if t > EXP_MIN_T {
-        e
-    } else {
-        0.0
-    }
+    let pow2 = f32::from_bits(shifted.to_bits().wrapping_shl(23));
+    (p * f + 1.0) * pow2
 }
 
 /// The backends this build can run, as a value the dispatchers match on.

@@ -128,9 +128,19 @@ impl F32Lanes for f32x8 {
     type U32 = u32x8;
     #[inline(always)]
     fn min(self, o: Self) -> Self {
-        // `minps` semantics on x86 (`self < o ? self : o`); callers never
-        // pass NaN, and `-0.0` against `0.0` only ever feeds `==` tests.
-        self.fast_min(o)
+        // `minps` semantics (`self < o ? self : o`: `o` where either is
+        // NaN), which the argmin relies on to pass over NaN keys. On x86-64
+        // `fast_min` is `minps` itself; elsewhere it is spelled out, as
+        // `wide`'s `min` and `fast_min` differ in NaN handling between
+        // targets. `-0.0` against `0.0` only ever feeds `==` tests.
+        #[cfg(target_arch = "x86_64")]
+        {
+            self.fast_min(o)
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            f32x8::blend(CmpLt::cmp_lt(self, o), self, o)
+        }
     }
     #[inline(always)]
     fn max(self, o: Self) -> Self {

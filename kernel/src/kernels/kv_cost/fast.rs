@@ -7,7 +7,8 @@
 //! A shape is what [`cost_lanes`](super::cost_lanes) would branch on per
 //! group, resolved once per call: the formula (prefill blocks tracked
 //! without decay, or the decode formula), whether active requests are
-//! weighted, and how the load columns are stored (plain `u32`s, or the
+//! weighted, whether the prefill term's scale is 1 (its multiply left out:
+//! `1 * x` is `x`), and how the load columns are stored (plain `u32`s, or the
 //! fleet's tagged counters: one shift and one signed conversion, exact
 //! because a shifted counter is below `2^31`). The shape takes the device
 //! overlap column and, for the prefill formula, the cached tokens; any other
@@ -23,12 +24,52 @@
 //! when either is NaN.
 //!
 //! This module must not pick or book: it computes costs and hands each
-//! lane group to the running minimum of `fused` or to the output column.
+//! mask word's least costs to the argmin of `fused` or each lane group to
+//! the output column.
 
-use super::fused::{TieRun, Ties};
 use super::{KvLoad, KvOverlap, Prepared};
+use crate::kernels::argmin::Least;
 use crate::lanes::{CounterValues, GroupValues, PlainValues, U32Source, Words, LANES};
 use crate::simd::{F32Lanes, Simd, U32Lanes};
+
+/// `body` once for each lane group of a word, with `$g` the group as a
+/// constant [`At`].
+macro_rules! for_each_group {
+    ($g:ident => $body:expr) => {{
+        {
+            let $g = At::<0>;
+            $body
+        }
+        {
+            let $g = At::<1>;
+            $body
+        }
+        {
+            let $g = At::<2>;
+            $body
+        }
+        {
+            let $g = At::<3>;
+            $body
+        }
+        {
+            let $g = At::<4>;
+            $body
+        }
+        {
+            let $g = At::<5>;
+            $body
+        }
+        {
+            let $g = At::<6>;
+            $body
+        }
+        {
+            let $g = At::<7>;
+            $body
+        }
+    }};
+}
 
 /// The columns and per-request constants of one call in a fast shape.
 pub(super) struct Plan<'a> {
@@ -63,7 +104,7 @@ impl<'a> Plan<'a> {
     /// The plan for the lane groups of the first `words` mask words
     /// (`8 * words` full lane groups), or `None` when the call is not in a
     /// fast shape.
-    #[inline(always)]
+    #[cfg_attr(not(debug_assertions), inline(always))]
     pub(super) fn new<L: U32Source + ?Sized>(
         p: &Prepared,
         load: &KvLoad<'a, L>,
@@ -103,28 +144,56 @@ impl<'a> Plan<'a> {
         })
     }
 
-    /// Folds the costs of the plan's lane groups into `ties` and `hi`, as
-    /// `fused`'s general loop does.
-    #[inline(always)]
-    pub(super) fn scan<S: Simd>(&self, s: S, mask: &[u64], ties: &mut Ties, hi: &mut S::F32) {
-        let mut job: Job<'_, S> = Job::Argmin { ties, hi };
+    /// Pushes each of the plan's mask words' lane-wise least eligible cost
+    /// into `least` and folds the costs into `hi`, as `fused`'s general
+    /// loop does.
+    #[cfg_attr(not(debug_assertions), inline(always))]
+    pub(super) fn least<S: Simd>(&self, s: S, mask: &[u64], least: &mut Least<'_, S, f32>, hi: &mut S::F32) {
+        let mut job: Job<'_, '_, S> = Job::Argmin { least, hi };
         self.run(s, mask, &mut job);
     }
 
     /// Writes the costs of the plan's lane groups into `out` (`+inf` on
     /// ineligible rows) and folds them into the lane-wise range `lo`, `hi`,
     /// as `kv_cost`'s general loop does. `out` holds at least the plan's rows.
-    #[inline(always)]
+    #[cfg_attr(not(debug_assertions), inline(always))]
     pub(super) fn write<S: Simd>(&self, s: S, mask: &[u64], out: &mut [f32], lo: &mut S::F32, hi: &mut S::F32) {
         let n = self.device.len();
         let out = &mut out.as_chunks_mut::<LANES>().0.as_chunks_mut::<8>().0[..n];
-        let mut job: Job<'_, S> = Job::Column { out, lo, hi };
+        let mut job: Job<'_, '_, S> = Job::Column { out, lo, hi };
         self.run(s, mask, &mut job);
     }
 
+    /// The costs of the eight lane groups of the plan's mask word `w`, as
+    /// the loops compute them (the argmin's second read of a word holding
+    /// a tie).
+    #[cfg_attr(not(debug_assertions), inline(always))]
+    pub(super) fn word_costs<S: Simd>(&self, s: S, w: usize) -> [S::F32; 8] {
+        let mut out = [s.splat_f32(0.0); 8];
+        let mut job: Job<'_, '_, S> = Job::Word { w, out: &mut out };
+        self.run(s, &[], &mut job);
+        out
+    }
+
+    /// The costs of lane group `g` of the plan's mask words, as the loops
+    /// compute them (a single try of the argmin's rejection step).
+    #[cfg_attr(not(debug_assertions), inline(always))]
+    pub(super) fn group_costs<S: Simd>(&self, s: S, g: usize) -> S::F32 {
+        let mut out = [s.splat_f32(0.0); 8];
+        let mut job: Job<'_, '_, S> = Job::Group { g, out: &mut out[0] };
+        self.run(s, &[], &mut job);
+        out[0]
+    }
+
+    /// The number of mask words the plan covers.
+    #[cfg_attr(not(debug_assertions), inline(always))]
+    pub(super) fn words(&self) -> usize {
+        self.device.len()
+    }
+
     /// Runs `job` in the loop compiled for the plan's column form and shape.
-    #[inline(always)]
-    fn run<S: Simd>(&self, s: S, mask: &[u64], job: &mut Job<'_, S>) {
+    #[cfg_attr(not(debug_assertions), inline(always))]
+    fn run<S: Simd>(&self, s: S, mask: &[u64], job: &mut Job<'_, '_, S>) {
         // Every column sliced to the same length: one bound for the loop and
         // no check per group.
         let n = self.device.len();
@@ -155,21 +224,34 @@ impl<'a> Plan<'a> {
     }
 
     /// [`run`](Self::run) for one column form: picks the formula's loop.
-    #[inline(always)]
-    fn run_shape<S: Simd, W: GroupValues>(&self, s: S, cols: Cols<'_, W>, mask: &[u64], job: &mut Job<'_, S>) {
-        match (self.decode_formula, self.req_on) {
-            (false, false) => job.run::<W, false, false>(s, self, cols, mask),
-            (false, true) => job.run::<W, false, true>(s, self, cols, mask),
-            (true, false) => job.run::<W, true, false>(s, self, cols, mask),
-            (true, true) => job.run::<W, true, true>(s, self, cols, mask),
+    #[cfg_attr(not(debug_assertions), inline(always))]
+    fn run_shape<S: Simd, W: GroupValues>(&self, s: S, cols: Cols<'_, W>, mask: &[u64], job: &mut Job<'_, '_, S>) {
+        let bit = |on: bool, bit: u8| if on { bit } else { 0 };
+        let shape = bit(self.decode_formula, DECODE) | bit(self.req_on, REQ) | bit(self.scale == 1.0, UNSCALED);
+        match shape {
+            0 => job.run::<W, 0>(s, self, cols, mask),
+            1 => job.run::<W, 1>(s, self, cols, mask),
+            2 => job.run::<W, 2>(s, self, cols, mask),
+            3 => job.run::<W, 3>(s, self, cols, mask),
+            4 => job.run::<W, 4>(s, self, cols, mask),
+            5 => job.run::<W, 5>(s, self, cols, mask),
+            6 => job.run::<W, 6>(s, self, cols, mask),
+            _ => job.run::<W, 7>(s, self, cols, mask),
         }
     }
 }
 
 /// What a fast loop does with the costs.
-enum Job<'j, S: Simd> {
-    /// The fused argmin's running minimum and maximum.
-    Argmin { ties: &'j mut Ties, hi: &'j mut S::F32 },
+enum Job<'j, 'r, S: Simd> {
+    /// The fused argmin's pass-1 state and maximum.
+    Argmin {
+        least: &'j mut Least<'r, S, f32>,
+        hi: &'j mut S::F32,
+    },
+    /// One mask word's eight lane groups' costs.
+    Word { w: usize, out: &'j mut [S::F32; 8] },
+    /// One lane group's costs.
+    Group { g: usize, out: &'j mut S::F32 },
     /// `kv_cost`'s output column and lane-wise range.
     Column {
         out: &'j mut [[[f32; LANES]; 8]],
@@ -178,18 +260,23 @@ enum Job<'j, S: Simd> {
     },
 }
 
-impl<S: Simd> Job<'_, S> {
-    #[inline(always)]
-    fn run<W: GroupValues, const DECODE: bool, const REQ: bool>(
-        &mut self,
-        s: S,
-        plan: &Plan<'_>,
-        cols: Cols<'_, W>,
-        mask: &[u64],
-    ) {
+impl<S: Simd> Job<'_, '_, S> {
+    #[cfg_attr(not(debug_assertions), inline(always))]
+    fn run<W: GroupValues, const SHAPE: u8>(&mut self, s: S, plan: &Plan<'_>, cols: Cols<'_, W>, mask: &[u64]) {
         match self {
-            Job::Argmin { ties, hi } => scan_loop::<S, W, DECODE, REQ>(s, plan, cols, mask, ties, hi),
-            Job::Column { out, lo, hi } => column_loop::<S, W, DECODE, REQ>(s, plan, cols, mask, out, lo, hi),
+            Job::Argmin { least, hi } => least_loop::<S, W, SHAPE>(s, plan, cols, mask, least, hi),
+            Job::Group { g, out } => {
+                let k = Consts::new(s, plan);
+                **out = fast_cost_lanes::<S, W, SHAPE, _>(s, &k, &cols, *g / 8, Dyn(*g % 8));
+            }
+            Job::Word { w, out } => {
+                let k = Consts::new(s, plan);
+                let w = *w;
+                for_each_group!(g => {
+                    out[g.index()] = fast_cost_lanes::<S, W, SHAPE, _>(s, &k, &cols, w, g);
+                });
+            }
+            Job::Column { out, lo, hi } => column_loop::<S, W, SHAPE>(s, plan, cols, mask, out, lo, hi),
         }
     }
 }
@@ -207,7 +294,7 @@ struct Consts<F> {
 }
 
 impl<F> Consts<F> {
-    #[inline(always)]
+    #[cfg_attr(not(debug_assertions), inline(always))]
     fn new<S: Simd<F32 = F>>(s: S, plan: &Plan<'_>) -> Self {
         Consts {
             credit: s.splat_f32(plan.credit),
@@ -221,178 +308,140 @@ impl<F> Consts<F> {
     }
 }
 
-/// The costs of group `i` of mask word `w` in shape (`DECODE`, `REQ`): the
+/// A lane group's index within its mask word: a constant ([`At`], for the
+/// unrolled loop over a whole word, whose atomic loads then need no address
+/// arithmetic) or a run-time one ([`Dyn`]).
+trait Group: Copy {
+    /// The index (`< 8`).
+    fn index(self) -> usize;
+    /// This group of word `w` of `col`, as `f32` lanes.
+    fn values<S: Simd, W: GroupValues>(self, s: S, col: W, w: usize) -> S::F32;
+}
+
+/// Group `I` of a word.
+#[derive(Clone, Copy)]
+struct At<const I: usize>;
+
+impl<const I: usize> Group for At<I> {
+    #[cfg_attr(not(debug_assertions), inline(always))]
+    fn index(self) -> usize {
+        I
+    }
+    #[cfg_attr(not(debug_assertions), inline(always))]
+    fn values<S: Simd, W: GroupValues>(self, s: S, col: W, w: usize) -> S::F32 {
+        col.values_f32_at::<S, I>(s, w)
+    }
+}
+
+/// A group chosen at run time.
+#[derive(Clone, Copy)]
+struct Dyn(usize);
+
+impl Group for Dyn {
+    #[cfg_attr(not(debug_assertions), inline(always))]
+    fn index(self) -> usize {
+        self.0
+    }
+    #[cfg_attr(not(debug_assertions), inline(always))]
+    fn values<S: Simd, W: GroupValues>(self, s: S, col: W, w: usize) -> S::F32 {
+        col.values_f32(s, w, self.0)
+    }
+}
+
+/// Bits of a loop's shape: the decode formula (else the prefill one).
+const DECODE: u8 = 1;
+/// Bits of a loop's shape: active requests weighted.
+const REQ: u8 = 2;
+/// Bits of a loop's shape: the prefill term's scale is 1.
+const UNSCALED: u8 = 4;
+
+/// The costs of group `g` of mask word `w` in shape `SHAPE` (the bits
+/// [`DECODE`], [`REQ`], [`UNSCALED`]): the
 /// operations of [`cost_lanes`](super::cost_lanes) for that shape, in its
 /// order.
-#[inline(always)]
-fn fast_cost_lanes<S: Simd, W: GroupValues, const DECODE: bool, const REQ: bool>(
+#[cfg_attr(not(debug_assertions), inline(always))]
+fn fast_cost_lanes<S: Simd, W: GroupValues, const SHAPE: u8, G: Group>(
     s: S,
     k: &Consts<S::F32>,
     cols: &Cols<'_, W>,
     w: usize,
-    i: usize,
+    g: G,
 ) -> S::F32 {
-    let decode_cost = cols.decode.values_f32(s, w, i) + k.added;
+    let i = g.index();
+    let decode_cost = g.values(s, cols.decode, w) + k.added;
     let credit = k.credit * s.load_f32(&cols.device[w][i]);
-    let cost = if DECODE {
+    let cost = if SHAPE & DECODE != 0 {
         (decode_cost - credit).max(k.zero)
     } else {
         let cached = s.load_f32(&cols.cached[w][i]);
-        let with_load = (cols.prefill.values_f32(s, w, i) + cached.max(k.isl)) / k.bs;
-        k.scale * (with_load - credit).max(k.zero) + decode_cost
+        let with_load = (g.values(s, cols.prefill, w) + cached.max(k.isl)) / k.bs;
+        let prefill = (with_load - credit).max(k.zero);
+        // `1 * x` is `x`, bit for bit (NaN payloads aside, which no test
+        // promises): the multiply is left out at the default scale.
+        if SHAPE & UNSCALED != 0 {
+            prefill + decode_cost
+        } else {
+            k.scale * prefill + decode_cost
+        }
     };
-    if REQ {
-        cost + k.req_w * cols.requests.values_f32(s, w, i)
+    if SHAPE & REQ != 0 {
+        cost + k.req_w * g.values(s, cols.requests, w)
     } else {
         cost
     }
 }
 
-/// The loop of one shape: the search for the next group that may hold the
-/// minimum ([`next_candidate`]), then the running minimum's fold, inlined
-/// (a call would clobber every vector register of the loop).
-#[inline(always)]
-fn scan_loop<S: Simd, W: GroupValues, const DECODE: bool, const REQ: bool>(
+/// The fused argmin's loop in one shape: each mask word's lane-wise least
+/// eligible cost (ineligible lanes `+inf`, NaN passed over: `min` takes the
+/// cost first) pushed into `least`, every cost of a group with an eligible
+/// row folded into `hi` (`max`, NaN ignored). `hi` may therefore also hold
+/// an ineligible row's cost of such a group: it only decides whether the
+/// finiteness check runs, and that check reads eligible rows only. Whole
+/// mask words of eligible rows take no mask work.
+#[cfg_attr(not(debug_assertions), inline(always))]
+fn least_loop<S: Simd, W: GroupValues, const SHAPE: u8>(
     s: S,
     plan: &Plan<'_>,
     cols: Cols<'_, W>,
     mask: &[u64],
-    ties: &mut Ties,
-    hi: &mut S::F32,
-) {
-    let mut g = 0;
-    let mut folds = 0;
-    while let Some((at, c, bits)) = next_candidate::<S, W, DECODE, REQ>(s, plan, &cols, mask, g, ties.best, hi) {
-        ties.fold_lanes(s, at, c, bits);
-        g = at + 1;
-        folds += 1;
-        if folds == FOLDS_BEFORE_TIE_LOOP {
-            tie_loop::<S, W, DECODE, REQ>(s, plan, &cols, mask, g, ties, hi);
-            return;
-        }
-    }
-}
-
-/// Groups folded by [`scan_loop`]'s search before it hands the rest of the
-/// scan to [`tie_loop`]: a fleet where this many groups hold the running
-/// minimum or tie with it (idle workers, nothing cached: every group ties)
-/// is cheaper to scan with the fold in the loop than by leaving and
-/// re-entering the search at every group.
-const FOLDS_BEFORE_TIE_LOOP: usize = 8;
-
-/// The rest of [`scan_loop`]'s scan from lane group `g` on, with the fold
-/// inside the loop: every group's costs folded into `hi` (as
-/// [`next_candidate`] does) and, where an eligible lane is `<= best`, into
-/// the running minimum and its ties.
-#[inline(always)]
-fn tie_loop<S: Simd, W: GroupValues, const DECODE: bool, const REQ: bool>(
-    s: S,
-    plan: &Plan<'_>,
-    cols: &Cols<'_, W>,
-    mask: &[u64],
-    g: usize,
-    ties: &mut Ties,
+    least: &mut Least<'_, S, f32>,
     hi: &mut S::F32,
 ) {
     let k = Consts::new(s, plan);
-    let mut run = TieRun::new(ties);
-    let mut best = s.splat_f32(run.best);
+    let inf = s.splat_f32(f32::INFINITY);
     let mut acc = *hi;
-    for w in g / 8..cols.device.len() {
+    for w in 0..cols.device.len() {
         let word = mask.get(w).copied().unwrap_or(0);
-        let from = if w == g / 8 { g % 8 } else { 0 };
-        if word == u64::MAX && from == 0 {
-            for i in 0..8 {
-                let c = fast_cost_lanes::<S, W, DECODE, REQ>(s, &k, cols, w, i);
+        let mut lo = inf;
+        if word == u64::MAX {
+            for_each_group!(g => {
+                let c = fast_cost_lanes::<S, W, SHAPE, _>(s, &k, &cols, w, g);
                 acc = c.max(acc);
-                let le = c.cmp_le(best).bits();
-                if le != 0 && run.fold_le(s, w * 8 + i, c, best, le, 0xFF) {
-                    best = s.splat_f32(run.best);
-                }
-            }
+                lo = c.min(lo);
+            });
         } else if word != 0 {
-            for i in from..8 {
+            for i in 0..8 {
                 let bits = (word >> (i * 8)) as u8;
                 if bits == 0 {
                     continue;
                 }
-                let c = fast_cost_lanes::<S, W, DECODE, REQ>(s, &k, cols, w, i);
+                let c = fast_cost_lanes::<S, W, SHAPE, _>(s, &k, &cols, w, Dyn(i));
                 acc = c.max(acc);
-                let le = c.cmp_le(best).bits() & bits;
-                if le != 0 && run.fold_le(s, w * 8 + i, c, best, le, bits) {
-                    best = s.splat_f32(run.best);
-                }
+                lo = s.lane_mask(bits).cast_f32().blend(c, inf).min(lo);
             }
         }
-    }
-    run.finish();
-    *hi = acc;
-}
-
-/// From lane group `g` on, the first group with an eligible cost `<= best`
-/// (its index, its costs, and its eligible lanes: the fold reads only
-/// those), folding every cost of each group that has an eligible row into
-/// `hi` (`max`, NaN ignored) on the way. `hi` may therefore also hold an
-/// ineligible row's cost of that group: it only decides whether the
-/// finiteness check runs, and that check reads eligible rows only. Whole
-/// mask words of eligible rows take no mask work, all-zero words are
-/// skipped, and a partly eligible group costs one scalar `and`.
-#[inline(always)]
-fn next_candidate<S: Simd, W: GroupValues, const DECODE: bool, const REQ: bool>(
-    s: S,
-    plan: &Plan<'_>,
-    cols: &Cols<'_, W>,
-    mask: &[u64],
-    g: usize,
-    best: f32,
-    hi: &mut S::F32,
-) -> Option<(usize, S::F32, u8)> {
-    let k = Consts::new(s, plan);
-    let best = s.splat_f32(best);
-    let words = cols.device.len();
-    let mut acc = *hi;
-    let mut found = None;
-    let (mut w, mut from) = (g / 8, g % 8);
-    'words: while w < words {
-        let word = mask.get(w).copied().unwrap_or(0);
-        if word == u64::MAX && from == 0 {
-            for i in 0..8 {
-                let c = fast_cost_lanes::<S, W, DECODE, REQ>(s, &k, cols, w, i);
-                acc = c.max(acc);
-                if c.cmp_le(best).bits() != 0 {
-                    found = Some((w * 8 + i, c, 0xFF));
-                    break 'words;
-                }
-            }
-        } else if word != 0 {
-            for i in from..8 {
-                let bits = (word >> (i * 8)) as u8;
-                if bits == 0 {
-                    continue;
-                }
-                // No lane mask: `hi` takes every lane of a group with an
-                // eligible row (see above), and the candidate test keeps
-                // only the eligible lanes' bits.
-                let c = fast_cost_lanes::<S, W, DECODE, REQ>(s, &k, cols, w, i);
-                acc = c.max(acc);
-                if c.cmp_le(best).bits() & bits != 0 {
-                    found = Some((w * 8 + i, c, bits));
-                    break 'words;
-                }
-            }
-        }
-        w += 1;
-        from = 0;
+        // Remembered, not folded: the fold's lanes would not fit in the
+        // registers the costs need; the tie cells are counted afterwards.
+        least.remember(w, lo);
     }
     *hi = acc;
-    found
 }
 
 /// `kv_cost`'s loop in one shape: each lane group's costs (`+inf` on
 /// ineligible rows) stored and folded into the lane-wise `lo` (`<`) and
 /// `hi` (`>`, eligible lanes only), as its general loop does.
-#[inline(always)]
-fn column_loop<S: Simd, W: GroupValues, const DECODE: bool, const REQ: bool>(
+#[cfg_attr(not(debug_assertions), inline(always))]
+fn column_loop<S: Simd, W: GroupValues, const SHAPE: u8>(
     s: S,
     plan: &Plan<'_>,
     cols: Cols<'_, W>,
@@ -408,12 +457,14 @@ fn column_loop<S: Simd, W: GroupValues, const DECODE: bool, const REQ: bool>(
     for (w, dst) in out[..words].iter_mut().enumerate() {
         let word = mask.get(w).copied().unwrap_or(0);
         if word == u64::MAX {
-            for (i, dst) in dst.iter_mut().enumerate() {
-                let c = fast_cost_lanes::<S, W, DECODE, REQ>(s, &k, &cols, w, i);
-                l = c.cmp_lt(l).blend(c, l);
-                h = c.cmp_gt(h).blend(c, h);
-                *dst = c.to_array();
-            }
+            // `min` and `max` return their second operand where either is
+            // NaN or they are equal: the same lanes as the blends below.
+            for_each_group!(g => {
+                let c = fast_cost_lanes::<S, W, SHAPE, _>(s, &k, &cols, w, g);
+                l = c.min(l);
+                h = c.max(h);
+                dst[g.index()] = c.to_array();
+            });
         } else {
             for (i, dst) in dst.iter_mut().enumerate() {
                 let bits = (word >> (i * 8)) as u8;
@@ -422,7 +473,7 @@ fn column_loop<S: Simd, W: GroupValues, const DECODE: bool, const REQ: bool>(
                     continue;
                 }
                 let on = s.lane_mask(bits).cast_f32();
-                let c = on.blend(fast_cost_lanes::<S, W, DECODE, REQ>(s, &k, &cols, w, i), inf);
+                let c = on.blend(fast_cost_lanes::<S, W, SHAPE, _>(s, &k, &cols, w, Dyn(i)), inf);
                 l = c.cmp_lt(l).blend(c, l);
                 h = (on & c.cmp_gt(h)).blend(c, h);
                 *dst = c.to_array();

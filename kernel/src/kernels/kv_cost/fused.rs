@@ -3,27 +3,26 @@
 //! argmin needs, with no cost column.
 //!
 //! ```text
-//! best = +inf; ties = 0; tie groups = []       (a bounded list, in row order)
-//! per lane group g (the partial last one padded with +inf):
-//!     c    = cost lanes; hi = max(hi, c)                           (NaN ignored)
-//!     if no eligible lane has c <= best: next           (the common case; NaN never is)
-//!     m = min of the group's eligible lanes
-//!     m <  best: best = m, ties = 0, tie groups = []
-//!     ties += #lanes == best; remember (g, those lanes) while there is room
-//! best, hi not both finite: refuse (NonFiniteCost) if an eligible cost is,
+//! per mask word of whole lane groups:
+//!     c    = each group's cost lanes; hi = max(hi, c)              (NaN ignored)
+//!     the word's lane-wise least cost (ineligible lanes +inf, NaN passed
+//!     over) goes to the argmin's pass-1 state (`argmin::Least`)
+//! the rows past the last whole lane group: their costs one by one
+//! min, hi not both finite: refuse (NonFiniteCost) if an eligible cost is,
 //!     as the checked pick does
-//! k = 0 if ties == 1 else rng.below(ties)                        (the same draw)
-//! the k-th tie: from the remembered groups, or by recomputing the groups
-//! after the last remembered one (only when more groups tie than fit)
+//! the rest is the argmin's (`argmin::pick_least`): the tie cells, the
+//! rejection draw, the tie count and the k-th tie, reading single rows'
+//! and words' costs again (computed the same way) where it needs them
 //! ```
 //!
 //! `hi` only decides whether the finiteness check runs (which reads eligible
 //! rows only): the one-shape loops of `fast` fold a partly eligible group's
 //! ineligible lanes into it too, instead of masking them per group.
 //!
-//! The result, the draw and the error are those of [`kv_cost`] followed by
-//! [`pick_in_range`](crate::kernels::pick::pick_in_range) at temperature 0,
-//! which the differential tests check.
+//! The result, the draws and the error are those of [`kv_cost`](super::kv_cost)
+//! followed by [`pick_in_range`](crate::kernels::pick::pick_in_range) at
+//! temperature 0 (the argmin over the cost column), which the differential
+//! tests check.
 //!
 //! This module must not book or allocate.
 
@@ -32,11 +31,13 @@ use super::{
     check, cost_lanes, prepare, row_cost, row_inputs, CostRange, KvCostConfig, KvCostError, KvLoad, KvOverlap,
     KvRequest, Prepared,
 };
+use crate::kernels::argmin::{
+    argmin_reference_by, least_room, pick_in_one_word, pick_least, ArgminKey, Least, REMEMBERED_WORDS,
+};
 use crate::lanes::{U32Source, LANES};
 use crate::mask::{contains, group_bits};
 use crate::simd::{dispatch, F32Lanes, Simd, U32Lanes};
 use crate::Rng;
-use core::mem::MaybeUninit;
 
 /// The row [`kv_cost_argmin`] chose and its cost.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -47,26 +48,19 @@ pub struct KvChoice {
     pub cost: f32,
 }
 
-/// Lane groups holding ties at the running minimum that the pass remembers
-/// on the stack (row order; 1 KiB, left uninitialised until written, so a
-/// call that ties little pays nothing for the room): past them, the k-th
-/// tie is found by recomputing the later groups' costs. 128 groups hold an
-/// idle fleet of 1,024 rows.
-const REMEMBERED_TIE_GROUPS: usize = 128;
-
 dispatch! {
     /// The default KV cost of every eligible row and the temperature-0 pick
     /// over it, in one pass without a cost column (SIMD): the eligible row of
     /// least cost, ties uniformly at random, and its cost.
     ///
-    /// The same row, draw and errors as [`kv_cost`](super::kv_cost) into a
+    /// The same row, draws and errors as [`kv_cost`](super::kv_cost) into a
     /// column followed by
     /// [`pick_in_range`](crate::kernels::pick::pick_in_range) at
-    /// temperature 0: one `rng.below` draw iff several eligible rows share the
-    /// least cost; `Ok(None)` when no row is eligible (or every eligible cost
-    /// is NaN); [`KvCostError::NonFiniteCost`] when an eligible cost is
-    /// infinite (naming the first NaN or infinite eligible row); the
-    /// configuration and column checks of `kv_cost`.
+    /// temperature 0 (no draw when one eligible row has the least cost);
+    /// `Ok(None)` when no row is eligible (or every eligible cost is NaN);
+    /// [`KvCostError::NonFiniteCost`] when an eligible cost is infinite
+    /// (naming the first NaN or infinite eligible row); the configuration
+    /// and column checks of `kv_cost`.
     ///
     /// ```
     /// use core::num::NonZeroU32;
@@ -93,146 +87,63 @@ dispatch! {
         = |s| kv_cost_argmin_in(s, config, request, load, overlap, mask, rng)
 }
 
-/// The running minimum and its ties.
-pub(super) struct Ties {
-    pub(super) best: f32,
-    count: usize,
-    /// The remembered groups: those below `listed` are written.
-    groups: [MaybeUninit<(u32, u8)>; REMEMBERED_TIE_GROUPS],
-    /// Groups remembered; once the room is full, later tie groups are
-    /// only counted.
-    listed: usize,
+/// The cost column the argmin reads, computed where it is read: a row's
+/// cost by the reference's row function, a lane group's by
+/// [`cost_lanes`] (the same bits).
+struct Costs<'a, 'p, L: ?Sized> {
+    p: &'p Prepared,
+    load: &'p KvLoad<'a, L>,
+    overlap: &'p KvOverlap<'a>,
+    rows: usize,
+    /// The call's fast shape, if it has one: whole words read again by the
+    /// argmin take its loops' costs (the same bits, fewer instructions).
+    plan: Option<Plan<'a>>,
 }
 
-impl Ties {
-    /// Folds in group `g`'s costs `c` (NaN on ineligible lanes `!bits`),
-    /// some eligible lane of which is `<= best`. Inlined, so that a loop
-    /// keeps its vector registers (a call clobbers them all). Two lane
-    /// compares decide the common cases (a tie with `best`, or nothing); only
-    /// a new minimum goes through the lanes one by one.
-    #[inline(always)]
-    pub(super) fn fold_lanes<S: Simd>(&mut self, s: S, g: usize, c: S::F32, bits: u8) {
-        if c.cmp_lt(s.splat_f32(self.best)).bits() & bits != 0 {
-            self.lower(c.to_array(), bits);
-        }
-        let eq = c.cmp_eq(s.splat_f32(self.best)).bits() & bits;
-        self.tie(g, eq);
+/// Tie cells the fused scan's argmin counts rather than draws over: a word
+/// it reads again costs its eight groups' costs, about what eight tries
+/// cost. The KV cost column's argmin takes the same bound, so that both draw
+/// alike.
+pub(crate) const FEW_TIE_CELLS: usize = 8;
+
+impl<L: U32Source + ?Sized> ArgminKey for Costs<'_, '_, L> {
+    type Key = f32;
+    const FEW_CELLS: usize = FEW_TIE_CELLS;
+    #[cfg_attr(not(debug_assertions), inline(always))]
+    fn rows(&self) -> usize {
+        self.rows
     }
-
-    /// The group's eligible costs `c` (lanes `bits`) hold one below `best`:
-    /// it becomes the least of them, with no ties yet.
-    #[inline(always)]
-    fn lower(&mut self, c: [f32; LANES], bits: u8) {
-        let mut m = f32::INFINITY;
-        let mut b = bits;
-        while b != 0 {
-            let lane = b.trailing_zeros() as usize;
-            b &= b - 1;
-            if c[lane] < m {
-                m = c[lane];
-            }
-        }
-        self.best = m;
-        self.count = 0;
-        self.listed = 0;
+    #[cfg_attr(not(debug_assertions), inline(always))]
+    fn key(&self, row: usize) -> f32 {
+        row_cost(self.p, &row_inputs(self.load, self.overlap, self.p, row))
     }
-
-    /// The remembered tie groups, in row order.
-    fn listed(&self) -> &[(u32, u8)] {
-        let written = &self.groups[..self.listed];
-        // SAFETY: `remember`, the only writer of entries, writes an entry
-        // before it moves `listed` past it; `lower` and `TieRun` only set
-        // `listed` to 0 or to a count `remember` reached. `MaybeUninit<T>`
-        // has `T`'s size and alignment, so the written prefix is a
-        // `[(u32, u8)]`.
-        unsafe { &*(core::ptr::from_ref(written) as *const [(u32, u8)]) }
-    }
-
-    /// Counts group `g`'s lanes `eq` tied at `best` and remembers the group
-    /// while there is room.
-    #[inline(always)]
-    fn tie(&mut self, g: usize, eq: u8) {
-        if eq == 0 {
-            return;
-        }
-        remember(&mut self.groups, &mut self.count, &mut self.listed, g, eq);
-    }
-}
-
-/// Counts group `g`'s tied lanes `eq` into `count` and, while there is
-/// room, writes the group at `listed` and moves `listed` on (the one way
-/// [`Ties`] and [`TieRun`] fill the room).
-#[inline(always)]
-fn remember(
-    groups: &mut [MaybeUninit<(u32, u8)>; REMEMBERED_TIE_GROUPS],
-    count: &mut usize,
-    listed: &mut usize,
-    g: usize,
-    eq: u8,
-) {
-    *count += eq.count_ones() as usize;
-    if let Some(slot) = groups.get_mut(*listed) {
-        *slot = MaybeUninit::new((g as u32, eq));
-        *listed += 1;
-    }
-}
-
-/// [`Ties`] as a loop runs over it: the minimum and the counts in locals
-/// (registers), written back by [`finish`](Self::finish).
-pub(super) struct TieRun<'a> {
-    ties: &'a mut Ties,
-    pub(super) best: f32,
-    count: usize,
-    listed: usize,
-}
-
-impl<'a> TieRun<'a> {
-    pub(super) fn new(ties: &'a mut Ties) -> Self {
-        let (best, count, listed) = (ties.best, ties.count, ties.listed);
-        TieRun {
-            ties,
-            best,
-            count,
-            listed,
-        }
-    }
-
-    /// [`Ties::fold_lanes`] for a loop that has already compared: `le`
-    /// (not 0) are the eligible lanes (`bits`) of group `g` whose costs `c`
-    /// are `<= best` (`best_lanes` splat). Without a lane below `best`
-    /// those are exactly the ties (a NaN lane is in neither), so the common
-    /// case needs no equality compare. Returns whether `best` went down.
-    #[inline(always)]
-    pub(super) fn fold_le<S: Simd>(&mut self, s: S, g: usize, c: S::F32, best_lanes: S::F32, le: u8, bits: u8) -> bool {
-        let lowered = c.cmp_lt(best_lanes).bits() & bits != 0;
-        let eq = if lowered {
-            self.ties.lower(c.to_array(), bits);
-            (self.best, self.count, self.listed) = (self.ties.best, 0, 0);
-            c.cmp_eq(s.splat_f32(self.best)).bits() & bits
-        } else {
-            le
+    #[cfg_attr(not(debug_assertions), inline(always))]
+    fn key_in<S: Simd>(&self, s: S, row: usize) -> f32 {
+        // The row's lane group in registers: the same bits as the row alone
+        // (the differential tests check), in fewer instructions.
+        let g = row / LANES;
+        let lanes = match &self.plan {
+            Some(plan) if g / 8 < plan.words() => plan.group_costs(s, g),
+            _ => self.keys(s, g),
         };
-        remember(&mut self.ties.groups, &mut self.count, &mut self.listed, g, eq);
-        lowered
+        lanes.to_array()[row % LANES]
     }
-
-    /// Writes the minimum and the counts back.
-    pub(super) fn finish(self) {
-        (self.ties.best, self.ties.count, self.ties.listed) = (self.best, self.count, self.listed);
+    #[cfg_attr(not(debug_assertions), inline(always))]
+    fn keys<S: Simd>(&self, s: S, group: usize) -> S::F32 {
+        let avail = self.load.load_available.map_or(0xFF, |m| group_bits(m, group));
+        cost_lanes(s, self.p, self.load, self.overlap, group, avail)
     }
-}
-
-/// The `k`-th set bit of `bits` (`k < bits.count_ones()`).
-#[inline]
-fn nth_bit(mut bits: u8, k: usize) -> usize {
-    for _ in 0..k {
-        bits &= bits - 1;
+    #[cfg_attr(not(debug_assertions), inline(always))]
+    fn keys8<S: Simd>(&self, s: S, first_group: usize) -> [S::F32; 8] {
+        match &self.plan {
+            Some(plan) if first_group / 8 < plan.words() => plan.word_costs(s, first_group / 8),
+            _ => core::array::from_fn(|i| self.keys(s, first_group + i)),
+        }
     }
-    bits.trailing_zeros() as usize
 }
 
 /// The body of [`kv_cost_argmin`].
-#[inline(always)]
+#[cfg_attr(not(debug_assertions), inline(always))]
 fn kv_cost_argmin_in<S: Simd, L: U32Source + ?Sized>(
     s: S,
     config: &KvCostConfig,
@@ -244,172 +155,125 @@ fn kv_cost_argmin_in<S: Simd, L: U32Source + ?Sized>(
 ) -> Result<Option<KvChoice>, KvCostError> {
     let rows = check(config, load, overlap, usize::MAX)?;
     let p = prepare(s, config, request, load, mask, rows);
-    let groups = rows.div_ceil(LANES);
-    let group = |g: usize| group_costs(s, &p, load, overlap, mask, rows, g);
-    let mut ties = Ties {
-        best: f32::INFINITY,
-        count: 0,
-        groups: [const { MaybeUninit::uninit() }; REMEMBERED_TIE_GROUPS],
-        listed: 0,
+    let planned = (rows / LANES / 8).min(REMEMBERED_WORDS);
+    let costs = Costs {
+        p: &p,
+        load,
+        overlap,
+        rows,
+        plan: Plan::new(&p, load, overlap, planned),
     };
+    let groups = rows / LANES;
+    let words = groups.div_ceil(8);
+    if words <= 1 {
+        return one_word(s, &costs, mask, rng);
+    }
+    let mut room = least_room::<S, f32>();
+    let mut least = Least::new(s, &mut room);
     let mut hi = s.splat_f32(f32::NEG_INFINITY);
-    // The full lane groups in one loop compiled for the call's shape, when
-    // it has one (see `fast`); the rest group by group.
+    // The whole mask words in one loop compiled for the call's shape, when
+    // it has one (see `fast`); the rest word by word.
     let mut start = 0;
-    let words = rows / LANES / 8;
-    if let Some(plan) = Plan::new(&p, load, overlap, words) {
-        plan.scan(s, mask, &mut ties, &mut hi);
-        start = words * 8;
+    if let Some(plan) = &costs.plan {
+        plan.least(s, mask, &mut least, &mut hi);
+        start = planned;
     }
-    let mut best = s.splat_f32(ties.best);
-    for g in start..groups {
-        let (bits, c) = group(g);
-        if bits == 0 {
-            continue;
+    least.fold_from(s, start);
+    let inf = s.splat_f32(f32::INFINITY);
+    for w in start..words {
+        let mut lo = inf;
+        for g in w * 8..(w * 8 + 8).min(groups) {
+            let bits = group_bits(mask, g);
+            if bits == 0 {
+                continue;
+            }
+            let c = s
+                .lane_mask(bits)
+                .cast_f32()
+                .blend(costs.keys(s, g), s.splat_f32(f32::NAN));
+            // NaN on ineligible lanes: `max` and `min` (the costs first)
+            // pass over them, as over NaN costs.
+            hi = c.max(hi);
+            lo = c.min(lo);
         }
-        // `max` keeps `hi` where a lane is NaN: ineligible lanes and NaN
-        // costs are ignored, as `kv_cost`'s range ignores them.
-        hi = c.max(hi);
-        if c.cmp_le(best).bits() != 0 {
-            // Inlined: a fleet where most rows tie (idle workers, nothing
-            // cached) comes here for every group.
-            ties.fold_lanes(s, g, c, bits);
-            best = s.splat_f32(ties.best);
-        }
+        least.push(s, lo, lo);
     }
-    let hi = hi
+    let mut min = least.min();
+    let mut max = hi
         .to_array()
         .into_iter()
         .fold(f32::NEG_INFINITY, |a, b| if b > a { b } else { a });
-    let range = CostRange {
-        min: ties.best,
-        max: hi,
-    };
+    // The rows past the last whole lane group, one by one.
+    for row in (groups * LANES..rows).filter(|&r| contains(mask, r)) {
+        let c = costs.key(row);
+        if c < min {
+            min = c;
+        }
+        if c > max {
+            max = c;
+        }
+    }
+    let range = CostRange { min, max };
     if range.min > range.max || (range.min.is_nan() || range.max.is_nan()) {
         return Ok(None);
     }
     if !(range.min.is_finite() && range.max.is_finite()) {
-        if let Some(row) = first_non_finite(&p, load, overlap, mask, rows) {
+        if let Some(row) = first_non_finite(&costs, mask) {
             return Err(KvCostError::NonFiniteCost { row });
         }
         // Every eligible cost is finite: `hi` took an ineligible lane's cost
-        // (the one-shape loops fold whole groups), and the ties stand; or a
-        // live column changed since the pass and no finite minimum was seen.
-        if !range.min.is_finite() {
-            return Ok(settle(&p, load, overlap, mask, rows));
-        }
+        // (the one-shape loops fold whole groups), and the minimum stands;
+        // or a live column changed since the pass and no finite minimum was
+        // seen: the argmin's last resort decides.
     }
-    let mut k = if ties.count > 1 {
-        rng.below(ties.count as u64) as usize
-    } else {
-        0
-    };
-    let listed = ties.listed();
-    for &(g, eq) in listed {
-        let c = eq.count_ones() as usize;
-        if k < c {
-            return Ok(Some(KvChoice {
-                row: g as usize * LANES + nth_bit(eq, k),
-                cost: range.min,
-            }));
-        }
-        k -= c;
-    }
-    // More groups tied than were remembered: recompute the later ones.
-    let after = listed.last().map_or(0, |&(g, _)| g as usize + 1);
-    let target = s.splat_f32(range.min);
-    for g in after..groups {
-        let (bits, c) = group(g);
-        let eq = c.cmp_eq(target).bits() & bits;
-        let n = eq.count_ones() as usize;
-        if k < n {
-            return Ok(Some(KvChoice {
-                row: g * LANES + nth_bit(eq, k),
-                cost: range.min,
-            }));
-        }
-        k -= n;
-    }
-    // Fewer ties than the pass counted: a live column (the fleet's load)
-    // changed between the passes.
-    Ok(settle(&p, load, overlap, mask, rows))
+    Ok(pick_least(s, &costs, mask, &least, range.min, rng).map(|row| KvChoice { row, cost: range.min }))
 }
 
-/// The last resort when a live column changed between the passes so that
-/// the chosen tie vanished: the first eligible row of least cost as this
-/// single pass computes it (each row's cost once, NaN ignored), or `None`
-/// when no eligible row has a cost that is not NaN. Never reached for columns
-/// that do not change during the call, so the kernel and its reference
-/// still agree on every immutable input.
-#[cold]
-#[inline(never)]
-fn settle<L: U32Source + ?Sized>(
-    p: &Prepared,
-    load: &KvLoad<'_, L>,
-    overlap: &KvOverlap<'_>,
-    mask: &[u64],
-    rows: usize,
-) -> Option<KvChoice> {
-    let mut best: Option<KvChoice> = None;
-    for row in (0..rows).filter(|&r| contains(mask, r)) {
-        let cost = row_cost(p, &row_inputs(load, overlap, p, row));
-        if best.is_none_or(|b| cost < b.cost) {
-            best = Some(KvChoice { row, cost });
-        }
-    }
-    best.filter(|b| !b.cost.is_nan())
-}
-
-/// The eligible bits of lane group `g` and its costs, NaN on ineligible
-/// lanes (which every comparison and `max` then ignore, as they ignore NaN
-/// costs) (a function, not a closure: closures do not inherit the entry
-/// point's target features when LLVM declines to inline them).
-#[inline(always)]
-fn group_costs<S: Simd, L: U32Source + ?Sized>(
+/// [`kv_cost_argmin_in`] for at most one mask word of whole lane groups (at
+/// most 71 rows): each group's costs computed once, kept for the argmin.
+#[cfg_attr(not(debug_assertions), inline(always))]
+fn one_word<S: Simd, L: U32Source + ?Sized>(
     s: S,
-    p: &Prepared,
-    load: &KvLoad<'_, L>,
-    overlap: &KvOverlap<'_>,
+    costs: &Costs<'_, '_, L>,
     mask: &[u64],
-    rows: usize,
-    g: usize,
-) -> (u8, S::F32) {
-    let full = rows / LANES;
+    rng: &mut Rng,
+) -> Result<Option<KvChoice>, KvCostError> {
+    let groups = costs.rows / LANES;
     let nan = s.splat_f32(f32::NAN);
-    let mut bits = group_bits(mask, g);
-    if g >= full {
-        bits &= ((1u16 << (rows - g * LANES)) - 1) as u8;
-    }
-    if bits == 0 {
-        return (0, nan);
-    }
-    let c = if g < full {
-        let avail = load.load_available.map_or(0xFF, |m| group_bits(m, g));
-        cost_lanes(s, p, load, overlap, g, avail)
-    } else {
-        s.load_f32(&tail_costs(p, load, overlap, g, bits))
+    // A whole word in the call's fast shape through its loop's costs.
+    let raw = match &costs.plan {
+        Some(plan) if plan.words() == 1 => plan.word_costs(s, 0),
+        _ => core::array::from_fn(|g| if g < groups { costs.keys(s, g) } else { nan }),
     };
-    (bits, s.lane_mask(bits).cast_f32().blend(c, nan))
-}
-
-/// The costs of the partial last lane group `g` (its eligible rows `bits`),
-/// `+inf` elsewhere: the reference's row function, as `kv_cost` does.
-#[cold]
-#[inline(never)]
-fn tail_costs<L: U32Source + ?Sized>(
-    p: &Prepared,
-    load: &KvLoad<'_, L>,
-    overlap: &KvOverlap<'_>,
-    g: usize,
-    bits: u8,
-) -> [f32; LANES] {
-    core::array::from_fn(|lane| {
-        if bits >> lane & 1 == 1 {
-            row_cost(p, &row_inputs(load, overlap, p, g * LANES + lane))
-        } else {
-            f32::INFINITY
-        }
-    })
+    let keys: [S::F32; 8] = core::array::from_fn(|g| {
+        let bits = if g < groups { group_bits(mask, g) } else { 0 };
+        // NaN on ineligible lanes: passed over by `min` and `max`.
+        s.lane_mask(bits).cast_f32().blend(raw[g], nan)
+    });
+    let (mut min, mut max) = (f32::INFINITY, f32::NEG_INFINITY);
+    let (mut lo, mut hi) = (s.splat_f32(f32::INFINITY), s.splat_f32(f32::NEG_INFINITY));
+    for &c in &keys {
+        (lo, hi) = (c.min(lo), c.max(hi));
+    }
+    for (l, h) in lo.to_array().into_iter().zip(hi.to_array()) {
+        min = if l < min { l } else { min };
+        max = if h > max { h } else { max };
+    }
+    for row in (groups * LANES..costs.rows).filter(|&r| contains(mask, r)) {
+        let c = costs.key(row);
+        min = if c < min { c } else { min };
+        max = if c > max { c } else { max };
+    }
+    if min > max || min.is_nan() || max.is_nan() {
+        return Ok(None);
+    }
+    if !(min.is_finite() && max.is_finite()) {
+        // Every lane of `keys` is an eligible row's cost or NaN: the range
+        // is what the checked pick sees.
+        let row = first_non_finite(costs, mask).unwrap_or(0);
+        return Err(KvCostError::NonFiniteCost { row });
+    }
+    Ok(pick_in_one_word(s, costs, mask, &keys, min, rng).map(|row| KvChoice { row, cost: min }))
 }
 
 /// For a non-finite cost range: the first eligible row whose cost is NaN or
@@ -417,20 +281,13 @@ fn tail_costs<L: U32Source + ?Sized>(
 /// changed since the range was computed and every cost is finite now).
 #[cold]
 #[inline(never)]
-fn first_non_finite<L: U32Source + ?Sized>(
-    p: &Prepared,
-    load: &KvLoad<'_, L>,
-    overlap: &KvOverlap<'_>,
-    mask: &[u64],
-    rows: usize,
-) -> Option<usize> {
-    (0..rows).find(|&r| contains(mask, r) && !row_cost(p, &row_inputs(load, overlap, p, r)).is_finite())
+fn first_non_finite<L: U32Source + ?Sized>(costs: &Costs<'_, '_, L>, mask: &[u64]) -> Option<usize> {
+    (0..costs.rows).find(|&r| contains(mask, r) && !costs.key(r).is_finite())
 }
 
 /// Scalar reference of [`kv_cost_argmin`]: [`kv_cost_reference`](super::kv_cost_reference)'s
-/// row costs and the reference argmin (least cost, NaN ignored; one draw
-/// over the ties), recomputing each row's cost per pass instead of storing
-/// a column.
+/// row costs and the reference argmin over them, recomputing each row's
+/// cost where it is read instead of storing a column.
 pub fn kv_cost_argmin_reference<L: U32Source + ?Sized>(
     config: &KvCostConfig,
     request: &KvRequest,
@@ -455,10 +312,5 @@ pub fn kv_cost_argmin_reference<L: U32Source + ?Sized>(
         let row = eligible().find(|&r| !cost(r).is_finite()).unwrap_or(0);
         return Err(KvCostError::NonFiniteCost { row });
     }
-    let ties = eligible().filter(|&r| cost(r) == min).count();
-    let k = if ties > 1 { rng.below(ties as u64) as usize } else { 0 };
-    Ok(eligible()
-        .filter(|&r| cost(r) == min)
-        .nth(k)
-        .map(|row| KvChoice { row, cost: min }))
+    Ok(argmin_reference_by(rows, mask, f32::INFINITY, FEW_TIE_CELLS, cost, rng).map(|row| KvChoice { row, cost: min }))
 }
