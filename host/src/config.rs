@@ -133,6 +133,14 @@ fn check_bounds(text: &str, indentation: bool) -> Result<(), ConfigError> {
     Ok(())
 }
 
+/// A parser's error, kept as the source of [`ConfigError::Parse`].
+fn parse_error(format: &'static str, e: impl std::error::Error + Send + Sync + 'static) -> ConfigError {
+    ConfigError::Parse {
+        format,
+        source: Box::new(e),
+    }
+}
+
 /// One named policy instance: a type and its parameters.
 #[derive(Clone, Debug, PartialEq)]
 pub struct WorkerSelectionInstance {
@@ -198,16 +206,16 @@ impl WorkerSelectionConfig {
     /// Parses YAML (bounded first: see the module docs).
     pub fn from_yaml_str(text: &str) -> Result<Self, ConfigError> {
         check_bounds(text, true)?;
-        let raw: RawConfig = serde_yaml::from_str(text).map_err(|e| ConfigError::Parse(e.to_string()))?;
+        let raw: RawConfig = serde_yaml::from_str(text).map_err(|e| parse_error("YAML", e))?;
         Self::resolve_raw(raw)
     }
 
     /// Parses TOML (bounded first: see the module docs).
     pub fn from_toml_str(text: &str) -> Result<Self, ConfigError> {
         check_bounds(text, false)?;
-        let value: toml::Value = toml::from_str(text).map_err(|e| ConfigError::Parse(e.to_string()))?;
-        let yaml = serde_yaml::to_value(value).map_err(|e| ConfigError::Parse(e.to_string()))?;
-        let raw: RawConfig = serde_yaml::from_value(yaml).map_err(|e| ConfigError::Parse(e.to_string()))?;
+        let value: toml::Value = toml::from_str(text).map_err(|e| parse_error("TOML", e))?;
+        let yaml = serde_yaml::to_value(value).map_err(|e| parse_error("TOML", e))?;
+        let raw: RawConfig = serde_yaml::from_value(yaml).map_err(|e| parse_error("TOML", e))?;
         Self::resolve_raw(raw)
     }
 
@@ -239,32 +247,22 @@ impl WorkerSelectionConfig {
 
     fn resolve_raw(raw: RawConfig) -> Result<Self, ConfigError> {
         let mut instances = BTreeMap::new();
-        for i in raw.instances {
+        for (index, i) in raw.instances.into_iter().enumerate() {
             if i.name.is_empty() || i.policy_type.is_empty() {
-                return Err(ConfigError::Validation(
-                    "instance name and type must not be empty".into(),
-                ));
+                return Err(ConfigError::EmptyInstanceField { index });
             }
             if i.name == "default" {
-                return Err(ConfigError::Validation(
-                    "instance name \"default\" is reserved for the kv policy".into(),
-                ));
+                return Err(ConfigError::ReservedInstanceName);
             }
             if !matches!(i.parameters, serde_yaml::Value::Null | serde_yaml::Value::Mapping(_)) {
-                return Err(ConfigError::Validation(format!(
-                    "parameters of instance {:?} must be a mapping",
-                    i.name
-                )));
+                return Err(ConfigError::ParametersNotAMapping { instance: i.name });
             }
             let inst = WorkerSelectionInstance {
                 policy_type: i.policy_type,
                 parameters: WorkerSelectionPolicyParameters::new(i.parameters),
             };
             if instances.insert(i.name.clone(), inst).is_some() {
-                return Err(ConfigError::Validation(format!(
-                    "instance {:?} is defined twice",
-                    i.name
-                )));
+                return Err(ConfigError::DuplicateInstance { instance: i.name });
             }
         }
         let config = WorkerSelectionConfig {

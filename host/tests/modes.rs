@@ -801,10 +801,30 @@ fn the_dwell_bounds_how_many_requests_in_a_row_the_margin_keeps() {
         max_dwell: KvRouterConfig::MAX_DWELL + 1,
         ..KvRouterConfig::default()
     };
-    assert!(bad.validate().unwrap_err().contains("max_dwell"));
+    assert!(
+        matches!(
+            bad.validate(),
+            Err(WorkerSelectionPolicyProviderError::OutOfRange { field: "max_dwell", value, max, .. })
+                if value == f64::from(KvRouterConfig::MAX_DWELL + 1) && max == f64::from(KvRouterConfig::MAX_DWELL)
+        ),
+        "{:?}",
+        bad.validate()
+    );
     let bad = KvRouterConfig {
         switch_margin: -1.0,
         ..KvRouterConfig::default()
     };
-    assert!(bad.validate().unwrap_err().contains("switch_margin"));
+    assert!(
+        matches!(
+            bad.validate(),
+            Err(WorkerSelectionPolicyProviderError::OutOfRange {
+                field: "switch_margin",
+                value: -1.0,
+                min: 0.0,
+                ..
+            })
+        ),
+        "{:?}",
+        bad.validate()
+    );
 }

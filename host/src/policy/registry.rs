@@ -54,7 +54,7 @@ impl WorkerSelectionPolicyParameters {
             serde_yaml::Value::Null => serde_yaml::Value::Mapping(Default::default()),
             v => v.clone(),
         };
-        serde_yaml::from_value(v).map_err(|e| WorkerSelectionPolicyProviderError::new(e.to_string()))
+        serde_yaml::from_value(v).map_err(|e| WorkerSelectionPolicyProviderError::Parameters { source: Box::new(e) })
     }
 
     /// The raw value.
@@ -90,9 +90,7 @@ fn no_params(p: &WorkerSelectionPolicyParameters) -> Result<(), WorkerSelectionP
     match p.value() {
         serde_yaml::Value::Null => Ok(()),
         serde_yaml::Value::Mapping(m) if m.is_empty() => Ok(()),
-        _ => Err(WorkerSelectionPolicyProviderError::new(
-            "this policy takes no parameters",
-        )),
+        _ => Err(WorkerSelectionPolicyProviderError::UnexpectedParameters),
     }
 }
 
@@ -115,7 +113,7 @@ fn builtin(name: &str) -> Option<WorkerSelectionPolicyProvider> {
             let explicit = !matches!(p.value(), serde_yaml::Value::Null)
                 && !matches!(p.value(), serde_yaml::Value::Mapping(m) if m.is_empty());
             let parsed: KvRouterConfig = p.deserialize()?;
-            parsed.validate().map_err(WorkerSelectionPolicyProviderError::new)?;
+            parsed.validate()?;
             Ok(Arc::new(
                 move |base: &KvRouterConfig, t: WorkerType, _: RoutingPartitionRef<'_>| {
                     WorkerSelectionPolicy::kv(if explicit { parsed } else { *base }, t)
@@ -137,7 +135,7 @@ fn builtin(name: &str) -> Option<WorkerSelectionPolicyProvider> {
         }),
         "prefix-hash" => Arc::new(|p: &WorkerSelectionPolicyParameters| {
             let c: PrefixHashConfig = p.deserialize()?;
-            c.validate().map_err(WorkerSelectionPolicyProviderError::new)?;
+            c.validate()?;
             Ok(
                 Arc::new(move |_: &KvRouterConfig, t: WorkerType, _: RoutingPartitionRef<'_>| {
                     WorkerSelectionPolicy::builtin(PolicyKind::PrefixHash(c), "prefix-hash", t)
