@@ -655,7 +655,7 @@ fn prefix_hash_moves_only_the_keys_of_a_departed_worker() {
 #[test]
 fn prefix_hash_parameters_come_from_the_registry() {
     let r = WorkerSelectionPolicyRegistry::new();
-    let params = |yaml: &str| WorkerSelectionPolicyParameters::new(serde_yaml::from_str(yaml).unwrap());
+    let params = |yaml: &str| serde_saphyr::from_str::<WorkerSelectionPolicyParameters>(yaml).unwrap();
     let p = r
         .build(
             "prefix-hash",
@@ -668,13 +668,28 @@ fn prefix_hash_parameters_come_from_the_registry() {
     assert_eq!(p.name(), "prefix-hash");
     for (yaml, field) in [
         ("{load_factor: 0.5}", "load_factor"),
-        ("{load_factor: .nan}", "load_factor"),
         ("{prefix_blocks: 0}", "prefix_blocks"),
         ("{prefix_block: 3}", "prefix_block"),
     ] {
         let err = r.factory("prefix-hash", &params(yaml)).err().unwrap().to_string();
         assert!(err.contains(field), "{yaml}: {err}");
     }
+    // A NaN is refused where it is written, in YAML and in TOML, and from code.
+    assert!(serde_saphyr::from_str::<WorkerSelectionPolicyParameters>("{load_factor: .nan}").is_err());
+    let toml = "[[instances]]\nname = \"p\"\ntype = \"prefix-hash\"\nparameters = { load_factor = nan }\n";
+    let err = WorkerSelectionConfig::from_toml_str(toml).unwrap_err().to_string();
+    assert!(err.contains("finite"), "{err}");
+    let nan = PrefixHashConfig {
+        load_factor: f64::NAN,
+        ..PrefixHashConfig::default()
+    };
+    assert!(matches!(
+        WorkerSelectionPolicy::prefix_hash(nan),
+        Err(WorkerSelectionPolicyProviderError::OutOfRange {
+            field: "load_factor",
+            ..
+        })
+    ));
 }
 
 /// Two workers: worker 1 holds 4 cached blocks of the request and `busy`

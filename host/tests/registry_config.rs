@@ -102,7 +102,7 @@ fn unknown_names_list_the_available_ones() {
 #[test]
 fn bad_parameters_are_provider_errors() {
     let r = WorkerSelectionPolicyRegistry::new();
-    let bad = WorkerSelectionPolicyParameters::new(serde_yaml::from_str("{ overlap_score_credit: -1 }").unwrap());
+    let bad = serde_saphyr::from_str::<WorkerSelectionPolicyParameters>("{ overlap_score_credit: -1 }").unwrap();
     // The cost model's own typed error, with the value, under the policy type.
     match r.factory("kv", &bad) {
         Err(RegistryError::Provider {
@@ -119,7 +119,7 @@ fn bad_parameters_are_provider_errors() {
         }) => assert_eq!(policy_type, "kv"),
         other => panic!("{:?}", other.err()),
     }
-    let unknown = WorkerSelectionPolicyParameters::new(serde_yaml::from_str("{ credit: 1 }").unwrap());
+    let unknown = serde_saphyr::from_str::<WorkerSelectionPolicyParameters>("{ credit: 1 }").unwrap();
     match r.factory("kv", &unknown) {
         Err(RegistryError::Provider {
             source: e @ WorkerSelectionPolicyProviderError::Parameters { .. },
@@ -127,7 +127,7 @@ fn bad_parameters_are_provider_errors() {
         }) => assert!(e.to_string().contains("credit"), "{e}"),
         other => panic!("{:?}", other.err()),
     }
-    let extra = WorkerSelectionPolicyParameters::new(serde_yaml::from_str("{ x: 1 }").unwrap());
+    let extra = serde_saphyr::from_str::<WorkerSelectionPolicyParameters>("{ x: 1 }").unwrap();
     assert!(matches!(
         r.factory("random", &extra),
         Err(RegistryError::Provider {

@@ -35,6 +35,7 @@ use crate::plugin::{WorkerFilter, WorkerInputs, WorkerPicker, WorkerScorer};
 use crate::types::WorkerType;
 
 pub use prefix_hash::{prefix_key, PrefixHashConfig};
+pub(crate) use registry::FiniteValue;
 pub use registry::{
     WorkerSelectionPolicyFactory, WorkerSelectionPolicyParameters, WorkerSelectionPolicyProvider,
     WorkerSelectionPolicyRegistry, BUILTIN_ALIASES, BUILTIN_POLICIES,
