@@ -23,7 +23,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use metrics::Counter;
-use selkie_kernel::fleet::{WorkerSpec, WorkerState as KernelState, UNLIMITED};
+use selkie_kernel::fleet::{WorkerSpec, UNLIMITED};
 
 use super::record::{BusyThresholds, DeviceKind, WorkerRecord, WorkerState};
 use crate::error::DiscoveryError;
@@ -84,15 +84,6 @@ fn row_spec(record: &WorkerRecord, rank: DpRank) -> WorkerSpec {
         dp_rank: rank,
         capacity_weight: record.capacity_weight,
         admission_limit: record.max_active_requests.unwrap_or(UNLIMITED),
-    }
-}
-
-/// The kernel's state for a worker state.
-fn kernel_state(s: WorkerState) -> KernelState {
-    match s {
-        WorkerState::Live => KernelState::Live,
-        WorkerState::Draining => KernelState::Draining,
-        WorkerState::Cordoned => KernelState::Cordoned,
     }
 }
 
@@ -237,10 +228,10 @@ impl WorkerRegistry {
             let spec = row_spec(record, rank);
             let taken = match self.index.take_retired(WorkerWithDpRank::new(record.worker_id, rank)) {
                 Some(h) => {
-                    fleet.update_row(h, &spec, kernel_state(record.state));
+                    fleet.update_row(h, &spec, record.state);
                     Some(h)
                 }
-                None => fleet.add_row(spec, kernel_state(record.state)),
+                None => fleet.add_row(spec, record.state),
             };
             match taken {
                 Some(h) => rows.push((rank, h)),
@@ -325,7 +316,7 @@ impl WorkerRegistry {
         let rows = match self.take_rows(fleet, &record, new.clone().filter(|r| !now.contains(r))) {
             Ok(taken) => {
                 for &(rank, h) in &kept {
-                    fleet.update_row(h, &row_spec(&record, rank), kernel_state(record.state));
+                    fleet.update_row(h, &row_spec(&record, rank), record.state);
                 }
                 let mut rows = kept;
                 rows.extend(taken);
