@@ -1,6 +1,7 @@
 //! # selkie-kernel
 //!
-//! The no_std, allocation-free, lock-free core of selkie: the fleet stored as
+//! The no_std, allocation-free, lock-free core of selkie (its one
+//! allocation is the optional [`Fleet::boxed`] constructor): the fleet stored as
 //! a structure of arrays (one column per signal, one row per worker slot,
 //! padded to whole SIMD lane groups), the SIMD selection kernels with their
 //! scalar references, and the atomic booking protocol.
@@ -33,6 +34,9 @@
 
 #[cfg(any(test, feature = "std"))]
 extern crate std;
+
+#[cfg(feature = "alloc")]
+extern crate alloc;
 
 pub mod fleet;
 pub mod kernels;

@@ -43,22 +43,8 @@ impl HostFleet {
     /// Rows the fleet holds.
     pub(crate) const CAPACITY: usize = KernelFleet::CAPACITY;
 
-    #[cfg(not(selkie_loom))]
     pub(crate) fn new() -> Self {
-        let mut slot = Box::<KernelFleet>::new_uninit();
-        Fleet::init_zeroed(&mut slot);
-        // SAFETY: `init_zeroed` initialised the whole value in place.
-        let inner = unsafe { slot.assume_init() };
-        HostFleet { inner }
-    }
-
-    /// Under loom the kernel's atomics are not plain integers, so the fleet
-    /// cannot be zero-initialised in place.
-    #[cfg(selkie_loom)]
-    pub(crate) fn new() -> Self {
-        HostFleet {
-            inner: Box::new(Fleet::new()),
-        }
+        HostFleet { inner: Fleet::boxed() }
     }
 
     /// Adds one worker rank as a row, in `state`; `None` when the fleet is

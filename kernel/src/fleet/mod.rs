@@ -121,8 +121,8 @@ use crossbeam_utils::CachePadded;
 /// selecting thread (`&Fleet`, `Arc<Fleet>`, or a `static`).
 ///
 /// All-zero bytes are a valid empty fleet: build one in a `static` with
-/// [`Fleet::new`], or on the heap without a stack copy with
-/// [`Fleet::init_zeroed`].
+/// [`Fleet::new`], on the heap with [`Fleet::boxed`], or in place in memory
+/// of your own with [`Fleet::init_zeroed`].
 pub struct Fleet<const GROUPS: usize> {
     /// State word per row (`state::StateWord`).
     state: Column<GROUPS>,
@@ -167,7 +167,7 @@ impl<const GROUPS: usize> Fleet<GROUPS> {
     /// An empty fleet, usable in a `static`.
     ///
     /// At 16,384 rows a fleet is about 700 KiB: build big ones in a
-    /// `static` or with [`Fleet::init_zeroed`], not on the stack.
+    /// `static` or with [`Fleet::boxed`], not on the stack.
     #[cfg(not(selkie_loom))]
     pub const fn new() -> Self {
         const { assert!(GROUPS * LANES <= u32::MAX as usize, "rows must fit in u32") };
@@ -196,16 +196,43 @@ impl<const GROUPS: usize> Fleet<GROUPS> {
         Self::with_fault(fault::Fault::None)
     }
 
-    /// Initializes `slot` as an empty fleet in place, by zero-filling it, and
-    /// returns it: a 16,384-row fleet goes straight to the heap without
-    /// passing through the stack.
+    /// An empty fleet on the heap, built there (a 16,384-row fleet is about
+    /// 700 KiB, which [`Box::new`]`(Fleet::new())` may copy through the
+    /// stack). Needs the `alloc` feature (on with the default `std`).
     ///
     /// ```
+    /// use selkie_kernel::fleet::{Fleet, WorkerSpec};
+    /// use std::sync::Arc;
+    /// let fleet: Arc<Fleet<2048>> = Fleet::boxed().into();
+    /// assert_eq!((fleet.rows(), Fleet::<2048>::CAPACITY), (0, 16_384));
+    /// fleet.add(WorkerSpec::new(7)).unwrap();
+    /// ```
+    #[cfg(feature = "alloc")]
+    pub fn boxed() -> alloc::boxed::Box<Self> {
+        #[cfg(not(selkie_loom))]
+        {
+            let mut slot = alloc::boxed::Box::<Self>::new_uninit();
+            Self::init_zeroed(&mut slot);
+            // SAFETY: `init_zeroed` initialized the whole value in place
+            // (its contract), so the box holds a valid `Fleet`.
+            unsafe { slot.assume_init() }
+        }
+        #[cfg(selkie_loom)]
+        {
+            alloc::boxed::Box::new(Self::new())
+        }
+    }
+
+    /// Initializes `slot` as an empty fleet in place, by zero-filling it, and
+    /// returns it: a 16,384-row fleet can be placed in memory the caller
+    /// owns (a `static`, an arena) without passing through the stack.
+    /// [`Fleet::boxed`] does this on the heap.
+    ///
+    /// ```
+    /// use core::mem::MaybeUninit;
     /// use selkie_kernel::fleet::Fleet;
-    /// let mut slot = Box::<Fleet<2048>>::new_uninit();
-    /// Fleet::init_zeroed(&mut slot);
-    /// // SAFETY: `init_zeroed` initialized the whole value.
-    /// let fleet: Box<Fleet<2048>> = unsafe { slot.assume_init() };
+    /// let mut slot = Box::new(MaybeUninit::<Fleet<2048>>::uninit());
+    /// let fleet: &mut Fleet<2048> = Fleet::init_zeroed(&mut slot);
     /// assert_eq!(fleet.rows(), 0);
     /// ```
     #[cfg(not(selkie_loom))]
