@@ -14,7 +14,8 @@
 //! * [`kernels`]: least-loaded, power-of-two, random, round-robin, the default
 //!   KV cost, the pick (argmin or softmax) and device-aware weighted.
 //! * [`mask`]: eligibility bitmasks.
-//! * [`Rng`]: the seedable generator every random choice goes through.
+//! * [`Rng`]: the seedable generator every random choice goes through
+//!   ([`rng`]: it and SplitMix64's mixer).
 //! * [`lanes`]: the lane width and column access.
 //! * [`simd`]: the SIMD backends (AVX2, and `wide`'s portable lanes) and the
 //!   one place the kernel chooses between them, at run time where `std`
@@ -42,7 +43,7 @@ pub mod fleet;
 pub mod kernels;
 pub mod lanes;
 pub mod mask;
-mod rng;
+pub mod rng;
 pub mod simd;
 mod sync;
 

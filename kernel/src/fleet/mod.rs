@@ -197,7 +197,7 @@ impl<const GROUPS: usize> Fleet<GROUPS> {
     }
 
     /// An empty fleet on the heap, built there (a 16,384-row fleet is about
-    /// 700 KiB, which [`Box::new`]`(Fleet::new())` may copy through the
+    /// 700 KiB, which `Box::new(Fleet::new())` may copy through the
     /// stack). Needs the `alloc` feature (on with the default `std`).
     ///
     /// ```
