@@ -1,15 +1,20 @@
-//! The worker registry: discovery's view of the fleet, and the one place that
-//! decides which workers hold the kernel's rows.
+//! The worker registry: discovery's view of the fleet. It decides which
+//! worker rank gets which of the kernel's rows; the fleet handle
+//! ([`HostFleet`]) carries the decisions out on the kernel's fleet.
 //!
 //! Each data-parallel rank of a worker is one fleet row. The registry keeps,
 //! per worker, a [`WorkerEntry`]: what the hard filters need (the worker's
 //! record, its busy limits, its overload mark) and its rows. Which row holds
 //! which worker rank, the per-row masks and the retired rows (kept while
 //! bookings hold them) live in the fleet's row index
-//! ([`RowIndex`](crate::fleet::rows::RowIndex)), which stores the entries
-//! and which the registry derefs to. It is changed under the service's
-//! write lock and read under its read lock; it never books or releases
-//! load, and it names nothing above discovery.
+//! ([`RowIndex`]), which stores the entries and which the registry derefs
+//! to.
+//!
+//! The service holds one master registry behind a mutex, which every change
+//! takes; selections never take it: they read an immutable snapshot (a
+//! clone of the master behind an `Arc`, published once per change and
+//! cached per thread; see the service's `snapshot` module). A registry never
+//! books or releases load, and it names nothing above discovery.
 //!
 //! # Whole snapshots
 //!

@@ -1,8 +1,9 @@
 //! The host's handle on the kernel's fleet, and the row index: the bottom
 //! of the host's layers above the plain types.
 //!
-//! * [`HostFleet`]: the one place that creates the fleet and adds, changes
-//!   and removes its rows. The fleet is a
+//! * [`HostFleet`]: the only code that creates the fleet and adds, changes
+//!   and removes its rows (which rows, discovery's registry decides). The
+//!   fleet is a
 //!   `selkie_kernel::fleet::Fleet<FLEET_GROUPS>` (16,384 rows) built
 //!   directly on the heap (no 700 KiB stack copy). Everything else in the
 //!   host reads it through `Deref`.
