@@ -15,6 +15,8 @@
 //! the selection rescans. Booking is the kernel's lock-free protocol. With
 //! the built-in policies a warm thread allocates nothing per request.
 //!
+//! What takes a lock or allocates is listed on [`WorkerSelectionService`].
+//!
 //! The service is the top of the host's layers (below only the
 //! configuration file and the simulator): it passes the thread's scratch to
 //! the policy and asks it to `choose` or give its `costs`, and it never
@@ -101,6 +103,29 @@ impl Default for ServiceConfig {
 
 /// Worker selection for one routing partition. See the crate docs for a
 /// walk-through.
+///
+/// # Locks and allocations
+///
+/// Selection and booking take no lock and, with the built-in policies,
+/// allocate nothing once a thread is warm. The exceptions:
+///
+/// * A change of the workers takes the master registry's mutex; the first
+///   selection on each thread after a change takes it too, to reload its
+///   snapshot (the master is cloned into a new snapshot once per change,
+///   shared by every thread).
+/// * A request that carries a session takes the session table's locks. The
+///   table is a fixed array of 8-entry buckets, each behind its own mutex,
+///   keyed by a 64-bit hash of the session id: the lookup locks the
+///   session's first bucket and, when the session is not there, its second;
+///   binding it after the booking locks both, in index order. Each critical
+///   section compares at most 8 hashes per bucket and writes at most one
+///   entry, and no lock is shared by all sessions: two requests wait for
+///   each other only when their sessions share a bucket. The table is
+///   allocated whole on the first bind; new sessions allocate nothing after
+///   that.
+/// * A thread's first selection allocates its scratch buffers, a custom
+///   policy's plugins allocate what they allocate, and
+///   [`costs`](WorkerSelectionService::costs) returns a `Vec`.
 pub struct WorkerSelectionService {
     fleet: HostFleet,
     /// The master registry; changes happen here.
