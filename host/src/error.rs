@@ -133,9 +133,40 @@ pub enum SelectionError {
         /// Rows it must cover ([`RowLayout::rows`](crate::RowLayout::rows)).
         rows: usize,
     },
+    /// A cache overlap is longer than the request's prompt at the
+    /// service's block size (only
+    /// [`check_request`](crate::WorkerSelectionService::check_request)
+    /// reports this; a selection takes overlaps as given).
+    #[error("{column} of {} is {value}, past the prompt's {limit}", overlap_owner(*worker, *row))]
+    OverlapPastPrompt {
+        /// The overlap's worker rank (for a per-row column, the row's, if
+        /// it has one).
+        worker: Option<crate::types::WorkerWithDpRank>,
+        /// The row, for a per-row column.
+        row: Option<usize>,
+        /// `device_blocks`, `host_blocks`, `disk_blocks`, `shared_blocks`
+        /// (limit: the prompt's blocks) or `cached_tokens` (limit: its
+        /// tokens).
+        column: &'static str,
+        /// The overlap's value (rounded up; `u64::MAX` for a NaN or a
+        /// negative per-row value).
+        value: u64,
+        /// The prompt's blocks or tokens.
+        limit: u64,
+    },
     /// The policy broke its contract or failed.
     #[error(transparent)]
     Policy(#[from] WorkerSelectionPolicyError),
+}
+
+/// "worker 2 rank 1", "row 7 (worker 2 rank 1)" or "row 7".
+fn overlap_owner(worker: Option<crate::types::WorkerWithDpRank>, row: Option<usize>) -> String {
+    match (row, worker) {
+        (None, Some(w)) => format!("the overlap on {w}"),
+        (Some(r), Some(w)) => format!("row {r} ({w})"),
+        (Some(r), None) => format!("row {r}"),
+        (None, None) => "an overlap".to_owned(),
+    }
 }
 
 impl SelectionError {
@@ -163,6 +194,7 @@ impl SelectionError {
             Self::InvalidRequest(_) => "invalid_request",
             Self::StaleRowLayout { .. } => "stale_row_layout",
             Self::OverlapColumnTooShort { .. } => "overlap_column_too_short",
+            Self::OverlapPastPrompt { .. } => "overlap_past_prompt",
             Self::Policy(p) => p.reason(),
         }
     }

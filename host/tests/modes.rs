@@ -43,8 +43,8 @@ fn round_robin_cycles_and_peek_does_not_advance() {
         s.add_worker(WorkerRecord::new(id)).unwrap();
     }
     let req = SelectionRequest::new(1);
-    let first = s.peek(&req).unwrap().worker;
-    assert_eq!(s.peek(&req).unwrap().worker, first, "peek is stable");
+    let first = s.peek(&req).unwrap().worker();
+    assert_eq!(s.peek(&req).unwrap().worker(), first, "peek is stable");
     let order: Vec<u64> = (0..6).map(|_| s.select(&req).unwrap().worker().worker_id).collect();
     assert_eq!(order[0], first.worker_id, "select takes what peek showed");
     assert_eq!(&order[..3], &order[3..]);
@@ -545,9 +545,9 @@ fn prefix_hash_keeps_a_prefix_on_one_rank_until_the_bound() {
     for b in &blocks {
         let req = SelectionRequest::new(160).with_prompt_blocks(b);
         let first = s.peek(&req).unwrap();
-        assert_eq!(first.explanation.branch, Branch::PrefixHash);
+        assert_eq!(first.explanation().branch, Branch::PrefixHash);
         for _ in 0..3 {
-            assert_eq!(s.peek(&req).unwrap().worker, first.worker);
+            assert_eq!(s.peek(&req).unwrap().worker(), first.worker());
         }
         homes.push(first.worker);
     }

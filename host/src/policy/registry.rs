@@ -298,7 +298,64 @@ impl WorkerSelectionPolicyRegistry {
         Ok(r)
     }
 
-    /// Registers a custom policy type.
+    /// Registers a custom policy type: `provider` reads an instance's
+    /// parameters once (refusing bad ones with a
+    /// [`WorkerSelectionPolicyProviderError`]) and returns the factory
+    /// that builds the policy for each routing partition. A built-in's
+    /// name (or alias), an empty name or a name already registered is
+    /// refused.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use selkie::*;
+    ///
+    /// /// The candidate with the most device-cached blocks, if it has at least
+    /// /// `min_blocks`; else the first.
+    /// struct MostCached {
+    ///     min_blocks: f64,
+    /// }
+    /// impl WorkerPicker for MostCached {
+    ///     fn required_worker_inputs(&self) -> WorkerInputs {
+    ///         WorkerInputs::CACHE
+    ///     }
+    ///     fn pick(&self, _: &WorkerSelectionContext<'_>, view: WorkerInputView<'_>) -> Result<usize, WorkerSelectionPolicyError> {
+    ///         let cached = |i| view.candidate(i).and_then(|c| c.cache()).map_or(0.0, |c| c.device_overlap_blocks());
+    ///         let best = (0..view.len()).max_by(|&a, &b| cached(a).total_cmp(&cached(b))).unwrap_or(0);
+    ///         Ok(if cached(best) >= self.min_blocks { best } else { 0 })
+    ///     }
+    /// }
+    ///
+    /// /// The parameters an instance may give (all optional).
+    /// #[derive(serde::Deserialize, Default)]
+    /// #[serde(default, deny_unknown_fields)]
+    /// struct Params {
+    ///     min_blocks: f64,
+    /// }
+    ///
+    /// let provider: WorkerSelectionPolicyProvider = Arc::new(|p: &WorkerSelectionPolicyParameters| {
+    ///     let Params { min_blocks } = p.deserialize()?; // unknown fields are refused here
+    ///     if !(min_blocks >= 0.0) {
+    ///         return Err(WorkerSelectionPolicyProviderError::new("min_blocks must be at least 0"));
+    ///     }
+    ///     let factory: WorkerSelectionPolicyFactory = Arc::new(move |config, worker_type, _partition| {
+    ///         WorkerSelectionPolicy::new(*config, worker_type, Vec::new(), Box::new(MostCached { min_blocks }))
+    ///             .with_name("most-cached")
+    ///     });
+    ///     Ok(factory)
+    /// });
+    /// let mut registry = WorkerSelectionPolicyRegistry::new();
+    /// registry.register("most-cached", provider.clone())?;
+    /// assert!(matches!(registry.register("kv", provider), Err(RegistryError::BuiltinName { .. })));
+    ///
+    /// // A config file can name it now, with its parameters.
+    /// let yaml = "aggregated: mc\ninstances:\n  - { name: mc, type: most-cached, parameters: { min_blocks: 4 } }\n";
+    /// let factory = WorkerSelectionConfig::from_yaml_str(yaml)?.resolve(&registry, WorkerType::Aggregated)?;
+    /// let policy = factory(&KvRouterConfig::default(), WorkerType::Aggregated, RoutingPartitionRef::model("llama"));
+    /// assert_eq!(policy.name(), "most-cached");
+    /// let bad = WorkerSelectionConfig::from_yaml_str("aggregated: mc\ninstances:\n  - { name: mc, type: most-cached, parameters: { min_block: 4 } }\n")?;
+    /// assert!(matches!(bad.resolve(&registry, WorkerType::Aggregated), Err(ConfigError::Registry(RegistryError::Provider { .. }))));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn register(
         &mut self,
         name: impl Into<String>,
