@@ -92,6 +92,29 @@ impl Rng {
     }
 }
 
+/// The rand ecosystem's generator interface (with the `rand_core` feature):
+/// `rand_core::Rng` follows, so `rand_distr`'s distributions draw from a
+/// seeded [`Rng`]. `next_u32` is the high half of one 64-bit draw; bytes are
+/// filled from whole draws, little-endian.
+#[cfg(feature = "rand_core")]
+impl rand_core::TryRng for Rng {
+    type Error = core::convert::Infallible;
+
+    #[inline]
+    fn try_next_u32(&mut self) -> Result<u32, Self::Error> {
+        Ok((self.next_u64() >> 32) as u32)
+    }
+
+    #[inline]
+    fn try_next_u64(&mut self) -> Result<u64, Self::Error> {
+        Ok(self.next_u64())
+    }
+
+    fn try_fill_bytes(&mut self, dst: &mut [u8]) -> Result<(), Self::Error> {
+        rand_core::utils::fill_bytes_via_next_word(dst, || self.try_next_u64())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
