@@ -1,5 +1,6 @@
 //! The worker-selection config file: which policy, with which parameters,
-//! for each role (aggregated, prefill, decode). YAML or TOML.
+//! for each role (aggregated, prefill, decode). YAML (read with
+//! `serde-saphyr`) or TOML.
 //!
 //! ```yaml
 //! aggregated: cache-heavy        # an instance name, or "default" (the kv policy)
@@ -44,7 +45,9 @@ use std::path::Path;
 use serde::Deserialize;
 
 use crate::error::ConfigError;
-use crate::policy::{WorkerSelectionPolicyFactory, WorkerSelectionPolicyParameters, WorkerSelectionPolicyRegistry};
+use crate::policy::{
+    FiniteValue, WorkerSelectionPolicyFactory, WorkerSelectionPolicyParameters, WorkerSelectionPolicyRegistry,
+};
 use crate::types::WorkerType;
 
 /// The longest config text accepted (1 MiB).
@@ -133,6 +136,14 @@ fn check_bounds(text: &str, indentation: bool) -> Result<(), ConfigError> {
     Ok(())
 }
 
+/// A parser's error, kept as the source of [`ConfigError::Parse`].
+fn parse_error(format: &'static str, e: impl std::error::Error + Send + Sync + 'static) -> ConfigError {
+    ConfigError::Parse {
+        format,
+        source: Box::new(e),
+    }
+}
+
 /// One named policy instance: a type and its parameters.
 #[derive(Clone, Debug, PartialEq)]
 pub struct WorkerSelectionInstance {
@@ -174,7 +185,7 @@ pub struct WorkerSelectionConfig {
     instances: BTreeMap<String, WorkerSelectionInstance>,
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, Default)]
 #[serde(deny_unknown_fields)]
 struct RawConfig {
     aggregated: Option<String>,
@@ -190,24 +201,25 @@ struct RawInstance {
     name: String,
     #[serde(rename = "type")]
     policy_type: String,
+    /// Any value here; a mapping (or nothing) is checked for below, to
+    /// name the instance in the error.
     #[serde(default)]
-    parameters: serde_yaml::Value,
+    parameters: FiniteValue,
 }
 
 impl WorkerSelectionConfig {
-    /// Parses YAML (bounded first: see the module docs).
+    /// Parses YAML (bounded first: see the module docs). An empty text is
+    /// an empty config.
     pub fn from_yaml_str(text: &str) -> Result<Self, ConfigError> {
         check_bounds(text, true)?;
-        let raw: RawConfig = serde_yaml::from_str(text).map_err(|e| ConfigError::Parse(e.to_string()))?;
-        Self::resolve_raw(raw)
+        let raw: Option<RawConfig> = serde_saphyr::from_str(text).map_err(|e| parse_error("YAML", e))?;
+        Self::resolve_raw(raw.unwrap_or_default())
     }
 
     /// Parses TOML (bounded first: see the module docs).
     pub fn from_toml_str(text: &str) -> Result<Self, ConfigError> {
         check_bounds(text, false)?;
-        let value: toml::Value = toml::from_str(text).map_err(|e| ConfigError::Parse(e.to_string()))?;
-        let yaml = serde_yaml::to_value(value).map_err(|e| ConfigError::Parse(e.to_string()))?;
-        let raw: RawConfig = serde_yaml::from_value(yaml).map_err(|e| ConfigError::Parse(e.to_string()))?;
+        let raw: RawConfig = toml::from_str(text).map_err(|e| parse_error("TOML", e))?;
         Self::resolve_raw(raw)
     }
 
@@ -239,32 +251,22 @@ impl WorkerSelectionConfig {
 
     fn resolve_raw(raw: RawConfig) -> Result<Self, ConfigError> {
         let mut instances = BTreeMap::new();
-        for i in raw.instances {
+        for (index, i) in raw.instances.into_iter().enumerate() {
             if i.name.is_empty() || i.policy_type.is_empty() {
-                return Err(ConfigError::Validation(
-                    "instance name and type must not be empty".into(),
-                ));
+                return Err(ConfigError::EmptyInstanceField { index });
             }
             if i.name == "default" {
-                return Err(ConfigError::Validation(
-                    "instance name \"default\" is reserved for the kv policy".into(),
-                ));
+                return Err(ConfigError::ReservedInstanceName);
             }
-            if !matches!(i.parameters, serde_yaml::Value::Null | serde_yaml::Value::Mapping(_)) {
-                return Err(ConfigError::Validation(format!(
-                    "parameters of instance {:?} must be a mapping",
-                    i.name
-                )));
-            }
+            let Ok(parameters) = WorkerSelectionPolicyParameters::from_value(i.parameters.0) else {
+                return Err(ConfigError::ParametersNotAMapping { instance: i.name });
+            };
             let inst = WorkerSelectionInstance {
                 policy_type: i.policy_type,
-                parameters: WorkerSelectionPolicyParameters::new(i.parameters),
+                parameters,
             };
             if instances.insert(i.name.clone(), inst).is_some() {
-                return Err(ConfigError::Validation(format!(
-                    "instance {:?} is defined twice",
-                    i.name
-                )));
+                return Err(ConfigError::DuplicateInstance { instance: i.name });
             }
         }
         let config = WorkerSelectionConfig {

@@ -8,17 +8,21 @@
 //! * [`WorkerSelectionPolicyError`]: a policy broke its contract (non-finite
 //!   cost, out-of-range pick, panic) or reported its own failure.
 //! * [`DiscoveryError`]: a worker table change was refused.
-//! * [`RegistryError`], [`WorkerSelectionPolicyProviderError`] and
-//!   [`ConfigError`]: start-up problems.
+//! * [`WorkerSelectionPolicyProviderError`]: a policy could not be built
+//!   (a configuration field out of bounds, parameters that do not fit).
+//! * [`RegistryError`] and [`ConfigError`]: start-up problems (policy type
+//!   names, config files).
 //!
 //! Errors name the worker, row, scorer or limit involved. This module must not
 //! contain logic beyond formatting, and it sits at the bottom of the host's
-//! layers: it names only the plain types (`crate::types`), never discovery,
-//! policies or the service.
+//! layers: it names only the plain types (`crate::types`) and the kernel's
+//! errors, never discovery, policies or the service.
 
 use std::path::PathBuf;
 
 use thiserror::Error;
+
+use selkie_kernel::kernels::kv_cost::KvConfigError;
 
 use crate::types::{DpRank, WorkerId};
 
@@ -129,9 +133,40 @@ pub enum SelectionError {
         /// Rows it must cover ([`RowLayout::rows`](crate::RowLayout::rows)).
         rows: usize,
     },
+    /// A cache overlap is longer than the request's prompt at the
+    /// service's block size (only
+    /// [`check_request`](crate::WorkerSelectionService::check_request)
+    /// reports this; a selection takes overlaps as given).
+    #[error("{column} of {} is {value}, past the prompt's {limit}", overlap_owner(*worker, *row))]
+    OverlapPastPrompt {
+        /// The overlap's worker rank (for a per-row column, the row's, if
+        /// it has one).
+        worker: Option<crate::types::WorkerWithDpRank>,
+        /// The row, for a per-row column.
+        row: Option<usize>,
+        /// `device_blocks`, `host_blocks`, `disk_blocks`, `shared_blocks`
+        /// (limit: the prompt's blocks) or `cached_tokens` (limit: its
+        /// tokens).
+        column: &'static str,
+        /// The overlap's value (rounded up; `u64::MAX` for a NaN or a
+        /// negative per-row value).
+        value: u64,
+        /// The prompt's blocks or tokens.
+        limit: u64,
+    },
     /// The policy broke its contract or failed.
     #[error(transparent)]
     Policy(#[from] WorkerSelectionPolicyError),
+}
+
+/// "worker 2 rank 1", "row 7 (worker 2 rank 1)" or "row 7".
+fn overlap_owner(worker: Option<crate::types::WorkerWithDpRank>, row: Option<usize>) -> String {
+    match (row, worker) {
+        (None, Some(w)) => format!("the overlap on {w}"),
+        (Some(r), Some(w)) => format!("row {r} ({w})"),
+        (Some(r), None) => format!("row {r}"),
+        (None, None) => "an overlap".to_owned(),
+    }
 }
 
 impl SelectionError {
@@ -159,6 +194,7 @@ impl SelectionError {
             Self::InvalidRequest(_) => "invalid_request",
             Self::StaleRowLayout { .. } => "stale_row_layout",
             Self::OverlapColumnTooShort { .. } => "overlap_column_too_short",
+            Self::OverlapPastPrompt { .. } => "overlap_past_prompt",
             Self::Policy(p) => p.reason(),
         }
     }
@@ -394,19 +430,82 @@ pub enum RegistryError {
     },
 }
 
-/// A provider rejected its parameters.
-#[derive(Debug, Error, Clone, PartialEq, Eq)]
-#[error("{message}")]
-pub struct WorkerSelectionPolicyProviderError {
-    message: String,
+/// Why a worker-selection policy could not be built: a configuration field
+/// out of its bounds, parameters that do not fit the policy, or a custom
+/// provider's own reason. The one error of policy construction: providers
+/// return it (as in Dynamo), and so do [`KvRouterConfig::validate`],
+/// [`PrefixHashConfig::validate`] and
+/// [`WorkerSelectionPolicy::prefix_hash`].
+///
+/// [`KvRouterConfig::validate`]: crate::KvRouterConfig::validate
+/// [`PrefixHashConfig::validate`]: crate::PrefixHashConfig::validate
+/// [`WorkerSelectionPolicy::prefix_hash`]: crate::WorkerSelectionPolicy::prefix_hash
+///
+/// ```
+/// use selkie::{KvRouterConfig, WorkerSelectionPolicyProviderError as E};
+/// let c = KvRouterConfig { host_cache_hit_weight: 1.5, ..Default::default() };
+/// let err = c.validate().unwrap_err();
+/// assert_eq!(err.to_string(), "host_cache_hit_weight must be at most 1, got 1.5");
+/// assert!(matches!(err, E::KvWeight { value: 1.5, .. }));
+/// // A custom provider's own reason.
+/// assert_eq!(E::new("threshold must be above 0").to_string(), "threshold must be above 0");
+/// ```
+#[derive(Debug, Error)]
+#[non_exhaustive]
+pub enum WorkerSelectionPolicyProviderError {
+    /// A KV cost weight outside the bounds the cost model accepts; the
+    /// source names the field and the bound.
+    #[error("{source}, got {value}")]
+    KvWeight {
+        /// The value given.
+        value: f64,
+        /// The cost model's check
+        /// ([`KvConfigField::check`](selkie_kernel::kernels::kv_cost::KvConfigField::check)).
+        #[source]
+        source: KvConfigError,
+    },
+    /// A field outside its range.
+    #[error("{field} must be within {} ..= {}, got {value}", bound(*min), bound(*max))]
+    OutOfRange {
+        /// The field, as named in a config file.
+        field: &'static str,
+        /// The value given.
+        value: f64,
+        /// The least value allowed.
+        min: f64,
+        /// The largest value allowed.
+        max: f64,
+    },
+    /// The parameters do not fit the policy's parameter type (an unknown
+    /// field, a value of the wrong type, ...).
+    #[error("{source}")]
+    Parameters {
+        /// What the deserializer said.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// The policy takes no parameters, and some were given.
+    #[error("this policy takes no parameters")]
+    UnexpectedParameters,
+    /// A custom provider's own reason, for start-up diagnostics.
+    #[error("{0}")]
+    Custom(String),
+}
+
+/// A range bound for display: `f32::MAX` by name.
+fn bound(v: f64) -> String {
+    if v == f64::from(f32::MAX) {
+        "f32::MAX".to_owned()
+    } else {
+        v.to_string()
+    }
 }
 
 impl WorkerSelectionPolicyProviderError {
-    /// An error with a message for start-up diagnostics.
+    /// A custom provider's own reason (Dynamo's
+    /// `WorkerSelectionPolicyProviderError::new`).
     pub fn new(message: impl Into<String>) -> Self {
-        WorkerSelectionPolicyProviderError {
-            message: message.into(),
-        }
+        Self::Custom(message.into())
     }
 }
 
@@ -424,8 +523,14 @@ pub enum ConfigError {
         source: std::io::Error,
     },
     /// The text is not valid YAML / TOML for the schema.
-    #[error("cannot parse worker-selection config: {0}")]
-    Parse(String),
+    #[error("cannot parse worker-selection config ({format}): {source}")]
+    Parse {
+        /// `"YAML"` or `"TOML"`.
+        format: &'static str,
+        /// The parser's error (its message names the line and column).
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
     /// The text is longer than a config may be (checked before parsing).
     #[error("worker-selection config is {len} bytes, over the limit of {limit}")]
     TooLarge {
@@ -452,9 +557,27 @@ pub enum ConfigError {
         /// The most a config may have.
         limit: usize,
     },
-    /// The config is well formed but inconsistent.
-    #[error("invalid worker-selection config: {0}")]
-    Validation(String),
+    /// An instance has an empty name or type.
+    #[error("instance {index} of the worker-selection config has an empty name or type")]
+    EmptyInstanceField {
+        /// The instance's position in `instances` (from 0).
+        index: usize,
+    },
+    /// An instance is named `default`, which means the kv policy.
+    #[error("instance name \"default\" is reserved for the kv policy")]
+    ReservedInstanceName,
+    /// An instance's parameters are not a mapping.
+    #[error("parameters of instance {instance:?} must be a mapping")]
+    ParametersNotAMapping {
+        /// The instance.
+        instance: String,
+    },
+    /// Two instances have the same name.
+    #[error("instance {instance:?} is defined twice")]
+    DuplicateInstance {
+        /// The name.
+        instance: String,
+    },
     /// A role names an instance that is not defined.
     #[error("{role} selects instance {name:?}, which is not defined; instances: {available}")]
     UnknownInstance {

@@ -40,6 +40,9 @@ pub use policy::{
 pub use request::{
     AffinityMode, KvCostOverrides, Pin, RowLayout, RowOverlaps, SelectionRequest, SessionAffinity, WorkerOverlap,
 };
+/// The KV cost model's field check, whose error
+/// [`WorkerSelectionPolicyProviderError::KvWeight`] carries.
+pub use selkie_kernel::kernels::kv_cost::{KvConfigError, KvConfigField, KvConfigProblem};
 pub use service::{
     Booked, DiscoveryHealth, DiscoveryPoller, FleetHandle, OwnedSelection, Preview, RankStatus, Selection,
     ServiceConfig, WorkerSelectionService, WorkerStatus,

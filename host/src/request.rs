@@ -28,7 +28,16 @@ pub struct WorkerOverlap {
 }
 
 impl WorkerOverlap {
-    /// `device_blocks` of overlap on `worker`, `cached_tokens = blocks * block_size`.
+    /// `device_blocks` of overlap on `worker`, `cached_tokens = blocks *
+    /// block_size`.
+    ///
+    /// `block_size` must be the service's
+    /// ([`ServiceConfig::block_size`](crate::ServiceConfig::block_size),
+    /// 16 by default), the one the request's prompt is divided by: a
+    /// selection takes the overlap as given, so 96 blocks at 32 tokens
+    /// credit a 2,048-token prompt with 3,072 cached tokens.
+    /// [`check_request`](crate::WorkerSelectionService::check_request)
+    /// finds such overlaps.
     pub fn device(worker: WorkerWithDpRank, device_blocks: u32, block_size: u32) -> Self {
         WorkerOverlap {
             worker,

@@ -1,9 +1,17 @@
-//! Adversarial inputs (SPEC §7): arbitrary plugin outputs and arbitrary
-//! config / discovery bytes always give a typed result, never a panic or a
-//! wrong booking.
+//! Adversarial inputs: arbitrary plugin outputs, config text and discovery
+//! files always give the typed result they should (each test computes it
+//! from how its input was built), never a panic or a wrong booking.
 
 use proptest::prelude::*;
+use proptest::test_runner::TestCaseError;
 use selkie::*;
+
+#[path = "fuzz_harness/discovery_file.rs"]
+#[allow(dead_code)]
+mod discovery_file;
+#[path = "fuzz_harness/policy_config.rs"]
+#[allow(dead_code)]
+mod policy_config;
 
 type R<T> = Result<T, WorkerSelectionPolicyError>;
 
@@ -87,67 +95,197 @@ proptest! {
         }
     }
 
+    /// Text near a valid config (a few characters deleted, replaced or
+    /// inserted), YAML or TOML, through the `policy_config` fuzz harness:
+    /// each step gives `Ok` or the typed error its rules say, and every
+    /// policy a surviving config builds selects on a small fleet.
     #[test]
-    fn arbitrary_config_text_never_panics(text in ".{0,200}") {
-        let _ = WorkerSelectionConfig::from_yaml_str(&text);
-        let _ = WorkerSelectionConfig::from_toml_str(&text);
+    fn config_text_near_valid_configs_keeps_the_harness_rules(
+        base in 0..VALID_CONFIGS.len(),
+        edits in prop::collection::vec((any::<prop::sample::Index>(), prop::option::of(prop::sample::select(EDIT_CHARS.to_vec()))), 0..4),
+    ) {
+        let (toml, text) = VALID_CONFIGS[base];
+        let mut chars: Vec<char> = text.chars().collect();
+        for (at, c) in &edits {
+            let i = at.index(chars.len() + 1);
+            match c {
+                Some(c) if i < chars.len() && i % 2 == 0 => chars[i] = *c,
+                Some(c) => chars.insert(i.min(chars.len()), *c),
+                None if i < chars.len() => {
+                    chars.remove(i);
+                }
+                None => {}
+            }
+        }
+        let text: String = chars.into_iter().collect();
+        if edits.is_empty() {
+            let parsed = if toml {
+                WorkerSelectionConfig::from_toml_str(&text)
+            } else {
+                WorkerSelectionConfig::from_yaml_str(&text)
+            };
+            prop_assert!(parsed.is_ok(), "{text:?}: {parsed:?}");
+        }
+        policy_config::check(&policy_config::Input { toml, bytes: text.into_bytes() });
     }
 
+    /// A one-instance config built from parts whose effect is known gets
+    /// exactly the result its parts say: the parse error, the refused
+    /// instance, the provider's typed error for each role, or the policy.
     #[test]
-    fn config_like_text_never_panics(
-        role in prop::sample::select(vec!["aggregated", "prefill", "decode", "encode", "x"]),
-        name in "[a-z-]{0,6}",
-        ty in prop::sample::select(vec!["kv", "random", "least-loaded", "direct", "nope", ""]),
-        params in prop::sample::select(vec!["{}", "{ overlap_score_credit: -1 }", "[1]", "null", "{ non_cpu_to_cpu_ratio: 0 }", "{ x: .nan }"]),
+    fn config_like_text_gets_exactly_the_result_its_parts_say(
+        role in prop::sample::select(vec!["aggregated", "prefill", "decode", "encode"]),
+        name in prop::sample::select(vec!["a", "cache-heavy", "default", ""]),
+        ty in prop::sample::select(vec!["kv", "random", "least-loaded", "direct", "prefix-hash", "power-of-two-choices", "nope", ""]),
+        params in prop::sample::select(PARAMS.to_vec()),
     ) {
         let text = format!("{role}: {name}\ninstances:\n  - name: {name}\n    type: {ty}\n    parameters: {params}\n");
-        if let Ok(cfg) = WorkerSelectionConfig::from_yaml_str(&text) {
-            for role in [WorkerType::Aggregated, WorkerType::Prefill, WorkerType::Decode] {
-                if let Ok(f) = cfg.resolve(&WorkerSelectionPolicyRegistry::new(), role) {
-                    let p = f(&KvRouterConfig::default(), role, RoutingPartitionRef::model("m"));
-                    prop_assert_eq!(p.worker_type(), role);
+        let parsed = WorkerSelectionConfig::from_yaml_str(&text);
+        let parse_fails = role == "encode" || name.is_empty() || ty.is_empty() || params == "{ x: .nan }";
+        let cfg = match parsed {
+            Err(ConfigError::Parse { .. }) if parse_fails => return Ok(()),
+            Err(ConfigError::ReservedInstanceName) if !parse_fails && name == "default" => return Ok(()),
+            Err(ConfigError::ParametersNotAMapping { instance })
+                if !parse_fails && name != "default" && params == "[1]" =>
+            {
+                prop_assert_eq!(instance, name);
+                return Ok(());
+            }
+            Ok(cfg) if !parse_fails && name != "default" && params != "[1]" => cfg,
+            other => return Err(TestCaseError::fail(format!("{text:?}: {other:?}"))),
+        };
+        let registry = WorkerSelectionPolicyRegistry::new();
+        for r in [WorkerType::Aggregated, WorkerType::Prefill, WorkerType::Decode] {
+            let resolved = cfg.resolve(&registry, r);
+            let selected = r.as_str() == role;
+            let ty = if selected { ty } else { "kv" };
+            let params = if selected { params } else { "{}" };
+            let canonical = if ty == "power-of-two-choices" { "power-of-two" } else { ty };
+            let none = params == "{}" || params == "null";
+            let expected: Result<(), &str> = match (canonical, params) {
+                ("nope", _) => Err("unknown type"),
+                (_, _) if none => Ok(()),
+                ("kv", "{ overlap_score_credit: -1 }") => Err("kv weight"),
+                ("kv", "{ overlap_score_credit: 2 }") | ("prefix-hash", "{ load_factor: 2 }") => Ok(()),
+                ("kv" | "prefix-hash", _) => Err("parameters"),
+                _ => Err("unexpected parameters"),
+            };
+            use WorkerSelectionPolicyProviderError as P;
+            match (resolved, expected) {
+                (Ok(factory), Ok(())) => {
+                    let p = factory(&KvRouterConfig::default(), r, RoutingPartitionRef::model("m"));
+                    prop_assert_eq!(p.worker_type(), r);
+                    prop_assert_eq!(p.name(), canonical);
+                    let credit = if selected && params == "{ overlap_score_credit: 2 }" { 2.0 } else { 1.0 };
+                    if canonical == "kv" {
+                        prop_assert_eq!(p.kv_router_config().overlap_score_credit, credit);
+                    }
                 }
+                (Err(ConfigError::Registry(RegistryError::UnknownType { name, .. })), Err("unknown type")) => {
+                    prop_assert_eq!(name, "nope");
+                }
+                (Err(ConfigError::Registry(RegistryError::Provider { policy_type, source })), Err(want)) => {
+                    prop_assert_eq!(policy_type.as_str(), ty);
+                    let kind = match source {
+                        P::KvWeight { .. } => "kv weight",
+                        P::Parameters { .. } => "parameters",
+                        P::UnexpectedParameters => "unexpected parameters",
+                        other => return Err(TestCaseError::fail(format!("{other:?}"))),
+                    };
+                    prop_assert_eq!(kind, want, "{:?}", text);
+                }
+                (got, want) => return Err(TestCaseError::fail(format!("{text:?} {r}: got {:?}, expected {want:?}", got.err()))),
             }
         }
     }
+
+    /// A discovery file built from records whose validity is known, in JSON
+    /// or TOML, is applied or refused exactly as its records say (the first
+    /// bad record in file order names the error), and through the
+    /// `discovery_file` fuzz harness keeps its rules.
+    #[test]
+    fn discovery_files_are_applied_or_refused_as_their_records_say(
+        records in prop::collection::vec((0u64..5, 0u32..3, prop::sample::select(vec![1.0f32, 2.5, 0.0]), prop::sample::select(vec!["live", "draining", "cordoned", "paused"])), 0..6),
+        toml in any::<bool>(),
+    ) {
+        let text = if toml {
+            records.iter().map(|(id, dp, w, st)| format!("[[workers]]\nworker_id = {id}\ndata_parallel_size = {dp}\ncapacity_weight = {w:?}\nstate = \"{st}\"\n")).collect::<String>()
+                + if records.is_empty() { "workers = []\n" } else { "" }
+        } else {
+            let list: Vec<String> = records.iter().map(|(id, dp, w, st)| format!("{{\"worker_id\": {id}, \"data_parallel_size\": {dp}, \"capacity_weight\": {w:?}, \"state\": \"{st}\"}}")).collect();
+            format!("{{\"workers\": [{}]}}", list.join(", "))
+        };
+        let path = std::env::temp_dir().join(format!(
+            "selkie-adv-{}-{:?}.{}",
+            std::process::id(),
+            std::thread::current().id(),
+            if toml { "toml" } else { "json" }
+        ).replace(['(', ')'], ""));
+        std::fs::write(&path, &text).unwrap();
+        let polled = FileDiscovery::new(&path).poll();
+        let _ = std::fs::remove_file(&path);
+        let service = WorkerSelectionService::new(WorkerSelectionPolicy::least_loaded(), ServiceConfig::default());
+        if records.iter().any(|r| r.3 == "paused") {
+            prop_assert!(matches!(polled, Err(DiscoveryError::Parse { .. })), "{text}: {polled:?}");
+        } else {
+            let parsed = polled.unwrap().unwrap();
+            prop_assert_eq!(parsed.len(), records.len());
+            let mut seen = std::collections::BTreeSet::new();
+            let first_bad = records.iter().find_map(|&(id, dp, w, _)| {
+                if dp == 0 || w == 0.0 {
+                    Some(("invalid", id))
+                } else if !seen.insert(id) {
+                    Some(("duplicate", id))
+                } else {
+                    None
+                }
+            });
+            match (service.sync(parsed.clone()), first_bad) {
+                (Ok(_), None) => {
+                    let mut want = parsed;
+                    want.sort_by_key(|r| r.worker_id);
+                    prop_assert_eq!(service.workers(), want);
+                }
+                (Err(DiscoveryError::InvalidWorker { worker_id, .. }), Some(("invalid", id)))
+                | (Err(DiscoveryError::DuplicateInSnapshot { worker_id }), Some(("duplicate", id))) => {
+                    prop_assert_eq!(worker_id, id);
+                    prop_assert!(service.workers().is_empty(), "a refused snapshot changes nothing");
+                }
+                (got, want) => return Err(TestCaseError::fail(format!("{text}: got {got:?}, expected {want:?}"))),
+            }
+        }
+        discovery_file::check(&discovery_file::Input { toml, bytes: text.into_bytes() });
+    }
 }
 
-#[test]
-fn arbitrary_discovery_files_never_panic() {
-    let dir = std::env::temp_dir().join(format!("selkie-adv-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let mut runner = proptest::test_runner::TestRunner::new(ProptestConfig::with_cases(64));
-    let s = WorkerSelectionService::new(WorkerSelectionPolicy::random(), ServiceConfig::default());
-    let fragments = prop::collection::vec(
-        prop::sample::select(vec![
-            "{",
-            "}",
-            "[",
-            "]",
-            ",",
-            "\"workers\":",
-            "\"worker_id\": 1",
-            "\"worker_id\": -1",
-            "\"data_parallel_size\": 0",
-            "\"capacity_weight\": 0",
-            "\"state\": \"draining\"",
-            "\"device\": \"tpu\"",
-            "{\"worker_id\": 2}",
-            "null",
-        ]),
-        0..12,
-    );
-    runner
-        .run(&(fragments, any::<bool>()), |(parts, toml)| {
-            let path = dir.join(if toml { "w.toml" } else { "w.json" });
-            std::fs::write(&path, parts.concat()).unwrap();
-            let mut src = FileDiscovery::new(&path);
-            if let Ok(Some(snapshot)) = src.poll() {
-                // Whatever parsed is applied or refused with a typed error.
-                let _ = s.sync(snapshot);
-            }
-            Ok(())
-        })
-        .unwrap();
-    let _ = std::fs::remove_dir_all(dir);
-}
+/// Configs the edits start from: every built-in, parameters, aliases and
+/// roles, in both formats (`true`: TOML).
+const VALID_CONFIGS: [(bool, &str); 3] = [
+    (
+        false,
+        "aggregated: cache-heavy\ndecode: balanced\nprefill: default\ninstances:\n  - name: cache-heavy\n    type: kv\n    parameters: { overlap_score_credit: 2.0, router_temperature: 0.3 }\n  - name: balanced\n    type: power-of-two-choices\n  - name: hashed\n    type: prefix-hash\n    parameters:\n      load_factor: 1.5\n",
+    ),
+    (
+        false,
+        "decode: d\ninstances:\n  - { name: d, type: device-aware-weighted, parameters: { non_cpu_to_cpu_ratio: 4 } }\n  - { name: r, type: round-robin }\n",
+    ),
+    (
+        true,
+        "aggregated = \"cache-heavy\"\ndecode = \"balanced\"\n[[instances]]\nname = \"cache-heavy\"\ntype = \"kv\"\nparameters = { overlap_score_credit = 2.0, router_temperature = 0.3 }\n[[instances]]\nname = \"balanced\"\ntype = \"least-loaded\"\n",
+    ),
+];
+
+/// Characters an edit inserts or replaces with: the ones that change a
+/// config's structure.
+const EDIT_CHARS: [char; 12] = [':', ' ', '\n', '-', '{', '}', '[', ']', '"', '=', 'x', '1'];
+
+/// Parameters of the config-like text, each with a known effect.
+const PARAMS: [&str; 7] = [
+    "{}",
+    "null",
+    "{ overlap_score_credit: -1 }",
+    "{ overlap_score_credit: 2 }",
+    "[1]",
+    "{ load_factor: 2 }",
+    "{ x: .nan }",
+];

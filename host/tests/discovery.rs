@@ -242,3 +242,40 @@ fn poller_applies_file_changes() {
     poller.stop();
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// A discovery file's `state` is the kernel's worker state, written in
+/// lowercase; a worker without one is live, and the fleet takes the state the
+/// file gives (a draining worker is not selected).
+#[test]
+fn discovery_files_give_workers_their_state() {
+    let dir = std::env::temp_dir().join(format!("selkie-states-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let json = dir.join("w.json");
+    std::fs::write(
+        &json,
+        r#"{"workers": [{"worker_id": 1, "state": "draining"}, {"worker_id": 2, "state": "cordoned"}, {"worker_id": 3}]}"#,
+    )
+    .unwrap();
+    let toml = dir.join("w.toml");
+    std::fs::write(&toml, "[[workers]]\nworker_id = 1\nstate = \"draining\"\n[[workers]]\nworker_id = 2\nstate = \"cordoned\"\n[[workers]]\nworker_id = 3\n").unwrap();
+    for path in [&json, &toml] {
+        let records = FileDiscovery::new(path).poll().unwrap().unwrap();
+        let states: Vec<_> = records.iter().map(|r| r.state).collect();
+        assert_eq!(
+            states,
+            [WorkerState::Draining, WorkerState::Cordoned, WorkerState::Live],
+            "{path:?}"
+        );
+        let s = service(WorkerSelectionPolicy::least_loaded());
+        s.sync(records).unwrap();
+        for _ in 0..4 {
+            assert_eq!(s.select(&SelectionRequest::new(16)).unwrap().worker().worker_id, 3);
+        }
+    }
+    std::fs::write(&json, r#"{"workers": [{"worker_id": 1, "state": "Draining"}]}"#).unwrap();
+    assert!(matches!(
+        FileDiscovery::new(&json).poll(),
+        Err(DiscoveryError::Parse { .. })
+    ));
+    let _ = std::fs::remove_dir_all(dir);
+}

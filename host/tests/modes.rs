@@ -43,8 +43,8 @@ fn round_robin_cycles_and_peek_does_not_advance() {
         s.add_worker(WorkerRecord::new(id)).unwrap();
     }
     let req = SelectionRequest::new(1);
-    let first = s.peek(&req).unwrap().worker;
-    assert_eq!(s.peek(&req).unwrap().worker, first, "peek is stable");
+    let first = s.peek(&req).unwrap().worker();
+    assert_eq!(s.peek(&req).unwrap().worker(), first, "peek is stable");
     let order: Vec<u64> = (0..6).map(|_| s.select(&req).unwrap().worker().worker_id).collect();
     assert_eq!(order[0], first.worker_id, "select takes what peek showed");
     assert_eq!(&order[..3], &order[3..]);
@@ -545,9 +545,9 @@ fn prefix_hash_keeps_a_prefix_on_one_rank_until_the_bound() {
     for b in &blocks {
         let req = SelectionRequest::new(160).with_prompt_blocks(b);
         let first = s.peek(&req).unwrap();
-        assert_eq!(first.explanation.branch, Branch::PrefixHash);
+        assert_eq!(first.explanation().branch, Branch::PrefixHash);
         for _ in 0..3 {
-            assert_eq!(s.peek(&req).unwrap().worker, first.worker);
+            assert_eq!(s.peek(&req).unwrap().worker(), first.worker());
         }
         homes.push(first.worker);
     }
@@ -655,7 +655,7 @@ fn prefix_hash_moves_only_the_keys_of_a_departed_worker() {
 #[test]
 fn prefix_hash_parameters_come_from_the_registry() {
     let r = WorkerSelectionPolicyRegistry::new();
-    let params = |yaml: &str| WorkerSelectionPolicyParameters::new(serde_yaml::from_str(yaml).unwrap());
+    let params = |yaml: &str| serde_saphyr::from_str::<WorkerSelectionPolicyParameters>(yaml).unwrap();
     let p = r
         .build(
             "prefix-hash",
@@ -668,13 +668,28 @@ fn prefix_hash_parameters_come_from_the_registry() {
     assert_eq!(p.name(), "prefix-hash");
     for (yaml, field) in [
         ("{load_factor: 0.5}", "load_factor"),
-        ("{load_factor: .nan}", "load_factor"),
         ("{prefix_blocks: 0}", "prefix_blocks"),
         ("{prefix_block: 3}", "prefix_block"),
     ] {
         let err = r.factory("prefix-hash", &params(yaml)).err().unwrap().to_string();
         assert!(err.contains(field), "{yaml}: {err}");
     }
+    // A NaN is refused where it is written, in YAML and in TOML, and from code.
+    assert!(serde_saphyr::from_str::<WorkerSelectionPolicyParameters>("{load_factor: .nan}").is_err());
+    let toml = "[[instances]]\nname = \"p\"\ntype = \"prefix-hash\"\nparameters = { load_factor = nan }\n";
+    let err = WorkerSelectionConfig::from_toml_str(toml).unwrap_err().to_string();
+    assert!(err.contains("finite"), "{err}");
+    let nan = PrefixHashConfig {
+        load_factor: f64::NAN,
+        ..PrefixHashConfig::default()
+    };
+    assert!(matches!(
+        WorkerSelectionPolicy::prefix_hash(nan),
+        Err(WorkerSelectionPolicyProviderError::OutOfRange {
+            field: "load_factor",
+            ..
+        })
+    ));
 }
 
 /// Two workers: worker 1 holds 4 cached blocks of the request and `busy`
@@ -801,10 +816,30 @@ fn the_dwell_bounds_how_many_requests_in_a_row_the_margin_keeps() {
         max_dwell: KvRouterConfig::MAX_DWELL + 1,
         ..KvRouterConfig::default()
     };
-    assert!(bad.validate().unwrap_err().contains("max_dwell"));
+    assert!(
+        matches!(
+            bad.validate(),
+            Err(WorkerSelectionPolicyProviderError::OutOfRange { field: "max_dwell", value, max, .. })
+                if value == f64::from(KvRouterConfig::MAX_DWELL + 1) && max == f64::from(KvRouterConfig::MAX_DWELL)
+        ),
+        "{:?}",
+        bad.validate()
+    );
     let bad = KvRouterConfig {
         switch_margin: -1.0,
         ..KvRouterConfig::default()
     };
-    assert!(bad.validate().unwrap_err().contains("switch_margin"));
+    assert!(
+        matches!(
+            bad.validate(),
+            Err(WorkerSelectionPolicyProviderError::OutOfRange {
+                field: "switch_margin",
+                value: -1.0,
+                min: 0.0,
+                ..
+            })
+        ),
+        "{:?}",
+        bad.validate()
+    );
 }

@@ -84,3 +84,35 @@ fn default_selection_path_does_not_allocate() {
         assert_eq!(n, 0, "{name}: {n} allocations in 1000 selections");
     }
 }
+
+/// Requests with a session, new sessions and returning ones, hard and soft,
+/// allocate nothing once the session table exists: it is keyed by a hash of
+/// the session id and never stores the id.
+#[test]
+fn session_requests_do_not_allocate() {
+    let s = WorkerSelectionService::new(WorkerSelectionPolicy::least_loaded(), ServiceConfig::default());
+    for id in 0..16 {
+        s.add_worker(WorkerRecord::new(id)).unwrap();
+    }
+    let ids: Vec<String> = (0..2_000).map(|i| format!("session-{i}")).collect();
+    // The first bind allocates the table; the first selections the scratch.
+    for mode in [AffinityMode::Hard, AffinityMode::Soft] {
+        for _ in 0..3 {
+            drop(s.select(&SelectionRequest::new(64).with_session("warm", mode)).unwrap());
+        }
+    }
+    let n = allocations(|| {
+        for (i, id) in ids.iter().enumerate() {
+            let mode = if i % 2 == 0 {
+                AffinityMode::Hard
+            } else {
+                AffinityMode::Soft
+            };
+            let req = SelectionRequest::new(64).with_session(id, mode);
+            let first = s.select(&req).unwrap().worker();
+            let again = s.select(&req).unwrap().worker();
+            assert_eq!(first, again, "{id} returns to its worker");
+        }
+    });
+    assert_eq!(n, 0, "{n} allocations in 4000 session requests");
+}

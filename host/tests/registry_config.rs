@@ -102,14 +102,38 @@ fn unknown_names_list_the_available_ones() {
 #[test]
 fn bad_parameters_are_provider_errors() {
     let r = WorkerSelectionPolicyRegistry::new();
-    let bad = WorkerSelectionPolicyParameters::new(serde_yaml::from_str("{ overlap_score_credit: -1 }").unwrap());
-    assert!(matches!(r.factory("kv", &bad), Err(RegistryError::Provider { policy_type, .. }) if policy_type == "kv"));
-    let unknown = WorkerSelectionPolicyParameters::new(serde_yaml::from_str("{ credit: 1 }").unwrap());
-    assert!(matches!(r.factory("kv", &unknown), Err(RegistryError::Provider { .. })));
-    let extra = WorkerSelectionPolicyParameters::new(serde_yaml::from_str("{ x: 1 }").unwrap());
+    let bad = serde_saphyr::from_str::<WorkerSelectionPolicyParameters>("{ overlap_score_credit: -1 }").unwrap();
+    // The cost model's own typed error, with the value, under the policy type.
+    match r.factory("kv", &bad) {
+        Err(RegistryError::Provider {
+            policy_type,
+            source:
+                WorkerSelectionPolicyProviderError::KvWeight {
+                    value: -1.0,
+                    source:
+                        KvConfigError {
+                            field: KvConfigField::OverlapScoreCredit,
+                            problem: KvConfigProblem::Negative,
+                        },
+                },
+        }) => assert_eq!(policy_type, "kv"),
+        other => panic!("{:?}", other.err()),
+    }
+    let unknown = serde_saphyr::from_str::<WorkerSelectionPolicyParameters>("{ credit: 1 }").unwrap();
+    match r.factory("kv", &unknown) {
+        Err(RegistryError::Provider {
+            source: e @ WorkerSelectionPolicyProviderError::Parameters { .. },
+            ..
+        }) => assert!(e.to_string().contains("credit"), "{e}"),
+        other => panic!("{:?}", other.err()),
+    }
+    let extra = serde_saphyr::from_str::<WorkerSelectionPolicyParameters>("{ x: 1 }").unwrap();
     assert!(matches!(
         r.factory("random", &extra),
-        Err(RegistryError::Provider { .. })
+        Err(RegistryError::Provider {
+            source: WorkerSelectionPolicyProviderError::UnexpectedParameters,
+            ..
+        })
     ));
 }
 
@@ -201,29 +225,78 @@ fn malformed_configs_are_refused() {
         ("aggregated: nowhere", "unknown"),
         (
             "instances:\n  - { name: a, type: kv }\n  - { name: a, type: random }",
-            "validation",
+            "duplicate",
         ),
-        ("instances:\n  - { name: default, type: kv }", "validation"),
-        ("instances:\n  - { name: a, type: kv, parameters: [1] }", "validation"),
+        ("instances:\n  - { name: default, type: kv }", "reserved"),
+        ("instances:\n  - { name: a, type: kv, parameters: [1] }", "mapping"),
+        (
+            "instances:\n  - { name: a, type: kv }\n  - { name: b, type: '' }",
+            "empty",
+        ),
         ("instances:\n  - { name: a }", "parse"),
     ];
     for (text, kind) in cases {
         let e = WorkerSelectionConfig::from_yaml_str(text).unwrap_err();
         let ok = match kind {
-            "parse" => matches!(e, ConfigError::Parse(_)),
+            // The parser's own error is kept as the source.
+            "parse" => {
+                matches!(e, ConfigError::Parse { format: "YAML", .. }) && std::error::Error::source(&e).is_some()
+            }
             "unknown" => matches!(e, ConfigError::UnknownInstance { role: "aggregated", .. }),
-            _ => matches!(e, ConfigError::Validation(_)),
+            "duplicate" => matches!(&e, ConfigError::DuplicateInstance { instance } if instance == "a"),
+            "reserved" => matches!(e, ConfigError::ReservedInstanceName),
+            "mapping" => matches!(&e, ConfigError::ParametersNotAMapping { instance } if instance == "a"),
+            "empty" => matches!(e, ConfigError::EmptyInstanceField { index: 1 }),
+            _ => unreachable!(),
         };
         assert!(ok, "{text:?}: {e:?}");
     }
-    assert!(matches!(
-        WorkerSelectionConfig::from_toml_str("aggregated = "),
-        Err(ConfigError::Parse(_))
-    ));
+    let e = WorkerSelectionConfig::from_toml_str("aggregated = ").unwrap_err();
+    assert!(matches!(e, ConfigError::Parse { format: "TOML", .. }), "{e:?}");
+    assert!(std::error::Error::source(&e).is_some());
     let cfg =
         WorkerSelectionConfig::from_yaml_str("aggregated: a\ninstances:\n  - { name: a, type: fastest }").unwrap();
     assert!(matches!(
         cfg.resolve(&WorkerSelectionPolicyRegistry::new(), WorkerType::Aggregated),
         Err(ConfigError::Registry(RegistryError::UnknownType { .. }))
     ));
+}
+
+/// The host checks every weight of the KV cost model with the cost model's
+/// own bounds, and reports the field it was given under its own name.
+#[test]
+fn kv_router_config_checks_every_cost_weight_by_its_bound() {
+    fn set(c: &mut KvRouterConfig, field: KvConfigField, v: f64) {
+        *match field {
+            KvConfigField::OverlapScoreCredit => &mut c.overlap_score_credit,
+            KvConfigField::OverlapScoreCreditDecay => &mut c.overlap_score_credit_decay,
+            KvConfigField::PrefillLoadScale => &mut c.prefill_load_scale,
+            KvConfigField::DecodeActiveRequestWeight => &mut c.decode_active_request_weight,
+            KvConfigField::HostCacheHitWeight => &mut c.host_cache_hit_weight,
+            KvConfigField::DiskCacheHitWeight => &mut c.disk_cache_hit_weight,
+            KvConfigField::SharedCacheMultiplier => &mut c.shared_cache_multiplier,
+            KvConfigField::RouterTemperature => &mut c.router_temperature,
+        } = v;
+    }
+    for field in KvConfigField::ALL {
+        let mut cases = vec![
+            (f64::NAN, Some(KvConfigProblem::NotFinite)),
+            (1e39, Some(KvConfigProblem::NotFinite)),
+            (-0.5, Some(KvConfigProblem::Negative)),
+            (0.5, None),
+        ];
+        cases.push((1.5, field.at_most_one().then_some(KvConfigProblem::AboveOne)));
+        for (value, problem) in cases {
+            let mut c = KvRouterConfig::default();
+            set(&mut c, field, value);
+            match (c.validate(), problem) {
+                (Ok(()), None) => {}
+                (Err(WorkerSelectionPolicyProviderError::KvWeight { value: v, source }), Some(problem)) => {
+                    assert_eq!(source, KvConfigError { field, problem }, "{} = {value}", field.name());
+                    assert!(v == value || (v.is_nan() && value.is_nan()));
+                }
+                (got, _) => panic!("{} = {value}: {got:?}, expected {problem:?}", field.name()),
+            }
+        }
+    }
 }

@@ -214,3 +214,95 @@ fn keyed_overlaps_cost_as_rows_and_leave_nothing_behind() {
         }
     }
 }
+
+/// `check_request` finds every overlap longer than the prompt at the
+/// service's block size, in either form, and names the worker, the row and
+/// the column; overlaps within the prompt pass, and so do the ones above.
+#[test]
+fn check_request_finds_overlaps_past_the_prompt() {
+    let s = kv();
+    for id in 1..=3 {
+        s.add_worker(WorkerRecord::new(id).with_dp(0, 2)).unwrap();
+    }
+    // 200 tokens at the default 16 per block: 13 blocks.
+    let req = SelectionRequest::new(200);
+    let (keyed, layout, device, cached, host) = both(&s, &[1, 2, 3]);
+    assert!(s.check_request(&req.with_overlaps(&keyed)).is_ok());
+    let rows = RowOverlaps::new(layout, &device)
+        .with_cached_tokens(&cached)
+        .with_host_blocks(&host);
+    assert!(s.check_request(&req.with_row_overlaps(rows)).is_ok());
+    let edge = [WorkerOverlap {
+        worker: w(2, 1),
+        device_blocks: 13,
+        host_blocks: 13,
+        disk_blocks: 13,
+        shared_blocks: 13,
+        cached_tokens: 200,
+    }];
+    assert!(
+        s.check_request(&req.with_overlaps(&edge)).is_ok(),
+        "the whole prompt is within it"
+    );
+    let past = |column: &str| {
+        let mut o = edge[0];
+        match column {
+            "device_blocks" => o.device_blocks = 14,
+            "host_blocks" => o.host_blocks = 14,
+            "disk_blocks" => o.disk_blocks = 14,
+            "shared_blocks" => o.shared_blocks = 14,
+            _ => o.cached_tokens = 201,
+        }
+        [o]
+    };
+    for column in [
+        "device_blocks",
+        "host_blocks",
+        "disk_blocks",
+        "shared_blocks",
+        "cached_tokens",
+    ] {
+        let o = past(column);
+        let limit = if column == "cached_tokens" { 200 } else { 13 };
+        match s.check_request(&req.with_overlaps(&o)) {
+            Err(SelectionError::OverlapPastPrompt {
+                worker: Some(wk),
+                row: None,
+                column: c,
+                value,
+                limit: l,
+            }) => assert_eq!((wk, c, value, l), (w(2, 1), column, limit + 1, limit)),
+            other => panic!("{column}: {other:?}"),
+        }
+    }
+    // Per-row columns: a value past the prompt, and a NaN.
+    let row = s.row_of(w(3, 0)).unwrap();
+    for (v, value) in [(13.5f32, 14u64), (f32::NAN, u64::MAX)] {
+        let mut host = host.clone();
+        host[row] = v;
+        let rows = RowOverlaps::new(layout, &device).with_host_blocks(&host);
+        match s.check_request(&req.with_row_overlaps(rows)) {
+            Err(e @ SelectionError::OverlapPastPrompt { .. }) => {
+                let SelectionError::OverlapPastPrompt {
+                    worker,
+                    row: r,
+                    column,
+                    value: got,
+                    limit,
+                    ..
+                } = e.clone()
+                else {
+                    unreachable!()
+                };
+                assert_eq!(
+                    (worker, r, column, got, limit),
+                    (Some(w(3, 0)), Some(row), "host_blocks", value, 13)
+                );
+                assert!(e.to_string().contains("host_blocks"), "{e}");
+            }
+            other => panic!("{v}: {other:?}"),
+        }
+    }
+    // A selection takes what check_request refuses as it is.
+    assert!(s.select(&req.with_overlaps(&past("cached_tokens"))).is_ok());
+}

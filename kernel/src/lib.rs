@@ -1,6 +1,7 @@
 //! # selkie-kernel
 //!
-//! The no_std, allocation-free, lock-free core of selkie: the fleet stored as
+//! The no_std, allocation-free, lock-free core of selkie (its one
+//! allocation is the optional [`Fleet::boxed`] constructor): the fleet stored as
 //! a structure of arrays (one column per signal, one row per worker slot,
 //! padded to whole SIMD lane groups), the SIMD selection kernels with their
 //! scalar references, and the atomic booking protocol.
@@ -13,7 +14,8 @@
 //! * [`kernels`]: least-loaded, power-of-two, random, round-robin, the default
 //!   KV cost, the pick (argmin or softmax) and device-aware weighted.
 //! * [`mask`]: eligibility bitmasks.
-//! * [`Rng`]: the seedable generator every random choice goes through.
+//! * [`Rng`]: the seedable generator every random choice goes through
+//!   ([`rng`]: it and SplitMix64's mixer).
 //! * [`lanes`]: the lane width and column access.
 //! * [`simd`]: the SIMD backends (AVX2, and `wide`'s portable lanes) and the
 //!   one place the kernel chooses between them, at run time where `std`
@@ -34,11 +36,14 @@
 #[cfg(any(test, feature = "std"))]
 extern crate std;
 
+#[cfg(feature = "alloc")]
+extern crate alloc;
+
 pub mod fleet;
 pub mod kernels;
 pub mod lanes;
 pub mod mask;
-mod rng;
+pub mod rng;
 pub mod simd;
 mod sync;
 

@@ -9,7 +9,26 @@
 //! makes, so a SIMD kernel and its scalar reference seeded alike make the same
 //! choice, and a selection can be replayed from its seed.
 //!
+//! [`mix`] is SplitMix64's output function on its own, for callers that
+//! derive seeds (one per thread, one per request) from a base seed.
+//!
 //! This module must not read clocks or the OS: seeding is the caller's job.
+
+/// SplitMix64's output function: spreads the bits of `z` over all 64 (a
+/// bijection; consecutive inputs give unrelated outputs). [`Rng`] applies it
+/// to its state; a host seeds generators with it.
+///
+/// ```
+/// use selkie_kernel::rng::mix;
+/// // SplitMix64's first output from seed 0.
+/// assert_eq!(mix(0x9E37_79B9_7F4A_7C15), 0xE220_A839_7B1D_CDAF);
+/// ```
+#[inline]
+pub const fn mix(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
 
 /// SplitMix64 pseudo-random generator.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -34,10 +53,7 @@ impl Rng {
     #[inline]
     pub fn next_u64(&mut self) -> u64 {
         self.state = self.state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+        mix(self.state)
     }
 
     /// A uniform integer in `0..n` (`n > 0`), without modulo bias.
@@ -73,6 +89,29 @@ impl Rng {
     /// The current state, to record a selection for replay.
     pub const fn state(&self) -> u64 {
         self.state
+    }
+}
+
+/// The rand ecosystem's generator interface (with the `rand_core` feature):
+/// `rand_core::Rng` follows, so `rand_distr`'s distributions draw from a
+/// seeded [`Rng`]. `next_u32` is the high half of one 64-bit draw; bytes are
+/// filled from whole draws, little-endian.
+#[cfg(feature = "rand_core")]
+impl rand_core::TryRng for Rng {
+    type Error = core::convert::Infallible;
+
+    #[inline]
+    fn try_next_u32(&mut self) -> Result<u32, Self::Error> {
+        Ok((self.next_u64() >> 32) as u32)
+    }
+
+    #[inline]
+    fn try_next_u64(&mut self) -> Result<u64, Self::Error> {
+        Ok(self.next_u64())
+    }
+
+    fn try_fill_bytes(&mut self, dst: &mut [u8]) -> Result<(), Self::Error> {
+        rand_core::utils::fill_bytes_via_next_word(dst, || self.try_next_u64())
     }
 }
 

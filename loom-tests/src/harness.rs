@@ -31,9 +31,13 @@ pub fn explore<M: Fn() + Sync + Send + 'static>(name: &str, model: M) -> usize {
 }
 
 /// Runs `model` with a broken variant and asserts that some interleaving
-/// fails. Returns (and prints) the number of interleavings explored up to
-/// and including the failing one.
-pub fn expect_violation<M: Fn() + Sync + Send + 'static>(name: &str, model: M) -> usize {
+/// fails, and fails as expected: the panic's message must contain
+/// `expected` (a model assertion's message, or loom's own report such as
+/// `Causality violation`), so a model that breaks for another reason (a
+/// typo, an unwrap, a deadlock) does not pass as catching the fault.
+/// Returns (and prints) the number of interleavings explored up to and
+/// including the failing one.
+pub fn expect_violation<M: Fn() + Sync + Send + 'static>(name: &str, expected: &str, model: M) -> usize {
     let count = Arc::new(AtomicUsize::new(0));
     let counter = Arc::clone(&count);
     let result = catch_unwind(AssertUnwindSafe(|| {
@@ -51,6 +55,11 @@ pub fn expect_violation<M: Fn() + Sync + Send + 'static>(name: &str, model: M) -
         .map(String::as_str)
         .or_else(|| panic.downcast_ref::<&str>().copied())
         .unwrap_or("(non-string panic)");
+    assert!(
+        message.contains(expected),
+        "loom model {name}: the broken variant failed after {n} interleavings, but not as expected \
+         (a message containing {expected:?}): {message}"
+    );
     println!("loom model {name}: broken variant caught after {n} interleavings: {message}");
     n
 }

@@ -10,8 +10,10 @@
 //! deliberately broken variant (compiled into the kernel under
 //! `cfg(selkie_loom)`, `selkie_kernel::fleet::fault::Fault`, or a caller
 //! that uses the kernel the wrong way), where some
-//! interleaving must fail (`harness::expect_violation`). Both print how many
-//! interleavings loom explored.
+//! interleaving must fail with the message of the assertion that catches
+//! the fault, or loom's own report of a data race
+//! (`harness::expect_violation`). Both print how many interleavings loom
+//! explored.
 //!
 //! Without `--cfg selkie_loom` this crate is empty. This crate must not test
 //! anything but atomic protocols: behaviour belongs in the kernel's tests.

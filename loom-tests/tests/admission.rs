@@ -79,9 +79,11 @@ fn the_last_place_goes_to_exactly_one_booker() {
 
 #[test]
 fn last_place_model_catches_a_load_then_store_booking() {
-    expect_violation("admission: last place / BookLoadThenStore", || {
-        two_bookers_one_place(Fault::BookLoadThenStore)
-    });
+    expect_violation(
+        "admission: last place / BookLoadThenStore",
+        "admission limit 1, but 2 bookings succeeded",
+        || two_bookers_one_place(Fault::BookLoadThenStore),
+    );
 }
 
 #[test]
@@ -91,7 +93,9 @@ fn admission_limit_is_never_passed() {
 
 #[test]
 fn admission_model_catches_a_load_then_store_booking() {
-    expect_violation("admission: limit under churn / BookLoadThenStore", || {
-        bookers_against_a_limit(Fault::BookLoadThenStore)
-    });
+    expect_violation(
+        "admission: limit under churn / BookLoadThenStore",
+        "counters equal the guards alive",
+        || bookers_against_a_limit(Fault::BookLoadThenStore),
+    );
 }

@@ -74,21 +74,21 @@ fn readers_never_meet_the_writer() {
 
 #[test]
 fn a_reader_counted_in_two_steps_is_caught() {
-    expect_violation("kv index: reader loads, then counts", || {
+    expect_violation("kv index: reader loads, then counts", "Causality violation", || {
         writer_and_readers(Fault::ReaderLoadsThenCounts, 1, 2)
     });
 }
 
 #[test]
 fn a_reader_departing_early_is_caught() {
-    expect_violation("kv index: reader departs before reading", || {
+    expect_violation("kv index: reader departs before reading", "Causality violation", || {
         writer_and_readers(Fault::ReaderDepartsEarly, 1, 2)
     });
 }
 
 #[test]
 fn a_writer_that_skips_the_wait_is_caught() {
-    expect_violation("kv index: writer skips the wait", || {
+    expect_violation("kv index: writer skips the wait", "Causality violation", || {
         writer_and_readers(Fault::WriterSkipsWait, 1, 2)
     });
 }

@@ -42,7 +42,7 @@ fn counters_return_to_zero_when_all_guards_are_dropped() {
 
 #[test]
 fn release_model_catches_a_load_then_store_release() {
-    expect_violation("release / ReleaseLoadThenStore", || {
+    expect_violation("release / ReleaseLoadThenStore", "counters must return to zero", || {
         two_requests_come_and_go(Fault::ReleaseLoadThenStore)
     });
 }

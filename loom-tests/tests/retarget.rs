@@ -74,9 +74,11 @@ fn retarget_moves_exactly_one_booking() {
 
 #[test]
 fn retarget_model_catches_release_before_book() {
-    expect_violation("retarget / RetargetReleasesFirst", || {
-        retarget_under_observation(Fault::RetargetReleasesFirst)
-    });
+    expect_violation(
+        "retarget / RetargetReleasesFirst",
+        "the moving request was counted nowhere",
+        || retarget_under_observation(Fault::RetargetReleasesFirst),
+    );
 }
 
 fn retarget_racing_replacement(by_slot: bool) {
@@ -123,5 +125,9 @@ fn retarget_slot_never_books_a_newcomer() {
 
 #[test]
 fn retarget_slot_model_catches_retarget_by_row() {
-    expect_violation("retarget_slot / retarget by row", || retarget_racing_replacement(false));
+    expect_violation(
+        "retarget_slot / retarget by row",
+        "the request was booked on the worker that took the target's row",
+        || retarget_racing_replacement(false),
+    );
 }

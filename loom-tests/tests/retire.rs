@@ -54,10 +54,18 @@ fn retiring_a_row_sees_every_booking_on_it() {
 
 #[test]
 fn retire_model_catches_reading_before_cordoning() {
-    expect_violation("retire / read before cordon", || retire_racing_a_booking(false, true));
+    expect_violation(
+        "retire / read before cordon",
+        "the row was freed while a booking held it",
+        || retire_racing_a_booking(false, true),
+    );
 }
 
 #[test]
 fn retire_model_catches_a_plain_load_of_the_counters() {
-    expect_violation("retire / plain load", || retire_racing_a_booking(true, false));
+    expect_violation(
+        "retire / plain load",
+        "the row was freed while a booking held it",
+        || retire_racing_a_booking(true, false),
+    );
 }

@@ -43,7 +43,9 @@ fn release_after_slot_reuse_leaves_the_new_occupant_untouched() {
 
 #[test]
 fn reuse_model_catches_a_release_without_generation_check() {
-    expect_violation("reuse / ReleaseIgnoresGeneration", || {
-        release_races_reuse(Fault::ReleaseIgnoresGeneration)
-    });
+    expect_violation(
+        "reuse / ReleaseIgnoresGeneration",
+        "the new occupant holds exactly its own booking",
+        || release_races_reuse(Fault::ReleaseIgnoresGeneration),
+    );
 }

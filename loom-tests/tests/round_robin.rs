@@ -44,14 +44,18 @@ fn round_robin_hands_out_distinct_workers() {
 
 #[test]
 fn round_robin_model_catches_a_load_then_store_ticket() {
-    expect_violation("round-robin / TicketLoadThenStore", || {
-        two_selections_and_a_preview(Fault::TicketLoadThenStore)
-    });
+    expect_violation(
+        "round-robin / TicketLoadThenStore",
+        "two concurrent selections got the same worker",
+        || two_selections_and_a_preview(Fault::TicketLoadThenStore),
+    );
 }
 
 #[test]
 fn round_robin_model_catches_a_peek_that_advances() {
-    expect_violation("round-robin / PeekAdvances", || {
-        two_selections_and_a_preview(Fault::PeekAdvances)
-    });
+    expect_violation(
+        "round-robin / PeekAdvances",
+        "only the selections advanced the cursor",
+        || two_selections_and_a_preview(Fault::PeekAdvances),
+    );
 }

@@ -61,7 +61,9 @@ fn select_and_book_survives_a_concurrent_remove() {
 
 #[test]
 fn select_remove_model_catches_a_booking_without_tag_check() {
-    expect_violation("select+remove / BookIgnoresTag", || {
-        select_races_remove(Fault::BookIgnoresTag)
-    });
+    expect_violation(
+        "select+remove / BookIgnoresTag",
+        "row 0 counts only bookings of worker 3",
+        || select_races_remove(Fault::BookIgnoresTag),
+    );
 }

@@ -95,7 +95,9 @@ fn concurrent_adds_claim_distinct_rows() {
 
 #[test]
 fn add_model_catches_a_load_then_store_claim() {
-    expect_violation("add+add / ClaimLoadThenStore", || two_adds(Fault::ClaimLoadThenStore));
+    expect_violation("add+add / ClaimLoadThenStore", "two adds claimed the same row", || {
+        two_adds(Fault::ClaimLoadThenStore)
+    });
 }
 
 #[test]
@@ -105,9 +107,11 @@ fn the_selectable_bit_follows_racing_state_changes() {
 
 #[test]
 fn state_model_catches_a_selectable_bit_without_recheck() {
-    expect_violation("set_state+set_state / SelectableNoRecheck", || {
-        two_state_changes(Fault::SelectableNoRecheck)
-    });
+    expect_violation(
+        "set_state+set_state / SelectableNoRecheck",
+        "selectable bit disagrees with state",
+        || two_state_changes(Fault::SelectableNoRecheck),
+    );
 }
 
 #[test]
@@ -117,7 +121,9 @@ fn an_update_never_lands_on_the_next_occupant() {
 
 #[test]
 fn update_model_catches_an_update_without_writer_bit() {
-    expect_violation("update+replace / UpdateWithoutWriterBit", || {
-        update_races_replacement(Fault::UpdateWithoutWriterBit)
-    });
+    expect_violation(
+        "update+replace / UpdateWithoutWriterBit",
+        "the old worker's update leaked into the new one",
+        || update_races_replacement(Fault::UpdateWithoutWriterBit),
+    );
 }

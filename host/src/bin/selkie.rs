@@ -216,7 +216,7 @@ fn scenario_of(args: &WorkloadArgs) -> Result<Scenario, SimError> {
     let mut scenario = match &args.scenario_file {
         Some(path) => {
             let text = std::fs::read_to_string(path).map_err(io_err(path))?;
-            serde_yaml::from_str(&text).map_err(|e| SimError::Usage(format!("{}: {e}", path.display())))?
+            serde_saphyr::from_str(&text).map_err(|e| SimError::Usage(format!("{}: {e}", path.display())))?
         }
         None => Scenario::embedded(args.scenario),
     };
@@ -319,7 +319,7 @@ fn simulate(args: SimulateArgs) -> Result<(), SimError> {
     let mut scenario = scenario_of(&args.workload)?;
     let mut out = std::io::stdout().lock();
     if args.print_scenario {
-        let text = serde_yaml::to_string(&scenario).map_err(|e| SimError::Usage(e.to_string()))?;
+        let text = serde_saphyr::to_string(&scenario).map_err(|e| SimError::Usage(e.to_string()))?;
         return out.write_all(text.as_bytes()).map_err(stdout_err);
     }
     // Every output path is opened before the run, so a bad one fails in

@@ -10,18 +10,9 @@ use serde::{Deserialize, Serialize};
 use crate::error::DiscoveryError;
 use crate::types::{DpRank, WorkerId};
 
-/// Whether a worker takes new requests.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
-#[serde(rename_all = "lowercase")]
-pub enum WorkerState {
-    /// Takes new requests.
-    #[default]
-    Live,
-    /// Finishes what it has; takes no new requests; about to leave.
-    Draining,
-    /// Takes no new requests until uncordoned (maintenance).
-    Cordoned,
-}
+/// Whether a worker takes new requests: the kernel's own state type, so
+/// the state a record asks for is the state its fleet rows get.
+pub use selkie_kernel::fleet::WorkerState;
 
 /// Whether a worker runs on an accelerator or on CPUs (device-aware routing).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]

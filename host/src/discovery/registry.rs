@@ -1,15 +1,20 @@
-//! The worker registry: discovery's view of the fleet, and the one place that
-//! decides which workers hold the kernel's rows.
+//! The worker registry: discovery's view of the fleet. It decides which
+//! worker rank gets which of the kernel's rows; the fleet handle
+//! ([`HostFleet`]) carries the decisions out on the kernel's fleet.
 //!
 //! Each data-parallel rank of a worker is one fleet row. The registry keeps,
 //! per worker, a [`WorkerEntry`]: what the hard filters need (the worker's
 //! record, its busy limits, its overload mark) and its rows. Which row holds
 //! which worker rank, the per-row masks and the retired rows (kept while
 //! bookings hold them) live in the fleet's row index
-//! ([`RowIndex`](crate::fleet::rows::RowIndex)), which stores the entries
-//! and which the registry derefs to. It is changed under the service's
-//! write lock and read under its read lock; it never books or releases
-//! load, and it names nothing above discovery.
+//! ([`RowIndex`]), which stores the entries and which the registry derefs
+//! to.
+//!
+//! The service holds one master registry behind a mutex, which every change
+//! takes; selections never take it: they read an immutable snapshot (a
+//! clone of the master behind an `Arc`, published once per change and
+//! cached per thread; see the service's `snapshot` module). A registry never
+//! books or releases load, and it names nothing above discovery.
 //!
 //! # Whole snapshots
 //!
@@ -23,7 +28,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use metrics::Counter;
-use selkie_kernel::fleet::{WorkerSpec, WorkerState as KernelState, UNLIMITED};
+use selkie_kernel::fleet::{WorkerSpec, UNLIMITED};
 
 use super::record::{BusyThresholds, DeviceKind, WorkerRecord, WorkerState};
 use crate::error::DiscoveryError;
@@ -84,15 +89,6 @@ fn row_spec(record: &WorkerRecord, rank: DpRank) -> WorkerSpec {
         dp_rank: rank,
         capacity_weight: record.capacity_weight,
         admission_limit: record.max_active_requests.unwrap_or(UNLIMITED),
-    }
-}
-
-/// The kernel's state for a worker state.
-fn kernel_state(s: WorkerState) -> KernelState {
-    match s {
-        WorkerState::Live => KernelState::Live,
-        WorkerState::Draining => KernelState::Draining,
-        WorkerState::Cordoned => KernelState::Cordoned,
     }
 }
 
@@ -237,10 +233,10 @@ impl WorkerRegistry {
             let spec = row_spec(record, rank);
             let taken = match self.index.take_retired(WorkerWithDpRank::new(record.worker_id, rank)) {
                 Some(h) => {
-                    fleet.update_row(h, &spec, kernel_state(record.state));
+                    fleet.update_row(h, &spec, record.state);
                     Some(h)
                 }
-                None => fleet.add_row(spec, kernel_state(record.state)),
+                None => fleet.add_row(spec, record.state),
             };
             match taken {
                 Some(h) => rows.push((rank, h)),
@@ -325,7 +321,7 @@ impl WorkerRegistry {
         let rows = match self.take_rows(fleet, &record, new.clone().filter(|r| !now.contains(r))) {
             Ok(taken) => {
                 for &(rank, h) in &kept {
-                    fleet.update_row(h, &row_spec(&record, rank), kernel_state(record.state));
+                    fleet.update_row(h, &row_spec(&record, rank), record.state);
                 }
                 let mut rows = kept;
                 rows.extend(taken);

@@ -1,8 +1,9 @@
 //! The host's handle on the kernel's fleet, and the row index: the bottom
 //! of the host's layers above the plain types.
 //!
-//! * [`HostFleet`]: the one place that creates the fleet and adds, changes
-//!   and removes its rows. The fleet is a
+//! * [`HostFleet`]: the only code that creates the fleet and adds, changes
+//!   and removes its rows (which rows, discovery's registry decides). The
+//!   fleet is a
 //!   `selkie_kernel::fleet::Fleet<FLEET_GROUPS>` (16,384 rows) built
 //!   directly on the heap (no 700 KiB stack copy). Everything else in the
 //!   host reads it through `Deref`.
@@ -43,22 +44,8 @@ impl HostFleet {
     /// Rows the fleet holds.
     pub(crate) const CAPACITY: usize = KernelFleet::CAPACITY;
 
-    #[cfg(not(selkie_loom))]
     pub(crate) fn new() -> Self {
-        let mut slot = Box::<KernelFleet>::new_uninit();
-        Fleet::init_zeroed(&mut slot);
-        // SAFETY: `init_zeroed` initialised the whole value in place.
-        let inner = unsafe { slot.assume_init() };
-        HostFleet { inner }
-    }
-
-    /// Under loom the kernel's atomics are not plain integers, so the fleet
-    /// cannot be zero-initialised in place.
-    #[cfg(selkie_loom)]
-    pub(crate) fn new() -> Self {
-        HostFleet {
-            inner: Box::new(Fleet::new()),
-        }
+        HostFleet { inner: Fleet::boxed() }
     }
 
     /// Adds one worker rank as a row, in `state`; `None` when the fleet is

@@ -27,8 +27,6 @@
 //! Retired rows whose bookings have all ended are freed by [`RowIndex::sweep`]
 //! at the start of the next change.
 
-use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -98,32 +96,11 @@ impl FleetTraits {
     }
 }
 
-/// A hasher for worker ids: one multiply and a fold (ids are not
-/// attacker-chosen, and the overlap scatter looks one up per overlap entry
-/// on the selection path, so SipHash's cost would show).
-#[derive(Default)]
-pub(crate) struct IdHasher(u64);
-
-impl Hasher for IdHasher {
-    fn finish(&self) -> u64 {
-        let m = (self.0 as u128).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        (m as u64) ^ ((m >> 64) as u64)
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = (self.0.rotate_left(8)) ^ u64::from(b);
-        }
-    }
-    fn write_u64(&mut self, v: u64) {
-        self.0 = self.0.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ v;
-    }
-    fn write_u32(&mut self, v: u32) {
-        self.write_u64(u64::from(v));
-    }
-}
-
-/// A map keyed by worker ids (or worker ranks), hashed with [`IdHasher`].
-pub(crate) type IdMap<K, V> = HashMap<K, V, BuildHasherDefault<IdHasher>>;
+/// A map keyed by worker ids (or worker ranks), with rustc's Fx hash: one
+/// multiply per key word. Ids are not attacker-chosen, and a pinned request
+/// looks its worker up here, so SipHash's cost would show. (The overlap
+/// scatter uses the flat [`RankTable`] instead.)
+pub(crate) type IdMap<K, V> = rustc_hash::FxHashMap<K, V>;
 
 /// Source of row-layout epochs (unique in the process).
 static LAYOUT_EPOCHS: AtomicU64 = AtomicU64::new(1);

@@ -18,12 +18,8 @@
 //! names exactly its rows; two sets whose fingerprints collide are kept
 //! apart, which only costs a missed skip.
 
-use std::collections::HashMap;
-use std::hash::BuildHasherDefault;
-
 use super::rows::RowSet;
 use super::table::HashIndex;
-use super::BlockKeyHasher;
 
 /// The id of "no row holds the block" (such blocks are not in the table).
 const NONE: u32 = u32::MAX;
@@ -62,7 +58,8 @@ pub(crate) struct BlockRows {
     sets: Vec<SharedSet>,
     free: Vec<u32>,
     /// Fingerprint -> the set found under it.
-    by_print: HashMap<u64, u32, BuildHasherDefault<BlockKeyHasher>>,
+    /// (Fx-hashed: fingerprints are already random.)
+    by_print: rustc_hash::FxHashMap<u64, u32>,
     /// Changes computed, at `from % REMEMBERED`.
     remembered: [Transition; REMEMBERED],
     /// Starts at 1: a default entry never matches.
@@ -75,7 +72,7 @@ impl Default for BlockRows {
             blocks: HashIndex::default(),
             sets: Vec::new(),
             free: Vec::new(),
-            by_print: HashMap::default(),
+            by_print: rustc_hash::FxHashMap::default(),
             remembered: [Transition::default(); REMEMBERED],
             generation: 1,
         }

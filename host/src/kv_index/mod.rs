@@ -137,8 +137,7 @@ mod table;
 mod tests;
 mod two_copies;
 
-use std::collections::{HashMap, VecDeque};
-use std::hash::{BuildHasherDefault, Hasher};
+use std::collections::VecDeque;
 
 pub use approx::{ApproxKvIndex, DEFAULT_APPROX_TTL};
 pub use event::{KvEvent, KvEventData, KvEventError, KvQueryError, StorageTier, StoredBlock};
@@ -155,37 +154,9 @@ use block_rows::BlockRows;
 use rows::MAX_ROWS;
 use table::HashIndex;
 
-/// Hashes keys that are already hashes (block hashes) with one multiply,
-/// mixing the high half into the low bits first; keys of several integers
-/// (worker ranks) fold each in the same way. Worker and block ids come from
-/// the fleet's own engines, not from clients.
-#[derive(Default, Clone, Copy)]
-struct BlockKeyHasher(u64);
-
-impl Hasher for BlockKeyHasher {
-    #[inline]
-    fn finish(&self) -> u64 {
-        self.0
-    }
-
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = (self.0.rotate_left(8) ^ u64::from(b)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-        }
-    }
-
-    #[inline]
-    fn write_u64(&mut self, x: u64) {
-        self.0 = (self.0.rotate_left(26) ^ x ^ (x >> 32)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-    }
-
-    #[inline]
-    fn write_u32(&mut self, x: u32) {
-        self.write_u64(u64::from(x));
-    }
-}
-
-type RankMap<V> = HashMap<WorkerWithDpRank, V, BuildHasherDefault<BlockKeyHasher>>;
+/// A map keyed by worker ranks, with rustc's Fx hash (one multiply per key
+/// word): worker ids come from the fleet's own engines, not from clients.
+type RankMap<V> = rustc_hash::FxHashMap<WorkerWithDpRank, V>;
 
 /// A block a rank holds: its sequence hash, the tiers it is in and when
 /// the rank last stored it (a store counter, for eviction), the last two

@@ -16,8 +16,6 @@
 mod context;
 mod inputs;
 
-use std::ops::BitOr;
-
 use crate::error::WorkerSelectionPolicyError;
 
 pub use context::WorkerSelectionContext;
@@ -27,49 +25,37 @@ pub use inputs::{
     WorkerOccupancy,
 };
 
-/// Signal groups a plugin reads. The host computes only the union of what a
-/// policy's components declare, and each component sees only its own.
-///
-/// ```
-/// use selkie::WorkerInputs;
-/// let both = WorkerInputs::LOAD | WorkerInputs::CACHE;
-/// assert!(both.contains(WorkerInputs::LOAD) && !both.contains(WorkerInputs::OCCUPANCY));
-/// ```
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub struct WorkerInputs(u8);
-
-impl WorkerInputs {
-    /// No optional inputs (identity and cost only).
-    pub const NONE: Self = Self(0);
-    /// Cache overlaps per tier and estimated cached tokens.
-    pub const CACHE: Self = Self(1 << 0);
-    /// Active prefill tokens, decode cost blocks and active requests.
-    pub const LOAD: Self = Self(1 << 1);
-    /// The preferred-taint cost multiplier.
-    pub const PREFERRED_TAINT: Self = Self(1 << 2);
-    /// Active requests (booked ones included) and capacity weight.
-    pub const OCCUPANCY: Self = Self(1 << 5);
-    /// Device kind (CPU or accelerator).
-    pub const DEVICE_AWARE: Self = Self(1 << 6);
-    /// Every group.
-    pub const ALL: Self = Self(0b0110_0111);
-
-    /// Whether every flag of `other` is set.
-    pub const fn contains(self, other: Self) -> bool {
-        self.0 & other.0 == other.0
-    }
-
-    /// The union.
-    pub const fn union(self, other: Self) -> Self {
-        Self(self.0 | other.0)
+bitflags::bitflags! {
+    /// Signal groups a plugin reads. The host computes only the union of what a
+    /// policy's components declare, and each component sees only its own.
+    ///
+    /// ```
+    /// use selkie::WorkerInputs;
+    /// let both = WorkerInputs::LOAD | WorkerInputs::CACHE;
+    /// assert!(both.contains(WorkerInputs::LOAD) && !both.contains(WorkerInputs::OCCUPANCY));
+    /// assert_eq!(WorkerInputs::ALL, WorkerInputs::all());
+    /// assert!(WorkerInputs::default().is_empty());
+    /// ```
+    #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+    pub struct WorkerInputs: u8 {
+        /// Cache overlaps per tier and estimated cached tokens.
+        const CACHE = 1 << 0;
+        /// Active prefill tokens, decode cost blocks and active requests.
+        const LOAD = 1 << 1;
+        /// The preferred-taint cost multiplier.
+        const PREFERRED_TAINT = 1 << 2;
+        /// Active requests (booked ones included) and capacity weight.
+        const OCCUPANCY = 1 << 5;
+        /// Device kind (CPU or accelerator).
+        const DEVICE_AWARE = 1 << 6;
     }
 }
 
-impl BitOr for WorkerInputs {
-    type Output = Self;
-    fn bitor(self, rhs: Self) -> Self {
-        self.union(rhs)
-    }
+impl WorkerInputs {
+    /// No optional inputs (identity and cost only): [`empty`](Self::empty).
+    pub const NONE: Self = Self::empty();
+    /// Every group: [`all`](Self::all).
+    pub const ALL: Self = Self::all();
 }
 
 /// Removes candidates from the policy's candidate set (a soft exclusion:

@@ -28,10 +28,14 @@ pub(crate) mod scratch;
 
 use serde::{Deserialize, Serialize};
 
+use selkie_kernel::kernels::kv_cost::{KvConfigField, KvCostConfig};
+
+use crate::error::WorkerSelectionPolicyProviderError;
 use crate::plugin::{WorkerFilter, WorkerInputs, WorkerPicker, WorkerScorer};
 use crate::types::WorkerType;
 
 pub use prefix_hash::{prefix_key, PrefixHashConfig};
+pub(crate) use registry::FiniteValue;
 pub use registry::{
     WorkerSelectionPolicyFactory, WorkerSelectionPolicyParameters, WorkerSelectionPolicyProvider,
     WorkerSelectionPolicyRegistry, BUILTIN_ALIASES, BUILTIN_POLICIES,
@@ -43,6 +47,8 @@ pub use registry::{
 /// let c = selkie::KvRouterConfig::default();
 /// assert_eq!((c.overlap_score_credit, c.host_cache_hit_weight), (1.0, 0.75));
 /// assert!(c.validate().is_ok());
+/// let bad = selkie::KvRouterConfig { host_cache_hit_weight: 1.5, ..c };
+/// assert_eq!(bad.validate().unwrap_err().to_string(), "host_cache_hit_weight must be at most 1, got 1.5");
 /// ```
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -86,16 +92,20 @@ pub struct KvRouterConfig {
 }
 
 impl Default for KvRouterConfig {
+    /// Dynamo's defaults, from the cost model's
+    /// ([`KvCostConfig::DEFAULT`](selkie_kernel::kernels::kv_cost::KvCostConfig::DEFAULT)),
+    /// and no switching margin.
     fn default() -> Self {
+        let d = KvCostConfig::DEFAULT;
         KvRouterConfig {
-            overlap_score_credit: 1.0,
-            overlap_score_credit_decay: 0.0,
-            prefill_load_scale: 1.0,
-            decode_active_request_weight: 0.0,
-            host_cache_hit_weight: 0.75,
-            disk_cache_hit_weight: 0.25,
-            shared_cache_multiplier: 0.0,
-            router_temperature: 0.0,
+            overlap_score_credit: f64::from(d.overlap_score_credit),
+            overlap_score_credit_decay: f64::from(d.overlap_score_credit_decay),
+            prefill_load_scale: f64::from(d.prefill_load_scale),
+            decode_active_request_weight: f64::from(d.decode_active_request_weight),
+            host_cache_hit_weight: f64::from(d.host_cache_hit_weight),
+            disk_cache_hit_weight: f64::from(d.disk_cache_hit_weight),
+            shared_cache_multiplier: f64::from(d.shared_cache_multiplier),
+            router_temperature: f64::from(d.router_temperature),
             switch_margin: 0.0,
             switch_margin_relative: 0.0,
             max_dwell: 16,
@@ -112,51 +122,65 @@ impl KvRouterConfig {
         self.switch_margin > 0.0 || self.switch_margin_relative > 0.0
     }
 
-    /// Checks every weight is finite and non-negative, and the host, disk
-    /// and shared weights at most 1 (as Dynamo does); names the first bad
-    /// field.
-    ///
-    /// The cost kernel computes in `f32`, so "finite" means finite as an
-    /// `f32` too: a weight above `f32::MAX` (about 3.4e38) would become
-    /// infinite there and every request would be refused.
+    /// The value of one of the cost model's fields.
+    fn weight(&self, field: KvConfigField) -> f64 {
+        match field {
+            KvConfigField::OverlapScoreCredit => self.overlap_score_credit,
+            KvConfigField::OverlapScoreCreditDecay => self.overlap_score_credit_decay,
+            KvConfigField::PrefillLoadScale => self.prefill_load_scale,
+            KvConfigField::DecodeActiveRequestWeight => self.decode_active_request_weight,
+            KvConfigField::HostCacheHitWeight => self.host_cache_hit_weight,
+            KvConfigField::DiskCacheHitWeight => self.disk_cache_hit_weight,
+            KvConfigField::SharedCacheMultiplier => self.shared_cache_multiplier,
+            KvConfigField::RouterTemperature => self.router_temperature,
+        }
+    }
+
+    /// Checks the cost model's weights with the cost model's own check
+    /// ([`KvConfigField::check`](selkie_kernel::kernels::kv_cost::KvConfigField::check):
+    /// finite, also as an `f32`, and non-negative; the host, disk and shared
+    /// weights at most 1, as Dynamo does), then the switching margins
+    /// (`0 ..= f32::MAX`) and [`max_dwell`](Self::max_dwell)
+    /// (`0 ..= MAX_DWELL`). The first bad field, in declaration order, is
+    /// reported with its bound.
     ///
     /// ```
-    /// let c = selkie::KvRouterConfig { overlap_score_credit: 1e300, ..Default::default() };
-    /// assert!(c.validate().unwrap_err().contains("overlap_score_credit"));
+    /// use selkie::{KvRouterConfig, WorkerSelectionPolicyProviderError as E};
+    /// use selkie::{KvConfigField, KvConfigProblem};
+    /// let c = KvRouterConfig { overlap_score_credit: 1e300, ..Default::default() };
+    /// let E::KvWeight { source, .. } = c.validate().unwrap_err() else { panic!() };
+    /// assert_eq!((source.field, source.problem), (KvConfigField::OverlapScoreCredit, KvConfigProblem::NotFinite));
+    /// let c = KvRouterConfig { max_dwell: 2_000_000, ..Default::default() };
+    /// assert_eq!(c.validate().unwrap_err().to_string(), "max_dwell must be within 0 ..= 1000000, got 2000000");
     /// ```
-    pub fn validate(&self) -> Result<(), String> {
-        let fields = [
-            ("overlap_score_credit", self.overlap_score_credit),
-            ("overlap_score_credit_decay", self.overlap_score_credit_decay),
-            ("prefill_load_scale", self.prefill_load_scale),
-            ("decode_active_request_weight", self.decode_active_request_weight),
-            ("host_cache_hit_weight", self.host_cache_hit_weight),
-            ("disk_cache_hit_weight", self.disk_cache_hit_weight),
-            ("shared_cache_multiplier", self.shared_cache_multiplier),
-            ("router_temperature", self.router_temperature),
+    pub fn validate(&self) -> Result<(), WorkerSelectionPolicyProviderError> {
+        for field in KvConfigField::ALL {
+            let value = self.weight(field);
+            field
+                .check(value)
+                .map_err(|source| WorkerSelectionPolicyProviderError::KvWeight { value, source })?;
+        }
+        let margin_max = f64::from(f32::MAX);
+        for (field, value) in [
             ("switch_margin", self.switch_margin),
             ("switch_margin_relative", self.switch_margin_relative),
-        ];
-        for (name, v) in fields {
-            if !((v as f32).is_finite() && v >= 0.0) {
-                return Err(format!("{name} must be finite (as an f32) and >= 0, got {v}"));
-            }
-        }
-        for (name, v) in [
-            ("host_cache_hit_weight", self.host_cache_hit_weight),
-            ("disk_cache_hit_weight", self.disk_cache_hit_weight),
-            ("shared_cache_multiplier", self.shared_cache_multiplier),
         ] {
-            if v > 1.0 {
-                return Err(format!("{name} must be at most 1, got {v}"));
+            if !(0.0..=margin_max).contains(&value) {
+                return Err(WorkerSelectionPolicyProviderError::OutOfRange {
+                    field,
+                    value,
+                    min: 0.0,
+                    max: margin_max,
+                });
             }
         }
         if self.max_dwell > Self::MAX_DWELL {
-            return Err(format!(
-                "max_dwell must be at most {}, got {}",
-                Self::MAX_DWELL,
-                self.max_dwell
-            ));
+            return Err(WorkerSelectionPolicyProviderError::OutOfRange {
+                field: "max_dwell",
+                value: f64::from(self.max_dwell),
+                min: 0.0,
+                max: f64::from(Self::MAX_DWELL),
+            });
         }
         Ok(())
     }
@@ -346,9 +370,10 @@ impl WorkerSelectionPolicy {
     /// let p = WorkerSelectionPolicy::prefix_hash(PrefixHashConfig::default()).unwrap();
     /// assert_eq!(p.name(), "prefix-hash");
     /// let bad = PrefixHashConfig { prefix_blocks: 0, ..Default::default() };
-    /// assert!(WorkerSelectionPolicy::prefix_hash(bad).unwrap_err().contains("prefix_blocks"));
+    /// let err = WorkerSelectionPolicy::prefix_hash(bad).unwrap_err();
+    /// assert_eq!(err.to_string(), "prefix_blocks must be within 1 ..= 1048576, got 0");
     /// ```
-    pub fn prefix_hash(config: PrefixHashConfig) -> Result<Self, String> {
+    pub fn prefix_hash(config: PrefixHashConfig) -> Result<Self, WorkerSelectionPolicyProviderError> {
         config.validate()?;
         Ok(Self::builtin(
             PolicyKind::PrefixHash(config),

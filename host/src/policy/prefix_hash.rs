@@ -23,7 +23,7 @@ use serde::{Deserialize, Serialize};
 use super::builtin::{choice, finish, load_of, none};
 use super::scratch::Scratch;
 use super::{Choice, Env};
-use crate::error::SelectionError;
+use crate::error::{SelectionError, WorkerSelectionPolicyProviderError};
 use crate::explain::Branch;
 use crate::request::SelectionRequest;
 
@@ -41,7 +41,7 @@ pub const MAX_PREFIX_BLOCKS: u32 = 1 << 20;
 /// assert_eq!((c.load_factor, c.prefix_blocks), (1.25, 4));
 /// assert!(c.validate().is_ok());
 /// let bad = selkie::PrefixHashConfig { load_factor: 0.9, ..c };
-/// assert!(bad.validate().unwrap_err().contains("load_factor"));
+/// assert_eq!(bad.validate().unwrap_err().to_string(), "load_factor must be within 1 ..= 1000000, got 0.9");
 /// ```
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -68,18 +68,22 @@ impl Default for PrefixHashConfig {
 
 impl PrefixHashConfig {
     /// Checks both fields; names the bad one and its range.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), WorkerSelectionPolicyProviderError> {
         if check_load_factor(self.load_factor).is_err() {
-            return Err(format!(
-                "load_factor must be finite and within 1 ..= {MAX_LOAD_FACTOR}, got {}",
-                self.load_factor
-            ));
+            return Err(WorkerSelectionPolicyProviderError::OutOfRange {
+                field: "load_factor",
+                value: self.load_factor,
+                min: 1.0,
+                max: MAX_LOAD_FACTOR,
+            });
         }
         if !(1..=MAX_PREFIX_BLOCKS).contains(&self.prefix_blocks) {
-            return Err(format!(
-                "prefix_blocks must be within 1 ..= {MAX_PREFIX_BLOCKS}, got {}",
-                self.prefix_blocks
-            ));
+            return Err(WorkerSelectionPolicyProviderError::OutOfRange {
+                field: "prefix_blocks",
+                value: f64::from(self.prefix_blocks),
+                min: 1.0,
+                max: f64::from(MAX_PREFIX_BLOCKS),
+            });
         }
         Ok(())
     }

@@ -20,6 +20,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use serde::de::DeserializeOwned;
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use super::{DeviceAwareConfig, KvRouterConfig, PolicyKind, PrefixHashConfig, WorkerSelectionPolicy};
 use crate::error::{RegistryError, WorkerSelectionPolicyProviderError};
@@ -36,30 +37,151 @@ pub type WorkerSelectionPolicyProvider = Arc<
         + Sync,
 >;
 
-/// An instance's parameters, as written in the config file (a YAML value;
-/// TOML files are converted).
+/// An instance's parameters: a mapping of field names to values, whatever
+/// format they were written in (a config file's YAML or TOML, any other
+/// serde format, or built in code). A provider reads them into its own type
+/// with [`deserialize`](Self::deserialize).
+///
+/// ```
+/// use selkie::{KvRouterConfig, WorkerSelectionPolicyParameters};
+/// #[derive(serde::Serialize)]
+/// struct Credit {
+///     overlap_score_credit: f64,
+/// }
+/// let p = WorkerSelectionPolicyParameters::from_serialize(&Credit { overlap_score_credit: 2.0 })?;
+/// let kv: KvRouterConfig = p.deserialize()?;
+/// assert_eq!(kv.overlap_score_credit, 2.0);
+/// assert!(WorkerSelectionPolicyParameters::default().is_empty());
+/// // Not a mapping:
+/// assert!(WorkerSelectionPolicyParameters::from_serialize(&[1, 2]).is_err());
+/// # Ok::<(), selkie::WorkerSelectionPolicyProviderError>(())
+/// ```
 #[derive(Clone, Debug, Default, PartialEq)]
-pub struct WorkerSelectionPolicyParameters(serde_yaml::Value);
+pub struct WorkerSelectionPolicyParameters(serde_json::Map<String, serde_json::Value>);
+
+/// Why a value is not a parameter mapping.
+#[derive(Debug, thiserror::Error)]
+#[error("policy parameters must be a mapping of field names to values, not {0}")]
+pub(crate) struct NotAMapping(&'static str);
 
 impl WorkerSelectionPolicyParameters {
-    /// Wraps a value.
-    pub fn new(value: serde_yaml::Value) -> Self {
-        WorkerSelectionPolicyParameters(value)
+    /// The parameters `value` serializes to (a struct or a map; a unit or
+    /// `None` is no parameters). A NaN or infinite number becomes `null`,
+    /// which a policy's number field then refuses.
+    pub fn from_serialize<T: Serialize + ?Sized>(value: &T) -> Result<Self, WorkerSelectionPolicyProviderError> {
+        let parameters = |source| WorkerSelectionPolicyProviderError::Parameters { source };
+        let value = serde_json::to_value(value).map_err(|e| parameters(Box::new(e)))?;
+        Self::from_value(value).map_err(|e| parameters(Box::new(e)))
     }
 
-    /// Deserialises the parameters into the policy's own type (a missing or
-    /// null value deserialises as an empty mapping).
+    /// The parameters, if `value` is a mapping or nothing.
+    pub(crate) fn from_value(value: serde_json::Value) -> Result<Self, NotAMapping> {
+        match value {
+            serde_json::Value::Null => Ok(Self::default()),
+            serde_json::Value::Object(map) => Ok(Self(map)),
+            serde_json::Value::Bool(_) => Err(NotAMapping("a boolean")),
+            serde_json::Value::Number(_) => Err(NotAMapping("a number")),
+            serde_json::Value::String(_) => Err(NotAMapping("a string")),
+            serde_json::Value::Array(_) => Err(NotAMapping("a sequence")),
+        }
+    }
+
+    /// Whether no parameter is given.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// Deserializes the parameters into the policy's own type (no
+    /// parameters deserialize as an empty mapping).
     pub fn deserialize<T: DeserializeOwned>(&self) -> Result<T, WorkerSelectionPolicyProviderError> {
-        let v = match &self.0 {
-            serde_yaml::Value::Null => serde_yaml::Value::Mapping(Default::default()),
-            v => v.clone(),
-        };
-        serde_yaml::from_value(v).map_err(|e| WorkerSelectionPolicyProviderError::new(e.to_string()))
+        T::deserialize(&self.0).map_err(|e| WorkerSelectionPolicyProviderError::Parameters { source: Box::new(e) })
     }
+}
 
-    /// The raw value.
-    pub fn value(&self) -> &serde_yaml::Value {
-        &self.0
+/// Parameters read from any self-describing format: a mapping, or nothing
+/// (`null`, `~`). Numbers must be finite: NaN and infinities are refused
+/// where the text has them.
+impl<'de> Deserialize<'de> for WorkerSelectionPolicyParameters {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let FiniteValue(value) = FiniteValue::deserialize(deserializer)?;
+        Self::from_value(value).map_err(serde::de::Error::custom)
+    }
+}
+
+/// Any value of the serde data model whose numbers are finite, read from any
+/// self-describing format (a config file's `parameters:` before it is known
+/// to be a mapping). NaN and infinities are refused with an error of the
+/// format's deserializer, which says where they are.
+pub(crate) struct FiniteValue(pub(crate) serde_json::Value);
+
+impl Default for FiniteValue {
+    fn default() -> Self {
+        FiniteValue(serde_json::Value::Null)
+    }
+}
+
+impl<'de> Deserialize<'de> for FiniteValue {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserializer.deserialize_any(FiniteVisitor).map(FiniteValue)
+    }
+}
+
+struct FiniteVisitor;
+
+impl<'de> serde::de::Visitor<'de> for FiniteVisitor {
+    type Value = serde_json::Value;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("a value with finite numbers")
+    }
+    fn visit_bool<E>(self, v: bool) -> Result<Self::Value, E> {
+        Ok(v.into())
+    }
+    fn visit_i64<E>(self, v: i64) -> Result<Self::Value, E> {
+        Ok(v.into())
+    }
+    fn visit_u64<E>(self, v: u64) -> Result<Self::Value, E> {
+        Ok(v.into())
+    }
+    fn visit_f64<E: serde::de::Error>(self, v: f64) -> Result<Self::Value, E> {
+        serde_json::Number::from_f64(v)
+            .map(serde_json::Value::Number)
+            .ok_or_else(|| E::custom(format_args!("policy parameters must be finite numbers, got {v}")))
+    }
+    fn visit_str<E>(self, v: &str) -> Result<Self::Value, E> {
+        Ok(v.into())
+    }
+    fn visit_string<E>(self, v: String) -> Result<Self::Value, E> {
+        Ok(v.into())
+    }
+    fn visit_none<E>(self) -> Result<Self::Value, E> {
+        Ok(serde_json::Value::Null)
+    }
+    fn visit_unit<E>(self) -> Result<Self::Value, E> {
+        Ok(serde_json::Value::Null)
+    }
+    fn visit_some<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_any(self)
+    }
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+        let mut v = Vec::new();
+        while let Some(FiniteValue(x)) = seq.next_element()? {
+            v.push(x);
+        }
+        Ok(serde_json::Value::Array(v))
+    }
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        let mut m = serde_json::Map::new();
+        while let Some((k, FiniteValue(v))) = map.next_entry::<String, FiniteValue>()? {
+            m.insert(k, v);
+        }
+        Ok(serde_json::Value::Object(m))
+    }
+}
+
+impl Serialize for WorkerSelectionPolicyParameters {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        self.0.serialize(serializer)
     }
 }
 
@@ -87,12 +209,10 @@ pub const BUILTIN_POLICIES: [&str; 8] = [
 ];
 
 fn no_params(p: &WorkerSelectionPolicyParameters) -> Result<(), WorkerSelectionPolicyProviderError> {
-    match p.value() {
-        serde_yaml::Value::Null => Ok(()),
-        serde_yaml::Value::Mapping(m) if m.is_empty() => Ok(()),
-        _ => Err(WorkerSelectionPolicyProviderError::new(
-            "this policy takes no parameters",
-        )),
+    if p.is_empty() {
+        Ok(())
+    } else {
+        Err(WorkerSelectionPolicyProviderError::UnexpectedParameters)
     }
 }
 
@@ -112,10 +232,9 @@ fn builtin(name: &str) -> Option<WorkerSelectionPolicyProvider> {
             // Without parameters the instance uses the router's KV
             // configuration; with them, the parameters (missing fields take
             // the defaults).
-            let explicit = !matches!(p.value(), serde_yaml::Value::Null)
-                && !matches!(p.value(), serde_yaml::Value::Mapping(m) if m.is_empty());
+            let explicit = !p.is_empty();
             let parsed: KvRouterConfig = p.deserialize()?;
-            parsed.validate().map_err(WorkerSelectionPolicyProviderError::new)?;
+            parsed.validate()?;
             Ok(Arc::new(
                 move |base: &KvRouterConfig, t: WorkerType, _: RoutingPartitionRef<'_>| {
                     WorkerSelectionPolicy::kv(if explicit { parsed } else { *base }, t)
@@ -137,7 +256,7 @@ fn builtin(name: &str) -> Option<WorkerSelectionPolicyProvider> {
         }),
         "prefix-hash" => Arc::new(|p: &WorkerSelectionPolicyParameters| {
             let c: PrefixHashConfig = p.deserialize()?;
-            c.validate().map_err(WorkerSelectionPolicyProviderError::new)?;
+            c.validate()?;
             Ok(
                 Arc::new(move |_: &KvRouterConfig, t: WorkerType, _: RoutingPartitionRef<'_>| {
                     WorkerSelectionPolicy::builtin(PolicyKind::PrefixHash(c), "prefix-hash", t)
@@ -179,7 +298,64 @@ impl WorkerSelectionPolicyRegistry {
         Ok(r)
     }
 
-    /// Registers a custom policy type.
+    /// Registers a custom policy type: `provider` reads an instance's
+    /// parameters once (refusing bad ones with a
+    /// [`WorkerSelectionPolicyProviderError`]) and returns the factory
+    /// that builds the policy for each routing partition. A built-in's
+    /// name (or alias), an empty name or a name already registered is
+    /// refused.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use selkie::*;
+    ///
+    /// /// The candidate with the most device-cached blocks, if it has at least
+    /// /// `min_blocks`; else the first.
+    /// struct MostCached {
+    ///     min_blocks: f64,
+    /// }
+    /// impl WorkerPicker for MostCached {
+    ///     fn required_worker_inputs(&self) -> WorkerInputs {
+    ///         WorkerInputs::CACHE
+    ///     }
+    ///     fn pick(&self, _: &WorkerSelectionContext<'_>, view: WorkerInputView<'_>) -> Result<usize, WorkerSelectionPolicyError> {
+    ///         let cached = |i| view.candidate(i).and_then(|c| c.cache()).map_or(0.0, |c| c.device_overlap_blocks());
+    ///         let best = (0..view.len()).max_by(|&a, &b| cached(a).total_cmp(&cached(b))).unwrap_or(0);
+    ///         Ok(if cached(best) >= self.min_blocks { best } else { 0 })
+    ///     }
+    /// }
+    ///
+    /// /// The parameters an instance may give (all optional).
+    /// #[derive(serde::Deserialize, Default)]
+    /// #[serde(default, deny_unknown_fields)]
+    /// struct Params {
+    ///     min_blocks: f64,
+    /// }
+    ///
+    /// let provider: WorkerSelectionPolicyProvider = Arc::new(|p: &WorkerSelectionPolicyParameters| {
+    ///     let Params { min_blocks } = p.deserialize()?; // unknown fields are refused here
+    ///     if !(min_blocks >= 0.0) {
+    ///         return Err(WorkerSelectionPolicyProviderError::new("min_blocks must be at least 0"));
+    ///     }
+    ///     let factory: WorkerSelectionPolicyFactory = Arc::new(move |config, worker_type, _partition| {
+    ///         WorkerSelectionPolicy::new(*config, worker_type, Vec::new(), Box::new(MostCached { min_blocks }))
+    ///             .with_name("most-cached")
+    ///     });
+    ///     Ok(factory)
+    /// });
+    /// let mut registry = WorkerSelectionPolicyRegistry::new();
+    /// registry.register("most-cached", provider.clone())?;
+    /// assert!(matches!(registry.register("kv", provider), Err(RegistryError::BuiltinName { .. })));
+    ///
+    /// // A config file can name it now, with its parameters.
+    /// let yaml = "aggregated: mc\ninstances:\n  - { name: mc, type: most-cached, parameters: { min_blocks: 4 } }\n";
+    /// let factory = WorkerSelectionConfig::from_yaml_str(yaml)?.resolve(&registry, WorkerType::Aggregated)?;
+    /// let policy = factory(&KvRouterConfig::default(), WorkerType::Aggregated, RoutingPartitionRef::model("llama"));
+    /// assert_eq!(policy.name(), "most-cached");
+    /// let bad = WorkerSelectionConfig::from_yaml_str("aggregated: mc\ninstances:\n  - { name: mc, type: most-cached, parameters: { min_block: 4 } }\n")?;
+    /// assert!(matches!(bad.resolve(&registry, WorkerType::Aggregated), Err(ConfigError::Registry(RegistryError::Provider { .. }))));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn register(
         &mut self,
         name: impl Into<String>,

@@ -102,12 +102,8 @@ fn zero(column: &mut [f32]) {
     }
 }
 
-/// SplitMix64's finaliser: spreads a seed over every bit.
-pub(crate) fn mix(mut z: u64) -> u64 {
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
+/// SplitMix64's finaliser (the kernel's): spreads a seed over every bit.
+pub(crate) use selkie_kernel::rng::mix;
 
 /// The thread's random generator for services without a seed: seeded
 /// from the clock and a process-wide counter (two threads started in the

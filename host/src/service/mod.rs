@@ -15,6 +15,8 @@
 //! the selection rescans. Booking is the kernel's lock-free protocol. With
 //! the built-in policies a warm thread allocates nothing per request.
 //!
+//! What takes a lock or allocates is listed on [`WorkerSelectionService`].
+//!
 //! The service is the top of the host's layers (below only the
 //! configuration file and the simulator): it passes the thread's scratch to
 //! the policy and asks it to `choose` or give its `costs`, and it never
@@ -53,6 +55,21 @@ use crate::types::{WorkerId, WorkerWithDpRank};
 use session::SessionTable;
 
 pub use poller::{DiscoveryHealth, DiscoveryPoller};
+
+use crate::explain::Explanation;
+
+impl Preview {
+    /// The worker rank the request would go to (as
+    /// [`Selection::worker`]).
+    pub fn worker(&self) -> WorkerWithDpRank {
+        self.worker
+    }
+
+    /// Why, with the runner-up (as [`Selection::explanation`]).
+    pub fn explanation(&self) -> &Explanation {
+        &self.explanation
+    }
+}
 pub use selection::{Booked, FleetHandle, OwnedSelection, Preview, RankStatus, Selection, WorkerStatus};
 
 /// Settings of a [`WorkerSelectionService`].
@@ -101,6 +118,29 @@ impl Default for ServiceConfig {
 
 /// Worker selection for one routing partition. See the crate docs for a
 /// walk-through.
+///
+/// # Locks and allocations
+///
+/// Selection and booking take no lock and, with the built-in policies,
+/// allocate nothing once a thread is warm. The exceptions:
+///
+/// * A change of the workers takes the master registry's mutex; the first
+///   selection on each thread after a change takes it too, to reload its
+///   snapshot (the master is cloned into a new snapshot once per change,
+///   shared by every thread).
+/// * A request that carries a session takes the session table's locks. The
+///   table is a fixed array of 8-entry buckets, each behind its own mutex,
+///   keyed by a 64-bit hash of the session id: the lookup locks the
+///   session's first bucket and, when the session is not there, its second;
+///   binding it after the booking locks both, in index order. Each critical
+///   section compares at most 8 hashes per bucket and writes at most one
+///   entry, and no lock is shared by all sessions: two requests wait for
+///   each other only when their sessions share a bucket. The table is
+///   allocated whole on the first bind; new sessions allocate nothing after
+///   that.
+/// * A thread's first selection allocates its scratch buffers, a custom
+///   policy's plugins allocate what they allocate, and
+///   [`costs`](WorkerSelectionService::costs) returns a `Vec`.
 pub struct WorkerSelectionService {
     fleet: HostFleet,
     /// The master registry; changes happen here.
@@ -398,6 +438,84 @@ impl WorkerSelectionService {
             Outcome::Previewed(p) => p,
             Outcome::Booked(_) => unreachable!("peek books nothing"),
         })
+    }
+
+    /// Checks what a selection takes as given: every cache overlap of `req`
+    /// within its prompt, at the service's block size
+    /// ([`ServiceConfig::block_size`]). Each overlap's `device_blocks`,
+    /// `host_blocks`, `disk_blocks` and `shared_blocks` must be at most the
+    /// prompt's blocks (`ceil(isl_tokens / block_size)`) and its
+    /// `cached_tokens` at most `isl_tokens`, for the entries of
+    /// [`overlaps`](SelectionRequest::overlaps) and for every row of
+    /// [`row_overlaps`](SelectionRequest::row_overlaps). A selection does
+    /// not check this (it costs a pass over the overlaps): an overlap built
+    /// for another block size is scored as it is. Call it where requests are
+    /// built, in tests or while bringing a router up.
+    ///
+    /// ```
+    /// use selkie::*;
+    /// let service = WorkerSelectionService::new(WorkerSelectionPolicy::least_loaded(), ServiceConfig::default());
+    /// let w = WorkerWithDpRank::new(2, 0);
+    /// // 96 of the prompt's 128 blocks of 16 tokens: fine.
+    /// let ok = [WorkerOverlap::device(w, 96, 16)];
+    /// assert!(service.check_request(&SelectionRequest::new(2048).with_overlaps(&ok)).is_ok());
+    /// // The same 96 blocks counted at 32 tokens: 3,072 cached tokens of a 2,048-token prompt.
+    /// let wrong = [WorkerOverlap::device(w, 96, 32)];
+    /// let err = service.check_request(&SelectionRequest::new(2048).with_overlaps(&wrong)).unwrap_err();
+    /// assert!(matches!(
+    ///     err,
+    ///     SelectionError::OverlapPastPrompt { column: "cached_tokens", value: 3072, limit: 2048, .. }
+    /// ));
+    /// ```
+    pub fn check_request(&self, req: &SelectionRequest<'_>) -> Result<(), SelectionError> {
+        let blocks = req.request_blocks(self.config.block_size);
+        let tokens = req.isl_tokens as u64;
+        let check =
+            |worker: Option<WorkerWithDpRank>, row: Option<usize>, column: &'static str, value: u64, limit: u64| {
+                if value > limit {
+                    Err(SelectionError::OverlapPastPrompt {
+                        worker,
+                        row,
+                        column,
+                        value,
+                        limit,
+                    })
+                } else {
+                    Ok(())
+                }
+            };
+        for o in req.overlaps {
+            let w = Some(o.worker);
+            check(w, None, "device_blocks", u64::from(o.device_blocks), blocks)?;
+            check(w, None, "host_blocks", u64::from(o.host_blocks), blocks)?;
+            check(w, None, "disk_blocks", u64::from(o.disk_blocks), blocks)?;
+            check(w, None, "shared_blocks", u64::from(o.shared_blocks), blocks)?;
+            check(w, None, "cached_tokens", u64::from(o.cached_tokens), tokens)?;
+        }
+        if let Some(r) = &req.row_overlaps {
+            let columns = [
+                ("device_blocks", Some(r.device_blocks), blocks),
+                ("host_blocks", r.host_blocks, blocks),
+                ("disk_blocks", r.disk_blocks, blocks),
+                ("shared_blocks", r.shared_blocks, blocks),
+                ("cached_tokens", r.cached_tokens, tokens),
+            ];
+            for (column, values, limit) in columns {
+                for (row, &v) in values.unwrap_or_default().iter().enumerate() {
+                    // A NaN or a negative count is past any limit too.
+                    if !(v >= 0.0 && f64::from(v) <= limit as f64) {
+                        let value = if v > 0.0 { f64::from(v).ceil() as u64 } else { u64::MAX };
+                        return check(self.row_worker(row), Some(row), column, value, limit);
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The worker rank in `row` of the current layout, if any.
+    fn row_worker(&self, row: usize) -> Option<WorkerWithDpRank> {
+        self.with_snapshot(|reg| reg.row(row).map(|m| m.worker()))
     }
 
     /// Every eligible row's cost as the policy sees it now, in worker

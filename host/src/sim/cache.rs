@@ -7,34 +7,12 @@
 //! admitted only when its new blocks fit (see [`KvCache::acquire`]). This
 //! module knows nothing of time or routing.
 
-use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
-
 const NIL: u32 = u32::MAX;
 
-/// Hashes a block hash for the cache's table: one multiply and a fold
-/// (block hashes from traces can be small sequential integers, which the
-/// table must still spread; SipHash would be ten times slower here).
-#[derive(Clone, Copy, Debug, Default)]
-pub struct BlockHasher(u64);
-
-impl Hasher for BlockHasher {
-    fn finish(&self) -> u64 {
-        let m = u128::from(self.0) * u128::from(0x9E37_79B9_7F4A_7C15u64);
-        (m as u64) ^ ((m >> 64) as u64)
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = self.0.rotate_left(8) ^ u64::from(b);
-        }
-    }
-    fn write_u64(&mut self, v: u64) {
-        self.0 ^= v;
-    }
-}
-
-/// A map keyed by block hash.
-pub type BlockMap<V> = HashMap<u64, V, BuildHasherDefault<BlockHasher>>;
+/// A map keyed by block hash, with rustc's Fx hash: one multiply per key,
+/// which still spreads the small sequential integers some traces use as
+/// block hashes (SipHash would be ten times slower here).
+pub type BlockMap<V> = rustc_hash::FxHashMap<u64, V>;
 
 #[derive(Clone, Copy, Debug)]
 struct Block {

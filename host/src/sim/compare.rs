@@ -46,12 +46,18 @@ impl PolicyChoice {
 
     /// The `kv` policy with its default weights at `temperature`.
     pub fn kv_at(temperature: f64) -> Self {
-        let mut map = serde_yaml::Mapping::new();
-        map.insert("router_temperature".into(), temperature.into());
+        #[derive(serde::Serialize)]
+        struct Temperature {
+            router_temperature: f64,
+        }
+        let parameters = WorkerSelectionPolicyParameters::from_serialize(&Temperature {
+            router_temperature: temperature,
+        })
+        .expect("a struct serializes as a mapping");
         PolicyChoice {
             label: format!("kv T={temperature}"),
             policy_type: "kv".to_owned(),
-            parameters: WorkerSelectionPolicyParameters::new(serde_yaml::Value::Mapping(map)),
+            parameters,
             session_affinity: None,
         }
     }
@@ -87,12 +93,12 @@ impl PolicyChoice {
     /// ```
     pub fn parse(text: &str) -> Result<Self, SimError> {
         if let Some((name, yaml)) = text.split_once(':') {
-            let value: serde_yaml::Value =
-                serde_yaml::from_str(yaml).map_err(|e| SimError::Usage(format!("bad parameters in {text:?}: {e}")))?;
+            let parameters: WorkerSelectionPolicyParameters = serde_saphyr::from_str(yaml)
+                .map_err(|e| SimError::Usage(format!("bad parameters in {text:?}: {e}")))?;
             return Ok(PolicyChoice {
                 label: text.to_owned(),
                 policy_type: name.to_owned(),
-                parameters: WorkerSelectionPolicyParameters::new(value),
+                parameters,
                 session_affinity: None,
             });
         }

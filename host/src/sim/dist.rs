@@ -1,24 +1,20 @@
-//! Random distributions the workload generator draws from, over the
-//! kernel's seedable [`Rng`] so that a whole simulation replays from one seed.
+//! The random distributions the workload generator draws from: `rand_distr`'s,
+//! over the kernel's seedable [`Rng`] (which implements the rand ecosystem's
+//! generator interface), so that a whole simulation replays from one seed.
 //!
-//! Only what the generator needs: exponential gaps (Poisson arrivals),
-//! log-normal and uniform lengths, and a Zipf sampler over a finite set.
-//! This module must not read clocks or the OS.
+//! Only the shapes the generator needs: exponential gaps (Poisson arrivals),
+//! log-normal and uniform lengths ([`LengthDist`], a scenario's field), and
+//! Zipf popularity over a finite set of ranks ([`Zipf`]). This module must
+//! not read clocks or the OS.
 
+use rand_distr::{Distribution, Exp1};
 use selkie_kernel::Rng;
 use serde::{Deserialize, Serialize};
 
-/// An exponential draw with the given mean (inverse transform).
+/// An exponential draw with the given mean.
 pub fn exponential(rng: &mut Rng, mean: f64) -> f64 {
-    // 1 - u is in (0, 1], so the logarithm is finite.
-    -mean * (1.0 - rng.unit_f64()).ln()
-}
-
-/// A standard normal draw (Box–Muller, one of the pair).
-pub fn standard_normal(rng: &mut Rng) -> f64 {
-    let u1 = 1.0 - rng.unit_f64();
-    let u2 = rng.unit_f64();
-    (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()
+    let unit: f64 = Exp1.sample(rng);
+    mean * unit
 }
 
 /// A distribution of token counts (prompt, output or turn lengths).
@@ -49,7 +45,10 @@ pub enum LengthDist {
 }
 
 impl LengthDist {
-    /// One draw.
+    /// One draw. A log-normal whose parameters `rand_distr` refuses (a
+    /// median that is not positive and finite, a negative or non-finite
+    /// sigma: the scenario limits refuse them first) gives its median,
+    /// clamped.
     pub fn sample(&self, rng: &mut Rng) -> u32 {
         match *self {
             LengthDist::Fixed(n) => n,
@@ -63,7 +62,7 @@ impl LengthDist {
                 min,
                 max,
             } => {
-                let v = median * (sigma * standard_normal(rng)).exp();
+                let v = rand_distr::LogNormal::new(median.ln(), sigma).map_or(median, |d| d.sample(rng));
                 (v.round().clamp(f64::from(min), f64::from(max.max(min)))) as u32
             }
         }
@@ -81,37 +80,46 @@ impl LengthDist {
 
 /// Zipf-distributed ranks in `0..n`: rank `k` has probability proportional
 /// to `1 / (k + 1)^s`. Rank 0 is the most popular.
-#[derive(Clone, Debug)]
+#[derive(Clone, Copy, Debug)]
 pub struct Zipf {
-    cdf: Vec<f64>,
+    zipf: rand_distr::Zipf<f64>,
+    n: usize,
 }
 
 impl Zipf {
-    /// A sampler over `n >= 1` ranks with exponent `s >= 0` (`s = 0` is uniform).
+    /// A sampler over `n >= 1` ranks with exponent `s >= 0` (`s = 0` is
+    /// uniform; a negative or non-finite `s` counts as 0).
     pub fn new(n: usize, s: f64) -> Self {
         let n = n.max(1);
-        let mut cdf = Vec::with_capacity(n);
-        let mut total = 0.0;
-        for k in 0..n {
-            total += 1.0 / ((k + 1) as f64).powf(s);
-            cdf.push(total);
-        }
-        for c in &mut cdf {
-            *c /= total;
-        }
-        Zipf { cdf }
+        let s = if s.is_finite() && s > 0.0 { s } else { 0.0 };
+        let zipf = rand_distr::Zipf::new(n as f64, s).expect("n >= 1 and s >= 0 are valid");
+        Zipf { zipf, n }
     }
 
     /// One rank.
     pub fn sample(&self, rng: &mut Rng) -> usize {
-        let u = rng.unit_f64();
-        self.cdf.partition_point(|&c| c <= u).min(self.cdf.len() - 1)
+        // `rand_distr` draws in `1..=n`, as a float.
+        (self.zipf.sample(rng) as usize).clamp(1, self.n) - 1
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `rand_distr` draws the kernel generator's own words: a `u64` is one
+    /// `next_u64`, a `u32` its high half.
+    #[test]
+    fn rand_distr_draws_the_kernel_generators_words() {
+        use rand_distr::StandardUniform;
+        let (mut a, mut b) = (Rng::new(11), Rng::new(11));
+        for _ in 0..4 {
+            let x: u64 = StandardUniform.sample(&mut a);
+            assert_eq!(x, b.next_u64());
+            let y: u32 = StandardUniform.sample(&mut a);
+            assert_eq!(y, (b.next_u64() >> 32) as u32);
+        }
+    }
 
     #[test]
     fn exponential_mean_is_close() {
@@ -140,8 +148,9 @@ mod tests {
         assert!(counts.iter().all(|&c| (1_800..2_200).contains(&c)), "{counts:?}");
     }
 
+    /// The log-normal's median is its parameter: half the draws fall below.
     #[test]
-    fn lengths_stay_in_bounds() {
+    fn log_normal_lengths_have_their_median_and_stay_in_bounds() {
         let mut rng = Rng::new(3);
         let d = LengthDist::LogNormal {
             median: 100.0,
@@ -150,10 +159,14 @@ mod tests {
             max: 500,
         };
         let u = LengthDist::Uniform { lo: 3, hi: 5 };
+        let mut below = 0;
         for _ in 0..5_000 {
-            assert!((10..=500).contains(&d.sample(&mut rng)));
+            let v = d.sample(&mut rng);
+            assert!((10..=500).contains(&v));
+            below += usize::from(v < 100);
             assert!((3..=5).contains(&u.sample(&mut rng)));
         }
+        assert!((2_300..2_700).contains(&below), "{below} of 5000 below the median");
         assert_eq!(LengthDist::Fixed(7).sample(&mut rng), 7);
     }
 }

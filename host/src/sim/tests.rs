@@ -23,6 +23,12 @@ fn fleet(workers: u32, dp_size: u32) -> FleetSpec {
 }
 
 fn shared_prefix_workload(requests: usize, seed: u64) -> Workload {
+    shared_prefix_spec(requests).generate(seed)
+}
+
+/// 16 shared 1,024-token system prompts of Zipf(0.5) popularity, short
+/// user turns, Poisson arrivals at 40 per second, no sessions.
+fn shared_prefix_spec(requests: usize) -> WorkloadSpec {
     WorkloadSpec {
         requests,
         block_size: 16,
@@ -36,7 +42,6 @@ fn shared_prefix_workload(requests: usize, seed: u64) -> Workload {
         user_tokens: LengthDist::Uniform { lo: 16, hi: 128 },
         output_tokens: LengthDist::Uniform { lo: 8, hi: 32 },
     }
-    .generate(seed)
 }
 
 fn run(policy: &PolicyChoice, workload: &Workload, fleet: &FleetSpec) -> (PolicyReport, Vec<u32>) {
@@ -448,27 +453,39 @@ fn replica_bookings_reach_peers_after_the_sync_delay() {
 /// a short one, and power-of-two herds less than least-loaded.
 #[test]
 fn stale_replicas_herd_and_power_of_two_herds_less() {
-    let workload = shared_prefix_workload(600, 3);
     let replicated = |delay: f64| FleetSpec {
         routers: 4,
         sync_delay_ms: Some(delay),
         ..fleet(8, 1)
     };
-    let herd = |policy: &str, delay: f64| {
-        run(&PolicyChoice::builtin(policy), &workload, &replicated(delay))
-            .0
-            .herd
+    // Requests fast enough that a stale replica sends several to one worker
+    // before it hears of the others' bookings, summed over a few workloads.
+    let workloads: Vec<Workload> = (1..=4)
+        .map(|seed| {
+            WorkloadSpec {
+                arrivals: Arrivals::Poisson { rate_per_s: 200.0 },
+                ..shared_prefix_spec(600)
+            }
+            .generate(seed)
+        })
+        .collect();
+    let herd = |policy: &str, delay: f64| -> usize {
+        workloads
+            .iter()
+            .map(|w| run(&PolicyChoice::builtin(policy), w, &replicated(delay)).0.herd as usize)
+            .sum()
     };
     let (slow, fast) = (herd("least-loaded", 500.0), herd("least-loaded", 1.0));
     assert!(slow > fast, "least-loaded: {slow} within 500 ms vs {fast} within 1 ms");
     let p2 = herd("power-of-two", 500.0);
     assert!(p2 < slow, "power-of-two {p2} vs least-loaded {slow}");
+    let workload = &workloads[2];
     // One router and one replica without sync give the same decisions.
-    let one = run(&PolicyChoice::builtin("least-loaded"), &workload, &fleet(8, 1)).1;
+    let one = run(&PolicyChoice::builtin("least-loaded"), workload, &fleet(8, 1)).1;
     let alone = FleetSpec {
         routers: 1,
         sync_delay_ms: Some(500.0),
         ..fleet(8, 1)
     };
-    assert_eq!(run(&PolicyChoice::builtin("least-loaded"), &workload, &alone).1, one);
+    assert_eq!(run(&PolicyChoice::builtin("least-loaded"), workload, &alone).1, one);
 }

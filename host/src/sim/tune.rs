@@ -115,18 +115,26 @@ impl Default for KvWeights {
 impl KvWeights {
     /// The `kv` policy's parameters (a config file's `parameters:`).
     pub fn parameters(&self) -> WorkerSelectionPolicyParameters {
-        let mut map = serde_yaml::Mapping::new();
-        map.insert("overlap_score_credit".into(), self.overlap_score_credit.into());
-        map.insert("prefill_load_scale".into(), self.prefill_load_scale.into());
-        map.insert(
-            "decode_active_request_weight".into(),
-            self.decode_active_request_weight.into(),
-        );
-        map.insert("router_temperature".into(), self.router_temperature.into());
-        map.insert("switch_margin".into(), self.switch_margin.into());
-        map.insert("switch_margin_relative".into(), self.switch_margin_relative.into());
-        map.insert("max_dwell".into(), self.max_dwell.into());
-        WorkerSelectionPolicyParameters::new(serde_yaml::Value::Mapping(map))
+        #[derive(serde::Serialize)]
+        struct Parameters {
+            overlap_score_credit: f64,
+            prefill_load_scale: f64,
+            decode_active_request_weight: f64,
+            router_temperature: f64,
+            switch_margin: f64,
+            switch_margin_relative: f64,
+            max_dwell: u32,
+        }
+        WorkerSelectionPolicyParameters::from_serialize(&Parameters {
+            overlap_score_credit: self.overlap_score_credit,
+            prefill_load_scale: self.prefill_load_scale,
+            decode_active_request_weight: self.decode_active_request_weight,
+            router_temperature: self.router_temperature,
+            switch_margin: self.switch_margin,
+            switch_margin_relative: self.switch_margin_relative,
+            max_dwell: self.max_dwell,
+        })
+        .expect("a struct serializes as a mapping")
     }
 
     /// The `kv` policy with these weights, labelled `label`.

@@ -118,7 +118,20 @@ pub fn check(input: &Input) {
     };
     let config = match parsed {
         Ok(c) => c,
-        Err(ConfigError::Parse(_) | ConfigError::Validation(_) | ConfigError::UnknownInstance { .. }) => return,
+        Err(e @ ConfigError::Parse { .. }) => {
+            assert!(
+                std::error::Error::source(&e).is_some(),
+                "the parser's error is kept: {e:?}"
+            );
+            return;
+        }
+        Err(
+            ConfigError::EmptyInstanceField { .. }
+            | ConfigError::ReservedInstanceName
+            | ConfigError::ParametersNotAMapping { .. }
+            | ConfigError::DuplicateInstance { .. }
+            | ConfigError::UnknownInstance { .. },
+        ) => return,
         // The bounds checked before parsing: only for text past them.
         Err(ConfigError::TooLarge { len, limit }) => {
             assert!(len > limit && limit == MAX_CONFIG_BYTES, "too large: {len} > {limit}");

@@ -37,12 +37,16 @@
 //!
 //! The kernels read a column through an [`AtomicView`] (from
 //! [`Fleet::active_requests`] and friends), whose lane groups are loaded by
-//! `sync::load_lanes`: on x86-64 two aligned 16-byte vector loads, each lane
-//! of which the architecture guarantees to be a single atomic 4-byte read,
-//! i.e. exactly `AtomicU32::load(Relaxed)`; elsewhere, and always under miri
-//! and loom, eight relaxed atomic loads. No plain (non-atomic) read of a
-//! shared counter ever happens, so there is no data race in Rust's memory
-//! model.
+//! `sync::load_lanes`: elsewhere than x86-64, and always under miri and
+//! loom, eight relaxed atomic loads; on x86-64 aligned vector loads in
+//! inline assembly (two 16-byte loads on the SSE2 baseline, one 32-byte load
+//! with AVX), which read each lane as one 4-byte access and so are eight
+//! `AtomicU32::load(Relaxed)`. The manuals document that per-lane atomicity
+//! for aligned accesses of up to 8 bytes and, on processors with AVX, for
+//! 16-byte loads; `sync::load_lanes` states what is relied on beyond that,
+//! and why a torn lane could only cost a worse pick. No plain (non-atomic)
+//! read of a shared counter ever happens, so there is no data race in
+//! Rust's memory model.
 //!
 //! What a scan may observe: each lane is a value its counter really held at
 //! some instant during the scan (never torn, never invented), but different
@@ -61,7 +65,22 @@
 //! that wants one consistent view copies the column first (one lane-group
 //! load per 8 rows) and scans the copy.
 //!
-//! This module must not scan (that is `kernels`), allocate, or block:
+//! # Neighbouring rows share cache lines
+//!
+//! Columns are padded to whole lane groups (32 bytes), not to cache lines:
+//! one 64-byte line holds the same counter of 16 consecutive rows. Bookings
+//! and releases on different workers whose rows are in the same 16-row block
+//! therefore contend for one line (false sharing): each compare-and-swap
+//! takes the line exclusive, and a scan's load of it then misses. This is
+//! the price of the layout that makes scans fast (a scan reads each line
+//! once, for 16 rows); padding every counter to its own line would make a
+//! column 16 times larger. Only the fleet-wide words every selection may
+//! write, the high-water mark and the round-robin ticket, are cache-padded.
+//! The state words and the occupied / selectable bitmaps share lines the
+//! same way, but change only when workers come, go or change state.
+//!
+//! This module must not scan (that is `kernels`), allocate (but for
+//! [`Fleet::boxed`], which allocates the fleet itself), or block:
 //! bookings and selections are lock-free. Updates of a row's weight or limit
 //! hold the row's writer bit for a few stores, which only another update or a
 //! `remove` of the same row waits for.
@@ -121,8 +140,11 @@ use crossbeam_utils::CachePadded;
 /// selecting thread (`&Fleet`, `Arc<Fleet>`, or a `static`).
 ///
 /// All-zero bytes are a valid empty fleet: build one in a `static` with
-/// [`Fleet::new`], or on the heap without a stack copy with
-/// [`Fleet::init_zeroed`].
+/// [`Fleet::new`], on the heap with [`Fleet::boxed`], or in place in memory
+/// of your own with [`Fleet::init_zeroed`].
+///
+/// Each column packs 16 rows to a 64-byte cache line, so bookings on
+/// neighbouring rows contend for the same lines (see the module docs).
 pub struct Fleet<const GROUPS: usize> {
     /// State word per row (`state::StateWord`).
     state: Column<GROUPS>,
@@ -167,7 +189,7 @@ impl<const GROUPS: usize> Fleet<GROUPS> {
     /// An empty fleet, usable in a `static`.
     ///
     /// At 16,384 rows a fleet is about 700 KiB: build big ones in a
-    /// `static` or with [`Fleet::init_zeroed`], not on the stack.
+    /// `static` or with [`Fleet::boxed`], not on the stack.
     #[cfg(not(selkie_loom))]
     pub const fn new() -> Self {
         const { assert!(GROUPS * LANES <= u32::MAX as usize, "rows must fit in u32") };
@@ -196,16 +218,43 @@ impl<const GROUPS: usize> Fleet<GROUPS> {
         Self::with_fault(fault::Fault::None)
     }
 
-    /// Initializes `slot` as an empty fleet in place, by zero-filling it, and
-    /// returns it: a 16,384-row fleet goes straight to the heap without
-    /// passing through the stack.
+    /// An empty fleet on the heap, built there (a 16,384-row fleet is about
+    /// 700 KiB, which `Box::new(Fleet::new())` may copy through the
+    /// stack). Needs the `alloc` feature (on with the default `std`).
     ///
     /// ```
+    /// use selkie_kernel::fleet::{Fleet, WorkerSpec};
+    /// use std::sync::Arc;
+    /// let fleet: Arc<Fleet<2048>> = Fleet::boxed().into();
+    /// assert_eq!((fleet.rows(), Fleet::<2048>::CAPACITY), (0, 16_384));
+    /// fleet.add(WorkerSpec::new(7)).unwrap();
+    /// ```
+    #[cfg(feature = "alloc")]
+    pub fn boxed() -> alloc::boxed::Box<Self> {
+        #[cfg(not(selkie_loom))]
+        {
+            let mut slot = alloc::boxed::Box::<Self>::new_uninit();
+            Self::init_zeroed(&mut slot);
+            // SAFETY: `init_zeroed` initialized the whole value in place
+            // (its contract), so the box holds a valid `Fleet`.
+            unsafe { slot.assume_init() }
+        }
+        #[cfg(selkie_loom)]
+        {
+            alloc::boxed::Box::new(Self::new())
+        }
+    }
+
+    /// Initializes `slot` as an empty fleet in place, by zero-filling it, and
+    /// returns it: a 16,384-row fleet can be placed in memory the caller
+    /// owns (a `static`, an arena) without passing through the stack.
+    /// [`Fleet::boxed`] does this on the heap.
+    ///
+    /// ```
+    /// use core::mem::MaybeUninit;
     /// use selkie_kernel::fleet::Fleet;
-    /// let mut slot = Box::<Fleet<2048>>::new_uninit();
-    /// Fleet::init_zeroed(&mut slot);
-    /// // SAFETY: `init_zeroed` initialized the whole value.
-    /// let fleet: Box<Fleet<2048>> = unsafe { slot.assume_init() };
+    /// let mut slot = Box::new(MaybeUninit::<Fleet<2048>>::uninit());
+    /// let fleet: &mut Fleet<2048> = Fleet::init_zeroed(&mut slot);
     /// assert_eq!(fleet.rows(), 0);
     /// ```
     #[cfg(not(selkie_loom))]

@@ -42,14 +42,22 @@ pub enum SlotState {
     Cordoned,
 }
 
-/// The state a worker may be put in with `Fleet::set_state`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+/// Whether a worker takes new requests: the state a worker may be put in
+/// with `Fleet::set_state` (and, in the host, a worker record's state).
+///
+/// With the `serde` feature it is written in lowercase (`"live"`,
+/// `"draining"`, `"cordoned"`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "serde", serde(rename_all = "lowercase"))]
 pub enum WorkerState {
     /// Takes new requests.
+    #[default]
     Live,
-    /// Finishing its requests: no new bookings.
+    /// Finishing its requests: no new bookings; about to leave.
     Draining,
-    /// Out of rotation: no new bookings.
+    /// Out of rotation (maintenance): no new bookings until it is made
+    /// live again.
     Cordoned,
 }
 

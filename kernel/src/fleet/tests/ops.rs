@@ -47,6 +47,24 @@ fn init_zeroed_builds_a_big_fleet_on_the_heap() {
 }
 
 #[test]
+#[cfg_attr(miri, ignore)] // 700 KiB of zeroing and reads: slow under miri, not concurrent
+fn boxed_is_an_empty_fleet_on_the_heap() {
+    let fleet = Fleet::<2048>::boxed();
+    assert_eq!((fleet.rows(), fleet.scan_rows()), (0, 0));
+    for row in [0, 1, 4095, Fleet::<2048>::CAPACITY - 1] {
+        assert_eq!(fleet.state(row), SlotState::Empty);
+        assert_eq!(fleet.worker(row), None);
+        assert_eq!(fleet.outstanding(row), Some(Outstanding::default()));
+    }
+    let mut mask = [u64::MAX; 256];
+    fleet.selectable(&mut mask);
+    assert!(mask.iter().all(|&w| w == 0));
+    let a = fleet.add(worker(1, 3)).unwrap();
+    assert_eq!(a, SlotId { row: 0, generation: 1 });
+    assert_eq!(fleet.rows(), 1);
+}
+
+#[test]
 fn add_fills_the_lowest_free_row_and_publishes_the_worker() {
     let fleet = Fleet::<1>::new();
     let spec = WorkerSpec {
