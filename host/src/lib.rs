@@ -38,7 +38,8 @@ pub use policy::{
     WorkerSelectionPolicyRegistry, BUILTIN_ALIASES, BUILTIN_POLICIES,
 };
 pub use request::{
-    AffinityMode, KvCostOverrides, Pin, RowLayout, RowOverlaps, SelectionRequest, SessionAffinity, WorkerOverlap,
+    AddedBlocks, AffinityMode, KvCostOverrides, KvRankInputs, Pin, RowLayout, RowOverlaps, SelectionRequest,
+    SessionAffinity, WorkerOverlap,
 };
 /// The KV cost model's field check, whose error
 /// [`WorkerSelectionPolicyProviderError::KvWeight`] carries.

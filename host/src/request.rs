@@ -5,6 +5,8 @@
 //!
 //! Everything is borrowed, so building a request allocates nothing.
 
+use std::ops::Range;
+
 use crate::types::{WorkerId, WorkerWithDpRank};
 
 /// Cache overlap between the request's prompt and one worker rank.
@@ -215,6 +217,141 @@ pub struct SessionAffinity<'a> {
     pub mode: AffinityMode,
 }
 
+/// The decode blocks a request would add to each worker rank's load, in
+/// the KV cost and in its booking.
+///
+/// Dynamo charges each rank the request's complete prompt blocks minus the
+/// blocks that rank's active requests already hold
+/// (`additional_active_blocks`), and nothing when the request carries no
+/// block hashes (a decode pool); selkie's default charges
+/// `ceil(isl_tokens / block_size)` on every rank. The booking of the chosen
+/// rank adds the same number of decode blocks the cost charged it.
+///
+/// ```
+/// use selkie::{AddedBlocks, WorkerWithDpRank};
+/// let held = [(WorkerWithDpRank::new(1, 0), 0), (WorkerWithDpRank::new(2, 0), 64)];
+/// let added = AddedBlocks::PerRank { blocks: &held, others: 64 };
+/// assert_eq!(added.on(WorkerWithDpRank::new(1, 0), 64), 0);
+/// assert_eq!(added.on(WorkerWithDpRank::new(3, 0), 64), 64);
+/// assert_eq!(AddedBlocks::Prompt.on(WorkerWithDpRank::new(1, 0), 64), 64);
+/// ```
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum AddedBlocks<'a> {
+    /// `ceil(isl_tokens / block_size)` on every rank.
+    #[default]
+    Prompt,
+    /// The same number on every rank (0: Dynamo's charge for a request
+    /// without block hashes).
+    Uniform(u32),
+    /// Per rank, in any order; a rank not listed adds `others`. A rank
+    /// listed twice takes its last entry.
+    PerRank {
+        /// `(rank, blocks)` pairs.
+        blocks: &'a [(WorkerWithDpRank, u32)],
+        /// The blocks of every rank not in `blocks`.
+        others: u32,
+    },
+}
+
+impl AddedBlocks<'_> {
+    /// The blocks added on `worker`, for a request of `prompt_blocks`
+    /// (`ceil(isl_tokens / block_size)`). A linear search of a
+    /// [`PerRank`](Self::PerRank) list (the selection reads a per-row
+    /// column instead).
+    pub fn on(&self, worker: WorkerWithDpRank, prompt_blocks: u32) -> u32 {
+        match *self {
+            AddedBlocks::Prompt => prompt_blocks,
+            AddedBlocks::Uniform(n) => n,
+            AddedBlocks::PerRank { blocks, others } => blocks
+                .iter()
+                .rev()
+                .find(|(w, _)| *w == worker)
+                .map_or(others, |&(_, n)| n),
+        }
+    }
+}
+
+/// Inputs of the KV cost that Dynamo's scheduler derives per worker rank
+/// from its own request tracking and passes with each request, for a router
+/// that has them (see the host docs' list of differences from Dynamo).
+/// Set with [`SelectionRequest::with_rank_inputs`]; the default changes
+/// nothing.
+///
+/// ```
+/// use selkie::*;
+/// let service = WorkerSelectionService::new(
+///     WorkerSelectionPolicy::kv(KvRouterConfig::default(), WorkerType::Prefill),
+///     ServiceConfig::default(),
+/// );
+/// service.add_worker(WorkerRecord::new(1))?;
+/// service.add_worker(WorkerRecord::new(2))?;
+/// // Worker 1 decodes 100 blocks and its active requests already hold the
+/// // whole prompt; worker 2 decodes 80 and would add 64 blocks.
+/// let mut running = Vec::new();
+/// for (worker, n) in [(1, 100), (2, 80)] {
+///     let one_block = SelectionRequest::new(16)
+///         .pinned_to_rank(WorkerWithDpRank::new(worker, 0))
+///         .with_track_prefill_tokens(false);
+///     for _ in 0..n {
+///         running.push(service.select(&one_block)?);
+///     }
+/// }
+/// let held = [(WorkerWithDpRank::new(1, 0), 0), (WorkerWithDpRank::new(2, 0), 64)];
+/// let inputs = KvRankInputs {
+///     added_blocks: AddedBlocks::PerRank { blocks: &held, others: 64 },
+///     ..KvRankInputs::default()
+/// };
+/// let req = SelectionRequest::new(1024).with_rank_inputs(&inputs);
+/// // 64 + 100 + 0 against 64 + 80 + 64: worker 1, as Dynamo picks.
+/// assert_eq!(service.peek(&req)?.worker(), WorkerWithDpRank::new(1, 0));
+/// // Without the per-rank blocks both add 64: worker 2.
+/// assert_eq!(service.peek(&SelectionRequest::new(1024))?.worker(), WorkerWithDpRank::new(2, 0));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct KvRankInputs<'a> {
+    /// The decode blocks the request would add on each rank.
+    pub added_blocks: AddedBlocks<'a>,
+    /// Ranks without a load observation: Dynamo's defaulted load, every
+    /// load signal read as 0 (the whole prompt charged as prefill, no
+    /// decode blocks, none added, no active requests). Their bookings
+    /// still count in selkie's fleet.
+    pub unobserved_load: &'a [WorkerWithDpRank],
+    /// Prompt blocks held in a shared cache, as sorted, non-overlapping,
+    /// non-empty half-open ranges of block positions (Dynamo's
+    /// `SharedCacheHits`): every rank is credited
+    /// `shared_cache_multiplier * (hits at positions >= its device overlap)`,
+    /// in place of the per-entry [`WorkerOverlap::shared_blocks`].
+    pub shared_cache_hits: &'a [Range<u32>],
+}
+
+impl KvRankInputs<'_> {
+    /// Whether [`shared_cache_hits`](Self::shared_cache_hits) is sorted,
+    /// non-overlapping and without empty ranges.
+    pub fn shared_cache_hits_are_valid(&self) -> bool {
+        self.shared_cache_hits.iter().all(|r| r.start < r.end)
+            && self.shared_cache_hits.windows(2).all(|w| w[0].end <= w[1].start)
+    }
+
+    /// Shared-cache hits at block positions `>= from` (Dynamo's
+    /// `SharedCacheHits::hits_beyond`).
+    ///
+    /// ```
+    /// use selkie::KvRankInputs;
+    /// let hits = [0..4, 10..12];
+    /// let inputs = KvRankInputs { shared_cache_hits: &hits, ..KvRankInputs::default() };
+    /// assert_eq!(inputs.shared_hits_beyond(0), 6);
+    /// assert_eq!(inputs.shared_hits_beyond(2), 4);
+    /// assert_eq!(inputs.shared_hits_beyond(11), 1);
+    /// ```
+    pub fn shared_hits_beyond(&self, from: u32) -> u32 {
+        self.shared_cache_hits
+            .iter()
+            .map(|r| if r.end <= from { 0 } else { r.end - r.start.max(from) })
+            .sum()
+    }
+}
+
 /// Per-request overrides of the KV cost weights (SPEC §4); `None` keeps the
 /// policy's value.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -229,6 +366,9 @@ pub struct KvCostOverrides {
     pub host_cache_hit_weight: Option<f64>,
     /// `disk_cache_hit_weight`.
     pub disk_cache_hit_weight: Option<f64>,
+    /// `shared_cache_multiplier` (the credit per shared-cache hit beyond the
+    /// device overlap).
+    pub shared_cache_multiplier: Option<f64>,
 }
 
 /// One request to route.
@@ -282,6 +422,9 @@ pub struct SelectionRequest<'a> {
     /// The prefix-hash policy's key, when the caller hashes the prompt
     /// itself (takes precedence over [`prompt_blocks`](Self::prompt_blocks)).
     pub prefix_key: Option<u64>,
+    /// Per-rank KV cost inputs a router tracks itself (see
+    /// [`KvRankInputs`]); `None`: selkie's defaults.
+    pub rank_inputs: Option<&'a KvRankInputs<'a>>,
     /// Fill in the runner-up in the selection's explanation (one more pass).
     pub explain: bool,
 }
@@ -306,6 +449,7 @@ impl<'a> SelectionRequest<'a> {
             required_cache_hits: 0,
             prompt_blocks: &[],
             prefix_key: None,
+            rank_inputs: None,
             explain: false,
         }
     }
@@ -406,6 +550,12 @@ impl<'a> SelectionRequest<'a> {
     /// Sets the cache hits the device-aware policy requires.
     pub fn with_required_cache_hits(mut self, n: u32) -> Self {
         self.required_cache_hits = n;
+        self
+    }
+
+    /// Sets the per-rank KV cost inputs (see [`KvRankInputs`]).
+    pub fn with_rank_inputs(mut self, inputs: &'a KvRankInputs<'a>) -> Self {
+        self.rank_inputs = Some(inputs);
         self
     }
 

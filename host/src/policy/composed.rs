@@ -57,14 +57,24 @@ pub(crate) fn materialize(env: &Env<'_>, s: &mut Scratch, inputs: WorkerInputs) 
         fleet.capacity_weight(),
     );
     let mask = env.mask;
+    let inputs = super::rank_inputs::rank_inputs(env)?;
     let Scratch {
-        candidates, overlap, ..
+        candidates,
+        overlap,
+        added,
+        observed,
+        shared_hits,
+        ..
     } = s;
+    let columns = super::rank_inputs::rank_columns(env, inputs, request_blocks as u32, added, observed);
     let view = if want_cache {
         Some(super::kv::overlap_view(env, overlap)?)
     } else {
         None
     };
+    let shared = view
+        .as_ref()
+        .and_then(|v| super::rank_inputs::shared_hits_column(env, inputs, v.device, shared_hits).or(v.shared));
     let at = |c: Option<&[f32]>, row: usize| c.map_or(0.0, |c| c[row]);
     candidates.clear();
     for_each_row(mask, env.rows, |row| {
@@ -76,11 +86,19 @@ pub(crate) fn materialize(env: &Env<'_>, s: &mut Scratch, inputs: WorkerInputs) 
             ..Default::default()
         };
         if want_load {
-            c.load = WorkerLoadInput {
-                available: true,
-                active_prefill_tokens: U32Source::value(&prefill, row) as usize,
-                decode_cost_blocks: U32Source::value(&decode, row) as f64 + request_blocks,
-                active_requests: U32Source::value(&active, row) as usize,
+            // A rank without a load observation reads Dynamo's defaulted
+            // load: every signal 0, nothing added.
+            let observed = columns.observed.is_none_or(|m| m[row / 64] >> (row % 64) & 1 == 1);
+            c.load = if observed {
+                let added = columns.added.map_or(columns.uniform_added, |a| a[row]);
+                WorkerLoadInput {
+                    available: true,
+                    active_prefill_tokens: U32Source::value(&prefill, row) as usize,
+                    decode_cost_blocks: f64::from(U32Source::value(&decode, row)) + f64::from(added),
+                    active_requests: U32Source::value(&active, row) as usize,
+                }
+            } else {
+                WorkerLoadInput::default()
             };
         }
         if want_occ {
@@ -94,7 +112,7 @@ pub(crate) fn materialize(env: &Env<'_>, s: &mut Scratch, inputs: WorkerInputs) 
                 device_blocks: at(v.device, row) as f64,
                 host_blocks: at(v.host, row) as f64,
                 disk_blocks: at(v.disk, row) as f64,
-                shared_blocks: at(v.shared, row) as f64,
+                shared_blocks: at(shared, row) as f64,
                 cached_tokens: at(v.cached_tokens, row) as usize,
             };
         }

@@ -25,6 +25,7 @@ use selkie_kernel::kernels::KernelError;
 use selkie_kernel::lanes::AtomicView;
 use selkie_kernel::Rng;
 
+use super::rank_inputs::{rank_columns, rank_inputs, shared_hits_column};
 use super::scratch::{OverlapColumns, Scratch};
 use super::{Choice, Env, KvRouterConfig};
 use crate::error::{SelectionError, WorkerSelectionPolicyError};
@@ -179,7 +180,7 @@ pub(crate) fn effective_config(cfg: &KvRouterConfig, env: &Env<'_>) -> KvCostCon
             .unwrap_or(cfg.decode_active_request_weight) as f32,
         host_cache_hit_weight: o.host_cache_hit_weight.unwrap_or(cfg.host_cache_hit_weight) as f32,
         disk_cache_hit_weight: o.disk_cache_hit_weight.unwrap_or(cfg.disk_cache_hit_weight) as f32,
-        shared_cache_multiplier: cfg.shared_cache_multiplier as f32,
+        shared_cache_multiplier: o.shared_cache_multiplier.unwrap_or(cfg.shared_cache_multiplier) as f32,
         router_temperature: env.req.temperature.unwrap_or(cfg.router_temperature) as f32,
     }
 }
@@ -216,8 +217,7 @@ fn with_kernel_inputs<R>(
     let isl =
         u32::try_from(env.req.isl_tokens).map_err(|_| SelectionError::InvalidRequest("isl_tokens exceeds u32"))?;
     let block_size = NonZeroU32::new(env.ctx.block_size()).ok_or(SelectionError::InvalidRequest("block_size is 0"))?;
-    let kreq = KvRequest::new(isl, block_size, env.req.track_prefill_tokens, role(worker_type))
-        .with_added_decode_blocks(isl.div_ceil(block_size.get()));
+    let inputs = rank_inputs(env)?;
 
     let fleet = env.view;
     let (prefill, decode, active) = (
@@ -236,19 +236,32 @@ fn with_kernel_inputs<R>(
         });
     }
     let Scratch {
-        costs, overlap, taint, ..
+        costs,
+        overlap,
+        taint,
+        added,
+        observed,
+        shared_hits,
+        ..
     } = &mut *s;
+    let columns = rank_columns(env, inputs, isl.div_ceil(block_size.get()), added, observed);
+    let kreq = KvRequest::new(isl, block_size, env.req.track_prefill_tokens, role(worker_type))
+        .with_added_decode_blocks(columns.uniform_added);
     let view = overlap_view(env, overlap)?;
+    let shared = shared_hits_column(env, inputs, view.device, shared_hits).or(view.shared);
     let kover = KvOverlap {
         device_blocks: view.device,
         cached_tokens: view.cached_tokens,
         host_blocks: view.host,
         disk_blocks: view.disk,
-        shared_beyond_device: view.shared,
-        added_decode_blocks: None,
+        shared_beyond_device: shared,
+        added_decode_blocks: columns.added,
         preferred_taint_multiplier: taints.then(|| &taint[..rows]),
     };
-    let load = KvLoad::new(&prefill, &decode, &active);
+    let load = KvLoad {
+        load_available: columns.observed,
+        ..KvLoad::new(&prefill, &decode, &active)
+    };
     let result = kernel(&kreq, &load, &kover, &mut costs[..rows]);
     if view.scattered {
         overlap.reset();

@@ -23,6 +23,7 @@ pub(crate) mod builtin;
 pub(crate) mod composed;
 pub(crate) mod kv;
 pub(crate) mod prefix_hash;
+pub(crate) mod rank_inputs;
 mod registry;
 pub(crate) mod scratch;
 

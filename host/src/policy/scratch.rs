@@ -163,6 +163,11 @@ pub(crate) struct Scratch {
     pub(crate) scored: Vec<ScoredWorkerCandidate>,
     pub(crate) loads: Vec<WorkerLoadInput>,
     pub(crate) caches: Vec<WorkerCacheInput>,
+    /// A request's per-rank inputs as columns (`rank_inputs`): grown on
+    /// first use, only for requests that carry them.
+    pub(crate) added: Vec<u32>,
+    pub(crate) observed: Vec<u64>,
+    pub(crate) shared_hits: Vec<f32>,
     /// Rows every buffer covers already (they only grow).
     prepared: usize,
 }

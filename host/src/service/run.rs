@@ -114,12 +114,17 @@ impl WorkerSelectionService {
         r
     }
 
-    /// The load a booking of `req` on `row` (`worker`) carries: its decode
-    /// blocks, and its prefill tokens beyond the cached ones when the
-    /// request tracks them.
+    /// The load a booking of `req` on `row` (`worker`) carries: the decode
+    /// blocks it adds there (its prompt's blocks, or the rank's
+    /// [`AddedBlocks`](crate::AddedBlocks)), and its prefill tokens beyond
+    /// the cached ones when the request tracks them.
     #[inline]
     pub(super) fn book_load(&self, req: &SelectionRequest<'_>, row: usize, worker: WorkerWithDpRank) -> BookLoad {
         let request_blocks = u32::try_from(req.request_blocks(self.config.block_size)).unwrap_or(u32::MAX);
+        let decode_blocks = match req.rank_inputs {
+            Some(r) => r.added_blocks.on(worker, request_blocks),
+            None => request_blocks,
+        };
         let prefill = if req.track_prefill_tokens {
             let cached = match req.row_overlaps {
                 Some(r) => r.cached_tokens_at(row),
@@ -132,7 +137,7 @@ impl WorkerSelectionService {
         };
         BookLoad {
             prefill_tokens: u32::try_from(prefill).unwrap_or(u32::MAX),
-            decode_blocks: request_blocks,
+            decode_blocks,
         }
     }
 
