@@ -37,9 +37,10 @@ pub use plugin::{
     WorkerInputs, WorkerLoadInput, WorkerOccupancy, WorkerPicker, WorkerScorer, WorkerSelectionContext,
 };
 pub use policy::{
-    prefix_key, DeviceAwareConfig, KvRouterConfig, PrefixHashConfig, WorkerSelectionPolicy,
-    WorkerSelectionPolicyFactory, WorkerSelectionPolicyParameters, WorkerSelectionPolicyProvider,
-    WorkerSelectionPolicyRegistry, BUILTIN_ALIASES, BUILTIN_POLICIES,
+    prefix_key, DeviceAwareConfig, KvRouterConfig, PrefixHashConfig, WorkerPickerFactory, WorkerPickerProvider,
+    WorkerScorerFactory, WorkerScorerProvider, WorkerSelectionPolicy, WorkerSelectionPolicyFactory,
+    WorkerSelectionPolicyParameters, WorkerSelectionPolicyProvider, WorkerSelectionPolicyRegistry, BUILTIN_ALIASES,
+    BUILTIN_PICKERS, BUILTIN_POLICIES, BUILTIN_SCORERS,
 };
 pub use request::{
     AffinityMode, KvCostOverrides, Pin, RowLayout, RowOverlaps, SelectionRequest, SessionAffinity, WorkerOverlap,

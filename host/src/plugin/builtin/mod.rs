@@ -14,6 +14,6 @@ mod scorers;
 
 pub use pickers::{ArgminPicker, PowerOfTwoPicker, SeedParameters, SoftmaxParameters, SoftmaxPicker};
 pub use scorers::{
-    CacheCreditParameters, CacheCreditScorer, DecodeParameters, DecodeScorer, PreferredTaintScorer,
-    PrefillParameters, PrefillScorer,
+    CacheCreditParameters, CacheCreditScorer, DecodeParameters, DecodeScorer, PreferredTaintScorer, PrefillParameters,
+    PrefillScorer,
 };

@@ -175,10 +175,15 @@ impl SoftmaxPicker {
         KvConfigField::RouterTemperature
             .check(value)
             .map_err(|source| WorkerSelectionPolicyProviderError::KvWeight { value, source })?;
-        Ok(SoftmaxPicker {
-            temperature: value,
+        Ok(Self::checked(parameters))
+    }
+
+    /// The picker, for parameters [`new`](Self::new) accepted.
+    pub(crate) fn checked(parameters: SoftmaxParameters) -> Self {
+        SoftmaxPicker {
+            temperature: parameters.temperature,
             rng: PickRng::new(parameters.seed),
-        })
+        }
     }
 
     /// The probability of each candidate at `temperature` (for finite
