@@ -419,6 +419,49 @@ pub enum RegistryError {
         /// Every registered name, sorted, comma separated.
         available: String,
     },
+    /// A scorer or picker type name may not be empty.
+    #[error("{} type must not be empty", kind.as_str())]
+    EmptyPluginName {
+        /// Scorer or picker.
+        kind: PluginKind,
+    },
+    /// A custom scorer or picker tried to take a built-in one's name.
+    #[error("{} type {name:?} is built in and cannot be replaced", kind.as_str())]
+    BuiltinPluginName {
+        /// Scorer or picker.
+        kind: PluginKind,
+        /// The name.
+        name: String,
+    },
+    /// The scorer or picker name is already registered.
+    #[error("{} type {name:?} is already registered", kind.as_str())]
+    DuplicatePlugin {
+        /// Scorer or picker.
+        kind: PluginKind,
+        /// The name.
+        name: String,
+    },
+    /// No scorer or picker type of this name.
+    #[error("unknown {} type {name:?}; available {} types: {available}", kind.as_str(), kind.as_str())]
+    UnknownPluginType {
+        /// Scorer or picker.
+        kind: PluginKind,
+        /// The name asked for.
+        name: String,
+        /// Every registered name of that kind, sorted, comma separated.
+        available: String,
+    },
+    /// A scorer or picker provider rejected its parameters.
+    #[error("invalid parameters for {} type {plugin_type:?}: {source}", kind.as_str())]
+    PluginProvider {
+        /// Scorer or picker.
+        kind: PluginKind,
+        /// The scorer or picker type.
+        plugin_type: String,
+        /// The provider's error.
+        #[source]
+        source: Box<WorkerSelectionPolicyProviderError>,
+    },
     /// The provider rejected the instance's parameters.
     #[error("invalid parameters for worker-selection policy type {policy_type:?}: {source}")]
     Provider {
@@ -490,6 +533,10 @@ pub enum WorkerSelectionPolicyProviderError {
     /// A custom provider's own reason, for start-up diagnostics.
     #[error("{0}")]
     Custom(String),
+    /// A scorer or picker of a `composed` policy could not be built (an
+    /// unknown type, or parameters its provider refused).
+    #[error("{0}")]
+    Plugin(Box<RegistryError>),
 }
 
 /// A range bound for display: `f32::MAX` by name.

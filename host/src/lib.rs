@@ -28,14 +28,19 @@ pub use error::{
 pub use explain::{Branch, Explanation, Route};
 pub use fleet::{KernelFleet, FLEET_GROUPS};
 pub use kv_index::{KvBlockHasher, KvEvent, KvEventData, KvEventError, KvIndex, KvOverlaps, StorageTier, StoredBlock};
+pub use plugin::builtin::{
+    ArgminPicker, CacheCreditParameters, CacheCreditScorer, DecodeParameters, DecodeScorer, PowerOfTwoPicker,
+    PreferredTaintScorer, PrefillParameters, PrefillScorer, SeedParameters, SoftmaxParameters, SoftmaxPicker,
+};
 pub use plugin::{
     ScoredWorkerCandidate, WorkerCacheInput, WorkerCandidate, WorkerCandidates, WorkerFilter, WorkerInputView,
     WorkerInputs, WorkerLoadInput, WorkerOccupancy, WorkerPicker, WorkerScorer, WorkerSelectionContext,
 };
 pub use policy::{
-    prefix_key, DeviceAwareConfig, KvRouterConfig, PrefixHashConfig, WorkerSelectionPolicy,
-    WorkerSelectionPolicyFactory, WorkerSelectionPolicyParameters, WorkerSelectionPolicyProvider,
-    WorkerSelectionPolicyRegistry, BUILTIN_ALIASES, BUILTIN_POLICIES,
+    prefix_key, DeviceAwareConfig, KvRouterConfig, PrefixHashConfig, WorkerPickerFactory, WorkerPickerProvider,
+    WorkerScorerFactory, WorkerScorerProvider, WorkerSelectionPolicy, WorkerSelectionPolicyFactory,
+    WorkerSelectionPolicyParameters, WorkerSelectionPolicyProvider, WorkerSelectionPolicyRegistry, BUILTIN_ALIASES,
+    BUILTIN_PICKERS, BUILTIN_POLICIES, BUILTIN_SCORERS,
 };
 pub use request::{
     AddedBlocks, AffinityMode, KvCostOverrides, KvRankInputs, Pin, RowLayout, RowOverlaps, SelectionRequest,

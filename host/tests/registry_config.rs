@@ -91,7 +91,7 @@ fn unknown_names_list_the_available_ones() {
             assert_eq!(name, "fastest");
             assert_eq!(
                 available,
-                "device-aware-weighted, direct, fixed, kv, least-loaded, power-of-two, prefix-hash, random, round-robin"
+                "composed, device-aware-weighted, direct, fixed, kv, least-loaded, power-of-two, prefix-hash, random, round-robin"
             );
         }
         other => panic!("{other:?}"),

@@ -160,6 +160,14 @@ impl<'a> WorkerCandidates<'a> {
     pub(crate) fn new(rows: &'a [CandidateData], inputs: WorkerInputs) -> Self {
         WorkerCandidates { rows, inputs }
     }
+    /// The same batch, restricted further to `inputs` (for a scorer that
+    /// runs scorers of its own).
+    pub(crate) fn restricted(self, inputs: WorkerInputs) -> Self {
+        WorkerCandidates {
+            rows: self.rows,
+            inputs: self.inputs & inputs,
+        }
+    }
     /// Number of candidates (the length of the cost buffer).
     pub fn len(self) -> usize {
         self.rows.len()

@@ -20,6 +20,7 @@
 //! discovery and the fleet.
 
 pub(crate) mod builtin;
+mod compose;
 pub(crate) mod composed;
 pub(crate) mod kv;
 pub(crate) mod prefix_hash;
@@ -35,6 +36,10 @@ use crate::error::WorkerSelectionPolicyProviderError;
 use crate::plugin::{WorkerFilter, WorkerInputs, WorkerPicker, WorkerScorer};
 use crate::types::WorkerType;
 
+pub use compose::{
+    WorkerPickerFactory, WorkerPickerProvider, WorkerScorerFactory, WorkerScorerProvider, BUILTIN_PICKERS,
+    BUILTIN_SCORERS,
+};
 pub use prefix_hash::{prefix_key, PrefixHashConfig};
 pub(crate) use registry::FiniteValue;
 pub use registry::{

@@ -1,7 +1,9 @@
 //! The policy registry: build a worker-selection policy by type name.
 //!
 //! The built-ins (`kv`, `random`, `round-robin`, `least-loaded`,
-//! `power-of-two`, `device-aware-weighted`, `prefix-hash`, `direct`) are
+//! `power-of-two`, `device-aware-weighted`, `prefix-hash`, `direct`, and
+//! `composed`, which combines scorers and a picker by type name; see
+//! `compose`) are
 //! present in every
 //! registry, including one built with custom providers; a custom provider
 //! may not take a built-in's name (nor `default`, which means `kv`); an
@@ -22,6 +24,7 @@ use std::sync::Arc;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
+use super::compose::{PluginTypes, WorkerPickerProvider, WorkerScorerProvider};
 use super::{DeviceAwareConfig, KvRouterConfig, PolicyKind, PrefixHashConfig, WorkerSelectionPolicy};
 use crate::error::{RegistryError, WorkerSelectionPolicyProviderError};
 use crate::types::{RoutingPartitionRef, WorkerType};
@@ -197,8 +200,9 @@ fn canonical(name: &str) -> &str {
 }
 
 /// Names of the built-in policy types.
-pub const BUILTIN_POLICIES: [&str; 8] = [
+pub const BUILTIN_POLICIES: [&str; 9] = [
     "kv",
+    "composed",
     "random",
     "round-robin",
     "least-loaded",
@@ -279,6 +283,7 @@ fn builtin(name: &str) -> Option<WorkerSelectionPolicyProvider> {
 #[derive(Clone, Default)]
 pub struct WorkerSelectionPolicyRegistry {
     custom: BTreeMap<String, WorkerSelectionPolicyProvider>,
+    plugins: PluginTypes,
 }
 
 impl WorkerSelectionPolicyRegistry {
@@ -375,6 +380,81 @@ impl WorkerSelectionPolicyRegistry {
         Ok(())
     }
 
+    /// Registers a custom scorer type for `composed` policies: `provider`
+    /// reads an instance's parameters once and returns the factory that
+    /// builds the scorer for each routing partition. A built-in scorer's
+    /// name ([`BUILTIN_SCORERS`](crate::BUILTIN_SCORERS)), an empty name or
+    /// a name already registered is refused.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use selkie::*;
+    ///
+    /// /// `weight` per active request.
+    /// #[derive(Clone)]
+    /// struct Busy(f64);
+    /// impl WorkerScorer for Busy {
+    ///     fn required_worker_inputs(&self) -> WorkerInputs {
+    ///         WorkerInputs::LOAD
+    ///     }
+    ///     fn score(&self, _: &WorkerSelectionContext<'_>, c: WorkerCandidates<'_>, costs: &mut [f64]) -> Result<(), WorkerSelectionPolicyError> {
+    ///         for (cost, c) in costs.iter_mut().zip(c.iter()) {
+    ///             *cost = self.0 * c.load().map_or(0, |l| l.active_requests()) as f64;
+    ///         }
+    ///         Ok(())
+    ///     }
+    /// }
+    /// #[derive(serde::Deserialize)]
+    /// #[serde(deny_unknown_fields)]
+    /// struct Params {
+    ///     weight: f64,
+    /// }
+    /// let provider: WorkerScorerProvider = Arc::new(|p: &WorkerSelectionPolicyParameters| {
+    ///     let Params { weight } = p.deserialize()?;
+    ///     let factory: WorkerScorerFactory = Arc::new(move |_, _, _| Box::new(Busy(weight)));
+    ///     Ok(factory)
+    /// });
+    /// let mut registry = WorkerSelectionPolicyRegistry::new();
+    /// registry.register_scorer("busy", provider.clone())?;
+    /// assert!(matches!(registry.register_scorer("busy", provider.clone()), Err(RegistryError::DuplicatePlugin { .. })));
+    /// assert!(matches!(registry.register_scorer("decode", provider), Err(RegistryError::BuiltinPluginName { .. })));
+    ///
+    /// let yaml = "aggregated: mine\ninstances:\n  - name: mine\n    type: composed\n    parameters:\n      scorers: [{ type: busy, parameters: { weight: 2 } }, { type: decode }]\n      picker: { type: softmax, parameters: { temperature: 0.5 } }\n";
+    /// let factory = WorkerSelectionConfig::from_yaml_str(yaml)?.resolve(&registry, WorkerType::Aggregated)?;
+    /// let policy = factory(&KvRouterConfig::default(), WorkerType::Aggregated, RoutingPartitionRef::model("m"));
+    /// assert_eq!(policy.name(), "composed");
+    /// assert_eq!(policy.required_worker_inputs(), WorkerInputs::LOAD);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn register_scorer(
+        &mut self,
+        name: impl Into<String>,
+        provider: WorkerScorerProvider,
+    ) -> Result<(), RegistryError> {
+        self.plugins.register_scorer(name.into(), provider)
+    }
+
+    /// Registers a custom picker type for `composed` policies, as
+    /// [`register_scorer`](Self::register_scorer) does a scorer (built-in
+    /// names: [`BUILTIN_PICKERS`](crate::BUILTIN_PICKERS)).
+    pub fn register_picker(
+        &mut self,
+        name: impl Into<String>,
+        provider: WorkerPickerProvider,
+    ) -> Result<(), RegistryError> {
+        self.plugins.register_picker(name.into(), provider)
+    }
+
+    /// Every available scorer type name, sorted.
+    pub fn scorer_names(&self) -> Vec<String> {
+        self.plugins.scorer_names()
+    }
+
+    /// Every available picker type name, sorted.
+    pub fn picker_names(&self) -> Vec<String> {
+        self.plugins.picker_names()
+    }
+
     /// Every available type name, sorted.
     pub fn names(&self) -> Vec<String> {
         let mut v: Vec<String> = BUILTIN_POLICIES.iter().map(|s| s.to_string()).collect();
@@ -387,6 +467,9 @@ impl WorkerSelectionPolicyRegistry {
     /// the built-ins).
     pub fn provider(&self, name: &str) -> Result<WorkerSelectionPolicyProvider, RegistryError> {
         let name = canonical(name);
+        if name == "composed" {
+            return Ok(self.plugins.composed_provider());
+        }
         if let Some(p) = builtin(name) {
             return Ok(p);
         }
