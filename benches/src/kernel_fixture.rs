@@ -179,10 +179,5 @@ impl KernelFixture {
 
 /// An empty fleet built on the heap (it is about 500 KiB).
 fn new_fleet() -> Arc<BenchFleet> {
-    let mut slot = Box::<BenchFleet>::new_uninit();
-    BenchFleet::init_zeroed(&mut slot);
-    // SAFETY: `init_zeroed` initialized the whole value (its documented
-    // contract), so the box holds a valid `Fleet`.
-    let fleet: Box<BenchFleet> = unsafe { slot.assume_init() };
-    Arc::from(fleet)
+    Arc::from(BenchFleet::boxed())
 }

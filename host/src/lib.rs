@@ -28,13 +28,13 @@ pub use error::{
 pub use explain::{Branch, Explanation, Route};
 pub use fleet::{KernelFleet, FLEET_GROUPS};
 pub use kv_index::{KvBlockHasher, KvEvent, KvEventData, KvEventError, KvIndex, KvOverlaps, StorageTier, StoredBlock};
-pub use plugin::builtin::{
-    ArgminPicker, CacheCreditParameters, CacheCreditScorer, DecodeParameters, DecodeScorer, PowerOfTwoPicker,
-    PreferredTaintScorer, PrefillParameters, PrefillScorer, SeedParameters, SoftmaxParameters, SoftmaxPicker,
-};
 pub use plugin::{
     ScoredWorkerCandidate, WorkerCacheInput, WorkerCandidate, WorkerCandidates, WorkerFilter, WorkerInputView,
     WorkerInputs, WorkerLoadInput, WorkerOccupancy, WorkerPicker, WorkerScorer, WorkerSelectionContext,
+};
+pub use policy::plugins::{
+    ArgminPicker, CacheCreditParameters, CacheCreditScorer, DecodeParameters, DecodeScorer, PowerOfTwoPicker,
+    PreferredTaintScorer, PrefillParameters, PrefillScorer, SeedParameters, SoftmaxParameters, SoftmaxPicker,
 };
 pub use policy::{
     prefix_key, DeviceAwareConfig, KvRouterConfig, PrefixHashConfig, WorkerPickerFactory, WorkerPickerProvider,

@@ -413,8 +413,10 @@ pub struct SelectionRequest<'a> {
     /// Expected output length, if known (passed to plugins).
     pub expected_output_tokens: Option<u32>,
     /// Cache hits a row needs to count as a full hit under the device-aware
-    /// policy (0: no cache preference). A row's hits are its overlap's
-    /// `device_blocks`.
+    /// policy (0: the policy's
+    /// [`DeviceAwareConfig::required_cache_hits`](crate::DeviceAwareConfig::required_cache_hits),
+    /// itself 0, no cache preference, by default). A row's hits are its
+    /// overlap's `device_blocks`.
     pub required_cache_hits: u32,
     /// The prompt's block hashes, in order (as the KV index hashes them):
     /// the prefix-hash policy keys the request by the leading ones.

@@ -191,6 +191,7 @@ fn device_aware_weighted_follows_the_cpu_share_rule() {
     let s = svc(
         WorkerSelectionPolicy::device_aware_weighted(DeviceAwareConfig {
             non_cpu_to_cpu_ratio: 2,
+            ..DeviceAwareConfig::default()
         }),
         2,
     );
@@ -842,4 +843,42 @@ fn the_dwell_bounds_how_many_requests_in_a_row_the_margin_keeps() {
         "{:?}",
         bad.validate()
     );
+}
+
+#[test]
+fn device_aware_takes_the_policys_required_cache_hits_unless_the_request_sets_its_own() {
+    let yaml = "aggregated: d\ninstances:\n  - { name: d, type: device-aware-weighted, parameters: { required_cache_hits: 4 } }\n";
+    let factory = WorkerSelectionConfig::from_yaml_str(yaml)
+        .unwrap()
+        .resolve(&WorkerSelectionPolicyRegistry::new(), WorkerType::Aggregated)
+        .unwrap();
+    let policy = factory(
+        &KvRouterConfig::default(),
+        WorkerType::Aggregated,
+        RoutingPartitionRef::model("m"),
+    );
+    let s = WorkerSelectionService::new(policy, ServiceConfig::default());
+    for id in 1..=4 {
+        s.add_worker(WorkerRecord::new(id)).unwrap();
+    }
+    // Worker 3 holds 5 of the prompt's blocks: at least the policy's 4.
+    let overlaps = [WorkerOverlap::device(WorkerWithDpRank::new(3, 0), 5, 16)];
+    let req = SelectionRequest::new(1024).with_overlaps(&overlaps);
+    for _ in 0..20 {
+        let p = s.peek(&req).unwrap();
+        assert_eq!(p.worker().worker_id, 3);
+        assert_eq!(p.explanation().branch, Branch::DeviceAwareCacheHit);
+    }
+    // A request that needs 6 hits finds no full-cache row.
+    let strict = req.with_required_cache_hits(6);
+    assert_ne!(
+        s.peek(&strict).unwrap().explanation().branch,
+        Branch::DeviceAwareCacheHit
+    );
+    let bad =
+        "aggregated: d\ninstances:\n  - { name: d, type: device-aware-weighted, parameters: { required_hits: 4 } }\n";
+    assert!(WorkerSelectionConfig::from_yaml_str(bad)
+        .unwrap()
+        .resolve(&WorkerSelectionPolicyRegistry::new(), WorkerType::Aggregated)
+        .is_err());
 }

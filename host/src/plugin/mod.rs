@@ -12,9 +12,7 @@
 //!
 //! * `inputs`: the signal groups and the views over one selection's rows.
 //! * `context`: the request as plugins see it.
-//! * `builtin`: scorers and pickers that ship with selkie.
 
-pub(crate) mod builtin;
 mod context;
 mod inputs;
 

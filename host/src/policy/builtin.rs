@@ -6,9 +6,7 @@
 //! least-loaded rank inside it, so a worker with eight ranks is not treated
 //! as eight idle machines. This module must not book.
 
-use selkie_kernel::kernels::device_aware::{
-    device_aware as kernel_device_aware, DeviceAwareConfig as KernelDeviceAware, DeviceGroup,
-};
+use selkie_kernel::kernels::device_aware::{device_aware as kernel_device_aware, DeviceGroup};
 use selkie_kernel::kernels::index;
 use selkie_kernel::kernels::least_loaded::{least_loaded as ll, least_loaded_weighted as llw};
 use selkie_kernel::lanes::{F32Source, U32Source};
@@ -293,7 +291,12 @@ pub(crate) fn device_aware(
     let n = env.candidates();
     let hits = &mut s.sums[..rows];
     hits.fill(0);
-    if env.req.required_cache_hits > 0 {
+    // The request's requirement, else the policy's.
+    let required = match env.req.required_cache_hits {
+        0 => cfg.required_cache_hits,
+        n => n,
+    };
+    if required > 0 {
         if env.req.row_overlaps.is_some() {
             let view = super::kv::overlap_view(env, &mut s.overlap)?;
             if let Some(device) = view.device {
@@ -309,9 +312,9 @@ pub(crate) fn device_aware(
             }
         }
     }
-    let kcfg = KernelDeviceAware {
-        required_cache_hits: env.req.required_cache_hits,
-        non_cpu_to_cpu_ratio: cfg.non_cpu_to_cpu_ratio,
+    let kcfg = DeviceAwareConfig {
+        required_cache_hits: required,
+        ..*cfg
     };
     let picked = kernel_device_aware(
         &env.view.active_requests(),

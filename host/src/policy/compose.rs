@@ -26,12 +26,12 @@ use std::sync::Arc;
 
 use serde::Deserialize;
 
-use super::{KvRouterConfig, WorkerSelectionPolicy, WorkerSelectionPolicyParameters};
-use crate::error::{PluginKind, RegistryError, WorkerSelectionPolicyProviderError};
-use crate::plugin::builtin::{
+use super::plugins::{
     ArgminPicker, CacheCreditScorer, DecodeScorer, PowerOfTwoPicker, PreferredTaintScorer, PrefillScorer,
     SeedParameters, SoftmaxPicker,
 };
+use super::{KvRouterConfig, WorkerSelectionPolicy, WorkerSelectionPolicyParameters};
+use crate::error::{PluginKind, RegistryError, WorkerSelectionPolicyProviderError};
 use crate::plugin::{WorkerPicker, WorkerScorer};
 use crate::types::{RoutingPartitionRef, WorkerType};
 

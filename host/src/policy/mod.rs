@@ -5,6 +5,8 @@
 //!   device-aware weighted and direct, on the kernel's SIMD kernels.
 //! * `kv`: the default KV cost policy (SPEC §4) on the kernel's `kv_cost`
 //!   and `pick`.
+//! * `plugins`: built-in scorers and pickers (the KV cost's terms, argmin,
+//!   softmax, power-of-two) on the public plugin traits.
 //! * `prefix_hash`: bounded-load prefix hashing on the kernel's
 //!   `rendezvous`.
 //! * `composed`: custom policies, with the contract enforced (finite costs,
@@ -23,6 +25,7 @@ pub(crate) mod builtin;
 mod compose;
 pub(crate) mod composed;
 pub(crate) mod kv;
+pub(crate) mod plugins;
 pub(crate) mod prefix_hash;
 pub(crate) mod rank_inputs;
 mod registry;
@@ -192,21 +195,9 @@ impl KvRouterConfig {
     }
 }
 
-/// Parameters of the device-aware weighted policy (SPEC §5).
-#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct DeviceAwareConfig {
-    /// Accelerator-to-CPU capacity ratio (values below 1 count as 1).
-    pub non_cpu_to_cpu_ratio: u32,
-}
-
-impl Default for DeviceAwareConfig {
-    fn default() -> Self {
-        DeviceAwareConfig {
-            non_cpu_to_cpu_ratio: 8,
-        }
-    }
-}
+/// Parameters of the device-aware weighted policy (SPEC §5): the kernel's
+/// type, so a policy's configuration is what the kernel reads.
+pub use selkie_kernel::kernels::device_aware::DeviceAwareConfig;
 
 /// One plugin of a custom policy, with what it declared when the policy
 /// was built: its inputs and its name (asked once, so a `name()` that

@@ -42,11 +42,17 @@ use crate::mask::{contains, group_bits, nth};
 use crate::simd::{dispatch, Simd, U32Lanes};
 use crate::Rng;
 
-/// The request's and the deployment's parameters.
+/// The parameters of the device-aware weighted policy (SPEC §5): the
+/// kernel's input and, with the `serde` feature, the host policy's
+/// configuration (`device-aware-weighted` parameters).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "serde", serde(default, deny_unknown_fields))]
 pub struct DeviceAwareConfig {
     /// Cache hits a row needs to be taken outright (Dynamo: the number of
     /// distinct multimodal cache keys of the request); 0 disables the rule.
+    /// A host policy's value is the default of its requests; a request's
+    /// own non-zero `required_cache_hits` replaces it.
     pub required_cache_hits: u32,
     /// Accelerator-to-CPU load ratio (values below 1 count as 1; default 8,
     /// Dynamo's `DYN_ENCODER_CUDA_TO_CPU_RATIO`).
