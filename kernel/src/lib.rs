@@ -46,6 +46,8 @@ pub mod mask;
 pub mod rng;
 pub mod simd;
 mod sync;
+#[cfg(all(feature = "alloc", any(selkie_loom, target_has_atomic = "64")))]
+pub mod two_copies;
 
 pub use fleet::{
     BookError, BookLoad, Booking, Fleet, FleetError, SelectError, SlotId, SlotState, WorkerSpec, WorkerState,

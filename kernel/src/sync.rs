@@ -19,9 +19,53 @@
 //! What it may observe, and why it is sound, is written down there.
 //!
 //! It must not contain protocol logic: only the primitives.
+//!
+//! One exception to the 32-bit rule: [`two_copies`](crate::two_copies)
+//! counts readers in a 64-bit word (a 32-bit count could wrap between two
+//! publishes of a long-lived index), so it exists only on targets with
+//! 64-bit atomics; its `AtomicU64`, `UnsafeCell` and `yield_now` come from
+//! here too.
 
+#[cfg(all(not(selkie_loom), feature = "alloc", target_has_atomic = "64"))]
+pub(crate) use core::sync::atomic::AtomicU64;
 #[cfg(selkie_loom)]
 pub(crate) use loom::hint::spin_loop;
+#[cfg(all(selkie_loom, feature = "alloc"))]
+pub(crate) use loom::{cell::UnsafeCell, sync::atomic::AtomicU64, thread::yield_now};
+
+/// Lets a waiting thread give way: the OS's yield with `std`, else a spin
+/// hint.
+#[cfg(all(not(selkie_loom), feature = "alloc", target_has_atomic = "64"))]
+#[inline]
+pub(crate) fn yield_now() {
+    #[cfg(feature = "std")]
+    std::thread::yield_now();
+    #[cfg(not(feature = "std"))]
+    core::hint::spin_loop();
+}
+
+/// `core`'s `UnsafeCell` with loom's access API (`with`, `with_mut`), so
+/// that code using it is model-checked as written.
+#[cfg(all(not(selkie_loom), feature = "alloc", target_has_atomic = "64"))]
+#[derive(Debug)]
+pub(crate) struct UnsafeCell<T>(core::cell::UnsafeCell<T>);
+
+#[cfg(all(not(selkie_loom), feature = "alloc", target_has_atomic = "64"))]
+impl<T> UnsafeCell<T> {
+    pub(crate) fn new(value: T) -> Self {
+        UnsafeCell(core::cell::UnsafeCell::new(value))
+    }
+
+    #[inline]
+    pub(crate) fn with<R>(&self, f: impl FnOnce(*const T) -> R) -> R {
+        f(self.0.get())
+    }
+
+    #[inline]
+    pub(crate) fn with_mut<R>(&self, f: impl FnOnce(*mut T) -> R) -> R {
+        f(self.0.get())
+    }
+}
 #[cfg(selkie_loom)]
 pub(crate) use loom::sync::atomic::{AtomicU32, Ordering};
 

@@ -1,5 +1,5 @@
-//! Model of the KV index's reader/writer protocol (`TwoCopies`, behind
-//! `selkie::kv_index::shared`): one writer writes its copy, publishes,
+//! Model of the KV index's reader/writer protocol
+//! (`selkie_kernel::two_copies`, behind `selkie::kv_index::shared`): one writer writes its copy, publishes,
 //! and brings the other copy up to date, twice, while readers read. No
 //! reader may ever access a copy the writer is writing (loom reports any
 //! such access), every read sees a whole write (both halves equal), and a
@@ -15,7 +15,7 @@
 
 use loom::sync::Arc;
 use loom::thread;
-use selkie::kv_index::{Fault, TwoCopies};
+use selkie_kernel::two_copies::{CopyWriter, Fault};
 use selkie_loom_tests::{expect_violation, explore};
 
 /// A value whose halves a torn or racing write would set apart.
@@ -31,7 +31,8 @@ fn set(p: &mut Pair, v: u64) {
 }
 
 fn writer_and_readers(fault: Fault, readers: usize, rounds: u64) {
-    let copies = Arc::new(TwoCopies::with_fault(Pair::default(), Pair::default(), fault));
+    let mut writer = CopyWriter::with_fault(Pair::default(), Pair::default(), fault);
+    let copies = Arc::new(writer.readers());
     let threads: Vec<_> = (0..readers)
         .map(|_| {
             let copies = Arc::clone(&copies);
@@ -49,12 +50,9 @@ fn writer_and_readers(fault: Fault, readers: usize, rounds: u64) {
         })
         .collect();
     for v in 1..=rounds {
-        // SAFETY: this thread is the only writer.
-        unsafe {
-            copies.write(|p| set(p, v));
-            copies.publish();
-            copies.write(|p| set(p, v));
-        }
+        writer.write(|p| set(p, v));
+        writer.publish();
+        writer.write(|p| set(p, v));
     }
     for t in threads {
         t.join().unwrap();

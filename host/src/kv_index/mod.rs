@@ -135,7 +135,6 @@ mod shared;
 mod table;
 #[cfg(test)]
 mod tests;
-mod two_copies;
 
 use std::collections::VecDeque;
 
@@ -144,9 +143,6 @@ pub use event::{KvEvent, KvEventData, KvEventError, KvQueryError, StorageTier, S
 pub use hash::{next_sequence_hash, sequence_hashes_of, KvBlockHasher, KV_HASH_SEED};
 pub use query::KvOverlaps;
 pub use shared::{shared, shared_bounded, KvIndexReader, KvIndexWriter};
-/// The reader/writer protocol of [`shared`], exposed for its loom models.
-#[cfg(selkie_loom)]
-pub use two_copies::{Fault, TwoCopies};
 
 use crate::request::RowLayout;
 use crate::types::{WorkerId, WorkerWithDpRank};

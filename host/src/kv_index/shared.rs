@@ -52,10 +52,10 @@ use std::sync::Arc;
 use super::event::{KvEvent, KvEventData, KvEventError, KvQueryError, StorageTier, StoredBlock};
 use super::hash::KvBlockHasher;
 use super::query::KvOverlaps;
-use super::two_copies::TwoCopies;
 use super::{KvIndex, KvIndexStats};
 use crate::request::{RowLayout, RowOverlaps};
 use crate::types::{WorkerId, WorkerWithDpRank};
+use selkie_kernel::two_copies::{CopyWriter, TwoCopies};
 
 /// A shared index: the writer for the event thread and a reader to clone
 /// for every query thread.
@@ -66,9 +66,9 @@ pub fn shared(block_size: u32) -> (KvIndexWriter, KvIndexReader) {
 /// [`shared`], each copy bounded as by [`KvIndex::with_max_blocks`].
 pub fn shared_bounded(block_size: u32, max_blocks: usize) -> (KvIndexWriter, KvIndexReader) {
     let copy = || KvIndex::new(block_size).with_max_blocks(max_blocks);
-    let copies = Arc::new(TwoCopies::new(copy(), copy()));
+    let copies = CopyWriter::new(copy(), copy());
     let reader = KvIndexReader {
-        copies: Arc::clone(&copies),
+        copies: copies.readers(),
     };
     let writer = KvIndexWriter {
         copies,
@@ -112,7 +112,7 @@ enum Op {
 /// and row changes, and publishes them to the readers.
 #[derive(Debug)]
 pub struct KvIndexWriter {
-    copies: Arc<TwoCopies<KvIndex>>,
+    copies: CopyWriter<KvIndex>,
     /// Operations applied to the writer's copy since the last publish.
     log: Vec<Op>,
     /// The logged events' blocks, hashes and row answers, flat.
@@ -150,9 +150,7 @@ impl KvIndexWriter {
             }
             KvEventData::Cleared => Op::Cleared { worker, event_id, tier },
         });
-        // SAFETY: `self` is the only writer (`shared` makes one, and it is
-        // not `Clone`), and `&mut self` keeps its calls apart.
-        unsafe { self.copies.write(|index| index.apply(event)) }
+        self.copies.write(|index| index.apply(event))
     }
 
     /// Places the index on the service's rows (as [`KvIndex::sync_rows`]);
@@ -160,16 +158,13 @@ impl KvIndexWriter {
     pub fn sync_rows(&mut self, layout: RowLayout, mut row_of: impl FnMut(WorkerWithDpRank) -> Option<usize>) {
         let start = self.rows.len();
         let answers = &mut self.rows;
-        // SAFETY: as in `apply`.
-        unsafe {
-            self.copies.write(|index| {
-                index.sync_rows(layout, |rank| {
-                    let row = row_of(rank);
-                    answers.push((rank, row));
-                    row
-                })
+        self.copies.write(|index| {
+            index.sync_rows(layout, |rank| {
+                let row = row_of(rank);
+                answers.push((rank, row));
+                row
             })
-        };
+        });
         self.log.push(Op::SyncRows {
             layout,
             rows: start..self.rows.len(),
@@ -180,8 +175,7 @@ impl KvIndexWriter {
     /// readers see it after the next [`publish`](Self::publish).
     pub fn remove_worker(&mut self, worker_id: WorkerId) -> usize {
         self.log.push(Op::RemoveWorker(worker_id));
-        // SAFETY: as in `apply`.
-        unsafe { self.copies.write(|index| index.remove_worker(worker_id)) }
+        self.copies.write(|index| index.remove_worker(worker_id))
     }
 
     /// Operations applied since the last publish.
@@ -192,8 +186,7 @@ impl KvIndexWriter {
     /// What the writer's copy did so far (it leads the readers' copy by
     /// the unpublished operations).
     pub fn stats(&self) -> KvIndexStats {
-        // SAFETY: as in `apply`.
-        unsafe { self.copies.write(|index| index.stats()) }
+        self.copies.read_own(|index| index.stats())
     }
 
     /// Makes everything applied so far visible to queries. Waits for the
@@ -203,17 +196,13 @@ impl KvIndexWriter {
         if self.log.is_empty() {
             return;
         }
-        // SAFETY: as in `apply`.
-        unsafe { self.copies.publish() };
+        self.copies.publish();
         let (log, blocks, hashes, rows) = (&self.log, &self.blocks, &self.hashes, &self.rows);
-        // SAFETY: as in `apply`.
-        unsafe {
-            self.copies.write(|index| {
-                for op in log {
-                    replay(index, op, blocks, hashes, rows);
-                }
-            })
-        };
+        self.copies.write(|index| {
+            for op in log {
+                replay(index, op, blocks, hashes, rows);
+            }
+        });
         self.log.clear();
         self.blocks.clear();
         self.hashes.clear();
@@ -223,7 +212,7 @@ impl KvIndexWriter {
     /// A reader of this index.
     pub fn reader(&self) -> KvIndexReader {
         KvIndexReader {
-            copies: Arc::clone(&self.copies),
+            copies: self.copies.readers(),
         }
     }
 }
