@@ -33,7 +33,7 @@
 //! the whole interface is safe. Under `cfg(selkie_loom)` the atomics and the
 //! cells are loom's and the protocol is model-checked as written
 //! (`loom-tests/tests/kv_index.rs`), with deliberately broken variants
-//! ([`Fault`]). It must not know what the copies hold.
+//! (`Fault`, under that cfg). It must not know what the copies hold.
 //!
 //! ```
 //! use selkie_kernel::two_copies::CopyWriter;
