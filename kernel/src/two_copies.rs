@@ -228,3 +228,50 @@ impl<T> CopyWriter<T> {
         c.departed[old].store(0, Ordering::Relaxed);
     }
 }
+
+#[cfg(all(test, not(selkie_loom)))]
+mod tests {
+    use super::CopyWriter;
+
+    /// Readers on other threads see only whole, published writes, never
+    /// going back, while the writer publishes 500 times (a write fills
+    /// 512 values one by one, so a reader inside a copy being written
+    /// would see two rounds).
+    #[test]
+    fn readers_see_whole_published_writes_in_order() {
+        const N: usize = 512;
+        let fill = |v: &mut [u64; N], round: u64| {
+            for x in v.iter_mut() {
+                *x = core::hint::black_box(round);
+            }
+        };
+        let mut writer = CopyWriter::new([0u64; N], [0u64; N]);
+        let readers = writer.readers();
+        let stop = std::sync::atomic::AtomicBool::new(false);
+        std::thread::scope(|s| {
+            for _ in 0..2 {
+                s.spawn(|| {
+                    let mut last = 0;
+                    while !stop.load(core::sync::atomic::Ordering::Relaxed) {
+                        let seen = readers.read(|v| {
+                            let first = core::hint::black_box(v[0]);
+                            let torn = v.iter().position(|&x| x != first);
+                            assert!(torn.is_none(), "a torn read: {first} and {}", v[torn.unwrap_or(0)]);
+                            first
+                        });
+                        assert!(seen >= last, "went back from {last} to {seen}");
+                        last = seen;
+                    }
+                });
+            }
+            for round in 1..=500u64 {
+                writer.write(|v| fill(v, round));
+                writer.publish();
+                writer.write(|v| fill(v, round));
+            }
+            stop.store(true, core::sync::atomic::Ordering::Relaxed);
+        });
+        assert_eq!(readers.read(|v| v[N - 1]), 500);
+        assert_eq!(writer.read_own(|v| v[N - 1]), 500);
+    }
+}
