@@ -9,17 +9,17 @@
 //! ```text
 //! cargo test -p selkie-benches --features dynamo --test dynamo_inputs_parity
 //! ```
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::ops::Range;
 
-use dynamo_kv_router::protocols::{RoutingConstraints, SharedCacheHits, WorkerId, WorkerWithDpRank as DWorker};
-use dynamo_kv_router::scheduling::{OverlapSignals, ScheduleMode};
+use dynamo_kv_router::protocols::{SharedCacheHits, WorkerId, WorkerWithDpRank as DWorker};
 use dynamo_kv_router::test_utils::SimpleWorkerConfig;
 use dynamo_kv_router::{
-    DefaultWorkerSelector, KvRouterConfig as DConfig, RouterConfigOverride, SchedulingRequest, WorkerLoadProjection,
-    WorkerSelectionInput, WorkerSelector,
+    DefaultWorkerSelector, KvRouterConfig as DConfig, RouterConfigOverride, WorkerLoadProjection, WorkerSelectionInput,
+    WorkerSelector,
 };
 use selkie::*;
+use selkie_benches::vs_dynamo::base_request;
 
 const BLOCK: u32 = 16;
 
@@ -42,35 +42,13 @@ struct Case {
 }
 
 fn dynamo_pick(c: &Case) -> u64 {
-    let mut request = SchedulingRequest {
-        mode: ScheduleMode::QueryOnly { request_id: None },
-        token_seq: None,
-        isl_tokens: c.isl as usize,
-        lora_name: None,
-        expected_output_tokens: None,
-        affinity_target: None,
-        pinned_worker: None,
-        allowed_worker_ids: None,
-        routing_constraints: RoutingConstraints {
-            required_taints: HashSet::new(),
-            preferred_taints: HashMap::new(),
-        },
-        router_config_override: c.shared_multiplier.map(|m| RouterConfigOverride {
-            shared_cache_multiplier: Some(m),
-            ..Default::default()
-        }),
-        track_prefill_tokens: true,
-        priority_jump: 0.0,
-        strict_priority: 0,
-        policy_class: None,
-        session_context: None,
-        overlap: OverlapSignals::default(),
-        kv_transfer_candidates: None,
-        retain_kv_transfer_chain: false,
-        shared_cache_hits: (!c.shared_hits.is_empty()).then(|| SharedCacheHits::from_ranges(c.shared_hits.clone())),
-        worker_loads: Default::default(),
-        resp_tx: None,
-    };
+    let mut request = base_request(c.isl as usize);
+    request.router_config_override = c.shared_multiplier.map(|m| RouterConfigOverride {
+        shared_cache_multiplier: Some(m),
+        ..Default::default()
+    });
+    request.shared_cache_hits =
+        (!c.shared_hits.is_empty()).then(|| SharedCacheHits::from_ranges(c.shared_hits.clone()));
     let mut workers = HashMap::new();
     for (i, w) in c.workers.iter().enumerate() {
         let id = WorkerId::from(i as u32 + 1);
@@ -112,7 +90,7 @@ fn dynamo_pick(c: &Case) -> u64 {
         "prefill",
     );
     let input = WorkerSelectionInput::configured(&workers, &request, request.eligibility(), BLOCK);
-    u64::from(selector.select_worker(input).expect("Dynamo selects").worker.worker_id)
+    selector.select_worker(input).expect("Dynamo selects").worker.worker_id
 }
 
 /// selkie's pick for `c`, with the per-rank inputs or with its defaults.

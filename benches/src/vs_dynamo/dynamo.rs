@@ -57,32 +57,8 @@ impl DynamoFixture {
         let n = scenario.len();
         let mut workers = HashMap::with_capacity(n);
         let mut overlap = OverlapSignals::default();
-        let mut request = SchedulingRequest {
-            mode: ScheduleMode::QueryOnly { request_id: None },
-            token_seq: None,
-            isl_tokens: PROMPT_TOKENS as usize,
-            lora_name: None,
-            expected_output_tokens: Some(256),
-            affinity_target: None,
-            pinned_worker: None,
-            allowed_worker_ids: None,
-            routing_constraints: RoutingConstraints {
-                required_taints: HashSet::new(),
-                preferred_taints: HashMap::new(),
-            },
-            router_config_override: None,
-            track_prefill_tokens: true,
-            priority_jump: 0.0,
-            strict_priority: 0,
-            policy_class: None,
-            session_context: None,
-            overlap: OverlapSignals::default(),
-            kv_transfer_candidates: None,
-            retain_kv_transfer_chain: false,
-            shared_cache_hits: None,
-            worker_loads: Default::default(),
-            resp_tx: None,
-        };
+        let mut request = base_request(PROMPT_TOKENS as usize);
+        request.expected_output_tokens = Some(256);
         for (id, f) in scenario.workers().iter().enumerate() {
             let worker_id = WorkerId::from(id as u32);
             let w = WorkerWithDpRank::from_worker_id(worker_id);
@@ -238,4 +214,35 @@ impl Visit for LogitVisitor<'_> {
         }
     }
     fn record_debug(&mut self, _: &Field, _: &dyn std::fmt::Debug) {}
+}
+
+/// A query-only request of `isl_tokens` prompt tokens and nothing else (no
+/// overlaps, loads, constraints or overrides): what the fixtures fill in.
+pub fn base_request(isl_tokens: usize) -> SchedulingRequest {
+    SchedulingRequest {
+        mode: ScheduleMode::QueryOnly { request_id: None },
+        token_seq: None,
+        isl_tokens,
+        lora_name: None,
+        expected_output_tokens: None,
+        affinity_target: None,
+        pinned_worker: None,
+        allowed_worker_ids: None,
+        routing_constraints: RoutingConstraints {
+            required_taints: HashSet::new(),
+            preferred_taints: HashMap::new(),
+        },
+        router_config_override: None,
+        track_prefill_tokens: true,
+        priority_jump: 0.0,
+        strict_priority: 0,
+        policy_class: None,
+        session_context: None,
+        overlap: OverlapSignals::default(),
+        kv_transfer_candidates: None,
+        retain_kv_transfer_chain: false,
+        shared_cache_hits: None,
+        worker_loads: Default::default(),
+        resp_tx: None,
+    }
 }

@@ -26,7 +26,7 @@ mod scenario;
 mod selkie;
 mod service;
 
-pub use self::dynamo::DynamoFixture;
+pub use self::dynamo::{base_request, DynamoFixture};
 #[cfg(feature = "dynamo-core")]
 pub use self::dynamo_core::{DynamoCore, CORE_PROMPT_TOKENS, CORE_WORKER_COUNTS};
 pub use self::scenario::{
