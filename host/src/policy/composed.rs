@@ -88,7 +88,7 @@ pub(crate) fn materialize(env: &Env<'_>, s: &mut Scratch, inputs: WorkerInputs) 
         if want_load {
             // A rank without a load observation reads Dynamo's defaulted
             // load: every signal 0, nothing added.
-            let observed = columns.observed.is_none_or(|m| m[row / 64] >> (row % 64) & 1 == 1);
+            let observed = columns.observed.is_none_or(|m| selkie_kernel::mask::contains(m, row));
             c.load = if observed {
                 let added = columns.added.map_or(columns.uniform_added, |a| a[row]);
                 WorkerLoadInput {

@@ -196,22 +196,29 @@ impl SoftmaxPicker {
     }
 }
 
-/// The unnormalised weights of Dynamo's softmax (see [`SoftmaxPicker`]).
-fn weights(costs: &[f64], t: f64) -> Vec<f64> {
+/// The least and the largest cost.
+fn range(costs: &[f64]) -> (f64, f64) {
     let min = costs.iter().copied().fold(f64::INFINITY, f64::min);
     let max = costs.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-    costs
-        .iter()
-        .map(|&c| {
-            if t == 0.0 {
-                f64::from(u8::from(c == min))
-            } else if min == max {
-                1.0
-            } else {
-                (-(c - min) / ((max - min) * t)).exp()
-            }
-        })
-        .collect()
+    (min, max)
+}
+
+/// The unnormalised weight of cost `c` in Dynamo's softmax over costs
+/// ranging over `min..=max` at temperature `t` (see [`SoftmaxPicker`]).
+fn weight(c: f64, (min, max): (f64, f64), t: f64) -> f64 {
+    if t == 0.0 {
+        f64::from(u8::from(c == min))
+    } else if min == max {
+        1.0
+    } else {
+        (-(c - min) / ((max - min) * t)).exp()
+    }
+}
+
+/// The unnormalised weights of every cost.
+fn weights(costs: &[f64], t: f64) -> Vec<f64> {
+    let r = range(costs);
+    costs.iter().map(|&c| weight(c, r, t)).collect()
 }
 
 impl WorkerPicker for SoftmaxPicker {
@@ -233,20 +240,12 @@ impl WorkerPicker for SoftmaxPicker {
         if costs.is_empty() {
             return Err(empty());
         }
-        let min = costs.iter().copied().fold(f64::INFINITY, f64::min);
-        let max = costs.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-        let weight = |c: f64| {
-            if min == max {
-                1.0
-            } else {
-                (-(c - min) / ((max - min) * t)).exp()
-            }
-        };
-        let total: f64 = costs.iter().map(|&c| weight(c)).sum();
+        let r = range(costs);
+        let total: f64 = costs.iter().map(|&c| weight(c, r, t)).sum();
         let target = rng.unit_f64() * total;
         let mut cumulative = 0.0;
         for (i, &c) in costs.iter().enumerate() {
-            cumulative += weight(c);
+            cumulative += weight(c, r, t);
             if target <= cumulative {
                 return Ok(i);
             }
