@@ -9,7 +9,9 @@
 //!
 //! Inputs are built by the setup function named in each case's id and
 //! dropped by the `release` teardown, both outside the measured region; the
-//! measured region is the call alone.
+//! measured region is the call alone. The host fixtures are boxed, so the
+//! harness moves a pointer in and out of the measured function, not the
+//! fixture.
 //!
 //! * `fleet(n)`: load columns read from a real kernel `Fleet` whose tagged
 //!   atomic counters hold Dynamo's fixture load as `Booking`s (non-zero
@@ -505,69 +507,69 @@ library_benchmark_group!(name = rendezvous_group; benchmarks = rendezvous_simd, 
 
 // ---- the host: select + book, then drop of the booking ---------------------
 
-fn service_random(n: usize) -> HostFixture {
-    HostFixture::new(Mode::Random, n, 0.0)
+fn service_random(n: usize) -> Box<HostFixture> {
+    Box::new(HostFixture::new(Mode::Random, n, 0.0))
 }
-fn service_round_robin(n: usize) -> HostFixture {
-    HostFixture::new(Mode::RoundRobin, n, 0.0)
+fn service_round_robin(n: usize) -> Box<HostFixture> {
+    Box::new(HostFixture::new(Mode::RoundRobin, n, 0.0))
 }
-fn service_least_loaded(n: usize) -> HostFixture {
-    HostFixture::new(Mode::LeastLoaded, n, 0.0)
+fn service_least_loaded(n: usize) -> Box<HostFixture> {
+    Box::new(HostFixture::new(Mode::LeastLoaded, n, 0.0))
 }
-fn service_power_of_two(n: usize) -> HostFixture {
-    HostFixture::new(Mode::PowerOfTwo, n, 0.0)
+fn service_power_of_two(n: usize) -> Box<HostFixture> {
+    Box::new(HostFixture::new(Mode::PowerOfTwo, n, 0.0))
 }
-fn service_device_aware(n: usize) -> HostFixture {
-    HostFixture::new(Mode::DeviceAwareWeighted, n, 0.0)
+fn service_device_aware(n: usize) -> Box<HostFixture> {
+    Box::new(HostFixture::new(Mode::DeviceAwareWeighted, n, 0.0))
 }
-fn service_prefix_hash(n: usize) -> HostFixture {
-    HostFixture::new(Mode::PrefixHash, n, 0.0)
+fn service_prefix_hash(n: usize) -> Box<HostFixture> {
+    Box::new(HostFixture::new(Mode::PrefixHash, n, 0.0))
 }
-fn service_direct(n: usize) -> HostFixture {
-    HostFixture::new(Mode::Direct, n, 0.0)
+fn service_direct(n: usize) -> Box<HostFixture> {
+    Box::new(HostFixture::new(Mode::Direct, n, 0.0))
 }
-fn service_kv_t0(n: usize) -> HostFixture {
-    HostFixture::new(Mode::Kv, n, 0.0)
+fn service_kv_t0(n: usize) -> Box<HostFixture> {
+    Box::new(HostFixture::new(Mode::Kv, n, 0.0))
 }
-fn service_kv_t07(n: usize) -> HostFixture {
-    HostFixture::new(Mode::Kv, n, f64::from(T))
+fn service_kv_t07(n: usize) -> Box<HostFixture> {
+    Box::new(HostFixture::new(Mode::Kv, n, f64::from(T)))
 }
 /// `kv` at temperature 0 with the overlaps keyed by worker rank (mapped to
 /// rows through the row index's table) instead of row columns.
-fn service_kv_keyed_t0(n: usize) -> HostFixture {
-    HostFixture::new(Mode::Kv, n, 0.0).worker_keyed()
+fn service_kv_keyed_t0(n: usize) -> Box<HostFixture> {
+    Box::new(HostFixture::new(Mode::Kv, n, 0.0).worker_keyed())
 }
 
 /// The measured host call.
 #[inline(always)]
-fn select_and_release(f: HostFixture) -> (WorkerWithDpRank, HostFixture) {
+fn select_and_release(f: Box<HostFixture>) -> (WorkerWithDpRank, Box<HostFixture>) {
     let worker = black_box(f.select_and_release());
     (worker, f)
 }
 
 #[library_benchmark]
 #[benches::workers(args = [8, 64, 1024, 10000], setup = service_random, teardown = release)]
-fn host_random(f: HostFixture) -> (WorkerWithDpRank, HostFixture) {
+fn host_random(f: Box<HostFixture>) -> (WorkerWithDpRank, Box<HostFixture>) {
     select_and_release(f)
 }
 
 #[library_benchmark]
 #[benches::workers(args = [8, 64, 1024, 10000], setup = service_round_robin, teardown = release)]
-fn host_round_robin(f: HostFixture) -> (WorkerWithDpRank, HostFixture) {
+fn host_round_robin(f: Box<HostFixture>) -> (WorkerWithDpRank, Box<HostFixture>) {
     select_and_release(f)
 }
 
 #[library_benchmark]
 #[benches::workers(args = [8, 64, 1024, 10000], setup = service_least_loaded, teardown = release)]
-fn host_least_loaded(f: HostFixture) -> (WorkerWithDpRank, HostFixture) {
+fn host_least_loaded(f: Box<HostFixture>) -> (WorkerWithDpRank, Box<HostFixture>) {
     select_and_release(f)
 }
 
 /// Least-loaded with one worker marked overloaded (`set_overloaded`): the
 /// marks are a mask of the registry snapshot, so one mark must not turn
 /// every selection into a per-row busy check.
-fn service_least_loaded_marked(n: usize) -> HostFixture {
-    let f = HostFixture::new(Mode::LeastLoaded, n, 0.0);
+fn service_least_loaded_marked(n: usize) -> Box<HostFixture> {
+    let f = Box::new(HostFixture::new(Mode::LeastLoaded, n, 0.0));
     f.service.set_overloaded(1, true).expect("worker 1 is registered");
     f.select_and_release(); // warm the new registry snapshot
     f
@@ -575,62 +577,62 @@ fn service_least_loaded_marked(n: usize) -> HostFixture {
 
 #[library_benchmark]
 #[benches::workers(args = [1024, 10000], setup = service_least_loaded_marked, teardown = release)]
-fn host_least_loaded_marked(f: HostFixture) -> (WorkerWithDpRank, HostFixture) {
+fn host_least_loaded_marked(f: Box<HostFixture>) -> (WorkerWithDpRank, Box<HostFixture>) {
     select_and_release(f)
 }
 
 #[library_benchmark]
 #[benches::workers(args = [8, 64, 1024, 10000], setup = service_power_of_two, teardown = release)]
-fn host_power_of_two(f: HostFixture) -> (WorkerWithDpRank, HostFixture) {
+fn host_power_of_two(f: Box<HostFixture>) -> (WorkerWithDpRank, Box<HostFixture>) {
     select_and_release(f)
 }
 
 #[library_benchmark]
 #[benches::workers(args = [8, 64, 1024, 10000], setup = service_device_aware, teardown = release)]
-fn host_device_aware(f: HostFixture) -> (WorkerWithDpRank, HostFixture) {
+fn host_device_aware(f: Box<HostFixture>) -> (WorkerWithDpRank, Box<HostFixture>) {
     select_and_release(f)
 }
 
 #[library_benchmark]
 #[benches::workers(args = [8, 64, 1024, 10000], setup = service_prefix_hash, teardown = release)]
-fn host_prefix_hash(f: HostFixture) -> (WorkerWithDpRank, HostFixture) {
+fn host_prefix_hash(f: Box<HostFixture>) -> (WorkerWithDpRank, Box<HostFixture>) {
     select_and_release(f)
 }
 
 #[library_benchmark]
 #[benches::workers(args = [8, 64, 1024, 10000], setup = service_direct, teardown = release)]
-fn host_direct(f: HostFixture) -> (WorkerWithDpRank, HostFixture) {
+fn host_direct(f: Box<HostFixture>) -> (WorkerWithDpRank, Box<HostFixture>) {
     select_and_release(f)
 }
 
 #[library_benchmark]
 #[benches::workers(args = [8, 64, 1024, 10000], setup = service_kv_t0, teardown = release)]
-fn host_kv_t0(f: HostFixture) -> (WorkerWithDpRank, HostFixture) {
+fn host_kv_t0(f: Box<HostFixture>) -> (WorkerWithDpRank, Box<HostFixture>) {
     select_and_release(f)
 }
 
 #[library_benchmark]
 #[benches::workers(args = [8, 64, 1024, 10000], setup = service_kv_t07, teardown = release)]
-fn host_kv_t07(f: HostFixture) -> (WorkerWithDpRank, HostFixture) {
+fn host_kv_t07(f: Box<HostFixture>) -> (WorkerWithDpRank, Box<HostFixture>) {
     select_and_release(f)
 }
 
 #[library_benchmark]
 #[benches::workers(args = [1024, 10000], setup = service_kv_keyed_t0, teardown = release)]
-fn host_kv_keyed_t0(f: HostFixture) -> (WorkerWithDpRank, HostFixture) {
+fn host_kv_keyed_t0(f: Box<HostFixture>) -> (WorkerWithDpRank, Box<HostFixture>) {
     select_and_release(f)
 }
 
 /// The KV index in the path: tokens to a booked and released worker
 /// (`IndexFixture`: hash the 2,048-token prompt, query the index, select,
 /// book, release) on a fleet whose engines reported what they hold.
-fn service_kv_index(n: usize) -> IndexFixture {
-    IndexFixture::new(n)
+fn service_kv_index(n: usize) -> Box<IndexFixture> {
+    Box::new(IndexFixture::new(n))
 }
 
 #[library_benchmark]
 #[benches::workers(args = [1024], setup = service_kv_index, teardown = release)]
-fn host_kv_index_t0(mut f: IndexFixture) -> (WorkerWithDpRank, IndexFixture) {
+fn host_kv_index_t0(mut f: Box<IndexFixture>) -> (WorkerWithDpRank, Box<IndexFixture>) {
     let worker = black_box(f.select_and_release());
     (worker, f)
 }

@@ -113,6 +113,37 @@ pub struct Explanation {
     pub temperature: f64,
 }
 
+/// What a booked selection keeps of its explanation: the parts that are
+/// the choice's own. The policy's name and the chosen worker are the
+/// service's and the booking's, so [`Explanation`] is built from these
+/// only when asked for, and a booking moves fewer bytes.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct Why {
+    pub(crate) route: Route,
+    pub(crate) branch: Branch,
+    pub(crate) cost: f64,
+    pub(crate) runner_up: Option<(WorkerWithDpRank, f64)>,
+    /// Saturated at `u32::MAX` (a fleet has far fewer rows).
+    pub(crate) candidates: u32,
+    pub(crate) temperature: f64,
+}
+
+impl Why {
+    /// The explanation of choosing `chosen` under `policy`.
+    pub(crate) fn explain(&self, policy: &'static str, chosen: WorkerWithDpRank) -> Explanation {
+        Explanation {
+            policy,
+            route: self.route,
+            branch: self.branch,
+            chosen,
+            cost: self.cost,
+            runner_up: self.runner_up,
+            candidates: self.candidates as usize,
+            temperature: self.temperature,
+        }
+    }
+}
+
 impl Explanation {
     /// Runner-up cost minus chosen cost (negative when sampling took a
     /// costlier row); `None` without a runner-up.

@@ -221,7 +221,7 @@ fn explanation_prints_cost_runner_up_margin_and_branch() {
     let sel = s
         .select(&SelectionRequest::new(128).with_overlaps(&ov).explained())
         .unwrap();
-    let e = *sel.explanation();
+    let e = sel.explanation();
     assert_eq!(
         (e.chosen, e.cost, e.branch, e.route),
         (WorkerWithDpRank::new(2, 0), 12.0, Branch::KvMinimum, Route::Policy)

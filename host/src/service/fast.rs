@@ -12,8 +12,8 @@ use std::ops::Deref;
 use selkie_kernel::fleet::Booking;
 use selkie_kernel::{mask, Rng};
 
-use super::run::{refused, Outcome};
-use super::selection::FleetHandle;
+use super::run::refused;
+use super::selection::{Booked, FleetHandle};
 use super::WorkerSelectionService;
 use crate::discovery::registry::WorkerRegistry;
 use crate::error::SelectionError;
@@ -49,7 +49,7 @@ impl WorkerSelectionService {
         req: &SelectionRequest<'_>,
         rng: &mut Rng,
         handle: &impl Fn() -> H,
-    ) -> Option<Result<Outcome<H>, Fallback>> {
+    ) -> Option<Result<Booked<H>, Fallback>> {
         if !self.policy.reads_ready_rows()
             || req.pin.is_some()
             || req.session.is_some()

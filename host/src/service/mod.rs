@@ -32,7 +32,6 @@ mod snapshot;
 #[cfg(test)]
 mod tests;
 
-use run::Outcome;
 use snapshot::SERVICE_IDS;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -399,10 +398,7 @@ impl WorkerSelectionService {
     /// The booking (request, prefill tokens, decode blocks) is released when
     /// the returned [`Selection`] is dropped.
     pub fn select<'s>(&'s self, req: &SelectionRequest<'_>) -> Result<Selection<'s>, SelectionError> {
-        self.run(req, false, || self).map(|o| match o {
-            Outcome::Booked(s) => s,
-            Outcome::Previewed(_) => unreachable!("select books"),
-        })
+        self.run_select(req, || self)
     }
 
     /// As [`select`](Self::select), for a booking that must outlive the
@@ -424,20 +420,14 @@ impl WorkerSelectionService {
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn select_owned(self: &Arc<Self>, req: &SelectionRequest<'_>) -> Result<OwnedSelection, SelectionError> {
-        self.run(req, false, || Arc::clone(self)).map(|o| match o {
-            Outcome::Booked(s) => s,
-            Outcome::Previewed(_) => unreachable!("select books"),
-        })
+        self.run_select(req, || Arc::clone(self))
     }
 
     /// The worker [`select`](Self::select) would choose now, booking nothing
     /// and advancing no cursor (plugins see
     /// [`WorkerSelectionContext::is_preview`]). Always explained.
     pub fn peek(&self, req: &SelectionRequest<'_>) -> Result<Preview, SelectionError> {
-        self.run(req, true, || self).map(|o| match o {
-            Outcome::Previewed(p) => p,
-            Outcome::Booked(_) => unreachable!("peek books nothing"),
-        })
+        self.run_peek(req)
     }
 
     /// Checks what a selection takes as given: every cache overlap of `req`

@@ -22,7 +22,7 @@ use super::WorkerSelectionService;
 use crate::discovery::registry::{RowMeta, WorkerRegistry};
 use crate::discovery::WorkerState;
 use crate::error::SelectionError;
-use crate::explain::{Explanation, Route};
+use crate::explain::{Route, Why};
 use crate::filter::{eligible_rows, Rejections};
 use crate::fleet::FLEET_GROUPS;
 use crate::plugin::WorkerSelectionContext;
@@ -55,19 +55,45 @@ impl WorkerSelectionService {
         }
     }
 
-    pub(super) fn run<H: Deref<Target = Self>>(
+    /// A selection (`select`, `select_owned`): traced, on the thread's
+    /// snapshot. Returns the booking itself, not an [`Outcome`], so the
+    /// fast path's result is moved as few times as possible.
+    #[inline]
+    pub(super) fn run_select<H: Deref<Target = Self>>(
         &self,
         req: &SelectionRequest<'_>,
-        preview: bool,
         handle: impl Fn() -> H,
-    ) -> Result<Outcome<H>, SelectionError> {
-        // The span costs one check of the level filter when debug logging
-        // is off.
+    ) -> Result<Booked<H>, SelectionError> {
+        self.traced(false, || {
+            self.with_snapshot(|reg| self.select_ready_or_general(reg, req, &handle))
+        })
+    }
+
+    /// A preview (`peek`): traced, on the thread's snapshot.
+    pub(super) fn run_peek(&self, req: &SelectionRequest<'_>) -> Result<Preview, SelectionError> {
+        self.traced(true, || {
+            self.with_snapshot(|reg| {
+                self.check_basics(req)?;
+                let mut rng = self.take_rng();
+                let r = with_scratch(|s| self.run_with(reg, req, true, s, &mut rng, &|| self, None));
+                self.keep_rng(rng);
+                match r? {
+                    Outcome::Previewed(p) => Ok(p),
+                    Outcome::Booked(_) => unreachable!("a preview books nothing"),
+                }
+            })
+        })
+    }
+
+    /// Runs `f` in a debug span when debug logging is on (one check of
+    /// the level filter otherwise), and logs and counts its error.
+    #[inline(always)]
+    fn traced<T>(&self, preview: bool, f: impl FnOnce() -> Result<T, SelectionError>) -> Result<T, SelectionError> {
         let result = if tracing::level_enabled!(tracing::Level::DEBUG) {
             let _span = tracing::debug_span!("selkie.select", policy = self.policy.name(), preview).entered();
-            self.with_snapshot(|reg| self.run_on(reg, req, preview, &handle))
+            f()
         } else {
-            self.with_snapshot(|reg| self.run_on(reg, req, preview, &handle))
+            f()
         };
         if let Err(e) = &result {
             tracing::debug!(error = %e, "selection failed");
@@ -76,42 +102,48 @@ impl WorkerSelectionService {
         result
     }
 
-    /// One selection on the thread's snapshot: the fast path of a plain
-    /// request, else (or after its refused booking) the general path on
-    /// the thread's scratch.
-    #[inline]
-    fn run_on<H: Deref<Target = Self>>(
-        &self,
-        reg: &WorkerRegistry,
-        req: &SelectionRequest<'_>,
-        preview: bool,
-        handle: &impl Fn() -> H,
-    ) -> Result<Outcome<H>, SelectionError> {
+    /// What every selection checks first.
+    #[inline(always)]
+    fn check_basics(&self, req: &SelectionRequest<'_>) -> Result<(), SelectionError> {
         if req.temperature.is_some_and(|t| !(t.is_finite() && t >= 0.0)) {
             return Err(SelectionError::InvalidRequest("temperature must be finite and >= 0"));
         }
         if self.config.block_size == 0 {
             return Err(SelectionError::InvalidRequest("block_size is 0"));
         }
+        Ok(())
+    }
+
+    /// One selection on the thread's snapshot: the fast path of a plain
+    /// request, else (or after its refused booking) the general path on
+    /// the thread's scratch.
+    #[inline]
+    fn select_ready_or_general<H: Deref<Target = Self>>(
+        &self,
+        reg: &WorkerRegistry,
+        req: &SelectionRequest<'_>,
+        handle: &impl Fn() -> H,
+    ) -> Result<Booked<H>, SelectionError> {
+        self.check_basics(req)?;
         let mut rng = self.take_rng();
-        let mut skip = None;
-        if !preview {
-            match self.select_ready(reg, req, &mut rng, handle) {
-                Some(Ok(outcome)) => {
-                    self.keep_rng(rng);
-                    return Ok(outcome);
-                }
-                Some(Err(Fallback::Refused(row))) => skip = Some(row),
-                Some(Err(Fallback::Failed(e))) => {
-                    self.keep_rng(rng);
-                    return Err(e);
-                }
-                None => {}
+        let skip = match self.select_ready(reg, req, &mut rng, handle) {
+            Some(Ok(booked)) => {
+                self.keep_rng(rng);
+                return Ok(booked);
             }
-        }
-        let r = with_scratch(|s| self.run_with(reg, req, preview, s, &mut rng, handle, skip));
+            Some(Err(Fallback::Failed(e))) => {
+                self.keep_rng(rng);
+                return Err(e);
+            }
+            Some(Err(Fallback::Refused(row))) => Some(row),
+            None => None,
+        };
+        let r = with_scratch(|s| self.run_with(reg, req, false, s, &mut rng, handle, skip));
         self.keep_rng(rng);
-        r
+        match r? {
+            Outcome::Booked(booked) => Ok(booked),
+            Outcome::Previewed(_) => unreachable!("a selection books"),
+        }
     }
 
     /// The load a booking of `req` on `row` (`worker`) carries: the decode
@@ -153,7 +185,7 @@ impl WorkerSelectionService {
         meta: &RowMeta,
         route: Route,
         now: Option<Instant>,
-    ) -> Outcome<H> {
+    ) -> Booked<H> {
         let worker = meta.worker();
         meta.entry.selections.increment(1);
         self.selections.increment(1);
@@ -166,20 +198,11 @@ impl WorkerSelectionService {
             branch = choice.branch.as_str(),
             "selected"
         );
-        Outcome::Booked(Booked {
+        Booked {
             booking,
             worker,
-            explanation: Explanation {
-                policy: self.policy.name(),
-                route,
-                branch: choice.branch,
-                chosen: worker,
-                cost: choice.cost,
-                runner_up,
-                candidates: choice.candidates,
-                temperature: choice.temperature,
-            },
-        })
+            why: why(choice, runner_up, route),
+        }
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -353,16 +376,8 @@ impl WorkerSelectionService {
             }
         };
         let runner_up = |choice: &Choice| choice.runner_up.and_then(|(r, c)| reg.row(r).map(|m| (m.worker(), c)));
-        let explanation = |choice: &Choice, worker, route| Explanation {
-            policy: self.policy.name(),
-            route,
-            branch: choice.branch,
-            chosen: worker,
-            cost: choice.cost,
-            runner_up: runner_up(choice),
-            candidates: choice.candidates,
-            temperature: choice.temperature,
-        };
+        let explanation =
+            |choice: &Choice, worker, route| why(choice, runner_up(choice), route).explain(self.policy.name(), worker);
         if preview {
             loop {
                 let choice = choose(mask, list, s, &mut soft_row, &mut route)?;
@@ -425,7 +440,9 @@ impl WorkerSelectionService {
         match (booked, picked) {
             (Ok(booking), Some((choice, meta))) => {
                 let runner_up = runner_up(&choice);
-                Ok(self.booked(req, booking, &choice, runner_up, meta, route, now))
+                Ok(Outcome::Booked(
+                    self.booked(req, booking, &choice, runner_up, meta, route, now),
+                ))
             }
             (booked, _) => {
                 if let Err(SelectError::BadPick { row }) = booked {
@@ -441,6 +458,19 @@ impl WorkerSelectionService {
 pub(super) fn refused(rejections: &Rejections, e: &BookError) {
     tracing::debug!(error = %e, "booking refused; rescanning");
     rejections.booking_refused.increment(1);
+}
+
+/// The explanation's parts a booking keeps (see [`Why`]).
+#[inline(always)]
+fn why(choice: &Choice, runner_up: Option<(WorkerWithDpRank, f64)>, route: Route) -> Why {
+    Why {
+        route,
+        branch: choice.branch,
+        cost: choice.cost,
+        runner_up,
+        candidates: u32::try_from(choice.candidates).unwrap_or(u32::MAX),
+        temperature: choice.temperature,
+    }
 }
 
 /// Every booking tried was refused.

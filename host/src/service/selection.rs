@@ -9,7 +9,7 @@ use selkie_kernel::fleet::{BookError, Booking};
 use super::WorkerSelectionService;
 use crate::discovery::WorkerRecord;
 use crate::error::BookingError;
-use crate::explain::Explanation;
+use crate::explain::{Explanation, Why};
 use crate::fleet::{KernelFleet, FLEET_GROUPS};
 use crate::types::{DpRank, WorkerWithDpRank};
 
@@ -35,7 +35,8 @@ impl<H: Deref<Target = WorkerSelectionService>> Deref for FleetHandle<H> {
 pub struct Booked<H: Deref<Target = WorkerSelectionService>> {
     pub(crate) booking: Booking<FleetHandle<H>, FLEET_GROUPS>,
     pub(crate) worker: WorkerWithDpRank,
-    pub(crate) explanation: Explanation,
+    /// The explanation less what the service and the booking know.
+    pub(crate) why: Why,
 }
 
 /// A booking that borrows the service ([`WorkerSelectionService::select`]).
@@ -52,9 +53,10 @@ impl<H: Deref<Target = WorkerSelectionService>> Booked<H> {
         self.worker
     }
 
-    /// Why this worker was chosen.
-    pub fn explanation(&self) -> &Explanation {
-        &self.explanation
+    /// Why this worker was chosen (built on request from what the
+    /// booking keeps: a few copies, no allocation).
+    pub fn explanation(&self) -> Explanation {
+        self.why.explain(self.booking.fleet().0.policy.name(), self.worker)
     }
 
     /// Prefill tokens still booked.
