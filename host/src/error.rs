@@ -372,6 +372,47 @@ pub enum DiscoveryError {
         /// The most bytes a discovery file may have.
         limit: u64,
     },
+    /// A worker record in etcd is not JSON a [`WorkerRecord`](crate::WorkerRecord)
+    /// parses from (or its key or value is not UTF-8). The key is refused;
+    /// the other workers are served as before.
+    #[cfg(feature = "etcd")]
+    #[error("etcd key {key:?}: cannot parse the worker record: {message}")]
+    EtcdRecordParse {
+        /// The key holding the record.
+        key: String,
+        /// The parser's message.
+        message: String,
+    },
+    /// A worker record in etcd parsed but a field is out of range
+    /// ([`WorkerRecord::validate`](crate::WorkerRecord::validate) refused it).
+    #[cfg(feature = "etcd")]
+    #[error("etcd key {key:?}: {source}")]
+    EtcdRecordInvalid {
+        /// The key holding the record.
+        key: String,
+        /// What is wrong with it.
+        #[source]
+        source: Box<DiscoveryError>,
+    },
+    /// A worker record in etcd does not sit at its own key: the key must be
+    /// the watched prefix followed by the record's `worker_id` in decimal.
+    #[cfg(feature = "etcd")]
+    #[error("etcd key {key:?} holds the record of worker {worker_id}; a record's key must be the prefix followed by its worker id")]
+    EtcdKeyMismatch {
+        /// The key holding the record.
+        key: String,
+        /// The worker id the record names.
+        worker_id: WorkerId,
+    },
+    /// etcd could not be reached, or a request to it failed.
+    #[cfg(feature = "etcd")]
+    #[error("etcd at {endpoints}: {message}")]
+    EtcdUnavailable {
+        /// The endpoints, comma-separated.
+        endpoints: String,
+        /// What failed.
+        message: String,
+    },
 }
 
 impl DiscoveryError {
@@ -388,6 +429,14 @@ impl DiscoveryError {
             Self::Parse { .. } => "parse",
             Self::EmptyFile { .. } => "empty_file",
             Self::FileTooLarge { .. } => "file_too_large",
+            #[cfg(feature = "etcd")]
+            Self::EtcdRecordParse { .. } => "etcd_record_parse",
+            #[cfg(feature = "etcd")]
+            Self::EtcdRecordInvalid { .. } => "etcd_record_invalid",
+            #[cfg(feature = "etcd")]
+            Self::EtcdKeyMismatch { .. } => "etcd_key_mismatch",
+            #[cfg(feature = "etcd")]
+            Self::EtcdUnavailable { .. } => "etcd_unavailable",
         }
     }
 }

@@ -21,6 +21,8 @@ pub use config::{
 pub use discovery::{
     BusyThresholds, DeviceKind, Discovery, FileDiscovery, InMemoryDiscovery, SyncReport, WorkerRecord, WorkerState,
 };
+#[cfg(feature = "etcd")]
+pub use discovery::{EtcdDiscovery, EtcdOptions, EtcdRegistration, EtcdWatchStatus};
 pub use error::{
     BookingError, ConfigError, DiscoveryError, PluginKind, RegistryError, SelectionError, UnavailableReason,
     WorkerSelectionPolicyError, WorkerSelectionPolicyProviderError,
