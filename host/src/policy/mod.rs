@@ -524,7 +524,7 @@ impl WorkerSelectionPolicy {
     /// round-robin cursor: the row [`choose`](Self::choose) would give for
     /// the same random numbers. `None` for the other policies, or when the
     /// draw needs the general path (see `builtin::draw_from_list`).
-    #[inline]
+    #[cfg_attr(not(debug_assertions), inline(always))]
     pub(crate) fn draw_ready(
         &self,
         reg: &WorkerRegistry,

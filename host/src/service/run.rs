@@ -89,12 +89,11 @@ impl WorkerSelectionService {
     /// the level filter otherwise), and logs and counts its error.
     #[inline(always)]
     fn traced<T>(&self, preview: bool, f: impl FnOnce() -> Result<T, SelectionError>) -> Result<T, SelectionError> {
-        let result = if tracing::level_enabled!(tracing::Level::DEBUG) {
-            let _span = tracing::debug_span!("selkie.select", policy = self.policy.name(), preview).entered();
-            f()
-        } else {
-            f()
-        };
+        // One call of `f` (so it is inlined here): the span is entered only
+        // when debug logging is on.
+        let _span = tracing::level_enabled!(tracing::Level::DEBUG)
+            .then(|| tracing::debug_span!("selkie.select", policy = self.policy.name(), preview).entered());
+        let result = f();
         if let Err(e) = &result {
             tracing::debug!(error = %e, "selection failed");
             metrics::counter!("selkie_selection_errors_total", "reason" => e.reason()).increment(1);
@@ -150,8 +149,25 @@ impl WorkerSelectionService {
     /// blocks it adds there (its prompt's blocks, or the rank's
     /// [`AddedBlocks`](crate::AddedBlocks)), and its prefill tokens beyond
     /// the cached ones when the request tracks them.
-    #[inline]
+    #[cfg_attr(not(debug_assertions), inline(always))]
     pub(super) fn book_load(&self, req: &SelectionRequest<'_>, row: usize, worker: WorkerWithDpRank) -> BookLoad {
+        // A request without per-rank inputs or overlaps books the same
+        // load on every row (inline); the others look theirs up.
+        if req.rank_inputs.is_none() && req.row_overlaps.is_none() && req.overlaps.is_empty() {
+            let request_blocks = u32::try_from(req.request_blocks(self.config.block_size)).unwrap_or(u32::MAX);
+            let prefill = if req.track_prefill_tokens { req.isl_tokens } else { 0 };
+            return BookLoad {
+                prefill_tokens: u32::try_from(prefill).unwrap_or(u32::MAX),
+                decode_blocks: request_blocks,
+            };
+        }
+        self.book_row_load(req, row, worker)
+    }
+
+    /// [`book_load`](Self::book_load) of a request with per-rank inputs or
+    /// overlaps.
+    #[inline(never)]
+    fn book_row_load(&self, req: &SelectionRequest<'_>, row: usize, worker: WorkerWithDpRank) -> BookLoad {
         let request_blocks = u32::try_from(req.request_blocks(self.config.block_size)).unwrap_or(u32::MAX);
         let decode_blocks = match req.rank_inputs {
             Some(r) => r.added_blocks.on(worker, request_blocks),

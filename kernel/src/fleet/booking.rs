@@ -75,6 +75,7 @@ impl<const GROUPS: usize> Fleet<GROUPS> {
     }
 
     /// The booking protocol; `expected` pins the generation.
+    #[inline]
     pub(crate) fn claim(&self, row: usize, expected: Option<u32>, load: BookLoad) -> Result<Claim, BookError> {
         if !Self::in_range(row) {
             return Err(BookError::NoSuchRow {

@@ -82,6 +82,7 @@ impl<F: Deref<Target = Fleet<GROUPS>>, const GROUPS: usize> Booking<F, GROUPS> {
 
     /// As [`new`](Self::new), but only if the row still holds `slot`'s
     /// occupant.
+    #[cfg_attr(not(debug_assertions), inline(always))]
     pub fn new_for_slot(fleet: F, slot: SlotId, load: BookLoad) -> Result<Self, BookError> {
         let claim = fleet.claim(slot.row as usize, Some(slot.generation), load)?;
         Ok(Booking { fleet, claim })
