@@ -252,8 +252,17 @@ fn a_silent_peer_is_expired_within_the_timeout() {
     // A stops: no release, no heartbeat.
     drop(a);
     let stopped = Instant::now();
-    std::thread::sleep(timeout / 2);
-    assert_eq!(b.remote_load(w), load(3, 30, 3), "expired before the timeout");
+    std::thread::sleep(timeout / 3);
+    let (early, at) = (b.remote_load(w), stopped.elapsed());
+    // A's last heartbeat may be up to one interval (50 ms) before the drop;
+    // a check this thread made late (a busy machine) proves nothing.
+    if at < timeout - Duration::from_millis(100) {
+        assert_eq!(
+            early,
+            load(3, 30, 3),
+            "expired {at:?} after A stopped, before the timeout"
+        );
+    }
     wait_until("B expires silent A", LONG, || b.remote_loads().is_empty());
     let took = stopped.elapsed();
     // A's last heartbeat may be up to one interval before the drop; B checks
@@ -435,8 +444,11 @@ fn a_server_restart_keeps_recording_fast_and_peers_converge_again() {
         record(&mut || b.record_book(id, w, 1, 1));
         from_b.insert(id, (w, 1, 1));
     }
+    // The outage lasts about 200 ms: a call that waited on the server would
+    // take that long; one that returns at once takes microseconds (the
+    // bound leaves room for a descheduled thread on a busy machine).
     assert!(
-        slowest < Duration::from_millis(20),
+        slowest < Duration::from_millis(100),
         "a record_* call took {slowest:?} with the server down"
     );
     assert_eq!(a.stats().dropped, 0);
