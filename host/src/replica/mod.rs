@@ -11,12 +11,15 @@
 //! ([`ReplicaSync::remote_load`]). Output-block growth is not synced (as in
 //! Dynamo): a booking counts with the decode blocks it was booked with.
 //!
-//! * [`wire`](self): the messages and their encoding (JSON, short keys).
-//! * [`tables`](self): this replica's outstanding bookings and its peers'
-//!   tables, with the sequence rules that make applying a message
-//!   idempotent and a snapshot exact.
-//! * [`task`](self): the background thread: batching, publishing,
-//!   heartbeats, expiry, snapshots, reconnection.
+//! * `wire`: the messages and their encoding (JSON, short keys).
+//! * `tables`: this replica's outstanding bookings and its peers' tables,
+//!   with the sequence rules that make applying a message idempotent and a
+//!   snapshot exact.
+//! * `task`: the background thread: batching, publishing, heartbeats,
+//!   expiry, snapshots, reconnection.
+//!
+//! It sits beside discovery in the host's layers: it names only the plain
+//! types and its error, never the fleet, the service or the policies.
 //!
 //! What it must not do: block or slow the selection path, and touch the
 //! fleet. The `record_*` calls only `try_send` a small value into a bounded
@@ -512,7 +515,9 @@ impl ReplicaSync {
     }
 
     /// Moves whenever the remote load changes (a copy of it needs
-    /// refreshing only when this differs from the last one seen).
+    /// refreshing only when this differs from the last one seen). Read it
+    /// before [`remote_loads`](Self::remote_loads): the loads read after
+    /// are at least as new as the version.
     pub fn version(&self) -> u64 {
         self.shared.version.load(Ordering::Acquire)
     }

@@ -393,6 +393,11 @@ impl SyncLoop {
                 self.request_snapshot(link, None).await;
                 self.heartbeat(link).await;
             }
+            // Messages were dropped for this replica: the gaps they leave
+            // are noticed from the next message of each peer concerned.
+            Event::SlowConsumer(_) => {
+                tracing::warn!(server = %self.server, "replica sync fell behind; the server dropped messages for it")
+            }
             other => tracing::debug!(server = %self.server, event = %other, "replica sync connection event"),
         }
     }
