@@ -8,6 +8,12 @@
 //! before it, so a receiver can tell from any message whether it missed a
 //! batch, and a snapshot says which batch it reflects.
 //!
+//! Every message of a partition goes on its one subject, snapshots and
+//! snapshot requests included: NATS delivers one sender's messages on one
+//! subject in order, so a snapshot never overtakes the batches before it.
+//! Every replica sees every snapshot, which is harmless (it replaces that
+//! peer's table with what the table should hold), and refreshes them all.
+//!
 //! The encoding is JSON with one-letter keys and tuples for the bookings
 //! (`{"r":7,"i":9,"s":3,"m":{"d":[{"B":[41,[12,0,900,3]]},{"R":40}]}}`):
 //! serde_json is already a dependency, a batch of 256 deltas is about
