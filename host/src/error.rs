@@ -12,6 +12,8 @@
 //!   (a configuration field out of bounds, parameters that do not fit).
 //! * [`RegistryError`] and [`ConfigError`]: start-up problems (policy type
 //!   names, config files).
+//! * `SyncError` (feature `nats`): replica sync could not start (an option
+//!   out of range, a NATS server that cannot be reached).
 //!
 //! Errors name the worker, row, scorer or limit involved. This module must not
 //! contain logic beyond formatting, and it sits at the bottom of the host's
@@ -720,4 +722,45 @@ pub enum BookingError {
         /// Its limit.
         limit: u32,
     },
+}
+
+/// [`ReplicaSync`](crate::ReplicaSync) could not start (feature `nats`).
+///
+/// Once started, replica sync reports nothing through errors: a lost
+/// server, a message that cannot be decoded or a full queue is logged and
+/// counted in [`ReplicaSyncStats`](crate::ReplicaSyncStats), and the local
+/// replica keeps selecting.
+#[cfg(feature = "nats")]
+#[derive(Debug, Error)]
+#[non_exhaustive]
+pub enum SyncError {
+    /// An option is out of range.
+    #[error("replica sync option `{option}` is {value}: {requirement}")]
+    InvalidOption {
+        /// The option's name in [`ReplicaSyncOptions`](crate::ReplicaSyncOptions).
+        option: &'static str,
+        /// The value given.
+        value: String,
+        /// What the option must be.
+        requirement: &'static str,
+    },
+    /// The NATS server could not be reached, or refused the subscription.
+    #[error("NATS server {server}: {message}")]
+    Unavailable {
+        /// The server's URL, as given.
+        server: String,
+        /// What failed.
+        message: String,
+    },
+}
+
+#[cfg(feature = "nats")]
+impl SyncError {
+    /// A short lowercase label for metrics and logs.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            Self::InvalidOption { .. } => "invalid_option",
+            Self::Unavailable { .. } => "unavailable",
+        }
+    }
 }

@@ -11,6 +11,8 @@ mod fleet;
 pub mod kv_index;
 mod plugin;
 mod policy;
+#[cfg(feature = "nats")]
+mod replica;
 mod request;
 mod service;
 mod types;
@@ -23,6 +25,8 @@ pub use discovery::{
 };
 #[cfg(feature = "etcd")]
 pub use discovery::{EtcdDiscovery, EtcdOptions, EtcdRegistration, EtcdWatchStatus};
+#[cfg(feature = "nats")]
+pub use error::SyncError;
 pub use error::{
     BookingError, ConfigError, DiscoveryError, PluginKind, RegistryError, SelectionError, UnavailableReason,
     WorkerSelectionPolicyError, WorkerSelectionPolicyProviderError,
@@ -44,6 +48,8 @@ pub use policy::{
     WorkerSelectionPolicyParameters, WorkerSelectionPolicyProvider, WorkerSelectionPolicyRegistry, BUILTIN_ALIASES,
     BUILTIN_PICKERS, BUILTIN_POLICIES, BUILTIN_SCORERS,
 };
+#[cfg(feature = "nats")]
+pub use replica::{RemoteLoad, ReplicaSync, ReplicaSyncOptions, ReplicaSyncStats};
 pub use request::{
     AddedBlocks, AffinityMode, KvCostOverrides, KvRankInputs, Pin, RowLayout, RowOverlaps, SelectionRequest,
     SessionAffinity, WorkerOverlap,

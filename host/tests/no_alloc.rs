@@ -116,3 +116,43 @@ fn session_requests_do_not_allocate() {
     });
     assert_eq!(n, 0, "{n} allocations in 4000 session requests");
 }
+
+/// Replica sync's `record_*` calls (feature `nats`) allocate nothing,
+/// whether the delta is queued or dropped from a full queue. Needs the
+/// nats-server named by `SELKIE_NATS_URL` (`.ci/run` starts one).
+#[cfg(feature = "nats")]
+#[test]
+fn replica_sync_recording_does_not_allocate() {
+    use std::io::Write;
+    let Some(url) = std::env::var("SELKIE_NATS_URL").ok().filter(|u| !u.trim().is_empty()) else {
+        let _ = writeln!(
+            std::io::stderr(),
+            "\nSKIPPED: replica_sync_recording_does_not_allocate: replica sync tests need SELKIE_NATS_URL (a running nats-server; .ci/run starts one)"
+        );
+        return;
+    };
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    let subject = format!("selkie-test.no-alloc.{}-{nanos}", std::process::id());
+    let w = WorkerWithDpRank::new(1, 0);
+    for capacity in [1 << 16, 4] {
+        let options = ReplicaSyncOptions::default()
+            .with_subject(subject.as_str())
+            .with_queue_capacity(capacity);
+        let sync = ReplicaSync::connect(url.trim(), options).unwrap();
+        sync.record_book(0, w, 1, 1);
+        let n = allocations(|| {
+            for id in 0..10_000 {
+                sync.record_book(id, w, 100, 2);
+                sync.record_prefill_complete(id);
+                sync.record_release(id);
+            }
+        });
+        assert_eq!(n, 0, "queue of {capacity}: {n} allocations in 30 000 record_* calls");
+        if capacity == 4 {
+            assert!(sync.stats().dropped > 0, "the small queue never filled");
+        }
+    }
+}

@@ -1,0 +1,461 @@
+//! The booking tables replica sync keeps: this replica's own outstanding
+//! bookings ([`OwnBookings`], what a snapshot it sends holds) and its
+//! peers' ([`PeerTables`], one table per peer and their sum per worker
+//! rank).
+//!
+//! The rules for a peer's messages, which make applying them idempotent
+//! and keep a snapshot from counting a delta twice:
+//!
+//! ```text
+//! unknown replica, or a new incarnation  -> a fresh, empty table (an old one's load is removed)
+//! delta batch, seq <= last applied        -> skipped (already applied, or inside a snapshot)
+//! delta batch, seq  > last + 1            -> applied, and the peer is asked for a snapshot (a gap)
+//! heartbeat,   seq  > last applied        -> the peer is asked for a snapshot (a gap)
+//! snapshot parts 0..=last, seq >= last    -> the peer's table is replaced, last applied = seq
+//! nothing heard for peer_timeout          -> the peer and its load are removed
+//! ```
+//!
+//! A booking that is booked again replaces itself; a prefill completion or
+//! a release of a booking the table does not hold changes nothing (it is
+//! counted). This module is plain data: no I/O, no clock of its own (the
+//! caller passes `now`), and it never touches the fleet.
+
+use std::collections::hash_map::Entry;
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use rustc_hash::FxHashMap;
+
+use super::wire::{Body, Booked, Delta, Envelope};
+use super::RemoteLoad;
+use crate::types::WorkerWithDpRank;
+
+/// This replica's outstanding bookings, as the deltas it recorded left
+/// them.
+#[derive(Default)]
+pub(crate) struct OwnBookings {
+    bookings: FxHashMap<u64, Booked>,
+}
+
+impl OwnBookings {
+    /// Applies one recorded delta; returns it if it changed the table (so
+    /// it is worth publishing), `None` for a prefill completion or release
+    /// of a booking not held (its booking was dropped from a full queue,
+    /// or it was released already).
+    pub(crate) fn apply(&mut self, delta: Delta) -> Option<Delta> {
+        match delta {
+            Delta::Book(id, booked) => {
+                self.bookings.insert(id, booked);
+                Some(delta)
+            }
+            Delta::PrefillComplete(id) => {
+                let b = self.bookings.get_mut(&id)?;
+                b.prefill_tokens = 0;
+                Some(delta)
+            }
+            Delta::Release(id) => self.bookings.remove(&id).map(|_| delta),
+        }
+    }
+
+    /// Every outstanding booking, for a snapshot.
+    pub(crate) fn rows(&self) -> Vec<(u64, Booked)> {
+        self.bookings.iter().map(|(&id, &b)| (id, b)).collect()
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.bookings.len()
+    }
+}
+
+/// What applying one message did, for the caller's counters and replies.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub(crate) struct Applied {
+    /// Deltas applied.
+    pub(crate) deltas: u64,
+    /// Deltas skipped: their batch was at or below the last applied.
+    pub(crate) skipped: u64,
+    /// Prefill completions or releases of bookings the table does not hold.
+    pub(crate) unknown: u64,
+    /// A snapshot replaced the peer's table.
+    pub(crate) snapshot: bool,
+    /// The peer was not known (or restarted): a new table.
+    pub(crate) new_peer: bool,
+    /// Ask the peer for a snapshot: it sent something this replica missed.
+    pub(crate) ask_snapshot: bool,
+}
+
+/// A snapshot being received part by part.
+struct Staging {
+    seq: u64,
+    next_part: u32,
+    bookings: Vec<(u64, Booked)>,
+}
+
+/// One peer as this replica knows it.
+struct Peer {
+    incarnation: u64,
+    /// The last delta batch applied (or reflected by the snapshot applied).
+    last_seq: u64,
+    heard: Instant,
+    /// When this replica last asked it for a snapshot.
+    asked: Option<Instant>,
+    bookings: FxHashMap<u64, Booked>,
+    staging: Option<Staging>,
+}
+
+impl Peer {
+    fn new(incarnation: u64, now: Instant) -> Peer {
+        Peer {
+            incarnation,
+            last_seq: 0,
+            heard: now,
+            asked: None,
+            bookings: FxHashMap::default(),
+            staging: None,
+        }
+    }
+}
+
+/// The peers' bookings, one table per peer, and their sum per worker rank.
+#[derive(Default)]
+pub(crate) struct PeerTables {
+    peers: FxHashMap<u64, Peer>,
+    /// Non-zero loads only.
+    aggregate: BTreeMap<WorkerWithDpRank, RemoteLoad>,
+    /// Moves on every change to `aggregate`.
+    version: u64,
+}
+
+/// The sum per worker rank, and its version counter.
+struct Aggregate<'a> {
+    loads: &'a mut BTreeMap<WorkerWithDpRank, RemoteLoad>,
+    version: &'a mut u64,
+}
+
+impl Aggregate<'_> {
+    fn add(&mut self, b: Booked) {
+        let load = self.loads.entry(b.worker).or_default();
+        load.requests += 1;
+        load.prefill_tokens += u64::from(b.prefill_tokens);
+        load.decode_blocks += u64::from(b.decode_blocks);
+        *self.version += 1;
+    }
+
+    fn sub(&mut self, b: Booked) {
+        if let Some(load) = self.loads.get_mut(&b.worker) {
+            load.requests = load.requests.saturating_sub(1);
+            load.prefill_tokens = load.prefill_tokens.saturating_sub(u64::from(b.prefill_tokens));
+            load.decode_blocks = load.decode_blocks.saturating_sub(u64::from(b.decode_blocks));
+            if *load == RemoteLoad::default() {
+                self.loads.remove(&b.worker);
+            }
+            *self.version += 1;
+        }
+    }
+
+    fn apply(&mut self, bookings: &mut FxHashMap<u64, Booked>, delta: Delta, applied: &mut Applied) {
+        match delta {
+            Delta::Book(id, booked) => match bookings.insert(id, booked) {
+                Some(old) if old == booked => {}
+                Some(old) => {
+                    self.sub(old);
+                    self.add(booked);
+                }
+                None => self.add(booked),
+            },
+            Delta::PrefillComplete(id) => match bookings.get_mut(&id) {
+                Some(b) if b.prefill_tokens > 0 => {
+                    let old = *b;
+                    b.prefill_tokens = 0;
+                    let new = *b;
+                    self.sub(old);
+                    self.add(new);
+                }
+                Some(_) => {}
+                None => applied.unknown += 1,
+            },
+            Delta::Release(id) => match bookings.remove(&id) {
+                Some(old) => self.sub(old),
+                None => applied.unknown += 1,
+            },
+        }
+    }
+
+    fn remove_all(&mut self, bookings: &FxHashMap<u64, Booked>) {
+        for &b in bookings.values() {
+            self.sub(b);
+        }
+    }
+}
+
+impl PeerTables {
+    /// Applies one message from a peer (the caller has dropped its own).
+    /// `ask_every` bounds how often one peer is asked for a snapshot.
+    pub(crate) fn apply(&mut self, message: Envelope, now: Instant, ask_every: Duration) -> Applied {
+        let mut applied = Applied::default();
+        let mut aggregate = Aggregate {
+            loads: &mut self.aggregate,
+            version: &mut self.version,
+        };
+        let peer = match self.peers.entry(message.replica) {
+            Entry::Occupied(o) if o.get().incarnation == message.incarnation => o.into_mut(),
+            Entry::Occupied(mut o) => {
+                // The same id, restarted: its earlier bookings went with it.
+                let old = std::mem::replace(o.get_mut(), Peer::new(message.incarnation, now));
+                aggregate.remove_all(&old.bookings);
+                applied.new_peer = true;
+                o.into_mut()
+            }
+            Entry::Vacant(v) => {
+                applied.new_peer = true;
+                v.insert(Peer::new(message.incarnation, now))
+            }
+        };
+        peer.heard = now;
+        let mut gap = false;
+        match message.body {
+            Body::Deltas(deltas) => {
+                if message.seq <= peer.last_seq {
+                    applied.skipped = deltas.len() as u64;
+                    return applied;
+                }
+                gap = message.seq != peer.last_seq + 1;
+                // A batch after a snapshot's parts ends the snapshot; an
+                // unfinished one is a gap.
+                gap |= peer.staging.take().is_some();
+                applied.deltas = deltas.len() as u64;
+                for delta in deltas {
+                    aggregate.apply(&mut peer.bookings, delta, &mut applied);
+                }
+                peer.last_seq = message.seq;
+            }
+            Body::Heartbeat => gap = message.seq > peer.last_seq,
+            Body::SnapshotRequest(_) => {}
+            Body::Snapshot { part, last, bookings } => {
+                if message.seq < peer.last_seq {
+                    // Older than what is applied (a reordering): no use.
+                    return applied;
+                }
+                match (part, peer.staging.as_mut()) {
+                    (0, _) => {
+                        peer.staging = Some(Staging {
+                            seq: message.seq,
+                            next_part: 1,
+                            bookings,
+                        })
+                    }
+                    (n, Some(s)) if s.seq == message.seq && s.next_part == n => {
+                        s.bookings.extend(bookings);
+                        s.next_part += 1;
+                    }
+                    _ => {
+                        // A part went missing.
+                        peer.staging = None;
+                        gap = true;
+                    }
+                }
+                if last {
+                    if let Some(staging) = peer.staging.take() {
+                        aggregate.remove_all(&peer.bookings);
+                        peer.bookings = staging.bookings.into_iter().collect();
+                        for &b in peer.bookings.values() {
+                            aggregate.add(b);
+                        }
+                        peer.last_seq = staging.seq;
+                        peer.asked = None;
+                        applied.snapshot = true;
+                    }
+                }
+            }
+        }
+        if gap && peer.asked.is_none_or(|t| now.saturating_duration_since(t) >= ask_every) {
+            peer.asked = Some(now);
+            applied.ask_snapshot = true;
+        }
+        applied
+    }
+
+    /// Removes the peers not heard from within `timeout`, with their load;
+    /// returns each one's id and how many bookings it held.
+    pub(crate) fn expire(&mut self, now: Instant, timeout: Duration) -> Vec<(u64, usize)> {
+        let gone: Vec<u64> = self
+            .peers
+            .iter()
+            .filter(|(_, p)| now.saturating_duration_since(p.heard) > timeout)
+            .map(|(&id, _)| id)
+            .collect();
+        let mut aggregate = Aggregate {
+            loads: &mut self.aggregate,
+            version: &mut self.version,
+        };
+        gone.into_iter()
+            .filter_map(|id| {
+                let peer = self.peers.remove(&id)?;
+                aggregate.remove_all(&peer.bookings);
+                Some((id, peer.bookings.len()))
+            })
+            .collect()
+    }
+
+    pub(crate) fn load(&self, worker: WorkerWithDpRank) -> RemoteLoad {
+        self.aggregate.get(&worker).copied().unwrap_or_default()
+    }
+
+    pub(crate) fn loads(&self) -> Vec<(WorkerWithDpRank, RemoteLoad)> {
+        self.aggregate.iter().map(|(&w, &l)| (w, l)).collect()
+    }
+
+    pub(crate) fn peers(&self) -> usize {
+        self.peers.len()
+    }
+
+    pub(crate) fn version(&self) -> u64 {
+        self.version
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The rules in the module docs, message by message, without a server.
+
+    use super::*;
+
+    const W: WorkerWithDpRank = WorkerWithDpRank::new(5, 1);
+    const ASK: Duration = Duration::from_millis(100);
+
+    fn booked(prefill: u32, decode: u32) -> Booked {
+        Booked {
+            worker: W,
+            prefill_tokens: prefill,
+            decode_blocks: decode,
+        }
+    }
+
+    fn msg(replica: u64, seq: u64, body: Body) -> Envelope {
+        Envelope {
+            replica,
+            incarnation: 1,
+            seq,
+            body,
+        }
+    }
+
+    fn load(requests: u64, prefill_tokens: u64, decode_blocks: u64) -> RemoteLoad {
+        RemoteLoad {
+            requests,
+            prefill_tokens,
+            decode_blocks,
+        }
+    }
+
+    #[test]
+    fn deltas_add_and_remove_load_once_each() {
+        let (mut t, now) = (PeerTables::default(), Instant::now());
+        let a = t.apply(
+            msg(
+                1,
+                1,
+                Body::Deltas(vec![Delta::Book(10, booked(100, 4)), Delta::Book(11, booked(50, 2))]),
+            ),
+            now,
+            ASK,
+        );
+        assert!(a.new_peer && !a.ask_snapshot);
+        assert_eq!(t.load(W), load(2, 150, 6));
+        let v = t.version();
+        // The same batch again (a redelivery) is skipped.
+        let a = t.apply(msg(1, 1, Body::Deltas(vec![Delta::Book(10, booked(100, 4))])), now, ASK);
+        assert_eq!(a.skipped, 1);
+        assert_eq!((t.load(W), t.version()), (load(2, 150, 6), v));
+        t.apply(
+            msg(
+                1,
+                2,
+                Body::Deltas(vec![
+                    Delta::PrefillComplete(10),
+                    Delta::PrefillComplete(10),
+                    Delta::Release(11),
+                    Delta::Release(11),
+                ]),
+            ),
+            now,
+            ASK,
+        );
+        assert_eq!(t.load(W), load(1, 0, 4), "prefill complete removes prefill tokens only");
+        let a = t.apply(msg(1, 3, Body::Deltas(vec![Delta::Release(10)])), now, ASK);
+        assert_eq!(a.unknown, 0);
+        assert!(t.loads().is_empty(), "zero loads are not listed");
+        assert!(t.version() > v);
+    }
+
+    #[test]
+    fn a_gap_asks_for_a_snapshot_at_most_once_per_interval() {
+        let (mut t, now) = (PeerTables::default(), Instant::now());
+        assert!(
+            !t.apply(msg(1, 0, Body::Heartbeat), now, ASK).ask_snapshot,
+            "a fresh peer"
+        );
+        assert!(t.apply(msg(1, 3, Body::Heartbeat), now, ASK).ask_snapshot);
+        assert!(!t.apply(msg(1, 3, Body::Heartbeat), now, ASK).ask_snapshot);
+        assert!(t.apply(msg(1, 3, Body::Heartbeat), now + ASK, ASK).ask_snapshot);
+        let a = t.apply(msg(2, 7, Body::Deltas(vec![Delta::Release(1)])), now, ASK);
+        assert!(a.new_peer && a.ask_snapshot && a.unknown == 1);
+    }
+
+    #[test]
+    fn a_snapshot_replaces_the_table_and_deltas_it_covers_are_skipped() {
+        let (mut t, now) = (PeerTables::default(), Instant::now());
+        t.apply(msg(1, 1, Body::Deltas(vec![Delta::Book(1, booked(1, 1))])), now, ASK);
+        // Batches 2 and 3 were missed; the snapshot reflects batch 3.
+        let part = |part, last, bookings| Body::Snapshot { part, last, bookings };
+        t.apply(msg(1, 3, part(0, false, vec![(2, booked(10, 0))])), now, ASK);
+        assert_eq!(t.load(W), load(1, 1, 1), "nothing changes before the last part");
+        let a = t.apply(msg(1, 3, part(1, true, vec![(3, booked(20, 0))])), now, ASK);
+        assert!(a.snapshot);
+        assert_eq!(t.load(W), load(2, 30, 0));
+        // Batch 3 arrives late: the snapshot already holds it.
+        let a = t.apply(msg(1, 3, Body::Deltas(vec![Delta::Book(3, booked(20, 0))])), now, ASK);
+        assert_eq!((a.skipped, t.load(W)), (1, load(2, 30, 0)));
+        t.apply(msg(1, 4, Body::Deltas(vec![Delta::Release(2)])), now, ASK);
+        assert_eq!(t.load(W), load(1, 20, 0));
+        // A snapshot whose part 0 was lost is not applied, and asks again.
+        let a = t.apply(msg(1, 5, part(1, true, vec![])), now + ASK, ASK);
+        assert!(!a.snapshot && a.ask_snapshot);
+        assert_eq!(t.load(W), load(1, 20, 0));
+        // An older snapshot than what is applied is ignored.
+        assert!(!t.apply(msg(1, 2, part(0, true, vec![])), now, ASK).snapshot);
+        assert_eq!(t.load(W), load(1, 20, 0));
+    }
+
+    #[test]
+    fn a_restarted_peer_and_a_silent_peer_lose_their_load() {
+        let (mut t, now) = (PeerTables::default(), Instant::now());
+        t.apply(msg(1, 1, Body::Deltas(vec![Delta::Book(1, booked(1, 1))])), now, ASK);
+        t.apply(msg(2, 1, Body::Deltas(vec![Delta::Book(1, booked(2, 2))])), now, ASK);
+        assert_eq!(t.load(W), load(2, 3, 3));
+        let restarted = |seq| Envelope {
+            incarnation: 2,
+            ..msg(1, seq, Body::Heartbeat)
+        };
+        assert!(t.apply(restarted(0), now, ASK).new_peer);
+        assert_eq!(t.load(W), load(1, 2, 2), "replica 1's old bookings are gone");
+        // Replica 1 (new incarnation) is heard again later; replica 2 is not.
+        let later = now + Duration::from_secs(2);
+        assert!(!t.apply(restarted(0), later, ASK).new_peer);
+        assert_eq!(t.expire(later, Duration::from_secs(1)), [(2, 1)]);
+        assert!(t.loads().is_empty());
+        assert_eq!(t.peers(), 1);
+    }
+
+    #[test]
+    fn own_bookings_forward_only_changes() {
+        let mut own = OwnBookings::default();
+        assert_eq!(own.apply(Delta::Release(1)), None);
+        assert_eq!(own.apply(Delta::PrefillComplete(1)), None);
+        assert!(own.apply(Delta::Book(1, booked(5, 5))).is_some());
+        assert!(own.apply(Delta::PrefillComplete(1)).is_some());
+        assert_eq!(own.rows(), [(1, booked(0, 5))]);
+        assert!(own.apply(Delta::Release(1)).is_some());
+        assert_eq!(own.len(), 0);
+    }
+}

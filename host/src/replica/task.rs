@@ -1,0 +1,416 @@
+//! The background thread behind [`ReplicaSync`](super::ReplicaSync): one
+//! current-thread tokio runtime running one loop.
+//!
+//! ```text
+//! connect, subscribe, flush                      (fails connect())
+//! publish: snapshot request (every peer), heartbeat
+//! loop, whichever comes first:
+//!     stop                      -> publish the open batch; end
+//!     woken by record_*         -> drain the queue into the own table and the batch;
+//!                                  a full batch is published at once
+//!     the batch's time is up    -> publish it (seq + 1)
+//!     a message on the subject  -> own: ignore; a snapshot request for this
+//!                                  replica: publish the open batch, then the
+//!                                  snapshot; else apply to the peer tables,
+//!                                  asking a peer with a gap for a snapshot
+//!     heartbeat tick            -> drain, publish a heartbeat, expire silent peers
+//!     connection back           -> snapshot request (every peer), heartbeat
+//! ```
+//!
+//! While the server is unreachable, batches are not published (counted;
+//! their sequence numbers are used up, so peers see the gap and ask for a
+//! snapshot) and the own table stays current. This module writes only the
+//! shared tables and counters; it never touches the fleet, and nothing on
+//! the selection path waits for it.
+
+use std::sync::atomic::{fence, Ordering};
+use std::sync::mpsc::Receiver;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use async_nats::connection::State;
+use async_nats::{Client, ConnectOptions, Event, Subject, Subscriber};
+use futures_util::StreamExt;
+use tokio::sync::mpsc as async_mpsc;
+
+use super::tables::OwnBookings;
+use super::wire::{Body, Delta, Envelope, ENVELOPE_BYTES, SNAPSHOT_ROW_BYTES};
+use super::{bump, ReplicaSyncOptions, Shared};
+
+/// The server's payload limit when it has not said (NATS' default).
+const DEFAULT_MAX_PAYLOAD: usize = 1 << 20;
+
+pub(super) struct SyncLoop {
+    server: String,
+    replica: u64,
+    incarnation: u64,
+    options: ReplicaSyncOptions,
+    queue: Receiver<Delta>,
+    shared: Arc<Shared>,
+    own: OwnBookings,
+    batch: Vec<Delta>,
+    batch_due: Option<tokio::time::Instant>,
+    /// The last batch's sequence number (published or not).
+    seq: u64,
+    disconnected: bool,
+}
+
+/// The connection, once made.
+struct Link {
+    client: Client,
+    subject: Subject,
+}
+
+impl SyncLoop {
+    pub(super) fn new(
+        server: String,
+        replica: u64,
+        incarnation: u64,
+        options: ReplicaSyncOptions,
+        queue: Receiver<Delta>,
+        shared: Arc<Shared>,
+    ) -> SyncLoop {
+        let batch = Vec::with_capacity(options.batch_max_events);
+        SyncLoop {
+            server,
+            replica,
+            incarnation,
+            options,
+            queue,
+            shared,
+            own: OwnBookings::default(),
+            batch,
+            batch_due: None,
+            seq: 0,
+            disconnected: false,
+        }
+    }
+
+    /// Connects and subscribes (reporting the outcome on `ready`), then
+    /// serves until `stop`'s sender is dropped.
+    pub(super) fn run(
+        self,
+        stop: tokio::sync::watch::Receiver<()>,
+        ready: std::sync::mpsc::Sender<Result<(), String>>,
+    ) {
+        let rt = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+            Ok(rt) => rt,
+            Err(e) => return drop(ready.send(Err(format!("cannot start a tokio runtime: {e}")))),
+        };
+        rt.block_on(async move {
+            let (events_tx, events) = async_mpsc::unbounded_channel();
+            let (link, subscriber) = match self.connect(events_tx).await {
+                Ok(connected) => connected,
+                Err(e) => return drop(ready.send(Err(e))),
+            };
+            let _ = ready.send(Ok(()));
+            tracing::info!(server = %self.server, subject = %link.subject, replica = self.replica, "replica sync connected");
+            self.serve(&link, subscriber, events, stop).await;
+        });
+    }
+
+    async fn connect(&self, events: async_mpsc::UnboundedSender<Event>) -> Result<(Link, Subscriber), String> {
+        let max_delay = self.options.max_reconnect_delay;
+        let timeout = self.options.connect_timeout;
+        let connecting = ConnectOptions::new()
+            .name(format!("selkie-replica-{}", self.replica))
+            .connection_timeout(timeout)
+            .max_reconnects(None)
+            .reconnect_delay_callback(move |attempts| {
+                if attempts <= 1 {
+                    Duration::ZERO
+                } else {
+                    let exp = u32::try_from(attempts - 1).unwrap_or(u32::MAX).min(32);
+                    Duration::from_millis(2u64.saturating_pow(exp)).min(max_delay)
+                }
+            })
+            .event_callback(move |event| {
+                let events = events.clone();
+                async move {
+                    let _ = events.send(event);
+                }
+            })
+            .connect(self.server.as_str());
+        let client = match tokio::time::timeout(timeout, connecting).await {
+            Ok(Ok(client)) => client,
+            Ok(Err(e)) => return Err(format!("cannot connect: {e}")),
+            Err(_) => return Err(format!("cannot connect within {timeout:?}")),
+        };
+        let subject = Subject::from(self.options.subject.as_str());
+        let subscriber = client
+            .subscribe(subject.clone())
+            .await
+            .map_err(|e| format!("cannot subscribe to {subject}: {e}"))?;
+        // The subscription is on the server before anyone is asked for a
+        // snapshot.
+        match tokio::time::timeout(timeout, client.flush()).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => return Err(format!("cannot subscribe to {subject}: {e}")),
+            Err(_) => return Err(format!("no answer to subscribing to {subject} within {timeout:?}")),
+        }
+        Ok((Link { client, subject }, subscriber))
+    }
+
+    async fn serve(
+        mut self,
+        link: &Link,
+        mut subscriber: Subscriber,
+        mut events: async_mpsc::UnboundedReceiver<Event>,
+        stop: tokio::sync::watch::Receiver<()>,
+    ) {
+        let stopped = stopped(stop);
+        tokio::pin!(stopped);
+        self.request_snapshot(link, None).await;
+        self.heartbeat(link).await;
+        let mut heartbeat = tokio::time::interval(self.options.heartbeat_interval);
+        heartbeat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        heartbeat.tick().await; // the first tick is immediate
+        loop {
+            let due = self.batch_due;
+            tokio::select! {
+                _ = &mut stopped => break,
+                Some(event) = events.recv() => self.on_event(link, event).await,
+                message = subscriber.next() => match message {
+                    Some(message) => self.on_message(link, &message.payload).await,
+                    None => {
+                        tracing::warn!(server = %self.server, subject = %link.subject, "replica sync subscription ended; sync stops");
+                        break;
+                    }
+                },
+                _ = self.shared.wake.notified() => self.drain(link).await,
+                _ = sleep_until(due), if due.is_some() => self.publish_batch(link).await,
+                _ = heartbeat.tick() => {
+                    self.drain(link).await;
+                    self.heartbeat(link).await;
+                    self.expire();
+                }
+            }
+        }
+        // Best effort: what was recorded before the drop goes out.
+        self.drain(link).await;
+        self.publish_batch(link).await;
+        if link.client.connection_state() == State::Connected {
+            let _ = tokio::time::timeout(Duration::from_millis(500), link.client.flush()).await;
+        }
+    }
+
+    /// Moves the queued deltas into the own table and the open batch.
+    async fn drain(&mut self, link: &Link) {
+        self.shared.pending.store(false, Ordering::Relaxed);
+        // Pairs with the fence in `ReplicaSync::record`.
+        fence(Ordering::SeqCst);
+        let mut taken = 0;
+        while taken < self.options.queue_capacity {
+            let Ok(delta) = self.queue.try_recv() else { break };
+            taken += 1;
+            if let Some(delta) = self.own.apply(delta) {
+                self.batch.push(delta);
+                if self.batch.len() >= self.options.batch_max_events {
+                    self.publish_batch(link).await;
+                }
+            }
+        }
+        if taken == self.options.queue_capacity {
+            // More may be waiting; let the other branches have a turn first.
+            self.shared.wake.notify_one();
+        }
+        if !self.batch.is_empty() && self.batch_due.is_none() {
+            self.batch_due = Some(tokio::time::Instant::now() + self.options.batch_interval);
+        }
+    }
+
+    async fn publish_batch(&mut self, link: &Link) {
+        self.batch_due = None;
+        if self.batch.is_empty() {
+            return;
+        }
+        self.seq += 1;
+        let events = self.batch.len() as u64;
+        let batch = std::mem::take(&mut self.batch);
+        let mut message = self.envelope(Body::Deltas(batch));
+        let c = &self.shared.counters;
+        if self.publish(link, &message).await {
+            bump(&c.published_batches, 1);
+            bump(&c.published_events, events);
+        } else {
+            bump(&c.unpublished_batches, 1);
+        }
+        if let Body::Deltas(batch) = &mut message.body {
+            batch.clear();
+            self.batch = std::mem::take(batch);
+        }
+    }
+
+    async fn heartbeat(&mut self, link: &Link) {
+        let message = self.envelope(Body::Heartbeat);
+        self.publish(link, &message).await;
+    }
+
+    async fn request_snapshot(&mut self, link: &Link, peer: Option<u64>) {
+        let message = self.envelope(Body::SnapshotRequest(peer));
+        if self.publish(link, &message).await {
+            bump(&self.shared.counters.snapshot_requests, 1);
+        }
+    }
+
+    /// Publishes the open batch, then the own table as of it, in parts
+    /// that fit the server's payload limit.
+    async fn send_snapshot(&mut self, link: &Link) {
+        self.publish_batch(link).await;
+        let max_payload = match link.client.server_info().max_payload {
+            0 => DEFAULT_MAX_PAYLOAD,
+            n => n,
+        };
+        let per_part = (max_payload.saturating_sub(ENVELOPE_BYTES) / SNAPSHOT_ROW_BYTES).max(1);
+        let rows = self.own.rows();
+        let parts = rows.len().div_ceil(per_part).max(1);
+        for part in 0..parts {
+            let chunk = rows
+                .get(part * per_part..rows.len().min((part + 1) * per_part))
+                .unwrap_or(&[]);
+            let message = self.envelope(Body::Snapshot {
+                part: part as u32,
+                last: part + 1 == parts,
+                bookings: chunk.to_vec(),
+            });
+            if !self.publish(link, &message).await {
+                return;
+            }
+        }
+        tracing::debug!(
+            replica = self.replica,
+            bookings = self.own.len(),
+            parts,
+            seq = self.seq,
+            "replica sync snapshot sent"
+        );
+        bump(&self.shared.counters.snapshots_sent, 1);
+    }
+
+    fn envelope(&self, body: Body) -> Envelope {
+        Envelope {
+            replica: self.replica,
+            incarnation: self.incarnation,
+            seq: self.seq,
+            body,
+        }
+    }
+
+    /// Publishes `message` if the server is reachable; never waits longer
+    /// than a heartbeat interval for room in the client's buffer.
+    async fn publish(&self, link: &Link, message: &Envelope) -> bool {
+        if link.client.connection_state() != State::Connected {
+            return false;
+        }
+        let wait = self.options.heartbeat_interval;
+        let publishing = link.client.publish(link.subject.clone(), message.encode().into());
+        let failure = match tokio::time::timeout(wait, publishing).await {
+            Ok(Ok(())) => return true,
+            Ok(Err(e)) => e.to_string(),
+            Err(_) => format!("no room in the client's buffer within {wait:?}"),
+        };
+        bump(&self.shared.counters.publish_errors, 1);
+        tracing::warn!(server = %self.server, subject = %link.subject, error = %failure, "replica sync cannot publish");
+        false
+    }
+
+    async fn on_message(&mut self, link: &Link, payload: &[u8]) {
+        let c = &self.shared.counters;
+        let message = match Envelope::decode(payload) {
+            Ok(m) => m,
+            Err(e) => {
+                bump(&c.decode_errors, 1);
+                tracing::warn!(server = %self.server, subject = %link.subject, error = %e, "replica sync message ignored: cannot decode it");
+                return;
+            }
+        };
+        if message.replica == self.replica {
+            if message.incarnation != self.incarnation {
+                bump(&c.id_conflicts, 1);
+                tracing::warn!(replica = self.replica, subject = %link.subject, "another replica uses this replica's id; its messages are ignored");
+            }
+            return;
+        }
+        let peer = message.replica;
+        let asks_me = matches!(message.body, Body::SnapshotRequest(to) if to.is_none_or(|to| to == self.replica));
+        let applied = {
+            // Counted under the lock, so that stats agree with the loads
+            // read after them.
+            let mut tables = self.shared.tables();
+            let applied = tables.apply(message, Instant::now(), self.options.heartbeat_interval);
+            self.shared.version.store(tables.version(), Ordering::Release);
+            c.peers.store(tables.peers() as u64, Ordering::Relaxed);
+            bump(&c.applied, applied.deltas);
+            bump(&c.skipped, applied.skipped);
+            bump(&c.unknown, applied.unknown);
+            bump(&c.snapshots_received, u64::from(applied.snapshot));
+            applied
+        };
+        if applied.new_peer {
+            tracing::info!(replica = self.replica, peer, "replica sync peer joined");
+        }
+        if applied.ask_snapshot {
+            self.request_snapshot(link, Some(peer)).await;
+        }
+        if asks_me {
+            self.send_snapshot(link).await;
+        }
+    }
+
+    fn expire(&self) {
+        let timeout = self.options.peer_timeout;
+        let mut tables = self.shared.tables();
+        let gone = tables.expire(Instant::now(), timeout);
+        if gone.is_empty() {
+            return;
+        }
+        self.shared.version.store(tables.version(), Ordering::Release);
+        let c = &self.shared.counters;
+        c.peers.store(tables.peers() as u64, Ordering::Relaxed);
+        bump(&c.peers_expired, gone.len() as u64);
+        drop(tables);
+        for (peer, bookings) in gone {
+            tracing::warn!(
+                replica = self.replica,
+                peer,
+                bookings,
+                ?timeout,
+                "replica sync peer silent; its load is removed"
+            );
+        }
+    }
+
+    async fn on_event(&mut self, link: &Link, event: Event) {
+        match event {
+            Event::Disconnected => {
+                self.disconnected = true;
+                tracing::warn!(server = %self.server, "replica sync lost the NATS server; reconnecting");
+            }
+            Event::Connected if self.disconnected => {
+                self.disconnected = false;
+                bump(&self.shared.counters.reconnects, 1);
+                tracing::info!(server = %self.server, "replica sync reconnected; asking peers for snapshots");
+                self.request_snapshot(link, None).await;
+                self.heartbeat(link).await;
+            }
+            // Messages were dropped for this replica: the gaps they leave
+            // are noticed from the next message of each peer concerned.
+            Event::SlowConsumer(_) => {
+                tracing::warn!(server = %self.server, "replica sync fell behind; the server dropped messages for it")
+            }
+            other => tracing::debug!(server = %self.server, event = %other, "replica sync connection event"),
+        }
+    }
+}
+
+async fn sleep_until(due: Option<tokio::time::Instant>) {
+    match due {
+        Some(due) => tokio::time::sleep_until(due).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Resolves once the stop sender is dropped.
+async fn stopped(mut stop: tokio::sync::watch::Receiver<()>) {
+    while stop.changed().await.is_ok() {}
+}

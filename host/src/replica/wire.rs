@@ -1,0 +1,193 @@
+//! The messages replicas exchange on their NATS subject, and their
+//! encoding.
+//!
+//! Every message is one [`Envelope`]: who sent it (replica id and
+//! incarnation), the sender's sequence number, and a [`Body`]. The sequence
+//! number counts the sender's delta batches: a batch carries its own number
+//! (1, 2, ...), every other message the number of the last batch sent
+//! before it, so a receiver can tell from any message whether it missed a
+//! batch, and a snapshot says which batch it reflects.
+//!
+//! Every message of a partition goes on its one subject, snapshots and
+//! snapshot requests included: NATS delivers one sender's messages on one
+//! subject in order, so a snapshot never overtakes the batches before it.
+//! Every replica sees every snapshot, which is harmless (it replaces that
+//! peer's table with what the table should hold), and refreshes them all.
+//!
+//! The encoding is JSON with one-letter keys and tuples for the bookings
+//! (`{"r":7,"i":9,"s":3,"m":{"d":[{"B":[41,[12,0,900,3]]},{"R":40}]}}`):
+//! serde_json is already a dependency, a batch of 256 deltas is about
+//! 10 KiB, and `nats sub` shows it readably. This module only encodes and
+//! decodes; it keeps no state.
+
+use serde::{Deserialize, Serialize};
+
+use crate::types::WorkerWithDpRank;
+
+/// One outstanding booking's load: the worker rank it holds and what it
+/// costs there. After prefill completes `prefill_tokens` is 0.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Booked {
+    pub(crate) worker: WorkerWithDpRank,
+    pub(crate) prefill_tokens: u32,
+    pub(crate) decode_blocks: u32,
+}
+
+/// The wire form of [`Booked`]: `[worker_id, dp_rank, prefill, decode]`.
+#[derive(Serialize, Deserialize)]
+struct BookedTuple(u64, u32, u32, u32);
+
+impl Serialize for Booked {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        BookedTuple(
+            self.worker.worker_id,
+            self.worker.dp_rank,
+            self.prefill_tokens,
+            self.decode_blocks,
+        )
+        .serialize(s)
+    }
+}
+
+impl<'de> Deserialize<'de> for Booked {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let BookedTuple(worker_id, dp_rank, prefill_tokens, decode_blocks) = BookedTuple::deserialize(d)?;
+        Ok(Booked {
+            worker: WorkerWithDpRank::new(worker_id, dp_rank),
+            prefill_tokens,
+            decode_blocks,
+        })
+    }
+}
+
+/// One change to a replica's bookings. Output-block growth is not synced
+/// (as in Dynamo): a booking carries its decode blocks as booked.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) enum Delta {
+    /// A booking was made: `[booking_id, [worker_id, dp_rank, prefill, decode]]`.
+    #[serde(rename = "B")]
+    Book(u64, Booked),
+    /// The booking's prefill completed: its prefill tokens no longer count.
+    #[serde(rename = "P")]
+    PrefillComplete(u64),
+    /// The booking was released.
+    #[serde(rename = "R")]
+    Release(u64),
+}
+
+/// What a message says.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) enum Body {
+    /// A batch of deltas, in the order they were recorded.
+    #[serde(rename = "d")]
+    Deltas(Vec<Delta>),
+    /// "I am alive, and my last batch is `seq`."
+    #[serde(rename = "h")]
+    Heartbeat,
+    /// "Send me your outstanding bookings": from every peer (`None`), or
+    /// from one.
+    #[serde(rename = "q")]
+    SnapshotRequest(Option<u64>),
+    /// One part of the sender's outstanding bookings as of batch `seq`.
+    /// Parts are numbered from 0 and sent back to back; the receiver
+    /// replaces its table for the sender when the part marked `last`
+    /// arrives after all the others.
+    #[serde(rename = "s")]
+    Snapshot {
+        #[serde(rename = "n")]
+        part: u32,
+        #[serde(rename = "l")]
+        last: bool,
+        #[serde(rename = "b")]
+        bookings: Vec<(u64, Booked)>,
+    },
+}
+
+/// One message on the subject.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct Envelope {
+    /// The sender's replica id.
+    #[serde(rename = "r")]
+    pub(crate) replica: u64,
+    /// Random per [`ReplicaSync`](super::ReplicaSync) instance: a replica
+    /// that restarts with the same id starts a new sequence.
+    #[serde(rename = "i")]
+    pub(crate) incarnation: u64,
+    /// See the module docs.
+    #[serde(rename = "s")]
+    pub(crate) seq: u64,
+    #[serde(rename = "m")]
+    pub(crate) body: Body,
+}
+
+impl Envelope {
+    pub(crate) fn encode(&self) -> Vec<u8> {
+        serde_json::to_vec(self).expect("an envelope serialises to JSON")
+    }
+
+    pub(crate) fn decode(bytes: &[u8]) -> Result<Envelope, serde_json::Error> {
+        serde_json::from_slice(bytes)
+    }
+}
+
+/// The most bytes one booking takes in a snapshot part (`[id,[w,r,p,d]],`
+/// with every number at its longest), so a part of
+/// `(max_payload - ENVELOPE_BYTES) / SNAPSHOT_ROW_BYTES` bookings fits the
+/// server's payload limit.
+pub(crate) const SNAPSHOT_ROW_BYTES: usize = 1 + 20 + 2 + 20 + 1 + 10 + 1 + 10 + 1 + 10 + 3;
+/// An upper bound on a snapshot part's bytes besides its bookings.
+pub(crate) const ENVELOPE_BYTES: usize = 128;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn envelopes_round_trip_in_the_documented_form() {
+        let booked = Booked {
+            worker: WorkerWithDpRank::new(12, 0),
+            prefill_tokens: 900,
+            decode_blocks: 3,
+        };
+        let e = Envelope {
+            replica: 7,
+            incarnation: 9,
+            seq: 3,
+            body: Body::Deltas(vec![Delta::Book(41, booked), Delta::Release(40)]),
+        };
+        let bytes = e.encode();
+        assert_eq!(
+            std::str::from_utf8(&bytes).unwrap(),
+            r#"{"r":7,"i":9,"s":3,"m":{"d":[{"B":[41,[12,0,900,3]]},{"R":40}]}}"#
+        );
+        assert_eq!(Envelope::decode(&bytes).unwrap(), e);
+        for body in [
+            Body::Heartbeat,
+            Body::SnapshotRequest(None),
+            Body::SnapshotRequest(Some(u64::MAX)),
+            Body::Snapshot {
+                part: 1,
+                last: true,
+                bookings: vec![(1, booked)],
+            },
+        ] {
+            let e = Envelope { body, ..e.clone() };
+            assert_eq!(Envelope::decode(&e.encode()).unwrap(), e);
+        }
+    }
+
+    #[test]
+    fn a_snapshot_row_at_its_longest_fits_its_bound() {
+        let row = (
+            u64::MAX,
+            Booked {
+                worker: WorkerWithDpRank::new(u64::MAX, u32::MAX),
+                prefill_tokens: u32::MAX,
+                decode_blocks: u32::MAX,
+            },
+        );
+        let one = serde_json::to_vec(&[row]).unwrap().len();
+        let two = serde_json::to_vec(&[row, row]).unwrap().len();
+        assert!(two - one <= SNAPSHOT_ROW_BYTES, "{} > {SNAPSHOT_ROW_BYTES}", two - one);
+    }
+}
