@@ -6,6 +6,7 @@
 //! stop and start it. Without them a test prints a `SKIPPED:` line (to the
 //! real stderr, past the test harness's capture) and returns.
 
+mod servers;
 use std::io::Write;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -142,7 +143,7 @@ fn refresh_until(
 #[test]
 fn an_unreachable_etcd_is_a_typed_error_naming_it() {
     // Needs no server: a loopback port nothing listens on.
-    let dead = [format!("http://127.0.0.1:{}", free_port())];
+    let dead = [format!("http://127.0.0.1:{}", servers::free_port())];
     let options = EtcdOptions::default().with_timeout(Duration::from_millis(300));
     let started = Instant::now();
     let e = EtcdDiscovery::connect_with(&dead, "/w/", options.clone())
@@ -370,28 +371,16 @@ struct OwnEtcd {
     child: Option<Child>,
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 impl OwnEtcd {
     fn find() -> Option<OwnEtcd> {
-        let bin = match std::env::var_os("SELKIE_ETCD_BIN") {
-            Some(b) => PathBuf::from(b),
-            None => std::env::var_os("PATH")
-                .and_then(|p| std::env::split_paths(&p).map(|d| d.join("etcd")).find(|p| p.is_file()))?,
-        };
+        let bin = servers::server_binary("SELKIE_ETCD_BIN", "etcd")?;
         let nanos = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_nanos();
         let dir = std::env::temp_dir().join(format!("selkie-etcd-test-{}-{nanos}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         Some(OwnEtcd {
             bin,
             dir,
-            peer_port: free_port(),
+            peer_port: servers::free_port(),
             child: None,
         })
     }
@@ -460,7 +449,7 @@ fn the_watch_resumes_after_a_restart_without_losing_or_doubling_changes() {
     // The source watches port `a`; the changes it must not miss are made
     // while the server listens on `b` only, so they are history when it
     // comes back.
-    let (a, b) = (free_port(), free_port());
+    let (a, b) = (servers::free_port(), servers::free_port());
     let endpoints = etcd.start(a);
     let prefix = "/workers/";
     let mut raw = Raw::connect(&endpoints);

@@ -7,6 +7,7 @@
 //! (to the real stderr, past the test harness's capture) and returns.
 //! Every wait is bounded by a deadline.
 
+mod servers;
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::PathBuf;
@@ -90,7 +91,7 @@ const LONG: Duration = Duration::from_secs(10);
 #[test]
 fn an_unreachable_server_is_a_typed_error_naming_it() {
     // A loopback port nobody listens on (bound, then released).
-    let port = free_port();
+    let port = servers::free_port();
     let url = format!("nats://127.0.0.1:{port}");
     let options = ReplicaSyncOptions::default().with_connect_timeout(Duration::from_secs(2));
     let err = ReplicaSync::connect(&url, options).unwrap_err();
@@ -335,27 +336,12 @@ struct OwnNats {
     child: Option<Child>,
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 impl OwnNats {
     fn find() -> Option<OwnNats> {
-        let bin = match std::env::var_os("SELKIE_NATS_BIN") {
-            Some(b) => PathBuf::from(b),
-            None => std::env::var_os("PATH").and_then(|p| {
-                std::env::split_paths(&p)
-                    .map(|d| d.join("nats-server"))
-                    .find(|p| p.is_file())
-            })?,
-        };
+        let bin = servers::server_binary("SELKIE_NATS_BIN", "nats-server")?;
         Some(OwnNats {
             bin,
-            port: free_port(),
+            port: servers::free_port(),
             child: None,
         })
     }
