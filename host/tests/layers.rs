@@ -4,7 +4,8 @@
 //! From the bottom: the plain types (`types`, `error`, `request`,
 //! `explain`); `fleet` (the kernel fleet handle and the row index) and
 //! `kv_index` (engine KV events to per-row overlaps, beside it);
-//! `discovery`; `filter` and `plugin`; `policy`; `service`; and on top
+//! `discovery` and `replica` (booking sync between router replicas,
+//! beside it); `filter` and `plugin`; `policy`; `service`; and on top
 //! `config`, `sim` and the crate root. This test reads every file under
 //! `src/` (but `src/bin/`, which uses the public API) and reports each
 //! `crate::<module>` path, in code rather than comments, that points up.
@@ -16,7 +17,8 @@ fn layer(module: &str) -> Option<u8> {
     Some(match module {
         "types" | "error" | "request" | "explain" | "contain" => 0,
         "fleet" | "kv_index" => 1,
-        "discovery" => 2,
+        // Replica sync sits beside discovery: plain types and its error only.
+        "discovery" | "replica" => 2,
         "filter" | "plugin" => 3,
         "policy" => 4,
         "service" => 5,
