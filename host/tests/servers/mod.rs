@@ -1,0 +1,24 @@
+//! What the tests against real servers (etcd, nats-server) share: a free
+//! loopback port and the server binary to start.
+
+use std::path::PathBuf;
+
+/// A loopback port nothing listens on now.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// The server binary: the path in the environment variable `var`, else
+/// `name` on the `PATH`; `None` if neither is there.
+pub fn server_binary(var: &str, name: &str) -> Option<PathBuf> {
+    match std::env::var_os(var) {
+        Some(b) => Some(PathBuf::from(b)),
+        None => {
+            std::env::var_os("PATH").and_then(|p| std::env::split_paths(&p).map(|d| d.join(name)).find(|p| p.is_file()))
+        }
+    }
+}
