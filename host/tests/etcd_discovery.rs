@@ -7,7 +7,6 @@
 //! real stderr, past the test harness's capture) and returns.
 
 mod servers;
-use std::io::Write;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
@@ -16,23 +15,15 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use etcd_client::{Client, CompactionOptions, GetOptions};
 use selkie::*;
 
-fn skip(why: &str) {
-    // Straight to stderr: the harness captures `eprintln!` of passing tests.
-    let _ = writeln!(std::io::stderr(), "\nSKIPPED: {why}");
-}
-
 /// The shared server's endpoints, or `None` after printing why the test is
 /// skipped.
 fn endpoints(test: &str) -> Option<Vec<String>> {
-    match std::env::var("SELKIE_ETCD_ENDPOINTS") {
-        Ok(v) if !v.trim().is_empty() => Some(v.split(',').map(|e| e.trim().to_owned()).collect()),
-        _ => {
-            skip(&format!(
-                "{test}: etcd tests need SELKIE_ETCD_ENDPOINTS (a running etcd; .ci/run starts one)"
-            ));
-            None
-        }
-    }
+    let v = servers::server_env(
+        "SELKIE_ETCD_ENDPOINTS",
+        test,
+        "etcd tests need SELKIE_ETCD_ENDPOINTS (a running etcd; .ci/run starts one)",
+    )?;
+    Some(v.split(',').map(|e| e.trim().to_owned()).collect())
 }
 
 /// A prefix no other test (or earlier run) uses.
@@ -443,7 +434,7 @@ impl Drop for OwnEtcd {
 #[test]
 fn the_watch_resumes_after_a_restart_without_losing_or_doubling_changes() {
     let Some(mut etcd) = OwnEtcd::find() else {
-        skip("the_watch_resumes_after_a_restart_without_losing_or_doubling_changes: needs an etcd binary (SELKIE_ETCD_BIN or `etcd` on the PATH; Debian: etcd-server)");
+        servers::skip("the_watch_resumes_after_a_restart_without_losing_or_doubling_changes: needs an etcd binary (SELKIE_ETCD_BIN or `etcd` on the PATH; Debian: etcd-server)");
         return;
     };
     // The source watches port `a`; the changes it must not miss are made

@@ -9,30 +9,20 @@
 
 mod servers;
 use std::collections::BTreeMap;
-use std::io::Write;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use selkie::*;
 
-fn skip(why: &str) {
-    // Straight to stderr: the harness captures `eprintln!` of passing tests.
-    let _ = writeln!(std::io::stderr(), "\nSKIPPED: {why}");
-}
-
 /// The shared server's URL, or `None` after printing why the test is
 /// skipped.
 fn nats_url(test: &str) -> Option<String> {
-    match std::env::var("SELKIE_NATS_URL") {
-        Ok(v) if !v.trim().is_empty() => Some(v.trim().to_owned()),
-        _ => {
-            skip(&format!(
-                "{test}: replica sync tests need SELKIE_NATS_URL (a running nats-server; .ci/run starts one)"
-            ));
-            None
-        }
-    }
+    servers::server_env(
+        "SELKIE_NATS_URL",
+        test,
+        "replica sync tests need SELKIE_NATS_URL (a running nats-server; .ci/run starts one)",
+    )
 }
 
 /// A subject no other test (or earlier run) uses.
@@ -385,7 +375,7 @@ impl Drop for OwnNats {
 #[test]
 fn a_server_restart_keeps_recording_fast_and_peers_converge_again() {
     let Some(mut nats) = OwnNats::find() else {
-        skip("a_server_restart_keeps_recording_fast_and_peers_converge_again: needs a nats-server binary (SELKIE_NATS_BIN or `nats-server` on the PATH; Debian: nats-server)");
+        servers::skip("a_server_restart_keeps_recording_fast_and_peers_converge_again: needs a nats-server binary (SELKIE_NATS_BIN or `nats-server` on the PATH; Debian: nats-server)");
         return;
     };
     nats.start();

@@ -1,7 +1,26 @@
 //! What the tests against real servers (etcd, nats-server) share: a free
 //! loopback port and the server binary to start.
 
+use std::io::Write;
 use std::path::PathBuf;
+
+/// Says why a test is skipped, straight to stderr (the harness captures
+/// `eprintln!` of passing tests).
+pub fn skip(why: &str) {
+    let _ = writeln!(std::io::stderr(), "\nSKIPPED: {why}");
+}
+
+/// The non-empty, trimmed value of the environment variable `var`, or
+/// `None` after printing `SKIPPED: {test}: {need}`.
+pub fn server_env(var: &str, test: &str, need: &str) -> Option<String> {
+    match std::env::var(var) {
+        Ok(v) if !v.trim().is_empty() => Some(v.trim().to_owned()),
+        _ => {
+            skip(&format!("{test}: {need}"));
+            None
+        }
+    }
+}
 
 /// A loopback port nothing listens on now.
 pub fn free_port() -> u16 {
