@@ -57,6 +57,8 @@ pub use request::{
 /// The KV cost model's field check, whose error
 /// [`WorkerSelectionPolicyProviderError::KvWeight`] carries.
 pub use selkie_kernel::kernels::kv_cost::{KvConfigError, KvConfigField, KvConfigProblem};
+#[cfg(feature = "nats")]
+pub use service::RemoteLoadApplier;
 pub use service::{
     Booked, DiscoveryHealth, DiscoveryPoller, FleetHandle, OwnedSelection, Preview, RankStatus, Selection,
     ServiceConfig, WorkerSelectionService, WorkerStatus,

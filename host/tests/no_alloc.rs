@@ -156,3 +156,66 @@ fn replica_sync_recording_does_not_allocate() {
         }
     }
 }
+
+/// The selection path of a service wired to replica sync (bookings,
+/// prefill completions and releases recorded; a peer's load applied to the
+/// rows' counters) allocates nothing either, for the policies that scan.
+#[cfg(feature = "nats")]
+#[test]
+fn selection_with_replica_sync_does_not_allocate() {
+    use std::io::Write;
+    use std::sync::Arc;
+    let Some(url) = std::env::var("SELKIE_NATS_URL").ok().filter(|u| !u.trim().is_empty()) else {
+        let _ = writeln!(
+            std::io::stderr(),
+            "\nSKIPPED: selection_with_replica_sync_does_not_allocate: replica sync tests need SELKIE_NATS_URL (a running nats-server; .ci/run starts one)"
+        );
+        return;
+    };
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    let subject = format!("selkie-test.no-alloc-wired.{}-{nanos}", std::process::id());
+    let peer = ReplicaSync::connect(url.trim(), ReplicaSyncOptions::default().with_subject(subject.as_str())).unwrap();
+    let policies = [
+        WorkerSelectionPolicy::kv(KvRouterConfig::default(), WorkerType::Aggregated),
+        WorkerSelectionPolicy::least_loaded(),
+        WorkerSelectionPolicy::power_of_two(),
+    ];
+    for (i, policy) in policies.into_iter().enumerate() {
+        let name = policy.name();
+        let s = WorkerSelectionService::new(policy, ServiceConfig::default());
+        for id in 0..100 {
+            s.add_worker(WorkerRecord::new(id)).unwrap();
+        }
+        let sync = Arc::new(
+            ReplicaSync::connect(url.trim(), ReplicaSyncOptions::default().with_subject(subject.as_str())).unwrap(),
+        );
+        s.set_replica_sync(Arc::clone(&sync)).unwrap();
+        let booking = 1000 * (i as u64 + 1);
+        peer.record_book(booking, WorkerWithDpRank::new(3, 0), 100, 2);
+        let start = std::time::Instant::now();
+        while sync.remote_load(WorkerWithDpRank::new(3, 0)).requests == 0 {
+            assert!(
+                start.elapsed() < std::time::Duration::from_secs(5),
+                "the peer's load never arrived"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(2));
+        }
+        assert!(s.apply_remote_load());
+        let req = SelectionRequest::new(2048);
+        for _ in 0..3 {
+            drop(s.select(&req).unwrap());
+        }
+        let n = allocations(|| {
+            for _ in 0..1000 {
+                let mut sel = s.select(&req).unwrap();
+                sel.prefill_complete();
+                drop(sel);
+            }
+        });
+        assert_eq!(n, 0, "{name}: {n} allocations in 1000 selections with replica sync");
+        peer.record_release(booking);
+    }
+}

@@ -273,11 +273,13 @@ fn a_late_replica_gets_existing_loads_by_snapshot() {
     };
     let subject = unique_subject("late");
     // Heartbeats far apart: only the start-up snapshot request can bring
-    // the late replica up to date in time.
+    // the late replica up to date in time. The queue holds the whole burst
+    // recorded below (30,000 deltas at once).
     let slow = |s: &str| {
         fast(s)
             .with_heartbeat_interval(Duration::from_secs(20))
             .with_peer_timeout(Duration::from_secs(60))
+            .with_queue_capacity(1 << 15)
     };
     let a = ReplicaSync::connect(&url, slow(&subject)).unwrap();
     let b = ReplicaSync::connect(&url, slow(&subject)).unwrap();

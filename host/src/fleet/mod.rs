@@ -5,7 +5,7 @@
 //!   and removes its rows (which rows, discovery's registry decides). The
 //!   fleet is a
 //!   `selkie_kernel::fleet::Fleet<FLEET_GROUPS>` (16,384 rows) built
-//!   directly on the heap (no 700 KiB stack copy). Everything else in the
+//!   directly on the heap (no 900 KiB stack copy). Everything else in the
 //!   host reads it through `Deref`.
 //! * `rows`: the row index, which row holds which worker rank, the
 //!   per-row masks the hard filters start from, and the rows kept while
@@ -20,7 +20,7 @@ pub(crate) mod rows;
 
 use std::ops::Deref;
 
-use selkie_kernel::fleet::{Fleet, SlotId, WorkerSpec, WorkerState};
+use selkie_kernel::fleet::{Fleet, Outstanding, SlotId, WorkerSpec, WorkerState};
 
 /// Lane groups of the host's fleet: `FLEET_GROUPS * 8` = 16,384 rows.
 pub const FLEET_GROUPS: usize = 2048;
@@ -83,6 +83,9 @@ impl HostFleet {
     pub(crate) fn retire_row(&self, h: RowHandle) {
         // The row index owns `h`, so the slot is current; errors cannot happen.
         let _ = self.inner.set_state(h.slot, WorkerState::Cordoned);
+        // Other replicas' load on the row goes with the worker: the row
+        // drains with this replica's own bookings.
+        let _ = self.inner.set_remote_load(h.slot, Outstanding::default());
     }
 
     /// Whether no booking holds load on the row any more.

@@ -15,6 +15,7 @@
 //! * `tables`: this replica's outstanding bookings and its peers' tables,
 //!   with the sequence rules that make applying a message idempotent and a
 //!   snapshot exact.
+//! * `ring`: the per-thread rings the deltas wait in.
 //! * `task`: the background thread: batching, publishing, heartbeats,
 //!   expiry, snapshots, reconnection.
 //!
@@ -22,28 +23,30 @@
 //! types and its error, never the fleet, the service or the policies.
 //!
 //! What it must not do: block or slow the selection path, and touch the
-//! fleet. The `record_*` calls only `try_send` a small value into a bounded
-//! queue (no lock, no allocation, no I/O); a full queue drops the delta and
-//! counts it. The local booking stays the truth for the local replica:
-//! replica sync never changes it. Adding the remote load to the fleet's
-//! load columns is a later step of the integration (it would read
-//! [`ReplicaSync::remote_loads`] when [`ReplicaSync::version`] moved).
+//! fleet. The `record_*` calls only write a small value into the calling
+//! thread's own bounded ring (`ring`: no lock, no read-modify-write, no
+//! allocation once the thread has its ring, no I/O); a full ring drops the
+//! delta and counts it. The local booking stays the truth for the local replica:
+//! replica sync never changes it. The service wires it in (its
+//! `set_replica_sync` and `apply_remote_load`, in `service::replica`): it
+//! records its bookings here and sets [`ReplicaSync::remote_loads`] as its
+//! rows' remote load when [`ReplicaSync::version`] moved.
 
+mod ring;
 mod tables;
 mod task;
 mod wire;
 
 use std::hash::{BuildHasher, Hasher};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::mpsc::{self, SyncSender, TrySendError};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use crossbeam_utils::CachePadded;
-
 use crate::error::SyncError;
 use crate::types::WorkerWithDpRank;
+use ring::Rings;
 use tables::PeerTables;
 use wire::{Booked, Delta};
 
@@ -73,7 +76,7 @@ pub struct ReplicaSyncOptions {
 impl Default for ReplicaSyncOptions {
     /// Subject `selkie.bookings`, a random replica id, batches of up to 256
     /// deltas or 1 ms (Dynamo's), a heartbeat every second, peers expired
-    /// after 10 s of silence, a queue of 65 536 deltas, 5 s to connect,
+    /// after 10 s of silence, a queue of 8,192 deltas per recording thread, 5 s to connect,
     /// reconnection attempts at most 2 s apart.
     fn default() -> Self {
         ReplicaSyncOptions {
@@ -83,7 +86,7 @@ impl Default for ReplicaSyncOptions {
             batch_interval: Duration::from_millis(1),
             heartbeat_interval: Duration::from_secs(1),
             peer_timeout: Duration::from_secs(10),
-            queue_capacity: 1 << 16,
+            queue_capacity: 1 << 13,
             connect_timeout: Duration::from_secs(5),
             max_reconnect_delay: Duration::from_secs(2),
         }
@@ -132,8 +135,11 @@ impl ReplicaSyncOptions {
         self
     }
 
-    /// The most deltas waiting for the background thread; more are
-    /// dropped and counted ([`ReplicaSyncStats::dropped`]).
+    /// The most deltas each recording thread can have waiting for the
+    /// background thread (rounded up to a power of two; each thread that
+    /// records gets a queue of its own, of about 40 bytes per delta); more
+    /// are dropped and counted ([`ReplicaSyncStats::dropped`]). The thread
+    /// empties the queues every `batch_interval`.
     pub fn with_queue_capacity(mut self, capacity: usize) -> Self {
         self.queue_capacity = capacity;
         self
@@ -265,7 +271,7 @@ pub struct ReplicaSyncStats {
     pub unpublished_batches: u64,
     /// Publications the client refused or could not buffer in time.
     pub publish_errors: u64,
-    /// Deltas dropped at `record_*` because the queue was full (or the
+    /// Deltas dropped at `record_*` because the thread's queue was full (or the
     /// background thread had stopped).
     pub dropped: u64,
     /// Peers' deltas applied.
@@ -294,12 +300,10 @@ pub struct ReplicaSyncStats {
     pub id_conflicts: u64,
 }
 
-/// The counters behind [`ReplicaSyncStats`]. Only `dropped` is written by
-/// the selection path (so it has a cache line of its own); the rest only by
-/// the background thread.
+/// The counters behind [`ReplicaSyncStats`], written by the background
+/// thread only (the drops are counted per ring).
 #[derive(Default)]
 struct Counters {
-    dropped: CachePadded<AtomicU64>,
     published_batches: AtomicU64,
     published_events: AtomicU64,
     unpublished_batches: AtomicU64,
@@ -322,15 +326,12 @@ fn bump(counter: &AtomicU64, by: u64) {
 }
 
 /// What the background thread shares with [`ReplicaSync`].
-#[derive(Default)]
 struct Shared {
     tables: Mutex<PeerTables>,
     /// A copy of the tables' version, readable without the lock.
     version: AtomicU64,
-    /// Set by `record_*` when it queued a delta and the thread may be
-    /// asleep; cleared by the thread before it drains the queue.
-    pending: CachePadded<AtomicBool>,
-    wake: tokio::sync::Notify,
+    /// The recording threads' queues.
+    rings: Rings,
     counters: Counters,
 }
 
@@ -393,7 +394,6 @@ pub struct ReplicaSync {
     replica_id: u64,
     server: String,
     subject: String,
-    queue: SyncSender<Delta>,
     shared: Arc<Shared>,
     /// Dropping it stops the thread.
     stop: Option<tokio::sync::watch::Sender<()>>,
@@ -410,19 +410,16 @@ impl ReplicaSync {
         options.validate()?;
         let replica_id = options.replica_id.unwrap_or_else(random_u64);
         let server = url.to_owned();
-        let shared = Arc::new(Shared::default());
-        let (queue, receiver) = mpsc::sync_channel(options.queue_capacity);
+        let shared = Arc::new(Shared {
+            tables: Mutex::default(),
+            version: AtomicU64::new(0),
+            rings: Rings::new(options.queue_capacity),
+            counters: Counters::default(),
+        });
         let (stop, stopped) = tokio::sync::watch::channel(());
         let (ready_tx, ready_rx) = mpsc::channel();
         let subject = options.subject.clone();
-        let sync_loop = task::SyncLoop::new(
-            server.clone(),
-            replica_id,
-            random_u64(),
-            options,
-            receiver,
-            shared.clone(),
-        );
+        let sync_loop = task::SyncLoop::new(server.clone(), replica_id, random_u64(), options, shared.clone());
         let unavailable = |message: String| SyncError::Unavailable {
             server: server.clone(),
             message,
@@ -436,7 +433,6 @@ impl ReplicaSync {
                 replica_id,
                 server,
                 subject,
-                queue,
                 shared,
                 stop: Some(stop),
                 thread: Some(thread),
@@ -485,22 +481,32 @@ impl ReplicaSync {
         self.record(Delta::Release(booking_id))
     }
 
+    #[inline]
     fn record(&self, delta: Delta) -> bool {
-        match self.queue.try_send(delta) {
-            Ok(()) => {
-                // Pairs with the fence in the thread's drain: either the
-                // drain sees this delta, or this call sees `pending`
-                // cleared and wakes the thread.
-                std::sync::atomic::fence(Ordering::SeqCst);
-                if !self.shared.pending.load(Ordering::Relaxed) && !self.shared.pending.swap(true, Ordering::AcqRel) {
-                    self.shared.wake.notify_one();
-                }
-                true
-            }
-            Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) => {
-                bump(&self.shared.counters.dropped, 1);
-                false
-            }
+        self.shared.rings.push(delta)
+    }
+
+    /// Records a new booking of this replica under an id this sync hands
+    /// out (unique among its bookings; callers that also pass their own
+    /// ids to [`record_book`](Self::record_book) must keep them apart).
+    /// Returns the id to record its prefill completion and release with,
+    /// or 0 if the delta was dropped (nothing more to record then).
+    #[inline]
+    pub(crate) fn record_new_book(&self, worker: WorkerWithDpRank, prefill_tokens: u32, decode_blocks: u32) -> u64 {
+        let (id, queued) = self.shared.rings.push_new(|id| {
+            Delta::Book(
+                id,
+                Booked {
+                    worker,
+                    prefill_tokens,
+                    decode_blocks,
+                },
+            )
+        });
+        if queued {
+            id
+        } else {
+            0
         }
     }
 
@@ -546,7 +552,7 @@ impl ReplicaSync {
             published_events: get(&c.published_events),
             unpublished_batches: get(&c.unpublished_batches),
             publish_errors: get(&c.publish_errors),
-            dropped: get(&c.dropped),
+            dropped: self.shared.rings.dropped(),
             applied: get(&c.applied),
             skipped: get(&c.skipped),
             unknown: get(&c.unknown),

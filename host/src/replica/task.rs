@@ -6,9 +6,9 @@
 //! publish: snapshot request (every peer), heartbeat
 //! loop, whichever comes first:
 //!     stop                      -> publish the open batch; end
-//!     woken by record_*         -> drain the queue into the own table and the batch;
-//!                                  a full batch is published at once
-//!     the batch's time is up    -> publish it (seq + 1)
+//!     batch tick                -> drain the recording threads' rings into the own
+//!                                  table and the batch (a full batch is published
+//!                                  at once), then publish the batch (seq + 1)
 //!     a message on the subject  -> own: ignore; a snapshot request for this
 //!                                  replica: publish the open batch, then the
 //!                                  snapshot; else apply to the peer tables,
@@ -23,8 +23,7 @@
 //! shared tables and counters; it never touches the fleet, and nothing on
 //! the selection path waits for it.
 
-use std::sync::atomic::{fence, Ordering};
-use std::sync::mpsc::Receiver;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -45,11 +44,14 @@ pub(super) struct SyncLoop {
     replica: u64,
     incarnation: u64,
     options: ReplicaSyncOptions,
-    queue: Receiver<Delta>,
     shared: Arc<Shared>,
     own: OwnBookings,
     batch: Vec<Delta>,
-    batch_due: Option<tokio::time::Instant>,
+    /// The deltas of one drain (kept for its capacity).
+    drained: Vec<Delta>,
+    /// Prefill completions and releases of bookings not (yet) in the own
+    /// table, held back for one drain.
+    held_back: Vec<Delta>,
     /// The last batch's sequence number (published or not).
     seq: u64,
     disconnected: bool,
@@ -67,7 +69,6 @@ impl SyncLoop {
         replica: u64,
         incarnation: u64,
         options: ReplicaSyncOptions,
-        queue: Receiver<Delta>,
         shared: Arc<Shared>,
     ) -> SyncLoop {
         let batch = Vec::with_capacity(options.batch_max_events);
@@ -76,11 +77,11 @@ impl SyncLoop {
             replica,
             incarnation,
             options,
-            queue,
             shared,
             own: OwnBookings::default(),
             batch,
-            batch_due: None,
+            drained: Vec::new(),
+            held_back: Vec::new(),
             seq: 0,
             disconnected: false,
         }
@@ -165,8 +166,9 @@ impl SyncLoop {
         let mut heartbeat = tokio::time::interval(self.options.heartbeat_interval);
         heartbeat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         heartbeat.tick().await; // the first tick is immediate
+        let mut batch_tick = tokio::time::interval(self.options.batch_interval);
+        batch_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
-            let due = self.batch_due;
             tokio::select! {
                 _ = &mut stopped => break,
                 Some(event) = events.recv() => self.on_event(link, event).await,
@@ -177,8 +179,10 @@ impl SyncLoop {
                         break;
                     }
                 },
-                _ = self.shared.wake.notified() => self.drain(link).await,
-                _ = sleep_until(due), if due.is_some() => self.publish_batch(link).await,
+                _ = batch_tick.tick() => {
+                    self.drain(link).await;
+                    self.publish_batch(link).await;
+                }
                 _ = heartbeat.tick() => {
                     self.drain(link).await;
                     self.heartbeat(link).await;
@@ -194,33 +198,38 @@ impl SyncLoop {
         }
     }
 
-    /// Moves the queued deltas into the own table and the open batch.
+    /// Moves the deltas recorded so far into the own table and the open
+    /// batch. A prefill completion or release of a booking the own table
+    /// does not hold waits for the next drain (its booking may sit in
+    /// another thread's ring, drained earlier: see `ring`), and is then
+    /// dropped if still unknown (its booking was dropped from a full ring).
     async fn drain(&mut self, link: &Link) {
-        self.shared.pending.store(false, Ordering::Relaxed);
-        // Pairs with the fence in `ReplicaSync::record`.
-        fence(Ordering::SeqCst);
-        let mut taken = 0;
-        while taken < self.options.queue_capacity {
-            let Ok(delta) = self.queue.try_recv() else { break };
-            taken += 1;
-            if let Some(delta) = self.own.apply(delta) {
-                self.batch.push(delta);
-                if self.batch.len() >= self.options.batch_max_events {
-                    self.publish_batch(link).await;
-                }
+        let mut drained = std::mem::take(&mut self.drained);
+        self.shared.rings.drain(|delta| drained.push(delta));
+        let held_back = std::mem::take(&mut self.held_back);
+        for delta in drained.drain(..) {
+            match self.own.apply(delta) {
+                Some(delta) => self.push_delta(link, delta).await,
+                None => self.held_back.push(delta),
             }
         }
-        if taken == self.options.queue_capacity {
-            // More may be waiting; let the other branches have a turn first.
-            self.shared.wake.notify_one();
+        for delta in held_back {
+            if let Some(delta) = self.own.apply(delta) {
+                self.push_delta(link, delta).await;
+            }
         }
-        if !self.batch.is_empty() && self.batch_due.is_none() {
-            self.batch_due = Some(tokio::time::Instant::now() + self.options.batch_interval);
+        self.drained = drained;
+    }
+
+    /// Adds a delta to the open batch, publishing it once full.
+    async fn push_delta(&mut self, link: &Link, delta: Delta) {
+        self.batch.push(delta);
+        if self.batch.len() >= self.options.batch_max_events {
+            self.publish_batch(link).await;
         }
     }
 
     async fn publish_batch(&mut self, link: &Link) {
-        self.batch_due = None;
         if self.batch.is_empty() {
             return;
         }
@@ -400,13 +409,6 @@ impl SyncLoop {
             }
             other => tracing::debug!(server = %self.server, event = %other, "replica sync connection event"),
         }
-    }
-}
-
-async fn sleep_until(due: Option<tokio::time::Instant>) {
-    match due {
-        Some(due) => tokio::time::sleep_until(due).await,
-        None => std::future::pending().await,
     }
 }
 

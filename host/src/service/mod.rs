@@ -25,6 +25,8 @@
 
 mod fast;
 mod poller;
+#[cfg(feature = "nats")]
+mod replica;
 mod run;
 mod selection;
 mod session;
@@ -54,6 +56,8 @@ use crate::types::{WorkerId, WorkerWithDpRank};
 use session::SessionTable;
 
 pub use poller::{DiscoveryHealth, DiscoveryPoller};
+#[cfg(feature = "nats")]
+pub use replica::RemoteLoadApplier;
 
 use crate::explain::Explanation;
 
@@ -161,6 +165,9 @@ pub struct WorkerSelectionService {
     seed_counter: AtomicU64,
     selections: Counter,
     rejections: Rejections,
+    /// Booking sync with other router replicas (feature `nats`).
+    #[cfg(feature = "nats")]
+    replica: replica::ReplicaLink,
 }
 
 impl WorkerSelectionService {
@@ -177,6 +184,8 @@ impl WorkerSelectionService {
             sessions: SessionTable::new(config.session_idle_timeout, config.max_sessions),
             refused: Mutex::new(None),
             seed_counter: AtomicU64::new(0),
+            #[cfg(feature = "nats")]
+            replica: replica::ReplicaLink::new(),
             policy,
             config,
         }

@@ -1,5 +1,8 @@
 //! What the tests against real servers (etcd, nats-server) share: a free
 //! loopback port and the server binary to start.
+//!
+//! Each test crate that includes it uses a part of it.
+#![allow(dead_code)]
 
 use std::io::Write;
 use std::path::PathBuf;

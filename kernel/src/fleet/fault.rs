@@ -40,6 +40,9 @@ pub enum Fault {
     /// taking the writer bit: a `remove` and `add` in between get the old
     /// occupant's weight written over the new one's.
     UpdateWithoutWriterBit,
+    /// Setting a remote load adds it with a load and a store instead of a
+    /// CAS: a booking or release in between is lost.
+    RemoteLoadThenStore,
 }
 
 impl<const GROUPS: usize> Fleet<GROUPS> {
@@ -59,6 +62,9 @@ impl<const GROUPS: usize> Fleet<GROUPS> {
             active_requests: Column::new(0),
             active_prefill_tokens: Column::new(0),
             active_decode_blocks: Column::new(0),
+            remote_requests: Column::new(0),
+            remote_prefill_tokens: Column::new(0),
+            remote_decode_blocks: Column::new(0),
             occupied: super::bits::RowBits::new(),
             selectable: super::bits::RowBits::new(),
             rows: CachePadded::new(crate::sync::atomic_u32(0)),

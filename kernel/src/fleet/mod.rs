@@ -7,7 +7,9 @@
 //! worker id (two words), data-parallel rank, capacity weight and its
 //! inverse (`f32` bits), admission limit, and three tagged load counters
 //! (active requests, active prefill tokens, active decode blocks; see
-//! [`COUNTER_MAX`]). Two bitmaps say which rows are occupied and which are
+//! [`COUNTER_MAX`]), which also hold the load other router replicas booked
+//! on the worker ([`Fleet::set_remote_load`]; the part that is theirs is
+//! kept in three more plain columns, which no scan reads). Two bitmaps say which rows are occupied and which are
 //! selectable (Live); a high-water mark, [`Fleet::rows`], bounds the scans.
 //!
 //! # Protocol in one page
@@ -116,6 +118,7 @@ mod error;
 pub mod fault;
 mod guard;
 mod read;
+mod remote;
 mod select;
 mod slots;
 mod state;
@@ -169,6 +172,13 @@ pub struct Fleet<const GROUPS: usize> {
     active_prefill_tokens: Column<GROUPS>,
     /// Tagged counter: KV blocks of decoding requests.
     active_decode_blocks: Column<GROUPS>,
+    /// The part of `active_requests` other router replicas hold (plain
+    /// value; see `remote`).
+    remote_requests: Column<GROUPS>,
+    /// The part of `active_prefill_tokens` other router replicas hold.
+    remote_prefill_tokens: Column<GROUPS>,
+    /// The part of `active_decode_blocks` other router replicas hold.
+    remote_decode_blocks: Column<GROUPS>,
     /// Rows claimed by an `add` and not yet freed by a `remove`.
     occupied: RowBits<GROUPS>,
     /// Rows whose state is Live (kept in sync by every state change).
@@ -188,7 +198,7 @@ impl<const GROUPS: usize> Fleet<GROUPS> {
 
     /// An empty fleet, usable in a `static`.
     ///
-    /// At 16,384 rows a fleet is about 700 KiB: build big ones in a
+    /// At 16,384 rows a fleet is about 900 KiB: build big ones in a
     /// `static` or with [`Fleet::boxed`], not on the stack.
     #[cfg(not(selkie_loom))]
     pub const fn new() -> Self {
@@ -205,6 +215,9 @@ impl<const GROUPS: usize> Fleet<GROUPS> {
             active_requests: Column::new(0),
             active_prefill_tokens: Column::new(0),
             active_decode_blocks: Column::new(0),
+            remote_requests: Column::new(0),
+            remote_prefill_tokens: Column::new(0),
+            remote_decode_blocks: Column::new(0),
             occupied: RowBits::new(),
             selectable: RowBits::new(),
             rows: CachePadded::new(crate::sync::atomic_u32(0)),
@@ -219,7 +232,7 @@ impl<const GROUPS: usize> Fleet<GROUPS> {
     }
 
     /// An empty fleet on the heap, built there (a 16,384-row fleet is about
-    /// 700 KiB, which `Box::new(Fleet::new())` may copy through the
+    /// 900 KiB, which `Box::new(Fleet::new())` may copy through the
     /// stack). Needs the `alloc` feature (on with the default `std`).
     ///
     /// ```

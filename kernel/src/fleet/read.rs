@@ -104,9 +104,12 @@ impl<const GROUPS: usize> Fleet<GROUPS> {
 
     /// The load `row`'s counters hold now, whatever occupant they belong to
     /// (a removed worker's counters keep counting its outstanding guards
-    /// until the row is reused). `None` past the capacity.
+    /// until the row is reused), the remote load set on it included
+    /// ([`set_remote_load`](Self::set_remote_load)). `None` past the
+    /// capacity.
     ///
-    /// After all guards are dropped, every row's counters are zero.
+    /// After all guards are dropped, every row's counters hold its remote
+    /// load (zero without one).
     pub fn outstanding(&self, row: usize) -> Option<Outstanding> {
         if !Self::in_range(row) {
             return None;

@@ -78,6 +78,7 @@ impl<const GROUPS: usize> Fleet<GROUPS> {
         ] {
             counter.at(row).swap(pack(0, tag), Ordering::AcqRel);
         }
+        self.clear_remote_load(row);
         self.write_metadata(row, worker.worker_id, worker.dp_rank);
         self.write_weight(row, weight);
         self.admission_limit
@@ -249,7 +250,7 @@ impl<const GROUPS: usize> Fleet<GROUPS> {
     }
 
     /// Takes `slot`'s writer bit (spinning while another update holds it).
-    fn lock_writer(&self, slot: SlotId) -> Result<usize, FleetError> {
+    pub(super) fn lock_writer(&self, slot: SlotId) -> Result<usize, FleetError> {
         let row = self.check_row(slot)?;
         let mut word = self.state_word(row, Ordering::Relaxed);
         loop {
@@ -273,7 +274,7 @@ impl<const GROUPS: usize> Fleet<GROUPS> {
 
     /// Releases the writer bit taken by [`lock_writer`](Self::lock_writer).
     /// The generation cannot have changed meanwhile: `remove` waits for it.
-    fn unlock_writer(&self, row: usize) {
+    pub(super) fn unlock_writer(&self, row: usize) {
         self.state.at(row).fetch_and(!WRITER, Ordering::Release);
     }
 

@@ -1,11 +1,12 @@
 //! Unit tests of the fleet: every operation and every error, single-threaded
-//! (`ops`, `reads`, `booking`, `select`), and small concurrent tests that miri runs
+//! (`ops`, `reads`, `booking`, `select`, `remote`), and small concurrent tests that miri runs
 //! (`concurrent`).
 
 mod booking;
 mod concurrent;
 mod ops;
 mod reads;
+mod remote;
 mod select;
 
 use super::*;

@@ -23,7 +23,7 @@ fn a_new_fleet_is_empty() {
 }
 
 #[test]
-#[cfg_attr(miri, ignore)] // 700 KiB of zeroing and reads: slow under miri, not concurrent
+#[cfg_attr(miri, ignore)] // 900 KiB of zeroing and reads: slow under miri, not concurrent
 fn init_zeroed_builds_a_big_fleet_on_the_heap() {
     let mut slot = Box::<Fleet<2048>>::new_uninit();
     // Dirty the memory first, so the test shows `init_zeroed` cleans it.
@@ -47,7 +47,7 @@ fn init_zeroed_builds_a_big_fleet_on_the_heap() {
 }
 
 #[test]
-#[cfg_attr(miri, ignore)] // 700 KiB of zeroing and reads: slow under miri, not concurrent
+#[cfg_attr(miri, ignore)] // 900 KiB of zeroing and reads: slow under miri, not concurrent
 fn boxed_is_an_empty_fleet_on_the_heap() {
     let fleet = Fleet::<2048>::boxed();
     assert_eq!((fleet.rows(), fleet.scan_rows()), (0, 0));

@@ -1,0 +1,162 @@
+//! What replica sync costs the selection path: select + release with sync
+//! on against off, in one run, on two services over the same fleet, and
+//! the messages sync publishes at 100,000 selections per second.
+//!
+//! ```sh
+//! SELKIE_NATS_URL=nats://127.0.0.1:4222 cargo bench -p selkie-benches --features nats --bench replica_sync
+//! ```
+//!
+//! "On": the service records every booking and release with its
+//! `ReplicaSync` (connected to the server), and a peer's bookings on a
+//! tenth of the workers are applied as their rows' remote load. "Off": the
+//! same fleet and policy without sync. Batches of 5,000 selections
+//! alternate between the two (which goes first alternates too), 40 pairs;
+//! the ratio reported is the median of the pairs' ratios. Without
+//! `SELKIE_NATS_URL` it prints why and measures nothing.
+
+use std::hint::black_box;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use selkie::{
+    ReplicaSync, ReplicaSyncOptions, SelectionRequest, ServiceConfig, WorkerRecord, WorkerSelectionPolicy,
+    WorkerSelectionService, WorkerWithDpRank,
+};
+
+const PER_BATCH: u32 = 5_000;
+const PAIRS: usize = 40;
+
+fn service(policy: WorkerSelectionPolicy, workers: u64) -> Arc<WorkerSelectionService> {
+    let s = WorkerSelectionService::new(
+        policy,
+        ServiceConfig {
+            seed: Some(3),
+            ..ServiceConfig::default()
+        },
+    );
+    for id in 0..workers {
+        s.add_worker(WorkerRecord::new(id)).expect("the fleet has room");
+    }
+    Arc::new(s)
+}
+
+fn subject(what: &str) -> String {
+    let nanos = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_nanos();
+    format!("selkie-bench.{what}.{}-{nanos}", std::process::id())
+}
+
+/// Time of one batch of select + release on `s`.
+fn batch(s: &WorkerSelectionService, req: &SelectionRequest<'_>) -> Duration {
+    let start = Instant::now();
+    for _ in 0..PER_BATCH {
+        black_box(s.select(req).expect("the fleet admits")).finish();
+    }
+    start.elapsed()
+}
+
+/// Sync on against off for one policy and fleet size; prints one line.
+fn on_vs_off(url: &str, name: &str, policy: fn() -> WorkerSelectionPolicy, workers: u64) {
+    let subject = subject("cost");
+    let off = service(policy(), workers);
+    let on = service(policy(), workers);
+    let options = ReplicaSyncOptions::default().with_subject(subject.as_str());
+    let sync = Arc::new(ReplicaSync::connect(url, options.clone()).expect("nats-server reachable"));
+    on.set_replica_sync(Arc::clone(&sync)).expect("one sync per service");
+    let peer = ReplicaSync::connect(url, options).expect("nats-server reachable");
+    let loaded = workers / 10;
+    for id in 0..loaded {
+        peer.record_book(id + 1, WorkerWithDpRank::new(id * 10, 0), 256, 16);
+    }
+    let start = Instant::now();
+    while sync.remote_loads().len() < loaded as usize {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "the peer's bookings never arrived"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    assert!(on.apply_remote_load(), "the peer's load is applied");
+    let req = SelectionRequest::new(2_048);
+    for _ in 0..3 {
+        batch(&off, &req);
+        batch(&on, &req);
+    }
+    let (mut ratios, mut t_off, mut t_on) = (Vec::with_capacity(PAIRS), Duration::ZERO, Duration::ZERO);
+    for i in 0..PAIRS {
+        let (a, b) = if i % 2 == 0 {
+            let a = batch(&off, &req);
+            (a, batch(&on, &req))
+        } else {
+            let b = batch(&on, &req);
+            (batch(&off, &req), b)
+        };
+        ratios.push(b.as_secs_f64() / a.as_secs_f64());
+        t_off += a;
+        t_on += b;
+    }
+    ratios.sort_by(f64::total_cmp);
+    let n = (PAIRS as u32 * PER_BATCH) as f64;
+    println!(
+        "{name:<13} {workers:>6} workers: on / off {:.3} (median of {PAIRS} pairs; on {:.0} ns, off {:.0} ns per select + release)",
+        ratios[PAIRS / 2],
+        t_on.as_nanos() as f64 / n,
+        t_off.as_nanos() as f64 / n,
+    );
+}
+
+/// Messages published while selecting at `rate` per second for a second.
+fn messages_at(url: &str, rate: f64) {
+    let s = service(WorkerSelectionPolicy::least_loaded(), 1_024);
+    let options = ReplicaSyncOptions::default().with_subject(subject("rate").as_str());
+    let sync = Arc::new(ReplicaSync::connect(url, options).expect("nats-server reachable"));
+    s.set_replica_sync(Arc::clone(&sync)).expect("one sync per service");
+    let req = SelectionRequest::new(2_048);
+    let before = sync.stats();
+    let start = Instant::now();
+    let mut done = 0u64;
+    while start.elapsed().as_secs_f64() < 1.0 {
+        let due = (start.elapsed().as_secs_f64() * rate) as u64;
+        while done < due {
+            s.select(&req).expect("the fleet admits").finish();
+            done += 1;
+        }
+        std::hint::spin_loop();
+    }
+    let elapsed = start.elapsed().as_secs_f64();
+    let settle = Instant::now();
+    while sync.stats().published_events + sync.stats().dropped - before.published_events - before.dropped < 2 * done
+        && settle.elapsed() < Duration::from_secs(5)
+    {
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let after = sync.stats();
+    let batches = after.published_batches - before.published_batches;
+    let events = after.published_events - before.published_events;
+    println!(
+        "at {:.0} selections/s (1,024 workers, least-loaded, select + release): {:.0} messages/s, \
+         {:.0} deltas per message, {} dropped",
+        done as f64 / elapsed,
+        batches as f64 / elapsed,
+        events as f64 / batches.max(1) as f64,
+        after.dropped - before.dropped,
+    );
+}
+
+fn main() {
+    // `cargo bench` passes `--bench`; `cargo test --benches` does not.
+    if !std::env::args().any(|a| a == "--bench") {
+        return;
+    }
+    let Some(url) = std::env::var("SELKIE_NATS_URL").ok().filter(|u| !u.trim().is_empty()) else {
+        println!("SKIPPED: replica_sync measures against a running nats-server: set SELKIE_NATS_URL");
+        return;
+    };
+    let url = url.trim();
+    println!("replica sync: selection time with sync on against off, one run");
+    for workers in [1_024, 10_000] {
+        on_vs_off(url, "least-loaded", WorkerSelectionPolicy::least_loaded, workers);
+        on_vs_off(url, "power-of-two", WorkerSelectionPolicy::power_of_two, workers);
+    }
+    println!("replica sync: messages published");
+    messages_at(url, 100_000.0);
+}

@@ -1,0 +1,336 @@
+//! Per-thread delta rings: how `record_*` hands a delta to the sync thread
+//! without writing anything another thread writes.
+//!
+//! Each thread that records for a [`ReplicaSync`](super::ReplicaSync) owns
+//! one ring for it (a single-producer, single-consumer queue of
+//! `queue_capacity` deltas, rounded up to a power of two), found through a thread-local list and
+//! registered with the sync's [`Rings`] on first use (the only allocation).
+//! A record is a few plain stores and one `Release` store of the ring's
+//! tail: no read-modify-write, no fence, no lock, no wake-up. The sync
+//! thread drains every ring on its batch timer. A full ring drops the delta
+//! and counts it.
+//!
+//! Rings are drained one after another, so two deltas of one booking
+//! recorded on two threads (a booking moved to another task before it is
+//! released) may be drained in the opposite order. But a delta seen in one
+//! drain had its earlier deltas pushed before it, so the next drain sees
+//! them: the caller holds back a prefill completion or release of a booking
+//! it does not know for one drain (see `task`).
+//!
+//! What it must not do: block the recording thread, or let two threads
+//! write one ring's slots or tail, or two drain one ring.
+
+use std::cell::{RefCell, UnsafeCell};
+use std::marker::PhantomData;
+use std::mem::MaybeUninit;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+
+use crossbeam_utils::CachePadded;
+
+use super::wire::Delta;
+
+/// Source of [`Rings`] keys (thread-local lists find their ring by it).
+static RING_SETS: AtomicU64 = AtomicU64::new(1);
+/// Source of ring serials (the high bits of the booking ids a ring hands
+/// out).
+static RING_SERIALS: AtomicU64 = AtomicU64::new(1);
+
+/// Bits of a booking id that count a ring's bookings; the bits above
+/// are the ring's serial.
+const SEQUENCE_BITS: u32 = 40;
+
+/// Syncs a thread keeps a ring for before it forgets the oldest (whose
+/// sync has most likely been dropped).
+const RINGS_PER_THREAD: usize = 16;
+
+/// One thread's queue of deltas for one sync.
+struct Ring {
+    /// A power of two of slots.
+    slots: Box<[UnsafeCell<MaybeUninit<Delta>>]>,
+    /// `slots.len() - 1`.
+    mask: usize,
+    /// Written by the producer only: the next slot it writes.
+    tail: CachePadded<AtomicUsize>,
+    /// Written by the consumer only: the next slot it reads.
+    head: CachePadded<AtomicUsize>,
+    /// Deltas the producer dropped (written by the producer only).
+    dropped: AtomicU64,
+}
+
+// SAFETY: a slot is written only by the ring's one producer (a `Producer`
+// is neither `Send` nor shared, and only it calls `push`) while it is not
+// between `head` and `tail`, and read only by the one consumer (`drain`
+// runs under the `Rings` lock) while it is; `tail`'s Release store and
+// Acquire load order the producer's write before the consumer's read, and
+// `head`'s order the consumer's read before the producer's next write of
+// that slot. `Delta` is `Copy` and `Send`.
+unsafe impl Sync for Ring {}
+
+impl Ring {
+    /// A ring of `capacity` slots (a power of two).
+    fn new(capacity: usize) -> Ring {
+        debug_assert!(capacity.is_power_of_two());
+        Ring {
+            slots: (0..capacity).map(|_| UnsafeCell::new(MaybeUninit::uninit())).collect(),
+            mask: capacity - 1,
+            tail: CachePadded::new(AtomicUsize::new(0)),
+            head: CachePadded::new(AtomicUsize::new(0)),
+            dropped: AtomicU64::new(0),
+        }
+    }
+
+    /// Hands every delta pushed so far to `f`, oldest first. Only under
+    /// the `Rings` lock (one consumer).
+    fn drain(&self, f: &mut impl FnMut(Delta)) -> usize {
+        let head = self.head.load(Ordering::Relaxed);
+        let tail = self.tail.load(Ordering::Acquire);
+        let n = tail.wrapping_sub(head);
+        for i in 0..n {
+            let slot = &self.slots[head.wrapping_add(i) & self.mask];
+            // SAFETY: the slot is between head and tail: the producer wrote
+            // it before its Release store of `tail` (loaded Acquire above)
+            // and does not write it again before `head` passes it; this is
+            // the one consumer (see `Sync for Ring`).
+            f(unsafe { (*slot.get()).assume_init_read() });
+        }
+        self.head.store(tail, Ordering::Release);
+        n
+    }
+}
+
+/// The rings of one sync, for its thread to drain.
+pub(super) struct Rings {
+    key: u64,
+    capacity: usize,
+    rings: Mutex<RingList>,
+}
+
+#[derive(Default)]
+struct RingList {
+    live: Vec<Arc<Ring>>,
+    /// Drops counted by rings since forgotten (their threads ended).
+    dropped_before: u64,
+}
+
+impl Rings {
+    /// Rings of `capacity` deltas each, rounded up to a power of two.
+    pub(super) fn new(capacity: usize) -> Rings {
+        Rings {
+            key: RING_SETS.fetch_add(1, Ordering::Relaxed),
+            capacity: capacity.max(1).next_power_of_two(),
+            rings: Mutex::new(RingList::default()),
+        }
+    }
+
+    /// Hands every delta recorded so far to `f`, ring by ring; forgets the
+    /// rings of threads that ended. Returns the number of deltas.
+    pub(super) fn drain(&self, mut f: impl FnMut(Delta)) -> usize {
+        let mut list = self.rings.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut n = 0;
+        for ring in &list.live {
+            n += ring.drain(&mut f);
+        }
+        let mut gone = 0;
+        list.live.retain(|ring| {
+            // Only this list holds it: its thread (and thread-local) ended
+            // and cannot push again.
+            let ended = Arc::strong_count(ring) == 1;
+            if ended {
+                n += ring.drain(&mut f);
+                gone += ring.dropped.load(Ordering::Relaxed);
+            }
+            !ended
+        });
+        list.dropped_before += gone;
+        n
+    }
+
+    /// Deltas dropped so far because a ring was full.
+    pub(super) fn dropped(&self) -> u64 {
+        let list = self.rings.lock().unwrap_or_else(PoisonError::into_inner);
+        list.dropped_before + list.live.iter().map(|r| r.dropped.load(Ordering::Relaxed)).sum::<u64>()
+    }
+
+    /// Pushes `delta` into this thread's ring (registering one first if the
+    /// thread has none); `false` if the ring was full (dropped, counted).
+    #[inline]
+    pub(super) fn push(&self, delta: Delta) -> bool {
+        self.with_producer(|p| p.push(delta))
+    }
+
+    /// A new booking id from this thread's ring (unique among this sync's
+    /// bookings), and its delta pushed: `(id, queued)`.
+    #[inline]
+    pub(super) fn push_new(&self, delta: impl FnOnce(u64) -> Delta) -> (u64, bool) {
+        self.with_producer(|p| {
+            let id = p.next_id();
+            (id, p.push(delta(id)))
+        })
+    }
+
+    #[inline]
+    fn with_producer<R>(&self, f: impl FnOnce(&mut Producer) -> R) -> R {
+        PRODUCERS.with(|cell| {
+            let mut list = cell.borrow_mut();
+            let i = match list.iter().position(|p| p.key == self.key) {
+                Some(i) => i,
+                None => {
+                    if list.len() >= RINGS_PER_THREAD {
+                        list.remove(0);
+                    }
+                    list.push(self.register());
+                    list.len() - 1
+                }
+            };
+            f(&mut list[i])
+        })
+    }
+
+    /// A new ring for the calling thread, registered for draining.
+    #[cold]
+    fn register(&self) -> Producer {
+        let ring = Arc::new(Ring::new(self.capacity));
+        let mut list = self.rings.lock().unwrap_or_else(PoisonError::into_inner);
+        list.live.push(Arc::clone(&ring));
+        Producer {
+            key: self.key,
+            serial: RING_SERIALS.fetch_add(1, Ordering::Relaxed),
+            sequence: 0,
+            ring,
+            _not_send: PhantomData,
+        }
+    }
+}
+
+thread_local! {
+    static PRODUCERS: RefCell<Vec<Producer>> = const { RefCell::new(Vec::new()) };
+}
+
+/// A thread's writing end of one ring: the only one (not `Send`, kept in
+/// the thread-local list).
+struct Producer {
+    key: u64,
+    serial: u64,
+    sequence: u64,
+    ring: Arc<Ring>,
+    _not_send: PhantomData<*const ()>,
+}
+
+impl Producer {
+    #[inline]
+    fn push(&mut self, delta: Delta) -> bool {
+        let ring = &*self.ring;
+        let tail = ring.tail.load(Ordering::Relaxed);
+        let head = ring.head.load(Ordering::Acquire);
+        if tail.wrapping_sub(head) >= ring.slots.len() {
+            // Only this producer writes `dropped`: no read-modify-write.
+            let dropped = ring.dropped.load(Ordering::Relaxed);
+            ring.dropped.store(dropped + 1, Ordering::Relaxed);
+            return false;
+        }
+        let slot = &ring.slots[tail & ring.mask];
+        // SAFETY: this is the ring's one producer, and the slot is not
+        // between head and tail (the ring is not full), so the consumer is
+        // done with it (its Release store of `head`, loaded Acquire above)
+        // and will not read it before the store of `tail` below.
+        unsafe { (*slot.get()).write(delta) };
+        ring.tail.store(tail.wrapping_add(1), Ordering::Release);
+        true
+    }
+
+    #[inline]
+    fn next_id(&mut self) -> u64 {
+        self.sequence = (self.sequence + 1) & ((1 << SEQUENCE_BITS) - 1);
+        self.serial << SEQUENCE_BITS | self.sequence
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::replica::wire::Booked;
+    use crate::types::WorkerWithDpRank;
+
+    fn book(id: u64) -> Delta {
+        Delta::Book(
+            id,
+            Booked {
+                worker: WorkerWithDpRank::new(id, 0),
+                prefill_tokens: 1,
+                decode_blocks: 1,
+            },
+        )
+    }
+
+    #[test]
+    fn a_ring_hands_over_every_delta_in_order_and_drops_when_full() {
+        let rings = Rings::new(4);
+        for id in 1..=6 {
+            assert_eq!(rings.push(book(id)), id <= 4, "delta {id}");
+        }
+        assert_eq!(rings.dropped(), 2);
+        let mut got = Vec::new();
+        assert_eq!(rings.drain(|d| got.push(d)), 4);
+        assert_eq!(got, (1..=4).map(book).collect::<Vec<_>>());
+        // Room again, and the ring wraps.
+        for id in 7..=10 {
+            assert!(rings.push(book(id)));
+        }
+        got.clear();
+        rings.drain(|d| got.push(d));
+        assert_eq!(got, (7..=10).map(book).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn ids_are_unique_across_threads_and_an_ended_threads_ring_is_drained_then_forgotten() {
+        let rings = Arc::new(Rings::new(1024));
+        let threads: Vec<_> = (0..4)
+            .map(|_| {
+                let rings = Arc::clone(&rings);
+                std::thread::spawn(move || (0..100).map(|_| rings.push_new(book).0).collect::<Vec<_>>())
+            })
+            .collect();
+        let mut ids: Vec<u64> = threads.into_iter().flat_map(|t| t.join().unwrap()).collect();
+        let mut drained = Vec::new();
+        assert_eq!(rings.drain(|d| drained.push(d)), 400);
+        assert_eq!(rings.rings.lock().unwrap().live.len(), 0, "the threads ended");
+        ids.sort_unstable();
+        ids.dedup();
+        assert_eq!(ids.len(), 400, "ids are unique");
+    }
+
+    #[test]
+    fn a_consumer_racing_a_producer_loses_and_doubles_nothing() {
+        let rings = Arc::new(Rings::new(64));
+        let n = if cfg!(miri) { 200 } else { 100_000 };
+        let producer = {
+            let rings = Arc::clone(&rings);
+            std::thread::spawn(move || {
+                let mut sent = 0u64;
+                for id in 0..n {
+                    if rings.push(book(id)) {
+                        sent += 1;
+                    }
+                }
+                sent
+            })
+        };
+        let mut seen = Vec::new();
+        while !producer.is_finished() {
+            rings.drain(|d| seen.push(d));
+        }
+        let sent = producer.join().unwrap();
+        rings.drain(|d| seen.push(d));
+        assert_eq!(seen.len() as u64, sent);
+        assert_eq!(sent + rings.dropped(), n);
+        let ids: Vec<u64> = seen
+            .iter()
+            .map(|d| match d {
+                Delta::Book(id, _) => *id,
+                _ => unreachable!(),
+            })
+            .collect();
+        assert!(ids.windows(2).all(|w| w[0] < w[1]), "in order, none twice");
+    }
+}

@@ -1,0 +1,288 @@
+//! Replica sync wired into selection (feature `nats`), against a real
+//! nats-server (`SELKIE_NATS_URL`; without it each test prints a
+//! `SKIPPED:` line and returns): a peer's bookings raise a worker's load in
+//! this replica's scans and count against its admission limit; the
+//! over-admission of a burst routed by three replicas stays within
+//! `L + (replicas - 1) x (bookings per batch window)`; the messages sync
+//! sends at 100,000 selections per second stay within what batching
+//! allows. (Selection time with sync on against off is the `replica_sync`
+//! bench of `selkie-benches`.)
+
+mod servers;
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use selkie::*;
+
+/// The shared server's URL, or `None` after printing why the test is
+/// skipped.
+fn nats_url(test: &str) -> Option<String> {
+    servers::server_env(
+        "SELKIE_NATS_URL",
+        test,
+        "replica sync tests need SELKIE_NATS_URL (a running nats-server; .ci/run starts one)",
+    )
+}
+
+fn unique_subject(test: &str) -> String {
+    let nanos = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_nanos();
+    format!("selkie-test.{test}.{}-{nanos}", std::process::id())
+}
+
+fn fast(subject: &str) -> ReplicaSyncOptions {
+    ReplicaSyncOptions::default()
+        .with_subject(subject)
+        .with_batch_interval(Duration::from_millis(2))
+        .with_heartbeat_interval(Duration::from_millis(50))
+        .with_peer_timeout(Duration::from_secs(5))
+        .with_connect_timeout(Duration::from_secs(5))
+}
+
+fn wait_until(what: &str, limit: Duration, mut done: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !done() {
+        assert!(
+            start.elapsed() < limit,
+            "timed out after {limit:?} waiting until {what}"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+fn service(policy: WorkerSelectionPolicy, workers: u64, limit: u32, seed: u64) -> Arc<WorkerSelectionService> {
+    let s = WorkerSelectionService::new(
+        policy,
+        ServiceConfig {
+            seed: Some(seed),
+            ..ServiceConfig::default()
+        },
+    );
+    for id in 1..=workers {
+        s.add_worker(WorkerRecord::new(id).with_max_active_requests(limit))
+            .unwrap();
+    }
+    Arc::new(s)
+}
+
+fn synced(url: &str, subject: &str, s: &WorkerSelectionService) -> Arc<ReplicaSync> {
+    let sync = Arc::new(ReplicaSync::connect(url, fast(subject)).unwrap());
+    s.set_replica_sync(Arc::clone(&sync)).unwrap();
+    sync
+}
+
+fn w(id: u64) -> WorkerWithDpRank {
+    WorkerWithDpRank::new(id, 0)
+}
+
+/// The least-loaded cost `s` gives worker `id` now.
+fn cost(s: &WorkerSelectionService, id: u64) -> f64 {
+    let costs = s.costs(&SelectionRequest::new(16)).unwrap();
+    costs.iter().find(|(x, _)| *x == w(id)).expect("worker costed").1
+}
+
+#[test]
+fn a_booking_on_one_replica_counts_in_the_others_scans_and_admission() {
+    let Some(url) = nats_url("a_booking_on_one_replica_counts_in_the_others_scans_and_admission") else {
+        return;
+    };
+    let subject = unique_subject("wired");
+    let a = service(WorkerSelectionPolicy::least_loaded(), 2, 2, 1);
+    let b = service(WorkerSelectionPolicy::least_loaded(), 2, 2, 2);
+    let (_sa, sb) = (synced(&url, &subject, &a), synced(&url, &subject, &b));
+    let _applier = b.spawn_remote_load_applier(Duration::from_millis(1)).unwrap();
+    assert_eq!((cost(&b, 1), cost(&b, 2)), (0.0, 0.0));
+
+    let only_1 = [1u64];
+    let req = SelectionRequest::new(32).with_allowed_workers(&only_1);
+    let held: Vec<_> = (0..2).map(|_| a.select(&req).unwrap()).collect();
+    assert!(held.iter().all(|s| s.worker() == w(1)));
+    wait_until("B costs worker 1 at A's two bookings", Duration::from_secs(5), || {
+        cost(&b, 1) == 2.0
+    });
+    assert_eq!(sb.remote_load(w(1)).requests, 2);
+    assert_eq!(cost(&b, 2), 0.0);
+    for _ in 0..8 {
+        let sel = b.select(&SelectionRequest::new(32)).unwrap();
+        assert_eq!(sel.worker(), w(2), "B routes away from the worker A loaded");
+    }
+    match b.select(&req) {
+        Err(e) => assert!(format!("{e:?}").contains("Overloaded"), "{e:?}"),
+        Ok(sel) => panic!("B admitted a third request on worker 1 (limit 2, A holds 2): {sel:?}"),
+    }
+    let mut first = held.into_iter();
+    first.next().unwrap().finish();
+    wait_until("B sees one of A's bookings released", Duration::from_secs(5), || {
+        cost(&b, 1) == 1.0
+    });
+    let on_b = b.select(&req).unwrap();
+    assert_eq!(on_b.worker(), w(1), "one place freed on worker 1");
+    drop(first);
+    wait_until("B sees every A booking released", Duration::from_secs(5), || {
+        cost(&b, 1) == 1.0 && sb.remote_load(w(1)).requests == 0
+    });
+}
+
+/// How a burst is routed: by one router, by three without sync, by three
+/// with sync.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Setup {
+    OneRouter,
+    Unsynced,
+    Synced,
+}
+
+const WORKERS: u64 = 8;
+const LIMIT: u32 = 4;
+const REPLICAS: usize = 3;
+/// Bookings each replica makes per round, with no sync between them: the
+/// bookings of one batch window.
+const PER_WINDOW: usize = 2;
+const ROUNDS: usize = 24;
+
+/// A policy constructor.
+type Policy = fn() -> WorkerSelectionPolicy;
+
+/// Routes the burst and returns the most requests any worker holds (over
+/// every replica), and the bookings made.
+fn burst(url: Option<&str>, policy: Policy, setup: Setup) -> (u32, usize) {
+    let subject = unique_subject("burst");
+    let routers = if setup == Setup::OneRouter { 1 } else { REPLICAS };
+    let services: Vec<_> = (0..routers)
+        .map(|i| service(policy(), WORKERS, LIMIT, 7 + i as u64))
+        .collect();
+    let syncs: Vec<_> = match setup {
+        Setup::Synced => services.iter().map(|s| synced(url.unwrap(), &subject, s)).collect(),
+        _ => Vec::new(),
+    };
+    let mut held: Vec<Vec<Selection<'_>>> = (0..routers).map(|_| Vec::new()).collect();
+    for _ in 0..ROUNDS {
+        // One batch window: every replica books without hearing the others.
+        for r in 0..REPLICAS {
+            let router = if setup == Setup::OneRouter { 0 } else { r };
+            for _ in 0..PER_WINDOW {
+                if let Ok(sel) = services[router].select(&SelectionRequest::new(32)) {
+                    held[router].push(sel);
+                }
+            }
+        }
+        if setup == Setup::Synced {
+            // Past the window: each replica hears the others' bookings
+            // (waited for, not slept for), and applies them.
+            for (i, sync) in syncs.iter().enumerate() {
+                let others: usize = (0..REPLICAS).filter(|&j| j != i).map(|j| held[j].len()).sum();
+                wait_until("the peers' bookings arrive", Duration::from_secs(5), || {
+                    sync.remote_loads().iter().map(|(_, l)| l.requests).sum::<u64>() == others as u64
+                });
+                services[i].apply_remote_load();
+            }
+        }
+    }
+    let mut per_worker: BTreeMap<WorkerWithDpRank, u32> = BTreeMap::new();
+    for sel in held.iter().flatten() {
+        *per_worker.entry(sel.worker()).or_default() += 1;
+    }
+    let booked = held.iter().map(Vec::len).sum();
+    (per_worker.values().copied().max().unwrap_or(0), booked)
+}
+
+#[test]
+fn over_admission_of_a_burst_stays_within_one_batch_window_per_peer() {
+    let Some(url) = nats_url("over_admission_of_a_burst_stays_within_one_batch_window_per_peer") else {
+        return;
+    };
+    let bound = LIMIT + (REPLICAS as u32 - 1) * PER_WINDOW as u32;
+    let policies: [(&str, Policy); 2] = [
+        ("power-of-two", WorkerSelectionPolicy::power_of_two),
+        ("least-loaded", WorkerSelectionPolicy::least_loaded),
+    ];
+    for (name, policy) in policies {
+        let (one, one_booked) = burst(None, policy, Setup::OneRouter);
+        let (unsynced, unsynced_booked) = burst(None, policy, Setup::Unsynced);
+        let (synced, synced_booked) = burst(Some(&url), policy, Setup::Synced);
+        let _ = writeln!(
+            std::io::stderr(),
+            "\nover-admission {name}: {WORKERS} workers, limit L={LIMIT}, {REPLICAS} replicas, \
+             {PER_WINDOW} bookings per replica per batch window, {ROUNDS} rounds: most requests on one worker: \
+             one router {one} ({one_booked} booked), {REPLICAS} replicas without sync {unsynced} \
+             ({unsynced_booked} booked), with sync {synced} ({synced_booked} booked); \
+             bound L + (replicas - 1) x window = {bound}, measured excess over L with sync: {}",
+            synced.saturating_sub(LIMIT)
+        );
+        assert!(one <= LIMIT, "{name}: one router passed its limit: {one}");
+        assert!(
+            synced <= bound,
+            "{name}: with sync a worker holds {synced} > L + (replicas - 1) x window = {bound}"
+        );
+        assert!(
+            unsynced > bound,
+            "{name}: without sync the burst should over-admit past {bound} (got {unsynced}): the test would not discriminate"
+        );
+    }
+}
+
+/// Messages replica sync publishes while its service selects (and releases)
+/// at 100,000 selections per second for one second, with the default batch
+/// options (up to 256 deltas or 1 ms per batch): printed, and checked
+/// against what batching allows.
+#[test]
+fn sync_messages_per_second_at_100k_selections_per_second() {
+    let Some(url) = nats_url("sync_messages_per_second_at_100k_selections_per_second") else {
+        return;
+    };
+    let subject = unique_subject("rate");
+    let s = service(WorkerSelectionPolicy::least_loaded(), 512, u32::MAX, 5);
+    let sync =
+        Arc::new(ReplicaSync::connect(&url, ReplicaSyncOptions::default().with_subject(subject.as_str())).unwrap());
+    s.set_replica_sync(Arc::clone(&sync)).unwrap();
+    let req = SelectionRequest::new(256);
+    const RATE: f64 = 100_000.0;
+    const SECONDS: f64 = 1.0;
+    let before = sync.stats();
+    let start = Instant::now();
+    let mut done = 0u64;
+    while start.elapsed().as_secs_f64() < SECONDS {
+        // Paced: as many selections as the clock allows so far.
+        let due = (start.elapsed().as_secs_f64() * RATE) as u64;
+        while done < due {
+            let sel = s.select(&req).unwrap();
+            drop(sel);
+            done += 1;
+        }
+        std::hint::spin_loop();
+    }
+    let elapsed = start.elapsed().as_secs_f64();
+    // Let the last batch go out.
+    let recorded = 2 * done;
+    wait_until("every delta is published or dropped", Duration::from_secs(5), || {
+        let st = sync.stats();
+        st.published_events + st.dropped - before.published_events - before.dropped >= recorded
+    });
+    let after = sync.stats();
+    let (batches, events, dropped) = (
+        after.published_batches - before.published_batches,
+        after.published_events - before.published_events,
+        after.dropped - before.dropped,
+    );
+    let _ = writeln!(
+        std::io::stderr(),
+        "\nreplica sync at {:.0} selections/s ({done} select + release in {elapsed:.2} s, 512 workers, least-loaded): \
+         {:.0} messages/s ({batches} batches carrying {events} deltas, {:.0} deltas per message), {dropped} dropped",
+        done as f64 / elapsed,
+        batches as f64 / elapsed,
+        events as f64 / batches.max(1) as f64,
+    );
+    assert_eq!(
+        events + dropped,
+        recorded,
+        "every booking and release is published or counted as dropped"
+    );
+    // Batching: at most one message per full batch of 256 plus one per
+    // 1 ms window (and the heartbeat).
+    let bound = (recorded as f64 / 256.0 + elapsed * 1_000.0 * 1.5 + 10.0) as u64;
+    assert!(
+        batches <= bound,
+        "{batches} messages for {recorded} deltas: batching is off (bound {bound})"
+    );
+}
