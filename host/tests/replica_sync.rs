@@ -9,8 +9,6 @@
 
 mod servers;
 use std::collections::BTreeMap;
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use selkie::*;
@@ -320,63 +318,9 @@ fn a_late_replica_gets_existing_loads_by_snapshot() {
     assert_eq!(a.stats().published_events, events, "no new deltas were needed");
 }
 
-/// A `nats-server` process of the test's own on a loopback port; killed on
-/// drop.
-struct OwnNats {
-    bin: PathBuf,
-    port: u16,
-    child: Option<Child>,
-}
-
-impl OwnNats {
-    fn find() -> Option<OwnNats> {
-        let bin = servers::server_binary("SELKIE_NATS_BIN", "nats-server")?;
-        Some(OwnNats {
-            bin,
-            port: servers::free_port(),
-            child: None,
-        })
-    }
-
-    fn url(&self) -> String {
-        format!("nats://127.0.0.1:{}", self.port)
-    }
-
-    /// Starts the server on its port and waits until it accepts
-    /// connections.
-    fn start(&mut self) {
-        assert!(self.child.is_none());
-        let child = Command::new(&self.bin)
-            .args(["-a", "127.0.0.1", "-p", &self.port.to_string()])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap_or_else(|e| panic!("cannot start {}: {e}", self.bin.display()));
-        self.child = Some(child);
-        let addr = std::net::SocketAddr::from(([127, 0, 0, 1], self.port));
-        wait_until("the test's nats-server accepts connections", LONG, || {
-            std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok()
-        });
-    }
-
-    fn kill(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            c.kill().unwrap();
-            c.wait().unwrap();
-        }
-    }
-}
-
-impl Drop for OwnNats {
-    fn drop(&mut self) {
-        self.kill();
-    }
-}
-
 #[test]
 fn a_server_restart_keeps_recording_fast_and_peers_converge_again() {
-    let Some(mut nats) = OwnNats::find() else {
+    let Some(mut nats) = servers::OwnNats::find() else {
         servers::skip("a_server_restart_keeps_recording_fast_and_peers_converge_again: needs a nats-server binary (SELKIE_NATS_BIN or `nats-server` on the PATH; Debian: nats-server)");
         return;
     };

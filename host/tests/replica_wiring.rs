@@ -5,8 +5,11 @@
 //! over-admission of a burst routed by three replicas stays within
 //! `L + (replicas - 1) x (bookings per batch window)`; the messages sync
 //! sends at 100,000 selections per second stay within what batching
-//! allows. (Selection time with sync on against off is the `replica_sync`
-//! bench of `selkie-benches`.)
+//! allows; and with a nats-server of the test's own (`SELKIE_NATS_BIN`, or
+//! `nats-server` on the PATH), routing goes on through a server outage, the
+//! fleets converge after the restart, and a dead replica's load expires.
+//! (Selection time with sync on against off is the `replica_sync` bench of
+//! `selkie-benches`.)
 
 mod servers;
 use std::collections::BTreeMap;
@@ -285,4 +288,118 @@ fn sync_messages_per_second_at_100k_selections_per_second() {
         batches <= bound,
         "{batches} messages for {recorded} deltas: batching is off (bound {bound})"
     );
+}
+
+/// Requests booked on worker `id` as `s`'s fleet counts them (its own and
+/// its peers').
+fn active(s: &WorkerSelectionService, id: u64) -> u32 {
+    s.worker_status(id).unwrap().ranks[0].active_requests
+}
+
+/// Faults with a nats-server of the test's own: killed mid-run, both
+/// replicas keep routing on their own view and nothing panics; restarted,
+/// sync resumes and each fleet converges to the other's bookings again;
+/// a replica killed without releasing anything has its load expired from
+/// the other's fleet within the peer timeout.
+#[test]
+fn routing_survives_a_server_outage_and_a_dead_replicas_load_expires() {
+    let Some(mut nats) = servers::OwnNats::find() else {
+        servers::skip("routing_survives_a_server_outage_and_a_dead_replicas_load_expires: needs a nats-server binary (SELKIE_NATS_BIN or `nats-server` on the PATH; Debian: nats-server)");
+        return;
+    };
+    nats.start();
+    let url = nats.url();
+    let subject = unique_subject("faults");
+    const TIMEOUT: Duration = Duration::from_millis(1_500);
+    // Longer than the outage below: the loads come back by snapshot.
+    let options = fast(&subject)
+        .with_peer_timeout(TIMEOUT)
+        .with_max_reconnect_delay(Duration::from_millis(50));
+    let a = service(WorkerSelectionPolicy::least_loaded(), 4, u32::MAX, 1);
+    let b = service(WorkerSelectionPolicy::least_loaded(), 4, u32::MAX, 2);
+    for s in [&a, &b] {
+        let sync = ReplicaSync::connect(&url, options.clone()).unwrap();
+        s.set_replica_sync(Arc::new(sync)).unwrap();
+    }
+    let _appliers = (
+        a.spawn_remote_load_applier(Duration::from_millis(1)).unwrap(),
+        b.spawn_remote_load_applier(Duration::from_millis(1)).unwrap(),
+    );
+    let on = |id: u64| [id];
+    let (on_1, on_2) = (on(1), on(2));
+    let mut held_a: Vec<_> = (0..3)
+        .map(|_| {
+            a.select(&SelectionRequest::new(64).with_allowed_workers(&on_1))
+                .unwrap()
+        })
+        .collect();
+    wait_until(
+        "B's fleet counts A's 3 bookings on worker 1",
+        Duration::from_secs(5),
+        || active(&b, 1) == 3,
+    );
+
+    nats.kill();
+    // Both replicas route on their own view: every selection succeeds and
+    // returns at once.
+    let mut slowest = Duration::ZERO;
+    for s in [&a, &b] {
+        for _ in 0..200 {
+            let start = Instant::now();
+            drop(s.select(&SelectionRequest::new(64)).unwrap());
+            slowest = slowest.max(start.elapsed());
+        }
+    }
+    held_a.extend((0..2).map(|_| {
+        a.select(&SelectionRequest::new(64).with_allowed_workers(&on_2))
+            .unwrap()
+    }));
+    let held_b: Vec<_> = (0..4)
+        .map(|_| {
+            b.select(&SelectionRequest::new(64).with_allowed_workers(&on(3)))
+                .unwrap()
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(
+        slowest < Duration::from_millis(100),
+        "a selection took {slowest:?} with the server down"
+    );
+    assert_eq!(active(&a, 2), 2, "A counts its own bookings");
+
+    nats.start();
+    let outage_end = Instant::now();
+    wait_until(
+        "both fleets converge after the restart",
+        Duration::from_secs(10),
+        || (active(&b, 1), active(&b, 2), active(&a, 3)) == (3, 2, 4),
+    );
+    let converged = outage_end.elapsed();
+    let stats = b.replica_sync().unwrap().stats();
+    assert_eq!(
+        stats.peers_expired, 0,
+        "the outage was shorter than the peer timeout: {stats:?}"
+    );
+
+    // A dies without releasing: its bookings are leaked, its sync stops
+    // (no heartbeat, no release delta).
+    std::mem::forget(held_a);
+    drop(a);
+    let killed = Instant::now();
+    wait_until("B's fleet drops the dead replica's load", TIMEOUT * 4, || {
+        (active(&b, 1), active(&b, 2)) == (0, 0)
+    });
+    let expired = killed.elapsed();
+    assert_eq!(active(&b, 3), 4, "B's own bookings stay");
+    let _ = writeln!(
+        std::io::stderr(),
+        "\nfaults: 400 selections during a nats-server outage, slowest {slowest:?}; both fleets converged \
+         {converged:?} after the restart; a dead replica's load left the other's fleet after {expired:?} \
+         (peer timeout {TIMEOUT:?})"
+    );
+    assert!(
+        expired >= TIMEOUT / 2,
+        "expired after {expired:?}: before the peer timeout"
+    );
+    drop(held_b);
 }

@@ -6,6 +6,8 @@
 
 use std::io::Write;
 use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
 
 /// Says why a test is skipped, straight to stderr (the harness captures
 /// `eprintln!` of passing tests).
@@ -42,5 +44,64 @@ pub fn server_binary(var: &str, name: &str) -> Option<PathBuf> {
         None => {
             std::env::var_os("PATH").and_then(|p| std::env::split_paths(&p).map(|d| d.join(name)).find(|p| p.is_file()))
         }
+    }
+}
+
+/// A `nats-server` process of the test's own on a loopback port; killed on
+/// drop.
+pub struct OwnNats {
+    bin: PathBuf,
+    port: u16,
+    child: Option<Child>,
+}
+
+impl OwnNats {
+    pub fn find() -> Option<OwnNats> {
+        let bin = server_binary("SELKIE_NATS_BIN", "nats-server")?;
+        Some(OwnNats {
+            bin,
+            port: free_port(),
+            child: None,
+        })
+    }
+
+    pub fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+
+    /// Starts the server on its port and waits until it accepts
+    /// connections.
+    pub fn start(&mut self) {
+        assert!(self.child.is_none());
+        let child = Command::new(&self.bin)
+            .args(["-a", "127.0.0.1", "-p", &self.port.to_string()])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start {}: {e}", self.bin.display()));
+        self.child = Some(child);
+        let addr = std::net::SocketAddr::from(([127, 0, 0, 1], self.port));
+        let start = Instant::now();
+        while std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_err() {
+            assert!(
+                start.elapsed() < Duration::from_secs(10),
+                "the test's nats-server does not accept connections"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            c.kill().unwrap();
+            c.wait().unwrap();
+        }
+    }
+}
+
+impl Drop for OwnNats {
+    fn drop(&mut self) {
+        self.kill();
     }
 }
