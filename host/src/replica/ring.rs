@@ -104,6 +104,9 @@ pub(super) struct Rings {
     key: u64,
     capacity: usize,
     rings: Mutex<RingList>,
+    /// Deltas recorded by threads whose rings were already gone (at
+    /// thread exit).
+    late: AtomicU64,
 }
 
 #[derive(Default)]
@@ -120,6 +123,7 @@ impl Rings {
             key: RING_SETS.fetch_add(1, Ordering::Relaxed),
             capacity: capacity.max(1).next_power_of_two(),
             rings: Mutex::new(RingList::default()),
+            late: AtomicU64::new(0),
         }
     }
 
@@ -149,14 +153,16 @@ impl Rings {
     /// Deltas dropped so far because a ring was full.
     pub(super) fn dropped(&self) -> u64 {
         let list = self.rings.lock().unwrap_or_else(PoisonError::into_inner);
-        list.dropped_before + list.live.iter().map(|r| r.dropped.load(Ordering::Relaxed)).sum::<u64>()
+        let live: u64 = list.live.iter().map(|r| r.dropped.load(Ordering::Relaxed)).sum();
+        list.dropped_before + live + self.late.load(Ordering::Relaxed)
     }
 
     /// Pushes `delta` into this thread's ring (registering one first if the
-    /// thread has none); `false` if the ring was full (dropped, counted).
+    /// thread has none); `false` if the ring was full, or the thread is
+    /// ending and its ring is gone (dropped, counted).
     #[inline]
     pub(super) fn push(&self, delta: Delta) -> bool {
-        self.with_producer(|p| p.push(delta))
+        self.with_producer(|p| p.push(delta)).unwrap_or(false)
     }
 
     /// A new booking id from this thread's ring (unique among this sync's
@@ -167,11 +173,15 @@ impl Rings {
             let id = p.next_id();
             (id, p.push(delta(id)))
         })
+        .unwrap_or((0, false))
     }
 
+    /// Runs `f` on this thread's producer for these rings; `None` (counted
+    /// as a drop) once the thread's rings are gone: a booking released by
+    /// another thread-local's destructor at thread exit.
     #[inline]
-    fn with_producer<R>(&self, f: impl FnOnce(&mut Producer) -> R) -> R {
-        PRODUCERS.with(|cell| {
+    fn with_producer<R>(&self, f: impl FnOnce(&mut Producer) -> R) -> Option<R> {
+        let done = PRODUCERS.try_with(|cell| {
             let mut list = cell.borrow_mut();
             let i = match list.iter().position(|p| p.key == self.key) {
                 Some(i) => i,
@@ -184,7 +194,11 @@ impl Rings {
                 }
             };
             f(&mut list[i])
-        })
+        });
+        if done.is_err() {
+            self.late.fetch_add(1, Ordering::Relaxed);
+        }
+        done.ok()
     }
 
     /// A new ring for the calling thread, registered for draining.
@@ -298,6 +312,36 @@ mod tests {
         ids.sort_unstable();
         ids.dedup();
         assert_eq!(ids.len(), 400, "ids are unique");
+    }
+
+    #[test]
+    fn a_delta_recorded_as_a_thread_ends_is_counted_not_a_panic() {
+        // A value in another thread-local whose destructor records after
+        // the thread's rings are gone (destructors run in no fixed order).
+        struct RecordsOnDrop(Arc<Rings>);
+        impl Drop for RecordsOnDrop {
+            fn drop(&mut self) {
+                self.0.push(book(7));
+            }
+        }
+        thread_local! {
+            static LATE: RefCell<Option<RecordsOnDrop>> = const { RefCell::new(None) };
+        }
+        let rings = Arc::new(Rings::new(8));
+        let r = Arc::clone(&rings);
+        std::thread::spawn(move || {
+            // The late recorder's thread-local first, the ring's second:
+            // destructors run in reverse order, so the recorder's runs
+            // after the ring's is gone.
+            LATE.with(|l| *l.borrow_mut() = Some(RecordsOnDrop(Arc::clone(&r))));
+            assert!(r.push(book(1)));
+        })
+        .join()
+        .expect("no panic at thread exit");
+        let mut got = Vec::new();
+        rings.drain(|d| got.push(d));
+        // The late delta either made it into the ring or was counted.
+        assert_eq!(got.len() as u64 + rings.dropped(), 2, "{got:?}");
     }
 
     #[test]
