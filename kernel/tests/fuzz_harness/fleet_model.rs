@@ -1,6 +1,7 @@
 //! Model-based target: arbitrary sequences of add / update / remove worker,
-//! book, select-and-book, retarget, output blocks, prefill completion and
-//! release against a plain model of the fleet. After every step the fleet's
+//! book, select-and-book, retarget, output blocks, prefill completion,
+//! release and remote load (other replicas' bookings) against a plain model
+//! of the fleet. After every step the fleet's
 //! slots, states and counters must equal the model's, and every error must
 //! be the one the model predicts.
 //!
@@ -9,8 +10,8 @@
 
 use arbitrary::Arbitrary;
 use selkie_kernel::fleet::{
-    BookError, BookLoad, Booking, Fleet, FleetError, SelectError, SlotId, SlotState, WorkerSpec, WorkerState,
-    COUNTER_MAX, UNLIMITED,
+    BookError, BookLoad, Booking, Fleet, FleetError, Outstanding, SelectError, SlotId, SlotState, WorkerSpec,
+    WorkerState, COUNTER_MAX, UNLIMITED,
 };
 use selkie_kernel::kernels::least_loaded::{least_loaded, least_loaded_weighted};
 use selkie_kernel::Rng;
@@ -65,6 +66,12 @@ pub enum Op {
     Release {
         guard: u8,
     },
+    SetRemote {
+        slot: u8,
+        requests: u8,
+        prefill: u16,
+        decode: u8,
+    },
 }
 
 /// `Debug` prints a pasteable reproducer.
@@ -85,6 +92,9 @@ struct Occupant {
 struct ModelRow {
     generation: Option<u32>,
     occupant: Option<Occupant>,
+    /// The remote load set on this generation (it stays in the counters
+    /// after a remove, until the row is reused).
+    remote: Outstanding,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -125,12 +135,15 @@ impl Model {
         let r = &self.rows[slot.row as usize];
         r.occupant.is_some() && r.generation == Some(slot.generation)
     }
+    /// Requests the row's counter holds: its generation's guards plus its
+    /// remote requests.
     fn requests(&self, guards: &[ModelGuard], row: usize) -> u32 {
         let g = self.rows[row].generation;
-        guards
+        let local = guards
             .iter()
             .filter(|m| m.slot.row as usize == row && Some(m.slot.generation) == g)
-            .count() as u32
+            .count() as u32;
+        local + self.rows[row].remote.requests
     }
     /// Why booking `row` must be refused, if it must.
     fn refusal(&self, guards: &[ModelGuard], row: usize) -> Option<&'static str> {
@@ -195,6 +208,7 @@ pub fn check(input: &Input) {
                                 limit: spec.admission_limit,
                                 weight: spec.capacity_weight,
                             }),
+                            remote: Outstanding::default(),
                         };
                         model.slots.push(slot);
                     }
@@ -415,6 +429,35 @@ pub fn check(input: &Input) {
                 let i = guard as usize % guards.len();
                 drop(guards.swap_remove(i));
             }
+            Op::SetRemote {
+                slot,
+                requests,
+                prefill,
+                decode,
+            } => {
+                let Some(&id) = model.slots.get(slot as usize % model.slots.len().max(1)) else {
+                    continue;
+                };
+                let load = Outstanding {
+                    requests: requests as u32,
+                    prefill_tokens: prefill as u32,
+                    decode_blocks: decode as u32,
+                };
+                let current = model.current(id);
+                match fleet.set_remote_load(id, load) {
+                    Ok(held) => {
+                        assert!(current, "remote load set on {id:?}, which the model says is gone");
+                        assert_eq!(held, load, "small remote loads are held whole");
+                        model.rows[id.row as usize].remote = load;
+                        assert_eq!(fleet.remote_load(id.row as usize), load);
+                    }
+                    Err(FleetError::Vacant { row, .. }) | Err(FleetError::StaleSlot { row, .. }) => {
+                        assert!(!current, "remote load on current {id:?} refused");
+                        assert_eq!(row, id.row);
+                    }
+                    Err(e) => panic!("{op:?}: unexpected {e:?}"),
+                }
+            }
         }
         // The fleet equals the model after every step.
         let model_guards: Vec<ModelGuard> = guards.iter().map(|g| g.1).collect();
@@ -438,7 +481,11 @@ pub fn check(input: &Input) {
             let mine = model_guards
                 .iter()
                 .filter(|g| g.slot.row as usize == row && g.slot.generation == generation);
-            let (requests, prefill, decode) = mine.fold((0, 0, 0), |(r, p, d), g| (r + 1, p + g.prefill, d + g.decode));
+            let remote = m.remote;
+            let (requests, prefill, decode) = mine.fold(
+                (remote.requests, remote.prefill_tokens, remote.decode_blocks),
+                |(r, p, d), g| (r + 1, p + g.prefill, d + g.decode),
+            );
             let out = fleet.outstanding(row).expect("row in range");
             assert_eq!(
                 (out.requests, out.prefill_tokens, out.decode_blocks),
@@ -450,10 +497,19 @@ pub fn check(input: &Input) {
     drop(guards);
     for row in 0..ROWS {
         let out = fleet.outstanding(row).expect("row in range");
-        assert_eq!(
-            (out.requests, out.prefill_tokens, out.decode_blocks),
-            (0, 0, 0),
-            "row {row} leaked"
-        );
+        assert_eq!(out, model.rows[row].remote, "row {row}: only the remote load is left");
+        if let (Some(generation), Some(_)) = (model.rows[row].generation, model.rows[row].occupant) {
+            let slot = SlotId {
+                row: row as u32,
+                generation,
+            };
+            fleet
+                .set_remote_load(slot, Outstanding::default())
+                .expect("a current slot");
+        }
+        let out = fleet.outstanding(row).expect("row in range");
+        if model.rows[row].occupant.is_some() {
+            assert_eq!(out, Outstanding::default(), "row {row} leaked");
+        }
     }
 }
