@@ -183,22 +183,37 @@ impl Rings {
     fn with_producer<R>(&self, f: impl FnOnce(&mut Producer) -> R) -> Option<R> {
         let done = PRODUCERS.try_with(|cell| {
             let mut list = cell.borrow_mut();
-            let i = match list.iter().position(|p| p.key == self.key) {
-                Some(i) => i,
-                None => {
-                    if list.len() >= RINGS_PER_THREAD {
-                        list.remove(0);
-                    }
-                    list.push(self.register());
-                    list.len() - 1
-                }
-            };
-            f(&mut list[i])
+            // The sync a thread records for is nearly always the first one
+            // (`front` moves it there).
+            match list.first_mut() {
+                Some(p) if p.key == self.key => f(p),
+                _ => f(self.front(&mut list)),
+            }
         });
         if done.is_err() {
             self.late.fetch_add(1, Ordering::Relaxed);
         }
         done.ok()
+    }
+
+    /// Moves this sync's producer to the front of the thread's list
+    /// (registering a ring first if the thread has none) and returns it.
+    #[cold]
+    #[inline(never)]
+    fn front<'a>(&self, list: &'a mut Vec<Producer>) -> &'a mut Producer {
+        match list.iter().position(|p| p.key == self.key) {
+            Some(i) => list.swap(0, i),
+            None => {
+                if list.len() >= RINGS_PER_THREAD {
+                    // Forget the least recently moved to the front.
+                    list.pop();
+                }
+                list.push(self.register());
+                let last = list.len() - 1;
+                list.swap(0, last);
+            }
+        }
+        &mut list[0]
     }
 
     /// A new ring for the calling thread, registered for draining.
@@ -243,7 +258,9 @@ impl Producer {
             ring.dropped.store(dropped + 1, Ordering::Relaxed);
             return false;
         }
-        let slot = &ring.slots[tail & ring.mask];
+        // SAFETY (index): `mask` is `slots.len() - 1` and the length a power
+        // of two, so `tail & mask` is in bounds.
+        let slot = unsafe { ring.slots.get_unchecked(tail & ring.mask) };
         // SAFETY: this is the ring's one producer, and the slot is not
         // between head and tail (the ring is not full), so the consumer is
         // done with it (its Release store of `head`, loaded Acquire above)
@@ -312,6 +329,24 @@ mod tests {
         ids.sort_unstable();
         ids.dedup();
         assert_eq!(ids.len(), 400, "ids are unique");
+    }
+
+    #[test]
+    fn a_thread_recording_for_several_syncs_fills_each_ones_ring() {
+        let syncs: Vec<Rings> = (0..RINGS_PER_THREAD + 2).map(|_| Rings::new(64)).collect();
+        // Round robin over more syncs than a thread keeps rings for: the
+        // forgotten ones get a new ring, nothing is lost.
+        for round in 0..3u64 {
+            for (i, r) in syncs.iter().enumerate() {
+                assert!(r.push(book(round * 100 + i as u64)));
+            }
+        }
+        for (i, r) in syncs.iter().enumerate() {
+            let mut got = Vec::new();
+            r.drain(|d| got.push(d));
+            let want: Vec<Delta> = (0..3u64).map(|round| book(round * 100 + i as u64)).collect();
+            assert_eq!(got, want, "sync {i}");
+        }
     }
 
     #[test]
