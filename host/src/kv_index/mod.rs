@@ -549,6 +549,8 @@ impl KvIndex {
                 }
             }
         };
+        // One growth of the rank's table for the whole run, if any.
+        state.blocks.reserve(blocks.len());
         for block in blocks {
             let sequence = chain.map_or(block.tokens_hash, |p| next_sequence_hash(p, block.tokens_hash));
             chain = Some(sequence);

@@ -127,6 +127,17 @@ impl<V: Copy + Default> HashIndex<V> {
         }
     }
 
+    /// Makes room for `additional` more keys at once, so that inserting
+    /// them grows the table at most once, straight to its final size.
+    pub(crate) fn reserve(&mut self, additional: usize) {
+        while (self.len + additional) * 5 > self.slots() * 4 {
+            let target = (self.len + additional).max(1);
+            // The smallest power of two of slots that holds `target` at 4/5.
+            let slots = (target * 5).div_ceil(4).next_power_of_two().max(16);
+            self.grow_to(slots);
+        }
+    }
+
     /// `key`'s value, inserting `value` first if the key is absent.
     #[inline]
     pub(crate) fn get_or_insert(&mut self, key: u64, value: V) -> &mut V {
@@ -199,7 +210,12 @@ impl<V: Copy + Default> HashIndex<V> {
     }
 
     fn grow(&mut self) {
-        let slots = (self.slots() * 2).max(16);
+        self.grow_to((self.slots() * 2).max(16));
+    }
+
+    /// Moves the entries to a table of `slots` probed entries (a power of
+    /// two, more than there are now).
+    fn grow_to(&mut self, slots: usize) {
         let old = std::mem::replace(&mut self.entries, vec![(EMPTY, V::default()); slots + 1]);
         self.shift = 64 - slots.trailing_zeros();
         let mask = slots - 1;

@@ -1,0 +1,106 @@
+//! KV index ingestion alone, to profile it: the fleet of `vs_dynamo_index`
+//! (the same seeded chains, runs of at most 32 blocks) stored into an empty
+//! index, synced to the service's rows after each worker's first event, as
+//! that bench times it, without building Dynamo.
+//!
+//! ```text
+//! cargo build --release -p selkie-benches --example ingest_profile
+//! target/release/examples/ingest_profile 1024 5     # workers, builds
+//! valgrind --tool=callgrind target/release/examples/ingest_profile 1024
+//! ```
+use selkie::kv_index::{sequence_hashes_of, KvEvent, KvEventData, KvIndex, StoredBlock};
+use selkie::{
+    KvRouterConfig, ServiceConfig, WorkerRecord, WorkerSelectionPolicy, WorkerSelectionService, WorkerType,
+    WorkerWithDpRank,
+};
+
+struct Stream(u64);
+impl Stream {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    fn chain(&mut self, n: usize) -> Vec<u64> {
+        (0..n).map(|_| self.next()).collect()
+    }
+}
+
+fn main() {
+    let workers: usize = std::env::args().nth(1).map_or(1024, |a| a.parse().expect("workers"));
+    let turns: usize = std::env::args().nth(2).map_or(1, |a| a.parse().expect("turns"));
+    let mut rng = Stream(0x5e1c_1e1d_e000 + workers as u64);
+    let system = rng.chain(64);
+    let shared: Vec<Vec<u64>> = (0..64)
+        .map(|_| {
+            let mut p = system.clone();
+            p.extend(rng.chain(32));
+            p
+        })
+        .collect();
+    let own_blocks = (100_000 - 64 - 64 * 32) / workers;
+    let (cont, root) = (own_blocks / 2, own_blocks - own_blocks / 2);
+    let mut runs: Vec<(u64, u64, Option<u64>, Vec<StoredBlock>)> = Vec::new();
+    for w in 0..workers {
+        let mut id = 0;
+        let mut first = shared[w % 64].clone();
+        first.extend(rng.chain(cont));
+        let chain = rng.chain(root);
+        for all in [first, chain] {
+            let mut seq = Vec::new();
+            sequence_hashes_of(&all, &mut seq);
+            let mut at = 0;
+            while at < all.len() {
+                let end = (at + 32).min(all.len());
+                let blocks = (at..end)
+                    .map(|i| StoredBlock {
+                        block_hash: seq[i],
+                        tokens_hash: all[i],
+                    })
+                    .collect();
+                runs.push((w as u64, id, at.checked_sub(1).map(|p| seq[p]), blocks));
+                id += 1;
+                at = end;
+            }
+        }
+    }
+    let service = WorkerSelectionService::new(
+        WorkerSelectionPolicy::kv(KvRouterConfig::default(), WorkerType::Aggregated),
+        ServiceConfig {
+            block_size: 16,
+            seed: Some(7),
+            ..ServiceConfig::default()
+        },
+    );
+    service
+        .sync((0..workers as u64).map(WorkerRecord::new).collect())
+        .expect("the fleet has room");
+    for _ in 0..turns {
+        let start = std::time::Instant::now();
+        let mut index = KvIndex::new(16);
+        for (w, id, parent, blocks) in &runs {
+            let data = KvEventData::Stored {
+                parent: *parent,
+                blocks,
+            };
+            index
+                .apply(&KvEvent::new(WorkerWithDpRank::new(*w, 0), *id, data))
+                .expect("in order");
+            if *id == 0 {
+                index.sync_rows(service.row_layout(), |r| service.row_of(r));
+            }
+        }
+        let s = start.elapsed().as_secs_f64();
+        println!(
+            "{workers} workers: {} events in {:.2} ms ({:.0} events/s), {} blocks, heap {} B ({:.1} B/block)",
+            runs.len(),
+            s * 1e3,
+            runs.len() as f64 / s,
+            index.block_count(),
+            index.heap_bytes(),
+            index.heap_bytes() as f64 / index.block_count() as f64
+        );
+    }
+}
