@@ -273,6 +273,9 @@ mod tests {
                 } else if op == 4 {
                     *table.get_or_insert(key, step) += 1;
                     *model.entry(key).or_insert(step) += 1;
+                } else if op == 6 && step % 97 == 0 {
+                    // Room made ahead changes no entry.
+                    table.reserve((next() % 64) as usize);
                 } else if op == 5 && step % 50 == 0 {
                     let cut = next() as u32 % 20_000;
                     table.retain(|k, v| {
@@ -303,6 +306,26 @@ mod tests {
             expected.sort_unstable();
             assert_eq!(listed, expected, "pool {pool_size}");
         }
+    }
+
+    /// `reserve(n)` grows the table once, so that inserting `n` new keys
+    /// grows it no more, and keeps every entry.
+    #[test]
+    fn reserve_grows_once_to_fit_the_keys_to_come() {
+        let mut table = HashIndex::<u32>::default();
+        for k in 0..10u64 {
+            table.insert(k, k as u32);
+        }
+        table.reserve(1_000);
+        let slots = table.slots();
+        assert!(slots * 4 >= 1_010 * 5, "{slots} slots hold 1,010 keys at 4/5");
+        for k in 10..1_010u64 {
+            table.insert(k, k as u32);
+        }
+        assert_eq!(table.slots(), slots, "no growth after the reserve");
+        assert!((0..1_010u64).all(|k| table.get(k) == Some(k as u32)));
+        table.reserve(0);
+        assert_eq!(table.slots(), slots, "nothing to make room for");
     }
 
     /// A full run: keys that all start at one slot, removed from the
