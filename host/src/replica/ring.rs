@@ -258,7 +258,7 @@ impl Producer {
             ring.dropped.store(dropped + 1, Ordering::Relaxed);
             return false;
         }
-        // SAFETY (index): `mask` is `slots.len() - 1` and the length a power
+        // SAFETY: `mask` is `slots.len() - 1` and the length a power
         // of two, so `tail & mask` is in bounds.
         let slot = unsafe { ring.slots.get_unchecked(tail & ring.mask) };
         // SAFETY: this is the ring's one producer, and the slot is not
