@@ -23,7 +23,7 @@
 use std::cell::{RefCell, UnsafeCell};
 use std::marker::PhantomData;
 use std::mem::MaybeUninit;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{fence, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use crossbeam_utils::CachePadded;
@@ -141,6 +141,10 @@ impl Rings {
             // and cannot push again.
             let ended = Arc::strong_count(ring) == 1;
             if ended {
+                // The count is read Relaxed: this fence pairs with the
+                // Release decrement of the producer's drop, so its last
+                // pushes (and drop count) are seen by the drain below.
+                fence(Ordering::Acquire);
                 n += ring.drain(&mut f);
                 gone += ring.dropped.load(Ordering::Relaxed);
             }

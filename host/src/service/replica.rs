@@ -98,8 +98,8 @@ impl WorkerSelectionService {
     /// load of their worker ranks' rows, if the sync's version or the
     /// worker table changed since the last call; zeroes it on the rows no
     /// longer loaded.
-    /// Returns whether it wrote. Off the selection path: it takes the
-    /// registry's lock and allocates. Without a replica sync it does
+    /// Returns whether it wrote. Off the selection path: it allocates, and
+    /// takes no lock a selection waits on. Without a replica sync it does
     /// nothing.
     pub fn apply_remote_load(&self) -> bool {
         let Some(sync) = self.replica.sync() else {
@@ -113,20 +113,28 @@ impl WorkerSelectionService {
             return false;
         }
         let loads = sync.remote_loads();
-        // Under the registry's lock: no worker joins, leaves or retires
-        // while its row's remote load is written.
-        let reg = self.read_registry();
-        let mut slots = Vec::with_capacity(loads.len());
-        for (worker, load) in loads {
-            let Some(slot) = reg.row_of(worker).and_then(|row| reg.row(row)).map(|m| m.handle.slot) else {
-                continue;
-            };
-            let load = Outstanding {
-                requests: clamp(load.requests),
-                prefill_tokens: clamp(load.prefill_tokens),
-                decode_blocks: clamp(load.decode_blocks),
-            };
-            // The registry names the row's current occupant: no error.
+        // The rows from this thread's snapshot of the registry, without its
+        // lock, so that selections reloading their snapshot never wait for
+        // this pass. A slot gone stale meanwhile is refused by the kernel;
+        // a row retired meanwhile (its remote load cleared by the retire)
+        // may get it back here, and the next pass clears it again: its
+        // worker is no longer named.
+        let named: Vec<(SlotId, Outstanding)> = self.with_snapshot(|reg| {
+            loads
+                .iter()
+                .filter_map(|&(worker, load)| {
+                    let slot = reg.row_of(worker).and_then(|row| reg.row(row))?.handle.slot;
+                    let load = Outstanding {
+                        requests: clamp(load.requests),
+                        prefill_tokens: clamp(load.prefill_tokens),
+                        decode_blocks: clamp(load.decode_blocks),
+                    };
+                    Some((slot, load))
+                })
+                .collect()
+        });
+        let mut slots = Vec::with_capacity(named.len());
+        for (slot, load) in named {
             if self.fleet.set_remote_load(slot, load).is_ok() {
                 slots.push(slot);
             }
@@ -142,7 +150,6 @@ impl WorkerSelectionService {
                 let _ = self.fleet.set_remote_load(slot, Outstanding::default());
             }
         }
-        drop(reg);
         applied.slots = slots;
         applied.versions = Some(versions);
         true
