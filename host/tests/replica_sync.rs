@@ -9,25 +9,9 @@
 
 mod servers;
 use std::collections::BTreeMap;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use selkie::*;
-
-/// The shared server's URL, or `None` after printing why the test is
-/// skipped.
-fn nats_url(test: &str) -> Option<String> {
-    servers::server_env(
-        "SELKIE_NATS_URL",
-        test,
-        "replica sync tests need SELKIE_NATS_URL (a running nats-server; .ci/run starts one)",
-    )
-}
-
-/// A subject no other test (or earlier run) uses.
-fn unique_subject(test: &str) -> String {
-    let nanos = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_nanos();
-    format!("selkie-test.{test}.{}-{nanos}", std::process::id())
-}
 
 /// Short intervals, so that the tests run in a second or two.
 fn fast(subject: &str) -> ReplicaSyncOptions {
@@ -38,18 +22,6 @@ fn fast(subject: &str) -> ReplicaSyncOptions {
         .with_peer_timeout(Duration::from_millis(600))
         .with_connect_timeout(Duration::from_secs(5))
         .with_max_reconnect_delay(Duration::from_millis(100))
-}
-
-/// Waits up to `limit` for `done`, checking every 10 ms.
-fn wait_until(what: &str, limit: Duration, mut done: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while !done() {
-        assert!(
-            start.elapsed() < limit,
-            "timed out after {limit:?} waiting until {what}"
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
 }
 
 fn load(requests: u64, prefill_tokens: u64, decode_blocks: u64) -> RemoteLoad {
@@ -114,17 +86,17 @@ fn an_unreachable_server_is_a_typed_error_naming_it() {
 
 #[test]
 fn a_booking_appears_at_the_peer_and_leaves_on_release() {
-    let Some(url) = nats_url("a_booking_appears_at_the_peer_and_leaves_on_release") else {
+    let Some(url) = servers::nats_url("a_booking_appears_at_the_peer_and_leaves_on_release") else {
         return;
     };
-    let subject = unique_subject("book");
+    let subject = servers::unique_subject("book");
     let a = ReplicaSync::connect(&url, fast(&subject)).unwrap();
     let b = ReplicaSync::connect(&url, fast(&subject)).unwrap();
     assert_ne!(a.replica_id(), b.replica_id());
     let w = WorkerWithDpRank::new(7, 1);
     let v0 = b.version();
     assert!(a.record_book(1, w, 1000, 8));
-    wait_until("B sees A's booking", LONG, || b.remote_load(w) == load(1, 1000, 8));
+    servers::wait_until("B sees A's booking", LONG, || b.remote_load(w) == load(1, 1000, 8));
     assert!(b.version() > v0);
     assert_eq!(b.remote_loads(), [(w, load(1, 1000, 8))]);
     assert_eq!(
@@ -134,24 +106,24 @@ fn a_booking_appears_at_the_peer_and_leaves_on_release() {
     );
 
     assert!(a.record_prefill_complete(1));
-    wait_until("B sees the prefill complete", LONG, || {
+    servers::wait_until("B sees the prefill complete", LONG, || {
         b.remote_load(w) == load(1, 0, 8)
     });
 
     // B's own booking reaches A; B's view of A is unchanged.
     assert!(b.record_book(9, w, 10, 1));
-    wait_until("A sees B's booking", LONG, || a.remote_load(w) == load(1, 10, 1));
+    servers::wait_until("A sees B's booking", LONG, || a.remote_load(w) == load(1, 10, 1));
     assert_eq!(b.remote_load(w), load(1, 0, 8));
 
     assert!(a.record_release(1));
-    wait_until("B sees the release", LONG, || b.remote_loads().is_empty());
+    servers::wait_until("B sees the release", LONG, || b.remote_loads().is_empty());
     // A release of a booking A no longer holds is not even published.
     assert!(a.record_release(1));
     assert!(a.record_release(12345));
     assert!(a.record_book(2, w, 1, 1));
-    wait_until("B sees booking 2", LONG, || b.remote_load(w) == load(1, 1, 1));
+    servers::wait_until("B sees booking 2", LONG, || b.remote_load(w) == load(1, 1, 1));
     // A counts a batch once the client took it, which B may beat.
-    wait_until("A counts its deltas", LONG, || a.stats().published_events == 4);
+    servers::wait_until("A counts its deltas", LONG, || a.stats().published_events == 4);
     let (sa, sb) = (a.stats(), b.stats());
     assert_eq!(sa.published_events, 4, "book, prefill, release, book: {sa:?}");
     assert_eq!((sb.applied, sb.unknown, sb.peers), (4, 0, 1), "{sb:?}");
@@ -160,10 +132,10 @@ fn a_booking_appears_at_the_peer_and_leaves_on_release() {
 
 #[test]
 fn batches_carry_every_delta_exactly_once() {
-    let Some(url) = nats_url("batches_carry_every_delta_exactly_once") else {
+    let Some(url) = servers::nats_url("batches_carry_every_delta_exactly_once") else {
         return;
     };
-    let subject = unique_subject("batches");
+    let subject = servers::unique_subject("batches");
     let a = ReplicaSync::connect(&url, fast(&subject).with_batch_max_events(16)).unwrap();
     let b = ReplicaSync::connect(&url, fast(&subject)).unwrap();
     let mut outstanding = BTreeMap::new();
@@ -185,9 +157,9 @@ fn batches_carry_every_delta_exactly_once() {
             deltas += 1;
         }
     }
-    wait_until("B applied every delta", LONG, || b.stats().applied == deltas);
+    servers::wait_until("B applied every delta", LONG, || b.stats().applied == deltas);
     assert_eq!(b.remote_loads(), expected(&outstanding));
-    wait_until("A counts its deltas", LONG, || a.stats().published_events == deltas);
+    servers::wait_until("A counts its deltas", LONG, || a.stats().published_events == deltas);
     let (sa, sb) = (a.stats(), b.stats());
     assert_eq!(sa.published_events, deltas, "{sa:?}");
     assert!(
@@ -200,10 +172,10 @@ fn batches_carry_every_delta_exactly_once() {
 
 #[test]
 fn a_full_queue_drops_and_counts_without_blocking() {
-    let Some(url) = nats_url("a_full_queue_drops_and_counts_without_blocking") else {
+    let Some(url) = servers::nats_url("a_full_queue_drops_and_counts_without_blocking") else {
         return;
     };
-    let subject = unique_subject("full");
+    let subject = servers::unique_subject("full");
     let a = ReplicaSync::connect(&url, fast(&subject).with_queue_capacity(4)).unwrap();
     let b = ReplicaSync::connect(&url, fast(&subject)).unwrap();
     let w = WorkerWithDpRank::new(3, 0);
@@ -215,20 +187,20 @@ fn a_full_queue_drops_and_counts_without_blocking() {
     let dropped = a.stats().dropped;
     assert!(dropped > 0, "a queue of 4 never filled in {total} calls");
     assert_eq!(queued + dropped, total, "every delta is queued or counted as dropped");
-    wait_until("B has every queued booking", LONG, || {
+    servers::wait_until("B has every queued booking", LONG, || {
         b.remote_load(w).requests == queued
     });
-    wait_until("A counts every queued booking as published", LONG, || {
+    servers::wait_until("A counts every queued booking as published", LONG, || {
         a.stats().published_events == queued
     });
 }
 
 #[test]
 fn a_silent_peer_is_expired_within_the_timeout() {
-    let Some(url) = nats_url("a_silent_peer_is_expired_within_the_timeout") else {
+    let Some(url) = servers::nats_url("a_silent_peer_is_expired_within_the_timeout") else {
         return;
     };
-    let subject = unique_subject("expiry");
+    let subject = servers::unique_subject("expiry");
     let timeout = Duration::from_millis(600);
     let a = ReplicaSync::connect(&url, fast(&subject)).unwrap();
     let b = ReplicaSync::connect(&url, fast(&subject)).unwrap();
@@ -236,7 +208,7 @@ fn a_silent_peer_is_expired_within_the_timeout() {
     for id in 0..3 {
         a.record_book(id, w, 10, 1);
     }
-    wait_until("B sees A's bookings", LONG, || b.remote_load(w) == load(3, 30, 3));
+    servers::wait_until("B sees A's bookings", LONG, || b.remote_load(w) == load(3, 30, 3));
     assert_eq!(b.stats().peers, 1);
     // A stops: no release, no heartbeat.
     drop(a);
@@ -252,7 +224,7 @@ fn a_silent_peer_is_expired_within_the_timeout() {
             "expired {at:?} after A stopped, before the timeout"
         );
     }
-    wait_until("B expires silent A", LONG, || b.remote_loads().is_empty());
+    servers::wait_until("B expires silent A", LONG, || b.remote_loads().is_empty());
     let took = stopped.elapsed();
     // A's last heartbeat may be up to one interval before the drop; B checks
     // once per interval; allow scheduling slack on a busy machine.
@@ -266,10 +238,10 @@ fn a_silent_peer_is_expired_within_the_timeout() {
 
 #[test]
 fn a_late_replica_gets_existing_loads_by_snapshot() {
-    let Some(url) = nats_url("a_late_replica_gets_existing_loads_by_snapshot") else {
+    let Some(url) = servers::nats_url("a_late_replica_gets_existing_loads_by_snapshot") else {
         return;
     };
-    let subject = unique_subject("late");
+    let subject = servers::unique_subject("late");
     // Heartbeats far apart: only the start-up snapshot request can bring
     // the late replica up to date in time. The queue holds the whole burst
     // recorded below (30,000 deltas at once).
@@ -302,15 +274,15 @@ fn a_late_replica_gets_existing_loads_by_snapshot() {
         assert!(b.record_book(id, w, 5, 5));
         from_b.insert(id, (w, 5, 5));
     }
-    wait_until("A's and B's deltas are out", LONG, || {
+    servers::wait_until("A's and B's deltas are out", LONG, || {
         a.stats().published_events == events && b.stats().published_events == 3
     });
-    wait_until("B has A's bookings", LONG, || b.remote_loads() == expected(&from_a));
+    servers::wait_until("B has A's bookings", LONG, || b.remote_loads() == expected(&from_a));
 
     let c = ReplicaSync::connect(&url, slow(&subject)).unwrap();
     let mut both = from_a.clone();
     both.extend(from_b.iter().map(|(id, b)| (id + 1_000_000, *b)));
-    wait_until("the late replica has both peers' loads", Duration::from_secs(5), || {
+    servers::wait_until("the late replica has both peers' loads", Duration::from_secs(5), || {
         c.remote_loads() == expected(&both)
     });
     let s = c.stats();
@@ -326,7 +298,7 @@ fn a_server_restart_keeps_recording_fast_and_peers_converge_again() {
     };
     nats.start();
     let url = nats.url();
-    let subject = unique_subject("restart");
+    let subject = servers::unique_subject("restart");
     // The outage below is shorter than the peer timeout: the loads come
     // back by snapshot, not by expiry and rejoining.
     let options = fast(&subject).with_peer_timeout(Duration::from_secs(30));
@@ -338,7 +310,7 @@ fn a_server_restart_keeps_recording_fast_and_peers_converge_again() {
         a.record_book(id, w, 100, 1);
         from_a.insert(id, (w, 100, 1));
     }
-    wait_until("B sees A's bookings", LONG, || b.remote_loads() == expected(&from_a));
+    servers::wait_until("B sees A's bookings", LONG, || b.remote_loads() == expected(&from_a));
 
     nats.kill();
     // Recording while the server is gone returns at once, every time.
@@ -376,10 +348,10 @@ fn a_server_restart_keeps_recording_fast_and_peers_converge_again() {
     assert_eq!(a.stats().dropped, 0);
 
     nats.start();
-    wait_until("B converges to A's bookings", LONG, || {
+    servers::wait_until("B converges to A's bookings", LONG, || {
         b.remote_loads() == expected(&from_a)
     });
-    wait_until("A converges to B's bookings", LONG, || {
+    servers::wait_until("A converges to B's bookings", LONG, || {
         a.remote_loads() == expected(&from_b)
     });
     let (sa, sb) = (a.stats(), b.stats());
@@ -392,7 +364,7 @@ fn a_server_restart_keeps_recording_fast_and_peers_converge_again() {
     // And deltas flow again.
     a.record_release(105);
     from_a.remove(&105);
-    wait_until("B sees a delta after the restart", LONG, || {
+    servers::wait_until("B sees a delta after the restart", LONG, || {
         b.remote_loads() == expected(&from_a)
     });
 }

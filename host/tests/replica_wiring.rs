@@ -15,24 +15,9 @@ mod servers;
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use selkie::*;
-
-/// The shared server's URL, or `None` after printing why the test is
-/// skipped.
-fn nats_url(test: &str) -> Option<String> {
-    servers::server_env(
-        "SELKIE_NATS_URL",
-        test,
-        "replica sync tests need SELKIE_NATS_URL (a running nats-server; .ci/run starts one)",
-    )
-}
-
-fn unique_subject(test: &str) -> String {
-    let nanos = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_nanos();
-    format!("selkie-test.{test}.{}-{nanos}", std::process::id())
-}
 
 fn fast(subject: &str) -> ReplicaSyncOptions {
     ReplicaSyncOptions::default()
@@ -41,17 +26,6 @@ fn fast(subject: &str) -> ReplicaSyncOptions {
         .with_heartbeat_interval(Duration::from_millis(50))
         .with_peer_timeout(Duration::from_secs(5))
         .with_connect_timeout(Duration::from_secs(5))
-}
-
-fn wait_until(what: &str, limit: Duration, mut done: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while !done() {
-        assert!(
-            start.elapsed() < limit,
-            "timed out after {limit:?} waiting until {what}"
-        );
-        std::thread::sleep(Duration::from_millis(2));
-    }
 }
 
 fn service(policy: WorkerSelectionPolicy, workers: u64, limit: u32, seed: u64) -> Arc<WorkerSelectionService> {
@@ -87,10 +61,10 @@ fn cost(s: &WorkerSelectionService, id: u64) -> f64 {
 
 #[test]
 fn a_booking_on_one_replica_counts_in_the_others_scans_and_admission() {
-    let Some(url) = nats_url("a_booking_on_one_replica_counts_in_the_others_scans_and_admission") else {
+    let Some(url) = servers::nats_url("a_booking_on_one_replica_counts_in_the_others_scans_and_admission") else {
         return;
     };
-    let subject = unique_subject("wired");
+    let subject = servers::unique_subject("wired");
     let a = service(WorkerSelectionPolicy::least_loaded(), 2, 2, 1);
     let b = service(WorkerSelectionPolicy::least_loaded(), 2, 2, 2);
     let (_sa, sb) = (synced(&url, &subject, &a), synced(&url, &subject, &b));
@@ -101,7 +75,7 @@ fn a_booking_on_one_replica_counts_in_the_others_scans_and_admission() {
     let req = SelectionRequest::new(32).with_allowed_workers(&only_1);
     let held: Vec<_> = (0..2).map(|_| a.select(&req).unwrap()).collect();
     assert!(held.iter().all(|s| s.worker() == w(1)));
-    wait_until("B costs worker 1 at A's two bookings", Duration::from_secs(5), || {
+    servers::wait_until("B costs worker 1 at A's two bookings", Duration::from_secs(5), || {
         cost(&b, 1) == 2.0
     });
     assert_eq!(sb.remote_load(w(1)).requests, 2);
@@ -116,13 +90,13 @@ fn a_booking_on_one_replica_counts_in_the_others_scans_and_admission() {
     }
     let mut first = held.into_iter();
     first.next().unwrap().finish();
-    wait_until("B sees one of A's bookings released", Duration::from_secs(5), || {
+    servers::wait_until("B sees one of A's bookings released", Duration::from_secs(5), || {
         cost(&b, 1) == 1.0
     });
     let on_b = b.select(&req).unwrap();
     assert_eq!(on_b.worker(), w(1), "one place freed on worker 1");
     drop(first);
-    wait_until("B sees every A booking released", Duration::from_secs(5), || {
+    servers::wait_until("B sees every A booking released", Duration::from_secs(5), || {
         cost(&b, 1) == 1.0 && sb.remote_load(w(1)).requests == 0
     });
 }
@@ -150,7 +124,7 @@ type Policy = fn() -> WorkerSelectionPolicy;
 /// Routes the burst and returns the most requests any worker holds (over
 /// every replica), and the bookings made.
 fn burst(url: Option<&str>, policy: Policy, setup: Setup) -> (u32, usize) {
-    let subject = unique_subject("burst");
+    let subject = servers::unique_subject("burst");
     let routers = if setup == Setup::OneRouter { 1 } else { REPLICAS };
     let services: Vec<_> = (0..routers)
         .map(|i| service(policy(), WORKERS, LIMIT, 7 + i as u64))
@@ -175,7 +149,7 @@ fn burst(url: Option<&str>, policy: Policy, setup: Setup) -> (u32, usize) {
             // (waited for, not slept for), and applies them.
             for (i, sync) in syncs.iter().enumerate() {
                 let others: usize = (0..REPLICAS).filter(|&j| j != i).map(|j| held[j].len()).sum();
-                wait_until("the peers' bookings arrive", Duration::from_secs(5), || {
+                servers::wait_until("the peers' bookings arrive", Duration::from_secs(5), || {
                     sync.remote_loads().iter().map(|(_, l)| l.requests).sum::<u64>() == others as u64
                 });
                 services[i].apply_remote_load();
@@ -192,7 +166,7 @@ fn burst(url: Option<&str>, policy: Policy, setup: Setup) -> (u32, usize) {
 
 #[test]
 fn over_admission_of_a_burst_stays_within_one_batch_window_per_peer() {
-    let Some(url) = nats_url("over_admission_of_a_burst_stays_within_one_batch_window_per_peer") else {
+    let Some(url) = servers::nats_url("over_admission_of_a_burst_stays_within_one_batch_window_per_peer") else {
         return;
     };
     let bound = LIMIT + (REPLICAS as u32 - 1) * PER_WINDOW as u32;
@@ -231,10 +205,10 @@ fn over_admission_of_a_burst_stays_within_one_batch_window_per_peer() {
 /// against what batching allows.
 #[test]
 fn sync_messages_per_second_at_100k_selections_per_second() {
-    let Some(url) = nats_url("sync_messages_per_second_at_100k_selections_per_second") else {
+    let Some(url) = servers::nats_url("sync_messages_per_second_at_100k_selections_per_second") else {
         return;
     };
-    let subject = unique_subject("rate");
+    let subject = servers::unique_subject("rate");
     let s = service(WorkerSelectionPolicy::least_loaded(), 512, u32::MAX, 5);
     let sync =
         Arc::new(ReplicaSync::connect(&url, ReplicaSyncOptions::default().with_subject(subject.as_str())).unwrap());
@@ -258,7 +232,7 @@ fn sync_messages_per_second_at_100k_selections_per_second() {
     let elapsed = start.elapsed().as_secs_f64();
     // Let the last batch go out.
     let recorded = 2 * done;
-    wait_until("every delta is published or dropped", Duration::from_secs(5), || {
+    servers::wait_until("every delta is published or dropped", Duration::from_secs(5), || {
         let st = sync.stats();
         st.published_events + st.dropped - before.published_events - before.dropped >= recorded
     });
@@ -309,7 +283,7 @@ fn routing_survives_a_server_outage_and_a_dead_replicas_load_expires() {
     };
     nats.start();
     let url = nats.url();
-    let subject = unique_subject("faults");
+    let subject = servers::unique_subject("faults");
     const TIMEOUT: Duration = Duration::from_millis(1_500);
     // Longer than the outage below: the loads come back by snapshot.
     let options = fast(&subject)
@@ -333,7 +307,7 @@ fn routing_survives_a_server_outage_and_a_dead_replicas_load_expires() {
                 .unwrap()
         })
         .collect();
-    wait_until(
+    servers::wait_until(
         "B's fleet counts A's 3 bookings on worker 1",
         Duration::from_secs(5),
         || active(&b, 1) == 3,
@@ -369,7 +343,7 @@ fn routing_survives_a_server_outage_and_a_dead_replicas_load_expires() {
 
     nats.start();
     let outage_end = Instant::now();
-    wait_until(
+    servers::wait_until(
         "both fleets converge after the restart",
         Duration::from_secs(10),
         || (active(&b, 1), active(&b, 2), active(&a, 3)) == (3, 2, 4),
@@ -386,7 +360,7 @@ fn routing_survives_a_server_outage_and_a_dead_replicas_load_expires() {
     std::mem::forget(held_a);
     drop(a);
     let killed = Instant::now();
-    wait_until("B's fleet drops the dead replica's load", TIMEOUT * 4, || {
+    servers::wait_until("B's fleet drops the dead replica's load", TIMEOUT * 4, || {
         (active(&b, 1), active(&b, 2)) == (0, 0)
     });
     let expired = killed.elapsed();

@@ -27,6 +27,37 @@ pub fn server_env(var: &str, test: &str, need: &str) -> Option<String> {
     }
 }
 
+/// The shared nats-server's URL (`SELKIE_NATS_URL`), or `None` after
+/// printing why `test` is skipped.
+pub fn nats_url(test: &str) -> Option<String> {
+    server_env(
+        "SELKIE_NATS_URL",
+        test,
+        "replica sync tests need SELKIE_NATS_URL (a running nats-server; .ci/run starts one)",
+    )
+}
+
+/// A NATS subject no other test (or earlier run) uses.
+pub fn unique_subject(test: &str) -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    format!("selkie-test.{test}.{}-{nanos}", std::process::id())
+}
+
+/// Waits up to `limit` for `done`, checking every 5 ms.
+pub fn wait_until(what: &str, limit: Duration, mut done: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !done() {
+        assert!(
+            start.elapsed() < limit,
+            "timed out after {limit:?} waiting until {what}"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
 /// A loopback port nothing listens on now.
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
