@@ -58,7 +58,7 @@ pub use request::{
 /// [`WorkerSelectionPolicyProviderError::KvWeight`] carries.
 pub use selkie_kernel::kernels::kv_cost::{KvConfigError, KvConfigField, KvConfigProblem};
 #[cfg(feature = "nats")]
-pub use service::RemoteLoadApplier;
+pub use service::ReplicaSyncThread;
 pub use service::{
     Booked, DiscoveryHealth, DiscoveryPoller, FleetHandle, OwnedSelection, Preview, RankStatus, Selection,
     ServiceConfig, WorkerSelectionService, WorkerStatus,

@@ -157,9 +157,9 @@ fn replica_sync_recording_does_not_allocate() {
     }
 }
 
-/// The selection path of a service wired to replica sync (bookings,
-/// prefill completions and releases recorded; a peer's load applied to the
-/// rows' counters) allocates nothing either, for the policies that scan.
+/// The selection path of a service wired to replica sync (a peer's load
+/// applied to the rows' counters; the service's own load reported off
+/// that path) allocates nothing either, for the policies that scan.
 #[cfg(feature = "nats")]
 #[test]
 fn selection_with_replica_sync_does_not_allocate() {

@@ -1,15 +1,25 @@
 //! Booking sync between router replicas over NATS (feature `nats`):
-//! [`ReplicaSync`] publishes this replica's booking deltas and keeps its
-//! peers' load, per worker rank.
+//! [`ReplicaSync`] publishes this replica's load and keeps its peers',
+//! per worker rank.
 //!
 //! Several router replicas that route to the same workers each see only
 //! their own bookings. With replica sync each replica also knows the
-//! others': it publishes a delta for every booking, prefill completion and
-//! release it records (batched by count and time, as Dynamo's
-//! `AddRequest` / `MarkPrefillCompleted` / `Free` are), and applies its
-//! peers' deltas into one table per peer and their sum per worker rank
-//! ([`ReplicaSync::remote_load`]). Output-block growth is not synced (as in
-//! Dynamo): a booking counts with the decode blocks it was booked with.
+//! others'. A replica says what it holds in one of two forms, batched by
+//! count and time, and its peers sum both into one table per peer and a
+//! sum per worker rank ([`ReplicaSync::remote_load`]):
+//!
+//! * per worker rank ([`ReplicaSync::report_load`]): "my load on this
+//!   worker rank is now ...", sent when it changed. A selection service
+//!   reports this way: its sync thread reads its own load from the fleet's
+//!   counters every batch interval, so selecting records nothing.
+//! * per booking ([`ReplicaSync::record_book`],
+//!   [`record_prefill_complete`](ReplicaSync::record_prefill_complete),
+//!   [`record_release`](ReplicaSync::record_release)), as Dynamo's
+//!   `AddRequest` / `MarkPrefillCompleted` / `Free` are: for a router that
+//!   keeps its bookings itself.
+//!
+//! Output-block growth is not synced (as in Dynamo): a booking counts with
+//! the decode blocks it was booked with.
 //!
 //! * `wire`: the messages and their encoding (JSON, short keys).
 //! * `tables`: this replica's outstanding bookings and its peers' tables,
@@ -26,11 +36,13 @@
 //! fleet. The `record_*` calls only write a small value into the calling
 //! thread's own bounded ring (`ring`: no lock, no read-modify-write, no
 //! allocation once the thread has its ring, no I/O); a full ring drops the
-//! delta and counts it. The local booking stays the truth for the local replica:
-//! replica sync never changes it. The service wires it in (its
-//! `set_replica_sync` and `apply_remote_load`, in `service::replica`): it
-//! records its bookings here and sets [`ReplicaSync::remote_loads`] as its
-//! rows' remote load when [`ReplicaSync::version`] moved.
+//! delta and counts it. `report_load` takes a lock and is meant for a
+//! periodic caller, not the selection path. The local booking stays the
+//! truth for the local replica: replica sync never changes it. The service
+//! wires it in (its `set_replica_sync`, `publish_local_load` and
+//! `apply_remote_load`, in `service::replica`): it reports the load its
+//! fleet's counters hold here, and sets [`ReplicaSync::remote_loads`] as
+//! its rows' remote load when [`ReplicaSync::version`] moved.
 
 mod ring;
 mod tables;
@@ -43,6 +55,8 @@ use std::sync::mpsc;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::thread::JoinHandle;
 use std::time::Duration;
+
+use rustc_hash::FxHashMap;
 
 use crate::error::SyncError;
 use crate::types::WorkerWithDpRank;
@@ -247,7 +261,9 @@ impl ReplicaSyncOptions {
     }
 }
 
-/// The peers' outstanding bookings on one worker rank, summed.
+/// A load on one worker rank: the peers' outstanding bookings there,
+/// summed ([`ReplicaSync::remote_load`]), or this replica's own, as it
+/// reports it ([`ReplicaSync::report_load`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct RemoteLoad {
     /// Bookings not yet released.
@@ -332,12 +348,18 @@ struct Shared {
     version: AtomicU64,
     /// The recording threads' queues.
     rings: Rings,
+    /// Loads reported since the last drain, the latest per worker rank.
+    reported: Mutex<FxHashMap<WorkerWithDpRank, RemoteLoad>>,
     counters: Counters,
 }
 
 impl Shared {
     fn tables(&self) -> MutexGuard<'_, PeerTables> {
         self.tables.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn reported(&self) -> MutexGuard<'_, FxHashMap<WorkerWithDpRank, RemoteLoad>> {
+        self.reported.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }
 
@@ -349,13 +371,20 @@ impl Shared {
 /// and returns; from then on a background thread (its own current-thread
 /// tokio runtime) does all the work:
 ///
-/// * The selection path calls [`record_book`](Self::record_book),
+/// * This replica's load goes out in one of two forms (a peer sums
+///   both). [`report_load`](Self::report_load) sets this replica's whole
+///   load on a worker rank, for a caller that reads it periodically from
+///   its own counters (what a
+///   [`WorkerSelectionService`](crate::WorkerSelectionService) does: its
+///   selections record nothing). Or the selection path calls
+///   [`record_book`](Self::record_book),
 ///   [`record_prefill_complete`](Self::record_prefill_complete) and
 ///   [`record_release`](Self::record_release), which queue the delta and
 ///   return at once (never blocking, never allocating); a full queue drops
-///   the delta and counts it. The thread publishes them in batches (up to
-///   `batch_max_events`, or after `batch_interval`) and keeps this
-///   replica's outstanding bookings, to answer snapshot requests.
+///   the delta and counts it. The thread publishes the changes in batches
+///   (up to `batch_max_events`, or after `batch_interval`) and keeps this
+///   replica's outstanding bookings and reported loads, to answer snapshot
+///   requests.
 /// * It applies the peers' batches into one table per peer and their sum
 ///   per worker rank: [`remote_load`](Self::remote_load),
 ///   [`remote_loads`](Self::remote_loads), and [`version`](Self::version),
@@ -382,9 +411,13 @@ impl Shared {
 ///     ReplicaSyncOptions::default().with_subject("selkie.bookings.llama-70b"),
 /// )?;
 /// let worker = WorkerWithDpRank::new(7, 0);
-/// sync.record_book(1, worker, 2048, 16); // on selection
-/// sync.record_prefill_complete(1); //       first token out
-/// sync.record_release(1); //                request done
+/// // This replica's load on worker 7, rank 0, as its counters hold it:
+/// sync.report_load(worker, RemoteLoad { requests: 3, prefill_tokens: 4096, decode_blocks: 48 });
+/// // Or, for a router that tracks its bookings itself, one by one:
+/// let other = WorkerWithDpRank::new(8, 0);
+/// sync.record_book(1, other, 2048, 16); // on selection
+/// sync.record_prefill_complete(1); //      first token out
+/// sync.record_release(1); //               request done
 /// // What the other replicas have booked on worker 7, rank 0:
 /// let theirs = sync.remote_load(worker);
 /// println!("{} requests, {} prefill tokens", theirs.requests, theirs.prefill_tokens);
@@ -414,6 +447,7 @@ impl ReplicaSync {
             tables: Mutex::default(),
             version: AtomicU64::new(0),
             rings: Rings::new(options.queue_capacity),
+            reported: Mutex::default(),
             counters: Counters::default(),
         });
         let (stop, stopped) = tokio::sync::watch::channel(());
@@ -486,28 +520,23 @@ impl ReplicaSync {
         self.shared.rings.push(delta)
     }
 
-    /// Records a new booking of this replica under an id this sync hands
-    /// out (unique among its bookings; callers that also pass their own
-    /// ids to [`record_book`](Self::record_book) must keep them apart).
-    /// Returns the id to record its prefill completion and release with,
-    /// or 0 if the delta was dropped (nothing more to record then).
-    #[inline]
-    pub(crate) fn record_new_book(&self, worker: WorkerWithDpRank, prefill_tokens: u32, decode_blocks: u32) -> u64 {
-        let (id, queued) = self.shared.rings.push_new(|id| {
-            Delta::Book(
-                id,
-                Booked {
-                    worker,
-                    prefill_tokens,
-                    decode_blocks,
-                },
-            )
-        });
-        if queued {
-            id
-        } else {
-            0
-        }
+    /// Reports this replica's whole load on `worker` now (not a change:
+    /// zero withdraws it). The sync thread sends it with its next batch if
+    /// it differs from the last one sent; a worker rank reported again
+    /// before that sends only the latest. Peers add it to whatever
+    /// bookings this replica recorded there with `record_book`, so report a
+    /// worker rank's load or record its bookings, not both.
+    ///
+    /// Takes a lock the sync thread also takes: meant for a periodic
+    /// caller reading its own counters, not for the selection path.
+    pub fn report_load(&self, worker: WorkerWithDpRank, load: RemoteLoad) {
+        self.shared.reported().insert(worker, load);
+    }
+
+    /// [`report_load`](Self::report_load) for many worker ranks under one
+    /// lock, in order (a worker rank named twice keeps the later load).
+    pub fn report_loads(&self, loads: impl IntoIterator<Item = (WorkerWithDpRank, RemoteLoad)>) {
+        self.shared.reported().extend(loads);
     }
 
     /// The peers' outstanding load on `worker` (zero if none).

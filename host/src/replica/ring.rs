@@ -32,14 +32,6 @@ use super::wire::Delta;
 
 /// Source of [`Rings`] keys (thread-local lists find their ring by it).
 static RING_SETS: AtomicU64 = AtomicU64::new(1);
-/// Source of ring serials (the high bits of the booking ids a ring hands
-/// out).
-static RING_SERIALS: AtomicU64 = AtomicU64::new(1);
-
-/// Bits of a booking id that count a ring's bookings; the bits above
-/// are the ring's serial.
-const SEQUENCE_BITS: u32 = 40;
-
 /// Syncs a thread keeps a ring for before it forgets the oldest (whose
 /// sync has most likely been dropped).
 const RINGS_PER_THREAD: usize = 16;
@@ -169,17 +161,6 @@ impl Rings {
         self.with_producer(|p| p.push(delta)).unwrap_or(false)
     }
 
-    /// A new booking id from this thread's ring (unique among this sync's
-    /// bookings), and its delta pushed: `(id, queued)`.
-    #[inline]
-    pub(super) fn push_new(&self, delta: impl FnOnce(u64) -> Delta) -> (u64, bool) {
-        self.with_producer(|p| {
-            let id = p.next_id();
-            (id, p.push(delta(id)))
-        })
-        .unwrap_or((0, false))
-    }
-
     /// Runs `f` on this thread's producer for these rings; `None` (counted
     /// as a drop) once the thread's rings are gone: a booking released by
     /// another thread-local's destructor at thread exit.
@@ -228,8 +209,6 @@ impl Rings {
         list.live.push(Arc::clone(&ring));
         Producer {
             key: self.key,
-            serial: RING_SERIALS.fetch_add(1, Ordering::Relaxed),
-            sequence: 0,
             ring,
             _not_send: PhantomData,
         }
@@ -244,8 +223,6 @@ thread_local! {
 /// the thread-local list).
 struct Producer {
     key: u64,
-    serial: u64,
-    sequence: u64,
     ring: Arc<Ring>,
     _not_send: PhantomData<*const ()>,
 }
@@ -272,12 +249,6 @@ impl Producer {
         unsafe { (*slot.get()).write(delta) };
         ring.tail.store(tail.wrapping_add(1), Ordering::Release);
         true
-    }
-
-    #[inline]
-    fn next_id(&mut self) -> u64 {
-        self.sequence = (self.sequence + 1) & ((1 << SEQUENCE_BITS) - 1);
-        self.serial << SEQUENCE_BITS | self.sequence
     }
 }
 
@@ -318,21 +289,26 @@ mod tests {
     }
 
     #[test]
-    fn ids_are_unique_across_threads_and_an_ended_threads_ring_is_drained_then_forgotten() {
+    fn every_threads_deltas_are_drained_once_and_an_ended_threads_ring_is_forgotten() {
         let rings = Arc::new(Rings::new(1024));
-        let threads: Vec<_> = (0..4)
-            .map(|_| {
+        let threads: Vec<_> = (0..4u64)
+            .map(|t| {
                 let rings = Arc::clone(&rings);
-                std::thread::spawn(move || (0..100).map(|_| rings.push_new(book).0).collect::<Vec<_>>())
+                std::thread::spawn(move || (0..100).all(|i| rings.push(book(t * 1000 + i))))
             })
             .collect();
-        let mut ids: Vec<u64> = threads.into_iter().flat_map(|t| t.join().unwrap()).collect();
+        assert!(threads.into_iter().all(|t| t.join().unwrap()), "no ring was full");
         let mut drained = Vec::new();
         assert_eq!(rings.drain(|d| drained.push(d)), 400);
         assert_eq!(rings.rings.lock().unwrap().live.len(), 0, "the threads ended");
-        ids.sort_unstable();
-        ids.dedup();
-        assert_eq!(ids.len(), 400, "ids are unique");
+        drained.sort_unstable_by_key(|d| match d {
+            Delta::Book(id, _) => *id,
+            _ => unreachable!("only bookings were pushed"),
+        });
+        let expected: Vec<_> = (0..4u64)
+            .flat_map(|t| (0..100).map(move |i| book(t * 1000 + i)))
+            .collect();
+        assert_eq!(drained, expected, "each delta once");
     }
 
     #[test]

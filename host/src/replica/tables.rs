@@ -1,7 +1,7 @@
 //! The booking tables replica sync keeps: this replica's own outstanding
-//! bookings ([`OwnBookings`], what a snapshot it sends holds) and its
-//! peers' ([`PeerTables`], one table per peer and their sum per worker
-//! rank).
+//! bookings and reported loads ([`OwnBookings`], what a snapshot it sends
+//! holds) and its peers' ([`PeerTables`], one table per peer and their
+//! sum per worker rank).
 //!
 //! The rules for a peer's messages, which make applying them idempotent
 //! and keep a snapshot from counting a delta twice:
@@ -17,7 +17,9 @@
 //!
 //! A booking that is booked again replaces itself; a prefill completion or
 //! a release of a booking the table does not hold changes nothing (it is
-//! counted). This module is plain data: no I/O, no clock of its own (the
+//! counted). A reported load replaces the peer's earlier report for that
+//! worker rank (zero removes it); a peer's load on a worker rank is its
+//! bookings there plus its report. This module is plain data: no I/O, no clock of its own (the
 //! caller passes `now`), and it never touches the fleet.
 
 use std::collections::hash_map::Entry;
@@ -26,15 +28,17 @@ use std::time::{Duration, Instant};
 
 use rustc_hash::FxHashMap;
 
-use super::wire::{Body, Booked, Delta, Envelope};
+use super::wire::{Body, Booked, Delta, Envelope, Loaded};
 use super::RemoteLoad;
 use crate::types::WorkerWithDpRank;
 
-/// This replica's outstanding bookings, as the deltas it recorded left
-/// them.
+/// This replica's outstanding bookings and reported loads, as the deltas
+/// it recorded left them.
 #[derive(Default)]
 pub(crate) struct OwnBookings {
     bookings: FxHashMap<u64, Booked>,
+    /// Non-zero reported loads only.
+    loads: FxHashMap<WorkerWithDpRank, RemoteLoad>,
 }
 
 impl OwnBookings {
@@ -54,6 +58,14 @@ impl OwnBookings {
                 Some(delta)
             }
             Delta::Release(id) => self.bookings.remove(&id).map(|_| delta),
+            Delta::Load(Loaded { worker, load }) => {
+                let old = if load == RemoteLoad::default() {
+                    self.loads.remove(&worker)
+                } else {
+                    self.loads.insert(worker, load)
+                };
+                (old.unwrap_or_default() != load).then_some(delta)
+            }
         }
     }
 
@@ -62,8 +74,17 @@ impl OwnBookings {
         self.bookings.iter().map(|(&id, &b)| (id, b)).collect()
     }
 
+    /// Every non-zero reported load, for a snapshot.
+    pub(crate) fn loads(&self) -> Vec<Loaded> {
+        self.loads
+            .iter()
+            .map(|(&worker, &load)| Loaded { worker, load })
+            .collect()
+    }
+
+    /// Bookings and reported loads held.
     pub(crate) fn len(&self) -> usize {
-        self.bookings.len()
+        self.bookings.len() + self.loads.len()
     }
 }
 
@@ -89,6 +110,7 @@ struct Staging {
     seq: u64,
     next_part: u32,
     bookings: Vec<(u64, Booked)>,
+    loads: Vec<Loaded>,
 }
 
 /// One peer as this replica knows it.
@@ -99,8 +121,22 @@ struct Peer {
     heard: Instant,
     /// When this replica last asked it for a snapshot.
     asked: Option<Instant>,
-    bookings: FxHashMap<u64, Booked>,
+    held: Held,
     staging: Option<Staging>,
+}
+
+/// What one peer holds: its bookings and its reported loads (non-zero
+/// only).
+#[derive(Default)]
+struct Held {
+    bookings: FxHashMap<u64, Booked>,
+    loads: FxHashMap<WorkerWithDpRank, RemoteLoad>,
+}
+
+impl Held {
+    fn len(&self) -> usize {
+        self.bookings.len() + self.loads.len()
+    }
 }
 
 impl Peer {
@@ -110,7 +146,7 @@ impl Peer {
             last_seq: 0,
             heard: now,
             asked: None,
-            bookings: FxHashMap::default(),
+            held: Held::default(),
             staging: None,
         }
     }
@@ -132,28 +168,52 @@ struct Aggregate<'a> {
     version: &'a mut u64,
 }
 
+/// One booking's load.
+fn load_of(b: Booked) -> RemoteLoad {
+    RemoteLoad {
+        requests: 1,
+        prefill_tokens: u64::from(b.prefill_tokens),
+        decode_blocks: u64::from(b.decode_blocks),
+    }
+}
+
 impl Aggregate<'_> {
     fn add(&mut self, b: Booked) {
-        let load = self.loads.entry(b.worker).or_default();
-        load.requests += 1;
-        load.prefill_tokens += u64::from(b.prefill_tokens);
-        load.decode_blocks += u64::from(b.decode_blocks);
-        *self.version += 1;
+        self.add_load(b.worker, load_of(b));
     }
 
     fn sub(&mut self, b: Booked) {
-        if let Some(load) = self.loads.get_mut(&b.worker) {
-            load.requests = load.requests.saturating_sub(1);
-            load.prefill_tokens = load.prefill_tokens.saturating_sub(u64::from(b.prefill_tokens));
-            load.decode_blocks = load.decode_blocks.saturating_sub(u64::from(b.decode_blocks));
+        self.sub_load(b.worker, load_of(b));
+    }
+
+    fn add_load(&mut self, worker: WorkerWithDpRank, add: RemoteLoad) {
+        if add == RemoteLoad::default() {
+            return;
+        }
+        let load = self.loads.entry(worker).or_default();
+        load.requests = load.requests.saturating_add(add.requests);
+        load.prefill_tokens = load.prefill_tokens.saturating_add(add.prefill_tokens);
+        load.decode_blocks = load.decode_blocks.saturating_add(add.decode_blocks);
+        *self.version += 1;
+    }
+
+    fn sub_load(&mut self, worker: WorkerWithDpRank, sub: RemoteLoad) {
+        if sub == RemoteLoad::default() {
+            return;
+        }
+        if let Some(load) = self.loads.get_mut(&worker) {
+            load.requests = load.requests.saturating_sub(sub.requests);
+            load.prefill_tokens = load.prefill_tokens.saturating_sub(sub.prefill_tokens);
+            load.decode_blocks = load.decode_blocks.saturating_sub(sub.decode_blocks);
             if *load == RemoteLoad::default() {
-                self.loads.remove(&b.worker);
+                self.loads.remove(&worker);
             }
             *self.version += 1;
         }
     }
 
-    fn apply(&mut self, bookings: &mut FxHashMap<u64, Booked>, delta: Delta, applied: &mut Applied) {
+    fn apply(&mut self, held: &mut Held, delta: Delta, applied: &mut Applied) {
+        let bookings = &mut held.bookings;
         match delta {
             Delta::Book(id, booked) => match bookings.insert(id, booked) {
                 Some(old) if old == booked => {}
@@ -178,12 +238,36 @@ impl Aggregate<'_> {
                 Some(old) => self.sub(old),
                 None => applied.unknown += 1,
             },
+            Delta::Load(Loaded { worker, load }) => {
+                let old = if load == RemoteLoad::default() {
+                    held.loads.remove(&worker)
+                } else {
+                    held.loads.insert(worker, load)
+                };
+                let old = old.unwrap_or_default();
+                if old != load {
+                    self.sub_load(worker, old);
+                    self.add_load(worker, load);
+                }
+            }
         }
     }
 
-    fn remove_all(&mut self, bookings: &FxHashMap<u64, Booked>) {
-        for &b in bookings.values() {
+    fn add_all(&mut self, held: &Held) {
+        for &b in held.bookings.values() {
+            self.add(b);
+        }
+        for (&worker, &load) in &held.loads {
+            self.add_load(worker, load);
+        }
+    }
+
+    fn remove_all(&mut self, held: &Held) {
+        for &b in held.bookings.values() {
             self.sub(b);
+        }
+        for (&worker, &load) in &held.loads {
+            self.sub_load(worker, load);
         }
     }
 }
@@ -202,7 +286,7 @@ impl PeerTables {
             Entry::Occupied(mut o) => {
                 // The same id, restarted: its earlier bookings went with it.
                 let old = std::mem::replace(o.get_mut(), Peer::new(message.incarnation, now));
-                aggregate.remove_all(&old.bookings);
+                aggregate.remove_all(&old.held);
                 applied.new_peer = true;
                 o.into_mut()
             }
@@ -225,13 +309,18 @@ impl PeerTables {
                 gap |= peer.staging.take().is_some();
                 applied.deltas = deltas.len() as u64;
                 for delta in deltas {
-                    aggregate.apply(&mut peer.bookings, delta, &mut applied);
+                    aggregate.apply(&mut peer.held, delta, &mut applied);
                 }
                 peer.last_seq = message.seq;
             }
             Body::Heartbeat => gap = message.seq > peer.last_seq,
             Body::SnapshotRequest(_) => {}
-            Body::Snapshot { part, last, bookings } => {
+            Body::Snapshot {
+                part,
+                last,
+                bookings,
+                loads,
+            } => {
                 if message.seq < peer.last_seq {
                     // Older than what is applied (a reordering): no use.
                     return applied;
@@ -242,10 +331,12 @@ impl PeerTables {
                             seq: message.seq,
                             next_part: 1,
                             bookings,
+                            loads,
                         })
                     }
                     (n, Some(s)) if s.seq == message.seq && s.next_part == n => {
                         s.bookings.extend(bookings);
+                        s.loads.extend(loads);
                         s.next_part += 1;
                     }
                     _ => {
@@ -256,11 +347,17 @@ impl PeerTables {
                 }
                 if last {
                     if let Some(staging) = peer.staging.take() {
-                        aggregate.remove_all(&peer.bookings);
-                        peer.bookings = staging.bookings.into_iter().collect();
-                        for &b in peer.bookings.values() {
-                            aggregate.add(b);
-                        }
+                        aggregate.remove_all(&peer.held);
+                        peer.held = Held {
+                            bookings: staging.bookings.into_iter().collect(),
+                            loads: staging
+                                .loads
+                                .into_iter()
+                                .filter(|l| l.load != RemoteLoad::default())
+                                .map(|l| (l.worker, l.load))
+                                .collect(),
+                        };
+                        aggregate.add_all(&peer.held);
                         peer.last_seq = staging.seq;
                         peer.asked = None;
                         applied.snapshot = true;
@@ -276,7 +373,8 @@ impl PeerTables {
     }
 
     /// Removes the peers not heard from within `timeout`, with their load;
-    /// returns each one's id and how many bookings it held.
+    /// returns each one's id and how many bookings and reported loads it
+    /// held.
     pub(crate) fn expire(&mut self, now: Instant, timeout: Duration) -> Vec<(u64, usize)> {
         let gone: Vec<u64> = self
             .peers
@@ -291,8 +389,8 @@ impl PeerTables {
         gone.into_iter()
             .filter_map(|id| {
                 let peer = self.peers.remove(&id)?;
-                aggregate.remove_all(&peer.bookings);
-                Some((id, peer.bookings.len()))
+                aggregate.remove_all(&peer.held);
+                Some((id, peer.held.len()))
             })
             .collect()
     }
@@ -407,7 +505,12 @@ mod tests {
         let (mut t, now) = (PeerTables::default(), Instant::now());
         t.apply(msg(1, 1, Body::Deltas(vec![Delta::Book(1, booked(1, 1))])), now, ASK);
         // Batches 2 and 3 were missed; the snapshot reflects batch 3.
-        let part = |part, last, bookings| Body::Snapshot { part, last, bookings };
+        let part = |part, last, bookings| Body::Snapshot {
+            part,
+            last,
+            bookings,
+            loads: vec![],
+        };
         t.apply(msg(1, 3, part(0, false, vec![(2, booked(10, 0))])), now, ASK);
         assert_eq!(t.load(W), load(1, 1, 1), "nothing changes before the last part");
         let a = t.apply(msg(1, 3, part(1, true, vec![(3, booked(20, 0))])), now, ASK);
@@ -445,6 +548,94 @@ mod tests {
         assert_eq!(t.expire(later, Duration::from_secs(1)), [(2, 1)]);
         assert!(t.loads().is_empty());
         assert_eq!(t.peers(), 1);
+    }
+
+    fn report(worker: WorkerWithDpRank, requests: u64, prefill_tokens: u64, decode_blocks: u64) -> Delta {
+        Delta::Load(Loaded {
+            worker,
+            load: load(requests, prefill_tokens, decode_blocks),
+        })
+    }
+
+    #[test]
+    fn a_reported_load_replaces_the_last_report_and_adds_to_the_peers_bookings() {
+        let (mut t, now) = (PeerTables::default(), Instant::now());
+        let other = WorkerWithDpRank::new(6, 0);
+        t.apply(
+            msg(
+                1,
+                1,
+                Body::Deltas(vec![
+                    Delta::Book(10, booked(100, 4)),
+                    report(W, 3, 30, 9),
+                    report(other, 1, 0, 1),
+                ]),
+            ),
+            now,
+            ASK,
+        );
+        assert_eq!(
+            t.load(W),
+            load(4, 130, 13),
+            "a booking and a report on one worker rank add up"
+        );
+        t.apply(msg(2, 1, Body::Deltas(vec![report(W, 1, 1, 1)])), now, ASK);
+        assert_eq!(t.load(W), load(5, 131, 14), "two peers add up");
+        let v = t.version();
+        t.apply(msg(1, 2, Body::Deltas(vec![report(W, 3, 30, 9)])), now, ASK);
+        assert_eq!(
+            (t.load(W), t.version()),
+            (load(5, 131, 14), v),
+            "the same report changes nothing"
+        );
+        t.apply(msg(1, 3, Body::Deltas(vec![report(W, 2, 0, 6)])), now, ASK);
+        assert_eq!(t.load(W), load(4, 101, 11), "a report replaces the last one");
+        t.apply(
+            msg(
+                1,
+                4,
+                Body::Deltas(vec![report(W, 0, 0, 0), Delta::Release(10), report(other, 0, 0, 0)]),
+            ),
+            now,
+            ASK,
+        );
+        assert_eq!(t.loads(), [(W, load(1, 1, 1))], "a zero report removes it");
+        // A snapshot replaces bookings and reports alike.
+        let snapshot = Body::Snapshot {
+            part: 0,
+            last: true,
+            bookings: vec![(11, booked(5, 5))],
+            loads: vec![Loaded {
+                worker: other,
+                load: load(7, 0, 7),
+            }],
+        };
+        t.apply(msg(1, 4, snapshot), now, ASK);
+        assert_eq!(t.loads(), [(W, load(2, 6, 6)), (other, load(7, 0, 7))]);
+        // The peer restarts: its reports go with it.
+        let restarted = Envelope {
+            incarnation: 2,
+            ..msg(1, 0, Body::Heartbeat)
+        };
+        t.apply(restarted, now, ASK);
+        assert_eq!(t.loads(), [(W, load(1, 1, 1))]);
+        assert_eq!(t.expire(now + Duration::from_secs(2), Duration::from_secs(1)).len(), 2);
+        assert!(t.loads().is_empty());
+    }
+
+    #[test]
+    fn own_reports_forward_only_changes() {
+        let mut own = OwnBookings::default();
+        assert_eq!(
+            own.apply(report(W, 0, 0, 0)),
+            None,
+            "zero is what an unreported worker holds"
+        );
+        assert!(own.apply(report(W, 2, 3, 4)).is_some());
+        assert_eq!(own.apply(report(W, 2, 3, 4)), None);
+        assert_eq!(own.len(), 1);
+        assert!(own.apply(report(W, 0, 0, 0)).is_some());
+        assert_eq!((own.len(), own.loads()), (0, vec![]));
     }
 
     #[test]

@@ -6,9 +6,10 @@
 //! publish: snapshot request (every peer), heartbeat
 //! loop, whichever comes first:
 //!     stop                      -> publish the open batch; end
-//!     batch tick                -> drain the recording threads' rings into the own
-//!                                  table and the batch (a full batch is published
-//!                                  at once), then publish the batch (seq + 1)
+//!     batch tick                -> drain the recording threads' rings and the
+//!                                  reported loads into the own table and the batch
+//!                                  (changes only; a full batch is published at
+//!                                  once), then publish the batch (seq + 1)
 //!     a message on the subject  -> own: ignore; a snapshot request for this
 //!                                  replica: publish the open batch, then the
 //!                                  snapshot; else apply to the peer tables,
@@ -23,6 +24,7 @@
 //! shared tables and counters; it never touches the fleet, and nothing on
 //! the selection path waits for it.
 
+use std::ops::Range;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -32,9 +34,12 @@ use async_nats::{Client, ConnectOptions, Event, Subject, Subscriber};
 use futures_util::StreamExt;
 use tokio::sync::mpsc as async_mpsc;
 
+use rustc_hash::FxHashMap;
+
 use super::tables::OwnBookings;
-use super::wire::{Body, Delta, Envelope, ENVELOPE_BYTES, SNAPSHOT_ROW_BYTES};
-use super::{bump, ReplicaSyncOptions, Shared};
+use super::wire::{Body, Delta, Envelope, Loaded, ENVELOPE_BYTES, SNAPSHOT_ROW_BYTES};
+use super::{bump, RemoteLoad, ReplicaSyncOptions, Shared};
+use crate::types::WorkerWithDpRank;
 
 /// The server's payload limit when it has not said (NATS' default).
 const DEFAULT_MAX_PAYLOAD: usize = 1 << 20;
@@ -49,6 +54,8 @@ pub(super) struct SyncLoop {
     batch: Vec<Delta>,
     /// The deltas of one drain (kept for its capacity).
     drained: Vec<Delta>,
+    /// The loads reported for one drain (kept for its capacity).
+    reported: FxHashMap<WorkerWithDpRank, RemoteLoad>,
     /// Prefill completions and releases of bookings not (yet) in the own
     /// table, held back for one drain.
     held_back: Vec<Delta>,
@@ -81,6 +88,7 @@ impl SyncLoop {
             own: OwnBookings::default(),
             batch,
             drained: Vec::new(),
+            reported: FxHashMap::default(),
             held_back: Vec::new(),
             seq: 0,
             disconnected: false,
@@ -198,12 +206,21 @@ impl SyncLoop {
         }
     }
 
-    /// Moves the deltas recorded so far into the own table and the open
-    /// batch. A prefill completion or release of a booking the own table
+    /// Moves the deltas recorded and the loads reported so far into the
+    /// own table and the open batch (a reported load only if it changed).
+    /// A prefill completion or release of a booking the own table
     /// does not hold waits for the next drain (its booking may sit in
     /// another thread's ring, drained earlier: see `ring`), and is then
     /// dropped if still unknown (its booking was dropped from a full ring).
     async fn drain(&mut self, link: &Link) {
+        let mut reported = std::mem::take(&mut self.reported);
+        std::mem::swap(&mut reported, &mut *self.shared.reported());
+        for (worker, load) in reported.drain() {
+            if let Some(delta) = self.own.apply(Delta::Load(Loaded { worker, load })) {
+                self.push_delta(link, delta).await;
+            }
+        }
+        self.reported = reported;
         let mut drained = std::mem::take(&mut self.drained);
         self.shared.rings.drain(|delta| drained.push(delta));
         let held_back = std::mem::take(&mut self.held_back);
@@ -262,8 +279,9 @@ impl SyncLoop {
         }
     }
 
-    /// Publishes the open batch, then the own table as of it, in parts
-    /// that fit the server's payload limit.
+    /// Publishes the open batch, then the own table (bookings, then
+    /// reported loads) as of it, in parts that fit the server's payload
+    /// limit.
     async fn send_snapshot(&mut self, link: &Link) {
         self.publish_batch(link).await;
         let max_payload = match link.client.server_info().max_payload {
@@ -272,15 +290,18 @@ impl SyncLoop {
         };
         let per_part = (max_payload.saturating_sub(ENVELOPE_BYTES) / SNAPSHOT_ROW_BYTES).max(1);
         let rows = self.own.rows();
-        let parts = rows.len().div_ceil(per_part).max(1);
+        let loads = self.own.loads();
+        let total = rows.len() + loads.len();
+        let parts = total.div_ceil(per_part).max(1);
         for part in 0..parts {
-            let chunk = rows
-                .get(part * per_part..rows.len().min((part + 1) * per_part))
-                .unwrap_or(&[]);
+            let (of_bookings, of_loads) = part_ranges(rows.len(), total, per_part, part);
+            let bookings = rows.get(of_bookings).unwrap_or(&[]);
+            let loads = loads.get(of_loads).unwrap_or(&[]);
             let message = self.envelope(Body::Snapshot {
                 part: part as u32,
                 last: part + 1 == parts,
-                bookings: chunk.to_vec(),
+                bookings: bookings.to_vec(),
+                loads: loads.to_vec(),
             });
             if !self.publish(link, &message).await {
                 return;
@@ -288,7 +309,7 @@ impl SyncLoop {
         }
         tracing::debug!(
             replica = self.replica,
-            bookings = self.own.len(),
+            held = self.own.len(),
             parts,
             seq = self.seq,
             "replica sync snapshot sent"
@@ -378,11 +399,11 @@ impl SyncLoop {
         c.peers.store(tables.peers() as u64, Ordering::Relaxed);
         bump(&c.peers_expired, gone.len() as u64);
         drop(tables);
-        for (peer, bookings) in gone {
+        for (peer, held) in gone {
             tracing::warn!(
                 replica = self.replica,
                 peer,
-                bookings,
+                held,
                 ?timeout,
                 "replica sync peer silent; its load is removed"
             );
@@ -412,7 +433,50 @@ impl SyncLoop {
     }
 }
 
+/// Which bookings and which loads snapshot part `part` holds, of
+/// `bookings` bookings followed by loads, `total` rows in all, `per_part`
+/// rows a part.
+fn part_ranges(bookings: usize, total: usize, per_part: usize, part: usize) -> (Range<usize>, Range<usize>) {
+    let start = (part * per_part).min(total);
+    let end = total.min(start + per_part);
+    (
+        start.min(bookings)..end.min(bookings),
+        start.saturating_sub(bookings)..end.saturating_sub(bookings),
+    )
+}
+
 /// Resolves once the stop sender is dropped.
 async fn stopped(mut stop: tokio::sync::watch::Receiver<()>) {
     while stop.changed().await.is_ok() {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::part_ranges;
+
+    #[test]
+    fn snapshot_parts_hold_every_booking_then_every_load_once() {
+        for bookings in 0..7usize {
+            for loads in 0..7usize {
+                for per_part in 1..5usize {
+                    let total = bookings + loads;
+                    let parts = total.div_ceil(per_part).max(1);
+                    let (mut seen_b, mut seen_l) = (Vec::new(), Vec::new());
+                    for part in 0..parts {
+                        let (b, l) = part_ranges(bookings, total, per_part, part);
+                        assert!(b.len() + l.len() <= per_part, "part {part} too big");
+                        assert!(part + 1 == parts || b.len() + l.len() == per_part, "part {part} short");
+                        seen_b.extend(b);
+                        seen_l.extend(l);
+                    }
+                    assert_eq!(
+                        seen_b,
+                        (0..bookings).collect::<Vec<_>>(),
+                        "{bookings} {loads} {per_part}"
+                    );
+                    assert_eq!(seen_l, (0..loads).collect::<Vec<_>>(), "{bookings} {loads} {per_part}");
+                }
+            }
+        }
+    }
 }

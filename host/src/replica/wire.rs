@@ -14,14 +14,24 @@
 //! Every replica sees every snapshot, which is harmless (it replaces that
 //! peer's table with what the table should hold), and refreshes them all.
 //!
+//! A replica says what it holds in one of two ways, and a peer sums both:
+//! per booking (`Book` / `PrefillComplete` / `Release`, what
+//! [`ReplicaSync::record_book`](super::ReplicaSync::record_book) and its
+//! siblings send) or per worker rank (`Load`: "my load on this worker
+//! rank is now ...", what
+//! [`ReplicaSync::report_load`](super::ReplicaSync::report_load) sends,
+//! and what a service's sync thread reports from its fleet's counters).
+//!
 //! The encoding is JSON with one-letter keys and tuples for the bookings
-//! (`{"r":7,"i":9,"s":3,"m":{"d":[{"B":[41,[12,0,900,3]]},{"R":40}]}}`):
+//! and loads
+//! (`{"r":7,"i":9,"s":3,"m":{"d":[{"B":[41,[12,0,900,3]]},{"R":40},{"L":[12,0,[2,0,6]]}]}}`):
 //! serde_json is already a dependency, a batch of 256 deltas is about
 //! 10 KiB, and `nats sub` shows it readably. This module only encodes and
 //! decodes; it keeps no state.
 
 use serde::{Deserialize, Serialize};
 
+use super::RemoteLoad;
 use crate::types::WorkerWithDpRank;
 
 /// One outstanding booking's load: the worker rank it holds and what it
@@ -60,6 +70,43 @@ impl<'de> Deserialize<'de> for Booked {
     }
 }
 
+/// A replica's whole load on one worker rank, as it reports it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Loaded {
+    pub(crate) worker: WorkerWithDpRank,
+    pub(crate) load: RemoteLoad,
+}
+
+/// The wire form of [`Loaded`]: `[worker_id, dp_rank, [requests, prefill, decode]]`.
+#[derive(Serialize, Deserialize)]
+struct LoadedTuple(u64, u32, (u64, u64, u64));
+
+impl Serialize for Loaded {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let l = self.load;
+        LoadedTuple(
+            self.worker.worker_id,
+            self.worker.dp_rank,
+            (l.requests, l.prefill_tokens, l.decode_blocks),
+        )
+        .serialize(s)
+    }
+}
+
+impl<'de> Deserialize<'de> for Loaded {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let LoadedTuple(worker_id, dp_rank, (requests, prefill_tokens, decode_blocks)) = LoadedTuple::deserialize(d)?;
+        Ok(Loaded {
+            worker: WorkerWithDpRank::new(worker_id, dp_rank),
+            load: RemoteLoad {
+                requests,
+                prefill_tokens,
+                decode_blocks,
+            },
+        })
+    }
+}
+
 /// One change to a replica's bookings. Output-block growth is not synced
 /// (as in Dynamo): a booking carries its decode blocks as booked.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -73,6 +120,10 @@ pub(crate) enum Delta {
     /// The booking was released.
     #[serde(rename = "R")]
     Release(u64),
+    /// The replica's load on a worker rank is now this (all of it, not a
+    /// change: zero removes it): `[worker_id, dp_rank, [requests, prefill, decode]]`.
+    #[serde(rename = "L")]
+    Load(Loaded),
 }
 
 /// What a message says.
@@ -88,7 +139,8 @@ pub(crate) enum Body {
     /// from one.
     #[serde(rename = "q")]
     SnapshotRequest(Option<u64>),
-    /// One part of the sender's outstanding bookings as of batch `seq`.
+    /// One part of the sender's outstanding bookings and reported loads as
+    /// of batch `seq`.
     /// Parts are numbered from 0 and sent back to back; the receiver
     /// replaces its table for the sender when the part marked `last`
     /// arrives after all the others.
@@ -100,6 +152,8 @@ pub(crate) enum Body {
         last: bool,
         #[serde(rename = "b")]
         bookings: Vec<(u64, Booked)>,
+        #[serde(rename = "w", default, skip_serializing_if = "Vec::is_empty")]
+        loads: Vec<Loaded>,
     },
 }
 
@@ -130,11 +184,11 @@ impl Envelope {
     }
 }
 
-/// The most bytes one booking takes in a snapshot part (`[id,[w,r,p,d]],`
-/// with every number at its longest), so a part of
-/// `(max_payload - ENVELOPE_BYTES) / SNAPSHOT_ROW_BYTES` bookings fits the
-/// server's payload limit.
-pub(crate) const SNAPSHOT_ROW_BYTES: usize = 1 + 20 + 2 + 20 + 1 + 10 + 1 + 10 + 1 + 10 + 3;
+/// The most bytes one booking (`[id,[w,r,p,d]],`) or one load
+/// (`[w,r,[n,p,d]],`) takes in a snapshot part, with every number at its
+/// longest, so a part of `(max_payload - ENVELOPE_BYTES) /
+/// SNAPSHOT_ROW_BYTES` rows fits the server's payload limit.
+pub(crate) const SNAPSHOT_ROW_BYTES: usize = 1 + 20 + 1 + 10 + 2 + 20 + 1 + 20 + 1 + 20 + 3;
 /// An upper bound on a snapshot part's bytes besides its bookings.
 pub(crate) const ENVELOPE_BYTES: usize = 128;
 
@@ -149,16 +203,24 @@ mod tests {
             prefill_tokens: 900,
             decode_blocks: 3,
         };
+        let loaded = Loaded {
+            worker: WorkerWithDpRank::new(12, 0),
+            load: RemoteLoad {
+                requests: 2,
+                prefill_tokens: 0,
+                decode_blocks: 6,
+            },
+        };
         let e = Envelope {
             replica: 7,
             incarnation: 9,
             seq: 3,
-            body: Body::Deltas(vec![Delta::Book(41, booked), Delta::Release(40)]),
+            body: Body::Deltas(vec![Delta::Book(41, booked), Delta::Release(40), Delta::Load(loaded)]),
         };
         let bytes = e.encode();
         assert_eq!(
             std::str::from_utf8(&bytes).unwrap(),
-            r#"{"r":7,"i":9,"s":3,"m":{"d":[{"B":[41,[12,0,900,3]]},{"R":40}]}}"#
+            r#"{"r":7,"i":9,"s":3,"m":{"d":[{"B":[41,[12,0,900,3]]},{"R":40},{"L":[12,0,[2,0,6]]}]}}"#
         );
         assert_eq!(Envelope::decode(&bytes).unwrap(), e);
         for body in [
@@ -169,6 +231,13 @@ mod tests {
                 part: 1,
                 last: true,
                 bookings: vec![(1, booked)],
+                loads: vec![],
+            },
+            Body::Snapshot {
+                part: 0,
+                last: false,
+                bookings: vec![],
+                loads: vec![loaded],
             },
         ] {
             let e = Envelope { body, ..e.clone() };
@@ -188,6 +257,17 @@ mod tests {
         );
         let one = serde_json::to_vec(&[row]).unwrap().len();
         let two = serde_json::to_vec(&[row, row]).unwrap().len();
+        assert!(two - one <= SNAPSHOT_ROW_BYTES, "{} > {SNAPSHOT_ROW_BYTES}", two - one);
+        let load = Loaded {
+            worker: WorkerWithDpRank::new(u64::MAX, u32::MAX),
+            load: RemoteLoad {
+                requests: u64::MAX,
+                prefill_tokens: u64::MAX,
+                decode_blocks: u64::MAX,
+            },
+        };
+        let one = serde_json::to_vec(&[load]).unwrap().len();
+        let two = serde_json::to_vec(&[load, load]).unwrap().len();
         assert!(two - one <= SNAPSHOT_ROW_BYTES, "{} > {SNAPSHOT_ROW_BYTES}", two - one);
     }
 }

@@ -57,7 +57,7 @@ use session::SessionTable;
 
 pub use poller::{DiscoveryHealth, DiscoveryPoller};
 #[cfg(feature = "nats")]
-pub use replica::RemoteLoadApplier;
+pub use replica::ReplicaSyncThread;
 
 use crate::explain::Explanation;
 

@@ -214,16 +214,10 @@ impl WorkerSelectionService {
             branch = choice.branch.as_str(),
             "selected"
         );
-        #[cfg(feature = "nats")]
-        let sync_id = self
-            .replica
-            .record_book(worker, booking.prefill_tokens(), booking.decode_blocks());
         Booked {
             booking,
             worker,
             why: why(choice, runner_up, route),
-            #[cfg(feature = "nats")]
-            sync_id,
         }
     }
 

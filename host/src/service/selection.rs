@@ -37,9 +37,6 @@ pub struct Booked<H: Deref<Target = WorkerSelectionService>> {
     pub(crate) worker: WorkerWithDpRank,
     /// The explanation less what the service and the booking know.
     pub(crate) why: Why,
-    /// The id replica sync knows this booking by (0: not recorded).
-    #[cfg(feature = "nats")]
-    pub(crate) sync_id: u64,
 }
 
 /// A booking that borrows the service ([`WorkerSelectionService::select`]).
@@ -76,10 +73,6 @@ impl<H: Deref<Target = WorkerSelectionService>> Booked<H> {
     /// its decode blocks stay booked).
     pub fn prefill_complete(&mut self) {
         self.booking.prefill_complete();
-        #[cfg(feature = "nats")]
-        if let (id @ 1.., Some(sync)) = (self.sync_id, self.booking.fleet().0.replica.sync()) {
-            sync.record_prefill_complete(id);
-        }
     }
 
     /// The request produced another KV block.
@@ -120,34 +113,11 @@ impl<H: Deref<Target = WorkerSelectionService>> Booked<H> {
         })?;
         tracing::debug!(from = %self.worker, %to, "booking retargeted");
         self.worker = to;
-        #[cfg(feature = "nats")]
-        if self.sync_id != 0 {
-            // The peers see the move as a release and a new booking.
-            let service = &self.booking.fleet().0;
-            if let Some(sync) = service.replica.sync() {
-                sync.record_release(self.sync_id);
-            }
-            self.sync_id = service
-                .replica
-                .record_book(to, self.booking.prefill_tokens(), self.booking.decode_blocks());
-        }
         Ok(())
     }
 
     /// The request is finished: release everything now.
     pub fn finish(self) {}
-}
-
-/// Replica sync hears of the release (the kernel booking releases itself).
-#[cfg(feature = "nats")]
-impl<H: Deref<Target = WorkerSelectionService>> Drop for Booked<H> {
-    fn drop(&mut self) {
-        if self.sync_id != 0 {
-            if let Some(sync) = self.booking.fleet().0.replica.sync() {
-                sync.record_release(self.sync_id);
-            }
-        }
-    }
 }
 
 impl<H: Deref<Target = WorkerSelectionService>> std::fmt::Debug for Booked<H> {
