@@ -69,6 +69,7 @@ use std::time::{Duration, Instant};
 
 use selkie_benches::index_fixture::IndexFixture;
 use selkie_benches::timing::{batch, Timing};
+use selkie_benches::SplitMix64 as Stream;
 
 use dynamo_kv_router::indexer::{KvIndexerInterface, SyncIndexer, ThreadPoolIndexer};
 use dynamo_kv_router::protocols::{
@@ -131,22 +132,6 @@ const TIMING: Timing = Timing {
 };
 const FULL_PATH_WORKERS: usize = 1024;
 const FULL_PATH_TOKENS: u32 = 2048;
-
-/// A splitmix64 stream: the fleets are the same on every run.
-struct Stream(u64);
-
-impl Stream {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    fn chain(&mut self, n: usize) -> Vec<u64> {
-        (0..n).map(|_| self.next()).collect()
-    }
-}
 
 /// One stored run: the worker, its event id, the parent's sequence hash and
 /// the run's (sequence hash, local hash) pairs.
@@ -259,7 +244,7 @@ impl Fleet {
         q.truncate(QUERY_BLOCKS);
         let mut pad = Stream(0xAD ^ i as u64);
         while q.len() < QUERY_BLOCKS {
-            q.push(pad.next());
+            q.push(pad.next_u64());
         }
         q
     }

@@ -14,19 +14,7 @@ use selkie::{
     WorkerWithDpRank,
 };
 
-struct Stream(u64);
-impl Stream {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    fn chain(&mut self, n: usize) -> Vec<u64> {
-        (0..n).map(|_| self.next()).collect()
-    }
-}
+use selkie_benches::SplitMix64 as Stream;
 
 fn main() {
     let workers: usize = std::env::args().nth(1).map_or(1024, |a| a.parse().expect("workers"));
