@@ -18,8 +18,13 @@
 //!   `AddRequest` / `MarkPrefillCompleted` / `Free` are: for a router that
 //!   keeps its bookings itself.
 //!
-//! Output-block growth is not synced (as in Dynamo): a booking counts with
-//! the decode blocks it was booked with.
+//! In the per-booking form output-block growth is not synced (as in
+//! Dynamo): a booking counts with the decode blocks it was booked with. A
+//! service's reports carry its counters, output blocks included.
+//!
+//! Replicas of one partition must share the message format: a replica
+//! from before the `L` (load) delta cannot decode a batch carrying one, so
+//! it would not count the load a service reports.
 //!
 //! * `wire`: the messages and their encoding (JSON, short keys).
 //! * `tables`: this replica's outstanding bookings and its peers' tables,

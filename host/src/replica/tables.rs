@@ -649,4 +649,172 @@ mod tests {
         assert!(own.apply(Delta::Release(1)).is_some());
         assert_eq!(own.len(), 0);
     }
+
+    /// A model-based check: two peers book, complete prefills, release and
+    /// report loads through `OwnBookings` (as the sync thread does), their
+    /// batches reach this replica's tables (some lost), snapshots split
+    /// into parts, restarts. Whenever no batch is missing, the tables sum
+    /// exactly what each peer's own table holds.
+    mod model {
+        use super::*;
+        use proptest::prelude::*;
+
+        #[derive(Clone, Debug)]
+        enum Op {
+            Book {
+                id: u8,
+                worker: u8,
+                prefill: u16,
+                decode: u8,
+            },
+            Prefill {
+                id: u8,
+            },
+            Release {
+                id: u8,
+            },
+            Report {
+                worker: u8,
+                requests: u8,
+                prefill: u16,
+            },
+            /// The batch open now is lost on its way.
+            Lose,
+            /// The peer sends a snapshot in parts of this many rows.
+            Snapshot {
+                per_part: u8,
+            },
+            /// The peer restarts with nothing (a new incarnation).
+            Restart,
+        }
+
+        fn op() -> impl Strategy<Value = Op> {
+            prop_oneof![
+                4 => (0..12u8, 0..4u8, 0..500u16, 0..8u8)
+                    .prop_map(|(id, worker, prefill, decode)| Op::Book { id, worker, prefill, decode }),
+                2 => (0..12u8).prop_map(|id| Op::Prefill { id }),
+                3 => (0..12u8).prop_map(|id| Op::Release { id }),
+                4 => (4..8u8, 0..4u8, 0..300u16).prop_map(|(worker, requests, prefill)| Op::Report {
+                    worker,
+                    requests,
+                    prefill
+                }),
+                1 => Just(Op::Lose),
+                1 => (1..5u8).prop_map(|per_part| Op::Snapshot { per_part }),
+                1 => Just(Op::Restart),
+            ]
+        }
+
+        /// One peer as its own sync thread sees itself.
+        struct Sender {
+            replica: u64,
+            incarnation: u64,
+            seq: u64,
+            own: OwnBookings,
+            /// A batch since the last snapshot was lost.
+            behind: bool,
+        }
+
+        impl Sender {
+            fn send(&mut self, body: Body) -> Envelope {
+                Envelope {
+                    replica: self.replica,
+                    incarnation: self.incarnation,
+                    seq: self.seq,
+                    body,
+                }
+            }
+
+            /// What this peer holds, per worker rank.
+            fn holds(&self, sum: &mut BTreeMap<WorkerWithDpRank, RemoteLoad>) {
+                let mut add = |w: WorkerWithDpRank, l: RemoteLoad| {
+                    let e = sum.entry(w).or_default();
+                    e.requests += l.requests;
+                    e.prefill_tokens += l.prefill_tokens;
+                    e.decode_blocks += l.decode_blocks;
+                };
+                for (_, b) in self.own.rows() {
+                    add(b.worker, load_of(b));
+                }
+                for l in self.own.loads() {
+                    add(l.worker, l.load);
+                }
+            }
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(512))]
+            #[test]
+            fn the_tables_sum_what_each_peer_holds(ops in proptest::collection::vec((0..2usize, op()), 1..120)) {
+                let now = Instant::now();
+                let mut t = PeerTables::default();
+                let mut peers: Vec<Sender> = (0..2)
+                    .map(|i| Sender { replica: i as u64 + 1, incarnation: 1, seq: 0, own: OwnBookings::default(), behind: false })
+                    .collect();
+                for (who, op) in ops {
+                    let p = &mut peers[who];
+                    let w = |x: u8| WorkerWithDpRank::new(u64::from(x), 0);
+                    let delta = match op {
+                        Op::Book { id, worker, prefill, decode } => Some(Delta::Book(
+                            u64::from(id),
+                            Booked { worker: w(worker), prefill_tokens: u32::from(prefill), decode_blocks: u32::from(decode) },
+                        )),
+                        Op::Prefill { id } => Some(Delta::PrefillComplete(u64::from(id))),
+                        Op::Release { id } => Some(Delta::Release(u64::from(id))),
+                        Op::Report { worker, requests, prefill } => Some(Delta::Load(Loaded {
+                            worker: w(worker),
+                            load: RemoteLoad { requests: u64::from(requests), prefill_tokens: u64::from(prefill), decode_blocks: u64::from(requests) * 2 },
+                        })),
+                        Op::Lose => {
+                            // A batch is published (its number used up) but never arrives.
+                            p.seq += 1;
+                            p.behind = true;
+                            None
+                        }
+                        Op::Snapshot { per_part } => {
+                            let (rows, loads) = (p.own.rows(), p.own.loads());
+                            let per_part = usize::from(per_part);
+                            let total = rows.len() + loads.len();
+                            let parts = total.div_ceil(per_part).max(1);
+                            for part in 0..parts {
+                                let (start, end) = (part * per_part, total.min((part + 1) * per_part));
+                                let b = rows.get(start.min(rows.len())..end.min(rows.len())).unwrap_or(&[]).to_vec();
+                                let l = loads.get(start.saturating_sub(rows.len())..end.saturating_sub(rows.len())).unwrap_or(&[]).to_vec();
+                                let m = p.send(Body::Snapshot { part: part as u32, last: part + 1 == parts, bookings: b, loads: l });
+                                t.apply(m, now, ASK);
+                            }
+                            p.behind = false;
+                            None
+                        }
+                        Op::Restart => {
+                            p.incarnation += 1;
+                            p.seq = 0;
+                            p.own = OwnBookings::default();
+                            p.behind = false;
+                            let m = p.send(Body::Heartbeat);
+                            t.apply(m, now, ASK);
+                            None
+                        }
+                    };
+                    if let Some(delta) = delta {
+                        // The sync thread publishes what changed its own table.
+                        if let Some(delta) = p.own.apply(delta) {
+                            p.seq += 1;
+                            let m = p.send(Body::Deltas(vec![delta]));
+                            t.apply(m, now, ASK);
+                        }
+                    }
+                    if peers.iter().all(|p| !p.behind) {
+                        let mut want = BTreeMap::new();
+                        for p in &peers {
+                            p.holds(&mut want);
+                        }
+                        want.retain(|_, l| *l != RemoteLoad::default());
+                        let got: BTreeMap<_, _> = t.loads().into_iter().collect();
+                        prop_assert_eq!(got, want);
+                    }
+                }
+            }
+        }
+    }
 }

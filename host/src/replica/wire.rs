@@ -107,8 +107,9 @@ impl<'de> Deserialize<'de> for Loaded {
     }
 }
 
-/// One change to a replica's bookings. Output-block growth is not synced
-/// (as in Dynamo): a booking carries its decode blocks as booked.
+/// One change to a replica's bookings. A booking carries its decode blocks
+/// as booked (output-block growth is not synced per booking, as in
+/// Dynamo); a `Load` states whatever the replica reports.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) enum Delta {
     /// A booking was made: `[booking_id, [worker_id, dp_rank, prefill, decode]]`.
