@@ -182,13 +182,11 @@ impl WorkerSelectionService {
     /// Reports this replica's own load on each worker rank whose load
     /// changed since the last call to the replica sync
     /// ([`ReplicaSync::report_load`]), read from the fleet: each row's
-    /// counters less the remote load set on it. A worker rank no longer in
-    /// the fleet is reported at zero once. Returns how many worker ranks
-    /// were reported.
+    /// counters less the remote load set on it.
     ///
     /// A worker rank removed from the fleet while this replica's bookings
     /// still hold its row keeps being reported until they end (its peers
-    /// count them as before), then at zero.
+    /// count them as before), then at zero once its row is freed.
     ///
     /// Off the selection path: it reads every live row's requests counter,
     /// and the other two where this replica holds a request (2 to 4 µs a
