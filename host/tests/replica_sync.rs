@@ -126,7 +126,14 @@ fn a_booking_appears_at_the_peer_and_leaves_on_release() {
     servers::wait_until("A counts its deltas", LONG, || a.stats().published_events == 4);
     let (sa, sb) = (a.stats(), b.stats());
     assert_eq!(sa.published_events, 4, "book, prefill, release, book: {sa:?}");
-    assert_eq!((sb.applied, sb.unknown, sb.peers), (4, 0, 1), "{sb:?}");
+    // B's subscription may reach the server after A's first batch: B's
+    // snapshot of A (asked for at start) then holds it, and B applies the
+    // other three (its load above is the same either way).
+    assert_eq!((sb.unknown, sb.peers), (0, 1), "{sb:?}");
+    assert!(
+        sb.applied == 4 || (sb.applied == 3 && sb.snapshots_received >= 1),
+        "every delta applied once, or covered by a snapshot: {sb:?}"
+    );
     assert_eq!(sa.dropped + sb.dropped, 0);
 }
 
