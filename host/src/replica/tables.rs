@@ -58,14 +58,7 @@ impl OwnBookings {
                 Some(delta)
             }
             Delta::Release(id) => self.bookings.remove(&id).map(|_| delta),
-            Delta::Load(Loaded { worker, load }) => {
-                let old = if load == RemoteLoad::default() {
-                    self.loads.remove(&worker)
-                } else {
-                    self.loads.insert(worker, load)
-                };
-                (old.unwrap_or_default() != load).then_some(delta)
-            }
+            Delta::Load(Loaded { worker, load }) => (set_load(&mut self.loads, worker, load) != load).then_some(delta),
         }
     }
 
@@ -168,6 +161,21 @@ struct Aggregate<'a> {
     version: &'a mut u64,
 }
 
+/// Sets `worker`'s reported load in `loads` (zero removes it, so the map
+/// holds non-zero loads only); returns the load it replaced.
+fn set_load(
+    loads: &mut FxHashMap<WorkerWithDpRank, RemoteLoad>,
+    worker: WorkerWithDpRank,
+    load: RemoteLoad,
+) -> RemoteLoad {
+    let old = if load == RemoteLoad::default() {
+        loads.remove(&worker)
+    } else {
+        loads.insert(worker, load)
+    };
+    old.unwrap_or_default()
+}
+
 /// One booking's load.
 fn load_of(b: Booked) -> RemoteLoad {
     RemoteLoad {
@@ -239,12 +247,7 @@ impl Aggregate<'_> {
                 None => applied.unknown += 1,
             },
             Delta::Load(Loaded { worker, load }) => {
-                let old = if load == RemoteLoad::default() {
-                    held.loads.remove(&worker)
-                } else {
-                    held.loads.insert(worker, load)
-                };
-                let old = old.unwrap_or_default();
+                let old = set_load(&mut held.loads, worker, load);
                 if old != load {
                     self.sub_load(worker, old);
                     self.add_load(worker, load);
@@ -657,6 +660,7 @@ mod tests {
     /// exactly what each peer's own table holds.
     mod model {
         use super::*;
+        use crate::replica::task::part_ranges;
         use proptest::prelude::*;
 
         #[derive(Clone, Debug)]
@@ -777,9 +781,9 @@ mod tests {
                             let total = rows.len() + loads.len();
                             let parts = total.div_ceil(per_part).max(1);
                             for part in 0..parts {
-                                let (start, end) = (part * per_part, total.min((part + 1) * per_part));
-                                let b = rows.get(start.min(rows.len())..end.min(rows.len())).unwrap_or(&[]).to_vec();
-                                let l = loads.get(start.saturating_sub(rows.len())..end.saturating_sub(rows.len())).unwrap_or(&[]).to_vec();
+                                let (of_b, of_l) = part_ranges(rows.len(), total, per_part, part);
+                                let b = rows.get(of_b).unwrap_or(&[]).to_vec();
+                                let l = loads.get(of_l).unwrap_or(&[]).to_vec();
                                 let m = p.send(Body::Snapshot { part: part as u32, last: part + 1 == parts, bookings: b, loads: l });
                                 t.apply(m, now, ASK);
                             }

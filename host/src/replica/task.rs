@@ -436,7 +436,7 @@ impl SyncLoop {
 /// Which bookings and which loads snapshot part `part` holds, of
 /// `bookings` bookings followed by loads, `total` rows in all, `per_part`
 /// rows a part.
-fn part_ranges(bookings: usize, total: usize, per_part: usize, part: usize) -> (Range<usize>, Range<usize>) {
+pub(super) fn part_ranges(bookings: usize, total: usize, per_part: usize, part: usize) -> (Range<usize>, Range<usize>) {
     let start = (part * per_part).min(total);
     let end = total.min(start + per_part);
     (
