@@ -3,9 +3,17 @@
 //! index, synced to the service's rows after each worker's first event, as
 //! that bench times it, without building Dynamo.
 //!
+//! Each build prints its time and the page faults it took. glibc hands a
+//! dropped index's memory back to the system, so every build here faults
+//! its tables in afresh, where the bench's process (Dynamo's indexes built
+//! in between) reuses it; glibc's `MALLOC_TRIM_THRESHOLD_` and
+//! `MALLOC_MMAP_THRESHOLD_` keep it, as there:
+//!
 //! ```text
 //! cargo build --release -p selkie-benches --example ingest_profile
 //! target/release/examples/ingest_profile 1024 5     # workers, builds
+//! MALLOC_TRIM_THRESHOLD_=4000000000 MALLOC_MMAP_THRESHOLD_=4000000000 \
+//!     target/release/examples/ingest_profile 1024 5
 //! valgrind --tool=callgrind target/release/examples/ingest_profile 1024
 //! ```
 use selkie::kv_index::{sequence_hashes_of, KvEvent, KvEventData, KvIndex, StoredBlock};
@@ -66,6 +74,7 @@ fn main() {
         .sync((0..workers as u64).map(WorkerRecord::new).collect())
         .expect("the fleet has room");
     for _ in 0..turns {
+        let faults = minor_faults();
         let start = std::time::Instant::now();
         let mut index = KvIndex::new(16);
         for (w, id, parent, blocks) in &runs {
@@ -81,8 +90,9 @@ fn main() {
             }
         }
         let s = start.elapsed().as_secs_f64();
+        let faults = minor_faults() - faults;
         println!(
-            "{workers} workers: {} events in {:.2} ms ({:.0} events/s), {} blocks, heap {} B ({:.1} B/block)",
+            "{workers} workers: {} events in {:.2} ms ({:.0} events/s, {faults} page faults), {} blocks, heap {} B ({:.1} B/block)",
             runs.len(),
             s * 1e3,
             runs.len() as f64 / s,
@@ -91,4 +101,14 @@ fn main() {
             index.heap_bytes() as f64 / index.block_count() as f64
         );
     }
+}
+
+/// Minor page faults of this process so far (Linux; 0 elsewhere).
+fn minor_faults() -> u64 {
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    // Field 10, counted after the parenthesised command name.
+    stat.rsplit_once(')')
+        .and_then(|(_, rest)| rest.split_whitespace().nth(7))
+        .and_then(|f| f.parse().ok())
+        .unwrap_or(0)
 }

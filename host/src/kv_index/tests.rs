@@ -589,6 +589,57 @@ fn rows_follow_the_layout() {
     assert_eq!(index.block_count(), 1);
 }
 
+/// A rank's table takes room for `RANK_FIRST_ROOM` blocks at its first
+/// stored run and does not grow again until it holds them; a few more (past
+/// 4/5 of its slots) and it grows.
+#[test]
+fn a_ranks_first_run_makes_room_for_the_runs_to_come() {
+    let mut index = index_on(&[W1]);
+    let rank_bytes = |index: &KvIndex| index.ranks[&W1].blocks.heap_bytes();
+    let pairs: Vec<(u64, u64)> = (1..=RANK_FIRST_ROOM as u64 + 8).map(|i| (1000 + i, i)).collect();
+    store(&mut index, W1, 0, Device, None, &pairs[..1]).unwrap();
+    let first = rank_bytes(&index);
+    assert!(first >= RANK_FIRST_ROOM * 5 / 4 * std::mem::size_of::<(u64, HeldBlock)>());
+    let mut id = 1;
+    let mut at = 1;
+    while at < RANK_FIRST_ROOM {
+        let end = (at + 32).min(RANK_FIRST_ROOM);
+        store(&mut index, W1, id, Device, Some(pairs[at - 1].0), &pairs[at..end]).unwrap();
+        assert_eq!(rank_bytes(&index), first, "grown at {end} blocks");
+        (id, at) = (id + 1, end);
+    }
+    store(&mut index, W1, id, Device, Some(pairs[at - 1].0), &pairs[at..]).unwrap();
+    assert!(rank_bytes(&index) > first, "not grown past {RANK_FIRST_ROOM} blocks");
+    // Every block is on the row: the leading run of the whole chain.
+    let locals: Vec<u64> = pairs.iter().map(|p| p.1).collect();
+    assert_eq!(query(&mut index, &locals), vec![(pairs.len() as u32, 0, 0)]);
+}
+
+/// A run longer than the stride the store loop prefetches by (runs of 1 to
+/// 3 strides and a bit, onto a rank holding part of it already) indexes
+/// every block: the overlap of every prefix is its length.
+#[test]
+fn long_runs_are_indexed_whole() {
+    for len in [
+        1,
+        PREFETCH_STRIDE - 1,
+        PREFETCH_STRIDE,
+        PREFETCH_STRIDE + 1,
+        3 * PREFETCH_STRIDE + 5,
+    ] {
+        let mut index = index_on(&[W1, W2]);
+        let pairs: Vec<(u64, u64)> = (1..=len as u64).map(|i| (500 + i, i)).collect();
+        store(&mut index, W2, 0, Device, None, &pairs[..len / 2]).unwrap();
+        store(&mut index, W1, 0, Device, None, &pairs).unwrap();
+        let locals: Vec<u64> = pairs.iter().map(|p| p.1).collect();
+        for n in 1..=len {
+            let got = query(&mut index, &locals[..n]);
+            assert_eq!(got[0], (n as u32, 0, 0), "run of {len}, prefix {n}");
+            assert_eq!(got[1], ((n.min(len / 2)) as u32, 0, 0), "run of {len}, prefix {n}");
+        }
+    }
+}
+
 #[test]
 fn a_query_before_any_sync_is_an_error() {
     let index = KvIndex::new(16);
