@@ -150,15 +150,15 @@ use block_rows::BlockRows;
 use rows::MAX_ROWS;
 use table::HashIndex;
 
-/// Blocks of a stored run whose block table entries are asked into cache
-/// before any of them is applied.
+/// Blocks of a stored run whose table slots (the rank's and the block
+/// table's) are asked into cache before any of them is applied.
 const PREFETCH_STRIDE: usize = 16;
 
 /// Blocks a rank's table has room for from its first stored run on (256
 /// slots, 6 KiB). An engine reports its cache a request's run at a time and
 /// a rank that reports anything soon holds hundreds of blocks: growing a
 /// table through 64 and 128 slots to get there cost about a tenth of a
-/// fleet's ingestion.
+/// fleet's ingestion. A rank that never stores more keeps the 6 KiB.
 const RANK_FIRST_ROOM: usize = 200;
 
 /// A map keyed by worker ranks, with rustc's Fx hash (one multiply per key
@@ -565,9 +565,9 @@ impl KvIndex {
         let first_run = if state.blocks.len() == 0 { RANK_FIRST_ROOM } else { 0 };
         state.blocks.reserve(blocks.len().max(first_run));
         // The run in strides: first every block's sequence hash, with its
-        // block table entry asked into cache, then the blocks applied, so
-        // that the table's cache misses overlap instead of coming one after
-        // another.
+        // slots in the rank's table and the block table asked into cache,
+        // then the blocks applied, so that the tables' cache misses overlap
+        // instead of coming one after another.
         let mut sequences = [0u64; PREFETCH_STRIDE];
         for stride in blocks.chunks(PREFETCH_STRIDE) {
             for (block, slot) in stride.iter().zip(&mut sequences) {

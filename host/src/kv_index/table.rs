@@ -75,10 +75,10 @@ impl<V: Copy + Default> HashIndex<V> {
     /// Asks the CPU to start loading `key`'s home slot, so that a lookup or
     /// insertion of `key` soon after finds it in cache (a hint: the table
     /// is not read or changed, and nothing happens where the target has no
-    /// prefetch instruction).
+    /// prefetch instruction, or under Miri).
     #[inline]
     pub(crate) fn prefetch(&self, key: u64) {
-        #[cfg(target_arch = "x86_64")]
+        #[cfg(all(target_arch = "x86_64", not(miri)))]
         if self.slots() != 0 {
             use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
             let slot: *const (u64, V) = &self.entries[self.home(key)];
@@ -86,7 +86,7 @@ impl<V: Copy + Default> HashIndex<V> {
             // memory; the address is that of an entry of the table.
             unsafe { _mm_prefetch::<_MM_HINT_T0>(slot.cast()) };
         }
-        #[cfg(not(target_arch = "x86_64"))]
+        #[cfg(not(all(target_arch = "x86_64", not(miri))))]
         let _ = key;
     }
 
