@@ -562,7 +562,11 @@ impl KvIndex {
         };
         // One growth of the rank's table for the whole run, if any (and
         // room for a few runs at once on the first).
-        let first_run = if state.blocks.len() == 0 { RANK_FIRST_ROOM } else { 0 };
+        let first_run = if state.blocks.len() == 0 && !blocks.is_empty() {
+            RANK_FIRST_ROOM
+        } else {
+            0
+        };
         state.blocks.reserve(blocks.len().max(first_run));
         // The run in strides: first every block's sequence hash, with its
         // slots in the rank's table and the block table asked into cache,

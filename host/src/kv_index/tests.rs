@@ -616,8 +616,10 @@ fn a_ranks_first_run_makes_room_for_the_runs_to_come() {
 }
 
 /// A run longer than the stride the store loop prefetches by (runs of 1 to
-/// 3 strides and a bit, onto a rank holding part of it already) indexes
-/// every block: the overlap of every prefix is its length.
+/// 3 strides and a bit) indexes every block, onto a rank that already
+/// holds its first third (stored again, unchanged) while another rank holds
+/// its first half: the overlap of every prefix is its length on the first
+/// rank and at most half of the run on the other.
 #[test]
 fn long_runs_are_indexed_whole() {
     for len in [
@@ -630,7 +632,9 @@ fn long_runs_are_indexed_whole() {
         let mut index = index_on(&[W1, W2]);
         let pairs: Vec<(u64, u64)> = (1..=len as u64).map(|i| (500 + i, i)).collect();
         store(&mut index, W2, 0, Device, None, &pairs[..len / 2]).unwrap();
-        store(&mut index, W1, 0, Device, None, &pairs).unwrap();
+        store(&mut index, W1, 0, Device, None, &pairs[..len / 3]).unwrap();
+        store(&mut index, W1, 1, Device, None, &pairs).unwrap();
+        assert_eq!(index.index.ranks[&W1].blocks.len(), len);
         let locals: Vec<u64> = pairs.iter().map(|p| p.1).collect();
         for n in 1..=len {
             let got = query(&mut index, &locals[..n]);
@@ -638,6 +642,15 @@ fn long_runs_are_indexed_whole() {
             assert_eq!(got[1], ((n.min(len / 2)) as u32, 0, 0), "run of {len}, prefix {n}");
         }
     }
+}
+
+/// An empty stored run leaves a new rank's table unallocated: the room a
+/// first run makes is for ranks that store blocks.
+#[test]
+fn an_empty_first_run_allocates_nothing() {
+    let mut index = index_on(&[W1]);
+    store(&mut index, W1, 0, Device, None, &[]).unwrap();
+    assert_eq!(index.index.ranks[&W1].blocks.heap_bytes(), 0);
 }
 
 #[test]
