@@ -111,6 +111,44 @@ impl BlockRows {
         self.change(sequence, row, tier, true, rows);
     }
 
+    /// Adds `tier` of `row` to each block of `sequences`, in order: what
+    /// [`insert`](Self::insert) on each in turn does, with the set a
+    /// streak of blocks moves to (blocks naming the same set one after
+    /// another, as a stored run's blocks do) found once and the streak's
+    /// counts moved at once.
+    pub(crate) fn insert_all(&mut self, sequences: &[u64], row: u32, tier: u8, rows: usize) {
+        // The current streak: `moved` blocks renamed from `from` to `to`,
+        // not counted yet (`next_set` reads the counts, so they are
+        // settled before it is asked again).
+        let (mut from, mut to, mut moved) = (NONE, NONE, 0u32);
+        let mut streak = false;
+        for &sequence in sequences {
+            let entry = self.blocks.index_or_insert(sequence, NONE);
+            let held = self.blocks.at(entry);
+            if !streak || held != from {
+                self.settle(from, to, moved);
+                (from, moved, streak) = (held, 0, true);
+                to = self.next_set(held, row, tier, true, rows);
+            }
+            if to != from {
+                *self.blocks.at_mut(entry) = to;
+                moved += 1;
+            }
+        }
+        self.settle(from, to, moved);
+    }
+
+    /// Counts `moved` blocks renamed from set `from` to set `to`.
+    fn settle(&mut self, from: u32, to: u32, moved: u32) {
+        if moved == 0 {
+            return;
+        }
+        self.sets[to as usize].blocks += moved;
+        if from != NONE {
+            self.release(from, moved);
+        }
+    }
+
     /// Starts loading block `sequence`'s table entry into cache (see
     /// [`HashIndex::prefetch`]).
     #[inline]
@@ -157,7 +195,7 @@ impl BlockRows {
             self.sets[to as usize].blocks += 1;
         }
         if from != NONE {
-            self.release(from);
+            self.release(from, 1);
         }
     }
 
@@ -256,10 +294,10 @@ impl BlockRows {
         }
     }
 
-    /// One block fewer names `id`; frees it when none does.
-    fn release(&mut self, id: u32) {
+    /// `blocks` blocks fewer name `id`; frees it when none does.
+    fn release(&mut self, id: u32, blocks: u32) {
         let set = &mut self.sets[id as usize];
-        set.blocks -= 1;
+        set.blocks -= blocks;
         if set.blocks > 0 {
             return;
         }
@@ -472,17 +510,30 @@ mod tests {
             // Runs: the same change over neighbouring blocks.
             let run = 1 + next(6);
             let add = next(5) < 3;
-            for b in block..block + run {
-                let tiers = plain.entry(b).or_default().entry(row).or_default();
-                if add {
-                    t.insert(b, row, tier, 12);
-                    *tiers |= tier;
-                } else {
-                    t.remove(b, row, tier);
-                    *tiers &= !tier;
+            if add && next(2) == 0 {
+                // The run at once (a block of it sometimes twice), as a
+                // stored run's blocks go onto their row.
+                let mut blocks: Vec<u64> = (block..block + run).collect();
+                if next(3) == 0 {
+                    blocks.push(blocks[next(run) as usize]);
                 }
-                plain.values_mut().for_each(|m| m.retain(|_, v| *v != 0));
-                plain.retain(|_, m| !m.is_empty());
+                t.insert_all(&blocks, row, tier, 12);
+                for &b in &blocks {
+                    *plain.entry(b).or_default().entry(row).or_default() |= tier;
+                }
+            } else {
+                for b in block..block + run {
+                    let tiers = plain.entry(b).or_default().entry(row).or_default();
+                    if add {
+                        t.insert(b, row, tier, 12);
+                        *tiers |= tier;
+                    } else {
+                        t.remove(b, row, tier);
+                        *tiers &= !tier;
+                    }
+                    plain.values_mut().for_each(|m| m.retain(|_, v| *v != 0));
+                    plain.retain(|_, m| !m.is_empty());
+                }
             }
             if step % 97 == 0 {
                 t.check();

@@ -583,6 +583,9 @@ impl KvIndex {
                     self.blocks.prefetch(sequence);
                 }
             }
+            // The stride's blocks this rank now holds in `tier`, put on its
+            // row together (in order, before any removal that follows them).
+            let (mut fresh, mut fresh_len) = ([0u64; PREFETCH_STRIDE], 0);
             for (block, &sequence) in stride.iter().zip(&sequences) {
                 let held = state
                     .blocks
@@ -595,6 +598,8 @@ impl KvIndex {
                 if held.sequence != sequence {
                     // The engine reused a hash for another block: the old one is gone.
                     if let Some(row) = state.row {
+                        self.blocks.insert_all(&fresh[..fresh_len], row, tier, rows);
+                        fresh_len = 0;
                         for t in [rows::DEVICE, rows::HOST, rows::DISK] {
                             if held.tiers() & t != 0 {
                                 self.blocks.remove(held.sequence, row, t);
@@ -605,10 +610,14 @@ impl KvIndex {
                 }
                 if held.tiers() & tier == 0 {
                     held.set_tiers(held.tiers() | tier);
-                    if let Some(row) = state.row {
-                        self.blocks.insert(sequence, row, tier, rows);
+                    if state.row.is_some() {
+                        fresh[fresh_len] = sequence;
+                        fresh_len += 1;
                     }
                 }
+            }
+            if let Some(row) = state.row {
+                self.blocks.insert_all(&fresh[..fresh_len], row, tier, rows);
             }
         }
         Ok(())
