@@ -5,7 +5,10 @@
 //!
 //! Everything is borrowed, so building a request allocates nothing.
 
+use std::mem::offset_of;
 use std::ops::Range;
+
+use selkie_kernel::kernels::keyed::KeyedOverlap;
 
 use crate::types::{WorkerId, WorkerWithDpRank};
 
@@ -47,6 +50,47 @@ impl WorkerOverlap {
             cached_tokens: device_blocks.saturating_mul(block_size),
             ..Default::default()
         }
+    }
+}
+
+// SAFETY: each offset is that of the field its accessor returns (the worker
+// id's is the `worker` field's plus the id's within it), the id a `u64` and
+// the rest `u32`s, all plain integers.
+unsafe impl KeyedOverlap for WorkerOverlap {
+    const WORKER_ID_AT: usize = offset_of!(WorkerOverlap, worker) + offset_of!(WorkerWithDpRank, worker_id);
+    const DP_RANK_AT: usize = offset_of!(WorkerOverlap, worker) + offset_of!(WorkerWithDpRank, dp_rank);
+    const DEVICE_BLOCKS_AT: usize = offset_of!(WorkerOverlap, device_blocks);
+    const HOST_BLOCKS_AT: usize = offset_of!(WorkerOverlap, host_blocks);
+    const DISK_BLOCKS_AT: usize = offset_of!(WorkerOverlap, disk_blocks);
+    const SHARED_BLOCKS_AT: usize = offset_of!(WorkerOverlap, shared_blocks);
+    const CACHED_TOKENS_AT: usize = offset_of!(WorkerOverlap, cached_tokens);
+    #[inline(always)]
+    fn worker_id(&self) -> u64 {
+        self.worker.worker_id
+    }
+    #[inline(always)]
+    fn dp_rank(&self) -> u32 {
+        self.worker.dp_rank
+    }
+    #[inline(always)]
+    fn device_blocks(&self) -> u32 {
+        self.device_blocks
+    }
+    #[inline(always)]
+    fn host_blocks(&self) -> u32 {
+        self.host_blocks
+    }
+    #[inline(always)]
+    fn disk_blocks(&self) -> u32 {
+        self.disk_blocks
+    }
+    #[inline(always)]
+    fn shared_blocks(&self) -> u32 {
+        self.shared_blocks
+    }
+    #[inline(always)]
+    fn cached_tokens(&self) -> u32 {
+        self.cached_tokens
     }
 }
 

@@ -27,6 +27,7 @@
 //! Retired rows whose bookings have all ended are freed by [`RowIndex::sweep`]
 //! at the start of the next change.
 
+use selkie_kernel::kernels::keyed::DenseRows;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -113,19 +114,24 @@ fn next_layout_epoch() -> u64 {
 /// at most half full): one multiply, a shift and usually one compare per
 /// lookup, with no pointer chasing.
 ///
-/// When every worker id is small (below `DENSE_PER_RANK` times the ranks,
-/// plus `DENSE_SLACK`: ids handed out by a counter, say), rank 0 of each
-/// worker is also kept in an array indexed by the id: one bounds check and
-/// one load per lookup, no hashing. Other ids and ranks go through the
-/// table.
+/// When every worker id and DP rank is small (the array below holds at
+/// most `DENSE_PER_RANK` entries per worker rank, plus `DENSE_SLACK`: ids
+/// handed out by a counter, say), every rank is also kept in an array
+/// indexed by `id * ranks + rank` (the kernel's
+/// [`DenseRows`]): two bounds checks and one load per lookup, no hashing,
+/// and eight lookups in one gather for the overlap scatter. Other ids and
+/// ranks go through the table.
 #[derive(Clone, Default)]
 pub(crate) struct RankTable {
     /// `(worker id, rank, row)`; `row == u32::MAX` marks an empty slot.
     slots: Vec<(u64, u32, u32)>,
     /// `64 - log2(slots.len())`.
     shift: u32,
-    /// Rank 0's row by worker id (`u32::MAX`: none), or empty.
+    /// Row of rank `r` of worker `id` at `id * dense_ranks + r`
+    /// (`u32::MAX`: none), or empty.
     dense: Vec<u32>,
+    /// Ranks per worker in `dense` (the largest rank + 1).
+    dense_ranks: u32,
 }
 
 impl RankTable {
@@ -144,6 +150,7 @@ impl RankTable {
             slots: vec![(0, 0, Self::EMPTY); len],
             shift: 64 - len.trailing_zeros(),
             dense: Vec::new(),
+            dense_ranks: 1,
         };
         for (w, &row) in rows {
             let mask = len - 1;
@@ -154,16 +161,21 @@ impl RankTable {
             t.slots[i] = (w.worker_id, w.dp_rank, row);
         }
         let max_id = rows.keys().map(|w| w.worker_id).max().unwrap_or(0);
+        let ranks = u64::from(rows.keys().map(|w| w.dp_rank).max().unwrap_or(0)) + 1;
         let bound = rows
             .len()
             .saturating_mul(Self::DENSE_PER_RANK)
-            .saturating_add(Self::DENSE_SLACK);
-        if max_id < bound as u64 {
-            t.dense = vec![Self::EMPTY; max_id as usize + 1];
+            .saturating_add(Self::DENSE_SLACK)
+            .min(DenseRows::MAX_LEN) as u64;
+        if let Some(len) = max_id
+            .checked_add(1)
+            .and_then(|w| w.checked_mul(ranks))
+            .filter(|&len| len <= bound)
+        {
+            t.dense = vec![Self::EMPTY; len as usize];
+            t.dense_ranks = ranks as u32;
             for (w, &row) in rows {
-                if w.dp_rank == 0 {
-                    t.dense[w.worker_id as usize] = row;
-                }
+                t.dense[(w.worker_id * ranks + u64::from(w.dp_rank)) as usize] = row;
             }
         }
         t
@@ -185,7 +197,7 @@ impl RankTable {
     #[inline]
     fn lookup(&self) -> RankLookup<'_> {
         RankLookup {
-            dense: &self.dense,
+            dense: DenseRows::new(&self.dense, self.dense_ranks).unwrap_or(DenseRows::none()),
             table: self,
         }
     }
@@ -211,21 +223,32 @@ impl RankTable {
 /// id-indexed array at hand (see [`RankTable`]).
 #[derive(Clone, Copy)]
 pub(crate) struct RankLookup<'a> {
-    dense: &'a [u32],
+    dense: DenseRows<'a>,
     table: &'a RankTable,
 }
 
-impl RankLookup<'_> {
+impl<'a> RankLookup<'a> {
     /// The row of `w`, or `u32::MAX` (above every row) if it has none: a
     /// caller's one bounds check covers both.
     #[inline(always)]
     pub(crate) fn row(&self, w: WorkerWithDpRank) -> u32 {
-        if w.dp_rank == 0 {
-            if let Some(&row) = usize::try_from(w.worker_id).ok().and_then(|id| self.dense.get(id)) {
-                return row;
-            }
+        match self.dense.row_of(w.worker_id, w.dp_rank) {
+            Some(row) => row,
+            None => self.table.probe(w),
         }
-        self.table.probe(w)
+    }
+
+    /// The id-indexed array (the ranks it covers).
+    #[inline(always)]
+    pub(crate) fn dense(&self) -> DenseRows<'a> {
+        self.dense
+    }
+
+    /// The row of a rank the array does not cover, from the table
+    /// (`u32::MAX`: none).
+    #[inline]
+    pub(crate) fn probe(&self, worker_id: u64, dp_rank: u32) -> u32 {
+        self.table.probe(WorkerWithDpRank::new(worker_id, dp_rank))
     }
 }
 

@@ -16,6 +16,7 @@ use std::collections::BTreeSet;
 use std::num::NonZeroU32;
 use std::sync::atomic::{AtomicU32, Ordering};
 
+use selkie_kernel::kernels::keyed::scatter_keyed;
 use selkie_kernel::kernels::kv_cost::{
     kv_cost, kv_cost_argmin, preferred_taint_multiplier as kernel_multiplier, CostRange, KvCostConfig, KvCostError,
     KvLoad, KvOverlap, KvRequest, WorkerRole,
@@ -36,8 +37,10 @@ use crate::types::WorkerType;
 /// Writes the request's worker-keyed overlaps into the scratch's per-row
 /// columns. Returns whether any of them landed on a known row.
 ///
-/// Each entry is mapped to its row through the row index's flat table and
-/// writes two columns (device blocks, cached tokens); the lower tiers are
+/// Each entry is mapped to its row through the row index's id-indexed array
+/// (else its flat table) and writes two columns (device blocks, cached
+/// tokens), eight entries at a time by the kernel's `scatter_keyed` when
+/// the entries are many; the lower tiers are
 /// written in a second pass, only when some entry has one. What is written
 /// is cleared by `reset`: row by row from a list when the entries are few
 /// against the rows, else the written columns whole (one `memset`, cheaper
@@ -48,9 +51,8 @@ pub(crate) fn scatter_overlaps(env: &Env<'_>, o: &mut OverlapColumns) -> bool {
     let table = env.reg.rank_lookup();
     let by_list = overlaps.len().saturating_mul(OverlapColumns::CLEAR_RATIO) < limit;
     let (device, cached) = (&mut o.device[..limit], &mut o.cached_tokens[..limit]);
-    let mut lower = 0;
-    let mut written = 0usize;
-    if by_list {
+    let (written, lower) = if by_list {
+        let mut lower = 0;
         for w in overlaps {
             let row = table.row(w.worker) as usize;
             if row < limit {
@@ -60,19 +62,13 @@ pub(crate) fn scatter_overlaps(env: &Env<'_>, o: &mut OverlapColumns) -> bool {
                 o.touched.push(row as u32);
             }
         }
-        written = o.touched.len();
+        (o.touched.len(), lower)
     } else {
-        for w in overlaps {
-            let row = table.row(w.worker) as usize;
-            if row < limit {
-                device[row] = w.device_blocks as f32;
-                cached[row] = w.cached_tokens as f32;
-                lower |= w.host_blocks | w.disk_blocks | w.shared_blocks;
-                written += 1;
-            }
-        }
+        let mut probe = |id, rank| table.probe(id, rank);
+        let out = scatter_keyed(overlaps, table.dense(), &mut probe, device, cached);
         o.dirty = limit;
-    }
+        (out.written, out.lower_tiers)
+    };
     if lower != 0 {
         let (host, disk, shared) = (&mut o.host[..limit], &mut o.disk[..limit], &mut o.shared[..limit]);
         for w in overlaps {

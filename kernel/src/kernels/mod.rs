@@ -18,6 +18,7 @@
 mod argmin;
 pub mod device_aware;
 pub mod index;
+pub mod keyed;
 pub mod kv_cost;
 pub mod least_loaded;
 pub mod pick;

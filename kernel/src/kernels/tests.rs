@@ -15,6 +15,7 @@ use std::vec::Vec;
 mod argmin;
 mod device_aware;
 mod index;
+mod keyed;
 mod kv_cost;
 mod pick;
 mod rendezvous;

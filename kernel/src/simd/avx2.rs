@@ -116,6 +116,15 @@ impl Simd for Avx2 {
             ))
         })
     }
+    const FAST_GATHER: bool = true;
+    #[inline(always)]
+    unsafe fn gather_u32(self, base: *const u8, offsets: U32x8) -> U32x8 {
+        // SAFETY: the token proves AVX2 (module docs); the caller promises
+        // that every lane's four bytes at `base + offsets[i]` may be read,
+        // and that the offsets are below `i32::MAX` (the instruction reads
+        // them as signed).
+        U32x8(unsafe { _mm256_i32gather_epi32::<1>(base.cast(), offsets.0) })
+    }
 }
 
 impl BitAnd for U32x8 {

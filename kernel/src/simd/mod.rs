@@ -120,6 +120,18 @@ pub trait Simd: Copy + Sealed {
     }
     /// All-ones in lane `i` where bit `i` of `bits` is set, zeros elsewhere.
     fn lane_mask(self, bits: u8) -> Self::U32;
+    /// Whether [`gather_u32`](Self::gather_u32) is one instruction. A
+    /// kernel that gains only from gathers takes its scalar path when it is
+    /// not (lane-by-lane reads are no faster than a scalar loop).
+    const FAST_GATHER: bool;
+    /// Lane `i` is the `u32` at `base + offsets[i]` bytes (read unaligned).
+    ///
+    /// # Safety
+    ///
+    /// For every lane, `offsets[i] <= i32::MAX as u32`, and the four bytes at
+    /// `base + offsets[i]` lie in one allocation, are initialized and may be
+    /// read.
+    unsafe fn gather_u32(self, base: *const u8, offsets: Self::U32) -> Self::U32;
 }
 
 /// Eight `u32` lanes of a backend.

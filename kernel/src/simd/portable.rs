@@ -60,6 +60,15 @@ impl Simd for Portable {
         const BIT: u32x8 = u32x8::new([1, 2, 4, 8, 16, 32, 64, 128]);
         (u32x8::splat(bits as u32) & BIT).cmp_eq(BIT)
     }
+    const FAST_GATHER: bool = false;
+    #[inline(always)]
+    unsafe fn gather_u32(self, base: *const u8, offsets: u32x8) -> u32x8 {
+        let offsets = offsets.to_array();
+        // SAFETY: the caller promises that the four bytes at each
+        // `base + offsets[i]` lie in one allocation, are initialized and may
+        // be read; `read_unaligned` needs no alignment.
+        u32x8::from(offsets.map(|o| unsafe { base.add(o as usize).cast::<u32>().read_unaligned() }))
+    }
 }
 
 impl U32Lanes for u32x8 {

@@ -15,6 +15,7 @@ use selkie_kernel::kernels::device_aware::{device_aware, device_aware_reference,
 use selkie_kernel::kernels::index::{
     power_of_two, power_of_two_reference, random, random_reference, round_robin, round_robin_reference,
 };
+use selkie_kernel::kernels::keyed::{scatter_keyed, scatter_keyed_reference, DenseRows, KeyedOverlap, Scattered};
 use selkie_kernel::kernels::kv_cost::{
     kv_cost, kv_cost_reference, KvCostConfig, KvLoad, KvOverlap, KvRequest, WorkerRole,
 };
@@ -57,6 +58,104 @@ pub struct Input {
     pub required_cache_hits: u32,
     pub ratio: u32,
     pub temperature: f32,
+}
+
+/// A worker-keyed overlap entry, laid out as the host's is (padding after
+/// the rank).
+#[derive(Debug)]
+struct Keyed {
+    id: u64,
+    rank: u32,
+    tiers: [u32; 4],
+    tokens: u32,
+}
+
+// SAFETY: every offset is that of the field its accessor returns, and every
+// field is an integer.
+unsafe impl KeyedOverlap for Keyed {
+    const WORKER_ID_AT: usize = core::mem::offset_of!(Keyed, id);
+    const DP_RANK_AT: usize = core::mem::offset_of!(Keyed, rank);
+    const DEVICE_BLOCKS_AT: usize = core::mem::offset_of!(Keyed, tiers);
+    const HOST_BLOCKS_AT: usize = core::mem::offset_of!(Keyed, tiers) + 4;
+    const DISK_BLOCKS_AT: usize = core::mem::offset_of!(Keyed, tiers) + 8;
+    const SHARED_BLOCKS_AT: usize = core::mem::offset_of!(Keyed, tiers) + 12;
+    const CACHED_TOKENS_AT: usize = core::mem::offset_of!(Keyed, tokens);
+    fn worker_id(&self) -> u64 {
+        self.id
+    }
+    fn dp_rank(&self) -> u32 {
+        self.rank
+    }
+    fn device_blocks(&self) -> u32 {
+        self.tiers[0]
+    }
+    fn host_blocks(&self) -> u32 {
+        self.tiers[1]
+    }
+    fn disk_blocks(&self) -> u32 {
+        self.tiers[2]
+    }
+    fn shared_blocks(&self) -> u32 {
+        self.tiers[3]
+    }
+    fn cached_tokens(&self) -> u32 {
+        self.tokens
+    }
+}
+
+/// The device and cached columns (as bits), the result, and the probe's
+/// calls.
+type KeyedRun = (Vec<u32>, Vec<u32>, Scattered, Vec<(u64, u32)>);
+
+/// The keyed-overlap scatter against its reference: entries made from the
+/// loads (ids mostly inside the dense table, some far outside), the table
+/// from the rotated loads, the probe answering from the table's rows.
+fn check_keyed(input: &Input, rows: usize, load: &[u32], rot: &[u32]) {
+    let ranks = 1 + input.ratio % 3;
+    let workers = 1 + (input.required_cache_hits % 64) as usize;
+    let table: Vec<u32> = (0..workers * ranks as usize)
+        .map(|i| {
+            let v = rot.get(i).copied().unwrap_or(i as u32);
+            if v % 17 == 0 {
+                DenseRows::EMPTY
+            } else {
+                v % (rows as u32 + 2)
+            }
+        })
+        .collect();
+    let entries: Vec<Keyed> = load
+        .iter()
+        .map(|&v| {
+            let big = |x: u32| if x.is_multiple_of(23) { x | 1 << 31 } else { x % 300 };
+            Keyed {
+                id: if v % 41 == 0 {
+                    u64::from(v) << 32
+                } else {
+                    u64::from(v % (workers as u32 + 1))
+                },
+                rank: (v >> 7) % (ranks + u32::from(v % 5 == 0)),
+                tiers: [big(v >> 3), (v >> 9) % 2, 0, u32::from(v % 13 == 0)],
+                tokens: big(v.rotate_left(11)),
+            }
+        })
+        .collect();
+    let dense = DenseRows::new(&table, ranks).expect("a small table");
+    let run = |fast: bool| -> KeyedRun {
+        let (mut device, mut cached) = (vec![-1.0f32; rows], vec![-2.0f32; rows]);
+        let mut calls = Vec::new();
+        let mut probe = |id: u64, rank: u32| {
+            calls.push((id, rank));
+            (id as u32 ^ rank) % (rows as u32 + 1)
+        };
+        let out = if fast {
+            scatter_keyed(&entries, dense, &mut probe, &mut device, &mut cached)
+        } else {
+            scatter_keyed_reference(&entries, dense, &mut probe, &mut device, &mut cached)
+        };
+        let bits = |c: Vec<f32>| c.into_iter().map(f32::to_bits).collect();
+        (bits(device), bits(cached), out, calls)
+    };
+    assert_eq!(run(true), run(false), "keyed scatter {input:?}");
 }
 
 fn column<T: Copy>(src: &[T], rows: usize, fill: T) -> Vec<T> {
@@ -227,4 +326,6 @@ pub fn check(input: &Input) {
     let reference = device_aware_reference(&load[..], &hits[..], &is_cpu, mask, &da, &mut b);
     assert_eq!(simd, reference, "device-aware {input:?}");
     same_draws(&a, &b, "device_aware", input);
+
+    check_keyed(input, rows, &load, &rot);
 }

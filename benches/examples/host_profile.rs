@@ -1,0 +1,37 @@
+//! Runs one host case's measured call (select + book + release through the
+//! public service) in a loop, for a profiler: `valgrind --tool=callgrind
+//! --toggle-collect='*host_profile*measured*'` counts its instructions.
+//!
+//! `cargo run --release -p selkie-benches --example host_profile -- random 1024 1000`
+//! (mode: random, round-robin, power-of-two, least-loaded, kv, kv-keyed;
+//! then workers and calls).
+
+use std::hint::black_box;
+
+use selkie_benches::host_fixture::{HostFixture, Mode};
+
+#[inline(never)]
+fn measured(f: &HostFixture, calls: usize) {
+    for _ in 0..calls {
+        black_box(f.select_and_release());
+    }
+}
+
+fn main() {
+    let mut args = std::env::args().skip(1);
+    let mode = args.next().unwrap_or_else(|| "random".into());
+    let workers: usize = args.next().map_or(1024, |s| s.parse().expect("workers is a number"));
+    let calls: usize = args.next().map_or(1000, |s| s.parse().expect("calls is a number"));
+    let fixture = match mode.as_str() {
+        "kv-keyed" => HostFixture::new(Mode::Kv, workers, 0.0).worker_keyed(),
+        name => {
+            let mode = Mode::ALL
+                .into_iter()
+                .find(|m| m.name() == name)
+                .unwrap_or_else(|| panic!("unknown mode {name}"));
+            HostFixture::new(mode, workers, 0.0)
+        }
+    };
+    measured(&fixture, calls);
+    println!("{mode}: {calls} calls at {workers} workers");
+}
