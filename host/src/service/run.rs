@@ -91,9 +91,14 @@ impl WorkerSelectionService {
     fn traced<T>(&self, preview: bool, f: impl FnOnce() -> Result<T, SelectionError>) -> Result<T, SelectionError> {
         // One call of `f` (so it is inlined here): the span is entered only
         // when debug logging is on.
-        let _span = tracing::level_enabled!(tracing::Level::DEBUG)
+        let span = tracing::level_enabled!(tracing::Level::DEBUG)
             .then(|| tracing::debug_span!("selkie.select", policy = self.policy.name(), preview).entered());
         let result = f();
+        // Dropped only where there is one: the drop glue of an `Option`
+        // is an out-of-line call even for `None`.
+        if let Some(span) = span {
+            drop(span);
+        }
         if let Err(e) = &result {
             tracing::debug!(error = %e, "selection failed");
             metrics::counter!("selkie_selection_errors_total", "reason" => e.reason()).increment(1);
