@@ -167,6 +167,15 @@ pub struct Scattered {
     pub lower_tiers: u32,
 }
 
+impl Scattered {
+    /// Adds what another part of the entries wrote.
+    #[inline(always)]
+    fn merge(&mut self, part: Scattered) {
+        self.written += part.written;
+        self.lower_tiers |= part.lower_tiers;
+    }
+}
+
 dispatch! {
     /// Writes each entry's device blocks and cached tokens into `device`
     /// and `cached` at its row (see the module docs): the row from `dense`
@@ -334,9 +343,7 @@ pub(crate) fn scatter_gathered<S: Simd, T: KeyedOverlap, P: FnMut(u64, u32) -> u
         // Unsigned `a <= b` is `min(a, b) == a`.
         let covered = id_hi.cmp_eq(zero) & id_lo.min(last_worker).cmp_eq(id_lo) & rank.min(last_rank).cmp_eq(rank);
         if covered.bits() != 0xFF {
-            let one_by_one = scatter_keyed_reference(group, dense, probe, device, cached);
-            out.written += one_by_one.written;
-            out.lower_tiers |= one_by_one.lower_tiers;
+            out.merge(scatter_keyed_reference(group, dense, probe, device, cached));
             continue;
         }
         let index = id_lo.mul_lo(ranks) + rank;
@@ -355,9 +362,7 @@ pub(crate) fn scatter_gathered<S: Simd, T: KeyedOverlap, P: FnMut(u64, u32) -> u
         // Every row inside the columns, and every value below `2^31` (where
         // the signed conversion is the unsigned one).
         if row.min(last_row).cmp_eq(row).bits() != 0xFF || (blocks | tokens).bits() != 0 {
-            let one_by_one = scatter_keyed_reference(group, dense, probe, device, cached);
-            out.written += one_by_one.written;
-            out.lower_tiers |= one_by_one.lower_tiers;
+            out.merge(scatter_keyed_reference(group, dense, probe, device, cached));
             continue;
         }
         // SAFETY: as for the first gathers.
@@ -383,8 +388,8 @@ pub(crate) fn scatter_gathered<S: Simd, T: KeyedOverlap, P: FnMut(u64, u32) -> u
         }
         out.written += LANES;
     }
-    let tail = scatter_keyed_reference(&entries[groups * LANES..], dense, probe, device, cached);
-    out.written += tail.written;
-    out.lower_tiers |= tail.lower_tiers | lower.to_array().iter().fold(0, |a, &l| a | l);
+    let tail = &entries[groups * LANES..];
+    out.merge(scatter_keyed_reference(tail, dense, probe, device, cached));
+    out.lower_tiers |= lower.to_array().iter().fold(0, |a, &l| a | l);
     out
 }
