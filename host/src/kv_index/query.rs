@@ -300,40 +300,45 @@ fn step(i: f32, block_size: f32, out: &mut KvOverlaps, lo: usize, hi: usize) -> 
     let [sd, sh, sk] = stage;
     let [hd, hh, hk] = held;
     let (mut new_lo, mut new_hi) = (hi, lo);
-    let words = sd[lo..hi]
-        .iter_mut()
-        .zip(&mut sh[lo..hi])
-        .zip(&mut sk[lo..hi])
-        .zip(hd[lo..hi].iter().zip(&hh[lo..hi]).zip(&hk[lo..hi]));
-    for (offset, (((d, h), k), ((&dv, &hv), &kv))) in words.enumerate() {
-        if *d | *h | *k == 0 {
+    // Six slices of one length, indexed alike: no bounds check inside.
+    let n = hi - lo;
+    let (sd, sh, sk) = (&mut sd[lo..hi], &mut sh[lo..hi], &mut sk[lo..hi]);
+    let (hd, hh, hk) = (&hd[lo..hi], &hh[lo..hi], &hk[lo..hi]);
+    let full = device.len().min(cached.len());
+    for o in 0..n {
+        let (d, h, k) = (sd[o], sh[o], sk[o]);
+        if d | h | k == 0 {
             continue;
         }
-        let w = lo + offset;
-        let all_on_device = *d == u64::MAX;
-        let left_device = *d & !dv;
-        let left_host = *h & !hv;
-        let done_disk = *k & !kv;
-        let next_host = (*h & hv) | (left_device & hv);
-        let next_disk = (*k & kv) | ((left_device | left_host) & !hv & kv);
-        *d &= dv;
-        *lower_tiers |= left_host | done_disk != 0;
-        let word = w * 64..w * 64 + 64;
-        if all_on_device && left_device.count_ones() > 8 && word.end <= device.len().min(cached.len()) {
-            // Every row of the word is still on device: the rows that stay
-            // get a value they overwrite when they leave, so the word is
-            // written whole, without masks.
-            device[word.clone()].fill(i);
-            cached[word].fill(i * block_size);
-        } else {
-            set_rows(device, left_device, w, i);
-            set_rows(cached, left_device, w, i * block_size);
+        let (dv, hv, kv) = (hd[o], hh[o], hk[o]);
+        let w = lo + o;
+        let left_device = d & !dv;
+        let left_host = h & !hv;
+        let done_disk = k & !kv;
+        let next_host = (h & hv) | (left_device & hv);
+        let next_disk = (k & kv) | ((left_device | left_host) & !hv & kv);
+        let d = d & dv;
+        sd[o] = d;
+        if left_device != 0 {
+            if left_device.count_ones() > 8 && (d | left_device) == u64::MAX && w * 64 + 64 <= full {
+                // Every row of the word was on device: the rows that stay
+                // get a value they overwrite when they leave, so the word
+                // is written whole, without masks.
+                device[w * 64..w * 64 + 64].fill(i);
+                cached[w * 64..w * 64 + 64].fill(i * block_size);
+            } else {
+                set_rows(device, left_device, w, i);
+                set_rows(cached, left_device, w, i * block_size);
+            }
         }
-        for_rows(left_host, w, |r| host[r] = i - device[r]);
-        for_rows(done_disk, w, |r| disk[r] = i - device[r] - host[r]);
-        *h = next_host;
-        *k = next_disk;
-        if *d | *h | *k != 0 {
+        if left_host | done_disk != 0 {
+            *lower_tiers = true;
+            for_rows(left_host, w, |r| host[r] = i - device[r]);
+            for_rows(done_disk, w, |r| disk[r] = i - device[r] - host[r]);
+        }
+        sh[o] = next_host;
+        sk[o] = next_disk;
+        if d | next_host | next_disk != 0 {
             new_lo = new_lo.min(w);
             new_hi = new_hi.max(w + 1);
         }

@@ -984,3 +984,40 @@ fn the_coldest_blocks_are_evicted_past_the_bound() {
     store(&mut unbounded, W1, 0, Device, None, &pairs).unwrap();
     assert_eq!((unbounded.held_blocks(), unbounded.stats().evicted_blocks), (500, 0));
 }
+
+/// Many rows leaving a word at once: a word whose rows all held every block
+/// so far is written whole, and a word where some rows left earlier keeps
+/// their values (a query over 200 rows, each holding its own number of
+/// leading blocks of one chain).
+#[test]
+fn rows_leaving_in_bulk_keep_their_own_depths() {
+    let ranks: Vec<WorkerWithDpRank> = (0..200).map(|id| WorkerWithDpRank::new(id, 0)).collect();
+    let mut fx = index_on(&ranks);
+    let local: Vec<u64> = (0..10).map(|i| 0xB0_0000 + i).collect();
+    let mut seq = Vec::new();
+    sequence_hashes_of(&local, &mut seq);
+    let depth = |row: usize| -> usize {
+        match row {
+            0..=2 => 10,
+            3..=63 => 5,
+            64..=73 => 3,
+            74..=127 => 7,
+            _ => row % 11,
+        }
+    };
+    for (row, &rank) in ranks.iter().enumerate() {
+        let pairs: Vec<(u64, u64)> = (0..depth(row)).map(|i| (seq[i], local[i])).collect();
+        if !pairs.is_empty() {
+            store(&mut fx, rank, 0, Device, None, &pairs).expect("a first run");
+        }
+    }
+    let got = query(&mut fx, &local);
+    for (row, &(device, host, disk)) in got.iter().enumerate() {
+        assert_eq!((device, host, disk), (depth(row) as u32, 0, 0), "row {row}");
+        assert_eq!(
+            fx.out.row_overlaps().unwrap().cached_tokens.unwrap()[row],
+            (depth(row) * 16) as f32,
+            "row {row}"
+        );
+    }
+}
