@@ -23,6 +23,10 @@ pub(crate) struct HashIndex<V> {
     /// `64 - log2(probed entries)`: the home slot is the top bits of the
     /// product.
     shift: u32,
+    /// Keys the probed entries take before the table grows (4/5 of them;
+    /// 0 before the first insertion), kept so that an insertion's check is
+    /// one comparison.
+    room: usize,
     /// Whether key 0 is present (its value in the last entry).
     has_zero: bool,
 }
@@ -108,8 +112,13 @@ impl<V: Copy + Default> HashIndex<V> {
     fn probe(&self, key: u64) -> Result<usize, usize> {
         let mask = self.slots() - 1;
         let mut i = self.home(key);
+        debug_assert!(i <= mask && mask < self.entries.len());
         loop {
-            let k = self.entries[i].0;
+            // SAFETY: `i` is a home slot (the product's top `log2(slots)`
+            // bits, below `slots`) or masked by `slots - 1`, and `entries`
+            // holds `slots + 1` entries. Without the bounds check the loop
+            // is two instructions shorter per probed entry.
+            let k = unsafe { self.entries.get_unchecked(i) }.0;
             if k == key {
                 return Ok(i);
             }
@@ -122,9 +131,9 @@ impl<V: Copy + Default> HashIndex<V> {
 
     /// The entry holding `key`, inserted with `value` first if the key is
     /// absent: one probe either way.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn index_or_insert(&mut self, key: u64, value: V) -> usize {
-        if (self.len + 1) * 5 > self.slots() * 4 {
+        if self.len >= self.room {
             self.grow();
         }
         let slots = self.slots();
@@ -227,6 +236,9 @@ impl<V: Copy + Default> HashIndex<V> {
         probed.chain(self.has_zero.then(|| (EMPTY, self.entries[slots].1)))
     }
 
+    /// Out of line: an insertion's fast path stays short enough to inline.
+    #[cold]
+    #[inline(never)]
     fn grow(&mut self) {
         self.grow_to((self.slots() * 2).max(16));
     }
@@ -236,6 +248,7 @@ impl<V: Copy + Default> HashIndex<V> {
     fn grow_to(&mut self, slots: usize) {
         let old = std::mem::replace(&mut self.entries, vec![(EMPTY, V::default()); slots + 1]);
         self.shift = 64 - slots.trailing_zeros();
+        self.room = slots * 4 / 5;
         let mask = slots - 1;
         let Some((&(_, zero), probed)) = old.split_last() else {
             return;
@@ -344,6 +357,27 @@ mod tests {
         assert!((0..1_010u64).all(|k| table.get(k) == Some(k as u32)));
         table.reserve(0);
         assert_eq!(table.slots(), slots, "nothing to make room for");
+    }
+
+    /// A table of `n` slots takes `4n/5` keys and grows on the next one,
+    /// at every size; `reserve` sizes it by the same rule.
+    #[test]
+    fn grows_past_four_fifths_full() {
+        let mut table = HashIndex::<u32>::default();
+        let mut key = 1u64;
+        for slots in (4..13).map(|p| 1usize << p) {
+            while table.len() < slots * 4 / 5 {
+                table.insert(key, 0);
+                key += 1;
+            }
+            assert_eq!(table.slots(), slots, "{} keys", table.len());
+            table.insert(key, 0);
+            key += 1;
+            assert_eq!(table.slots(), slots * 2, "{} keys", table.len());
+            let mut reserved = HashIndex::<u32>::default();
+            reserved.reserve(slots * 4 / 5);
+            assert_eq!(reserved.slots(), slots, "room for {} keys", slots * 4 / 5);
+        }
     }
 
     /// A full run: keys that all start at one slot, removed from the
