@@ -238,7 +238,8 @@ impl KvIndex {
         for i in 1..blocks {
             let k = (i - 1) % LOOKAHEAD;
             if k == 0 {
-                for slot in ahead.iter_mut().take(blocks - i) {
+                let chunk = LOOKAHEAD.min(blocks - i);
+                for slot in &mut ahead[..chunk] {
                     *slot = self.blocks.get(&next_hash());
                 }
             }
