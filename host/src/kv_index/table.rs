@@ -161,7 +161,7 @@ impl<V: Copy + Default> HashIndex<V> {
     /// Makes room for `additional` more keys at once, so that inserting
     /// them grows the table at most once, straight to its final size.
     pub(crate) fn reserve(&mut self, additional: usize) {
-        while (self.len + additional) * 5 > self.slots() * 4 {
+        while self.len + additional > self.room {
             let target = (self.len + additional).max(1);
             // The smallest power of two of slots that holds `target` at 4/5.
             let slots = (target * 5).div_ceil(4).next_power_of_two().max(16);
