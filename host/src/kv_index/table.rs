@@ -6,7 +6,9 @@
 //! along the entries; a miss stops at the first empty slot. A key and its
 //! value share an entry (one cache line holds both), an insertion probes
 //! once (finding the key or the empty slot it takes), and the table grows
-//! past 4/5 full. Removal shifts the entries after the hole back (no
+//! past 4/5 full, or past 7/8 full for a dense table (`DENSE`: fewer bytes
+//! and fewer growths, for longer probes near the limit; for tables no query
+//! reads). Removal shifts the entries after the hole back (no
 //! tombstones), so probe runs never outlive their entries.
 
 /// Key 0 marks an empty slot; key 0 itself is kept in the entry after the
@@ -14,7 +16,7 @@
 const EMPTY: u64 = 0;
 
 #[derive(Clone, Debug, Default)]
-pub(crate) struct HashIndex<V> {
+pub(crate) struct HashIndex<V, const DENSE: bool = false> {
     /// A power of two of probed entries, then key 0's entry (no entries
     /// before the first insertion).
     entries: Vec<(u64, V)>,
@@ -23,15 +25,24 @@ pub(crate) struct HashIndex<V> {
     /// `64 - log2(probed entries)`: the home slot is the top bits of the
     /// product.
     shift: u32,
-    /// Keys the probed entries take before the table grows (4/5 of them;
-    /// 0 before the first insertion), kept so that an insertion's check is
-    /// one comparison.
+    /// Keys the probed entries take before the table grows (4/5 of them,
+    /// 7/8 if `DENSE`; 0 before the first insertion), kept so that an
+    /// insertion's check is one comparison.
     room: usize,
     /// Whether key 0 is present (its value in the last entry).
     has_zero: bool,
 }
 
-impl<V: Copy + Default> HashIndex<V> {
+impl<V: Copy + Default, const DENSE: bool> HashIndex<V, DENSE> {
+    /// The keys a table of `slots` probed entries takes before it grows.
+    const fn room_of(slots: usize) -> usize {
+        if DENSE {
+            slots - slots / 8
+        } else {
+            slots * 4 / 5
+        }
+    }
+
     pub(crate) fn len(&self) -> usize {
         self.len + usize::from(self.has_zero)
     }
@@ -161,10 +172,14 @@ impl<V: Copy + Default> HashIndex<V> {
     /// Makes room for `additional` more keys at once, so that inserting
     /// them grows the table at most once, straight to its final size.
     pub(crate) fn reserve(&mut self, additional: usize) {
-        while self.len + additional > self.room {
-            let target = (self.len + additional).max(1);
-            // The smallest power of two of slots that holds `target` at 4/5.
-            let slots = (target * 5).div_ceil(4).next_power_of_two().max(16);
+        if self.len + additional > self.room {
+            let target = self.len + additional;
+            // The smallest power of two of slots (16 at least) with room
+            // for `target`.
+            let mut slots = 16;
+            while Self::room_of(slots) < target {
+                slots *= 2;
+            }
             self.grow_to(slots);
         }
     }
@@ -252,7 +267,7 @@ impl<V: Copy + Default> HashIndex<V> {
     fn grow_to(&mut self, slots: usize) {
         let old = std::mem::replace(&mut self.entries, vec![(EMPTY, V::default()); slots + 1]);
         self.shift = 64 - slots.trailing_zeros();
-        self.room = slots * 4 / 5;
+        self.room = Self::room_of(slots);
         let mask = slots - 1;
         let Some((&(_, zero), probed)) = old.split_last() else {
             return;
@@ -277,8 +292,7 @@ mod tests {
     /// keys drawn from a small pool (long probe runs, many removals inside
     /// them) and key 0 among them; every key of the pool is looked up
     /// after every step.
-    #[test]
-    fn random_operations_match_a_hash_map() {
+    fn random_operations<const DENSE: bool>() {
         let mut x = 0x1234_5678_9abc_def1u64;
         let mut next = move || {
             x ^= x << 13;
@@ -298,7 +312,7 @@ mod tests {
                     _ => next(),
                 })
                 .collect();
-            let mut table = HashIndex::<u32>::default();
+            let mut table = HashIndex::<u32, DENSE>::default();
             let mut model: HashMap<u64, u32> = HashMap::new();
             // Fewer steps under Miri (every probe is checked there).
             let steps = if cfg!(miri) { 1_500 } else { 20_000 };
@@ -345,6 +359,16 @@ mod tests {
         }
     }
 
+    #[test]
+    fn random_operations_match_a_hash_map() {
+        random_operations::<false>();
+    }
+
+    #[test]
+    fn random_operations_on_a_dense_table_match_a_hash_map() {
+        random_operations::<true>();
+    }
+
     /// `reserve(n)` grows the table once, so that inserting `n` new keys
     /// grows it no more, and keeps every entry.
     #[test]
@@ -365,14 +389,13 @@ mod tests {
         assert_eq!(table.slots(), slots, "nothing to make room for");
     }
 
-    /// A table of `n` slots takes `4n/5` keys and grows on the next one,
+    /// A table of `n` slots takes `room(n)` keys and grows on the next one,
     /// at every size; `reserve` sizes it by the same rule.
-    #[test]
-    fn grows_past_four_fifths_full() {
-        let mut table = HashIndex::<u32>::default();
+    fn grows_past<const DENSE: bool>(room: impl Fn(usize) -> usize) {
+        let mut table = HashIndex::<u32, DENSE>::default();
         let mut key = 1u64;
         for slots in (4..13).map(|p| 1usize << p) {
-            while table.len() < slots * 4 / 5 {
+            while table.len() < room(slots) {
                 table.insert(key, 0);
                 key += 1;
             }
@@ -380,10 +403,22 @@ mod tests {
             table.insert(key, 0);
             key += 1;
             assert_eq!(table.slots(), slots * 2, "{} keys", table.len());
-            let mut reserved = HashIndex::<u32>::default();
-            reserved.reserve(slots * 4 / 5);
-            assert_eq!(reserved.slots(), slots, "room for {} keys", slots * 4 / 5);
+            let mut reserved = HashIndex::<u32, DENSE>::default();
+            reserved.reserve(room(slots));
+            assert_eq!(reserved.slots(), slots, "room for {} keys", room(slots));
+            reserved.reserve(room(slots) + 1);
+            assert_eq!(reserved.slots(), slots * 2, "room for {} keys", room(slots) + 1);
         }
+    }
+
+    #[test]
+    fn grows_past_four_fifths_full() {
+        grows_past::<false>(|slots| slots * 4 / 5);
+    }
+
+    #[test]
+    fn a_dense_table_grows_past_seven_eighths_full() {
+        grows_past::<true>(|slots| slots * 7 / 8);
     }
 
     /// A full run: keys that all start at one slot, removed from the
