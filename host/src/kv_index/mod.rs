@@ -740,13 +740,27 @@ impl KvIndex {
             Some(row) => {
                 state.row = Some(row);
                 state.had_row = true;
+                // Device blocks a stride at a time (their slots in the block
+                // table asked into cache, then put on the row together);
+                // the lower tiers block by block.
+                let (mut device, mut n) = ([0u64; PREFETCH_STRIDE], 0);
                 for (_, held) in state.blocks.iter() {
-                    for t in [rows::DEVICE, rows::HOST, rows::DISK] {
+                    if held.tiers() & rows::DEVICE != 0 {
+                        self.blocks.prefetch(held.sequence);
+                        device[n] = held.sequence;
+                        n += 1;
+                        if n == PREFETCH_STRIDE {
+                            self.blocks.insert_all(&device, row, rows::DEVICE, rows);
+                            n = 0;
+                        }
+                    }
+                    for t in [rows::HOST, rows::DISK] {
                         if held.tiers() & t != 0 {
                             self.blocks.insert(held.sequence, row, t, rows);
                         }
                     }
                 }
+                self.blocks.insert_all(&device[..n], row, rows::DEVICE, rows);
             }
             None if state.had_row => {
                 self.held -= state.blocks.len();

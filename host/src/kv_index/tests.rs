@@ -749,8 +749,9 @@ impl Model {
 fn random_events_match_the_model() {
     for seed in 0..4u64 {
         let mut rng = Rng::new(0xc0ffee + seed);
-        let ranks: Vec<WorkerWithDpRank> = (0..150).map(|i| WorkerWithDpRank::new(i / 2, (i % 2) as u32)).collect();
+        let mut ranks: Vec<WorkerWithDpRank> = (0..150).map(|i| WorkerWithDpRank::new(i / 2, (i % 2) as u32)).collect();
         let mut index = index_on(&ranks);
+        let mut epoch = 1;
         let mut model = Model::default();
         let mut ids: HashMap<WorkerWithDpRank, u64> = HashMap::new();
         // A few shared prompts of 12 blocks; local hash of block j of prompt p.
@@ -792,6 +793,14 @@ fn random_events_match_the_model() {
                         .apply(&KvEvent::new(rank, *id, KvEventData::Cleared).in_tier(tier))
                         .unwrap();
                 }
+            }
+            if step % 500 == 499 {
+                // Every rank moves to another row: its blocks are taken off
+                // the old row and placed on the new one (up to 48 per rank,
+                // in every tier: several strides of the placing loop).
+                ranks.rotate_left(1 + rng.below(149) as usize);
+                epoch += 1;
+                sync(&mut index, epoch, &ranks);
             }
             if step % 20 == 0 {
                 let p = rng.below(4);
