@@ -158,7 +158,11 @@ const PREFETCH_STRIDE: usize = 16;
 /// slots, 6 KiB). An engine reports its cache a request's run at a time and
 /// a rank that reports anything soon holds hundreds of blocks: growing a
 /// table through 64 and 128 slots to get there cost about a tenth of a
-/// fleet's ingestion. A rank that never stores more keeps the 6 KiB.
+/// fleet's ingestion. A rank that never stores more keeps the 6 KiB. Where
+/// the fleet's ranks already hold more on average, a new rank's first run
+/// makes room for that average instead: engines of one fleet have caches
+/// of one size, and a rank that reports its first blocks after its peers
+/// (a new worker, a restarted one) soon holds what they hold.
 const RANK_FIRST_ROOM: usize = 200;
 
 /// A map keyed by worker ranks, with rustc's Fx hash (one multiply per key
@@ -533,6 +537,9 @@ impl KvIndex {
         let (worker_id, dp_rank, event_id) = (rank.worker_id, rank.dp_rank, event.event_id);
         let tier = event.tier.bit();
         let rows = self.layout.map_or(0, |l| l.rows);
+        // What the other ranks hold on average (read only while this one
+        // holds nothing, so counts nothing in `held`).
+        let peers_hold = self.held / (self.ranks.len() - 1).max(1);
         let state = self.ranks.get_mut(&rank).expect("the rank was created by apply");
         if let Some(parent) = parent {
             if blocks.iter().any(|b| b.block_hash == parent) {
@@ -562,10 +569,10 @@ impl KvIndex {
                 }
             }
         };
-        // One growth of the rank's table for the whole run, if any (and
-        // room for a few runs at once on the first).
+        // One growth of the rank's table for the whole run, if any; on the
+        // first, room for a few runs at once, or for what its peers hold.
         let first_run = if state.blocks.len() == 0 && !blocks.is_empty() {
-            RANK_FIRST_ROOM
+            RANK_FIRST_ROOM.max(peers_hold)
         } else {
             0
         };

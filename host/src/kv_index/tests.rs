@@ -589,6 +589,33 @@ fn rows_follow_the_layout() {
     assert_eq!(index.block_count(), 1);
 }
 
+/// A rank that reports its first blocks after its peers makes room at once
+/// for what they hold on average, and holds its blocks as any rank does.
+#[test]
+fn a_late_ranks_first_run_makes_room_for_what_its_peers_hold() {
+    const W3: WorkerWithDpRank = WorkerWithDpRank::new(3, 0);
+    let mut index = index_on(&[W1, W2, W3]);
+    let rank_bytes = |index: &KvIndex, rank| index.ranks[&rank].blocks.heap_bytes();
+    let chain = |base: u64, n: u64| -> Vec<(u64, u64)> { (1..=n).map(|i| (base + i, base + i)).collect() };
+    let (first, second) = (chain(10_000, 600), chain(20_000, 400));
+    for (rank, pairs) in [(W1, &first), (W2, &second)] {
+        let mut parent = None;
+        for (id, run) in pairs.chunks(32).enumerate() {
+            store(&mut index, rank, id as u64, Device, parent, run).unwrap();
+            parent = Some(run[run.len() - 1].0);
+        }
+    }
+    // The peers hold 500 on average: 1,024 slots (room for 896), where a
+    // first rank gets 256 (room for 224).
+    store(&mut index, W3, 0, Device, None, &chain(30_000, 1)).unwrap();
+    let entry = std::mem::size_of::<(u64, HeldBlock)>();
+    assert_eq!(rank_bytes(&index, W3), 1025 * entry);
+    assert_eq!(rank_bytes(&index, W1), 1025 * entry);
+    let locals: Vec<u64> = second.iter().map(|p| p.1).collect();
+    assert_eq!(query(&mut index, &locals)[1], (400, 0, 0));
+    assert_eq!(query(&mut index, &[30_001])[2], (1, 0, 0));
+}
+
 /// A rank's table takes room for `RANK_FIRST_ROOM` blocks at its first
 /// stored run and does not grow again until it holds them; a run more (past
 /// 7/8 of its slots) and it grows.
