@@ -35,8 +35,16 @@
 //! applied; for the thread-pool indexer: enqueue all, then wait for its
 //! flush), the fastest of fifteen builds that take turns (a build takes
 //! milliseconds, and the fastest of five moved by up to 15% between runs).
-//! **Memory**: live heap bytes the index holds after ingestion (a counting global allocator; Dynamo's thread pool included)
-//! per distinct block and per (worker, block) entry.
+//! **Memory**: live heap bytes the index holds after ingestion (a counting
+//! global allocator; Dynamo's thread pool included) per distinct block and
+//! per (worker, block) entry; and the resident set's growth while each
+//! index is built alone in a fresh process (this binary run again with
+//! `--rss <selkie|radix|concurrent> <workers>`: the fleet's events built
+//! first, then the resident set read from `/proc/self/status` before and
+//! after the build; Dynamo's indexers are given clones of the events, so
+//! that the events' memory they free is not what their index reuses; Linux
+//! only). The resident set counts what the allocator keeps: tables freed
+//! as they grow, fragmentation, the pool thread's stack.
 //!
 //! **Full path**: tokens to a booked and released worker at 1,024 workers,
 //! 2,048-token prompt, nothing cached: selkie hashes the prompt, queries its
@@ -351,9 +359,111 @@ struct IngestRow {
     selkie_bytes: isize,
     radix_bytes: isize,
     concurrent_bytes: isize,
+    /// Resident set growth of each index built alone (`None` where the
+    /// child process could not say).
+    rss: [Option<usize>; 3],
+}
+
+/// The indexes of the resident-set measurement, as named on the command
+/// line of the child process.
+const RSS_INDEXES: [&str; 3] = ["selkie", "radix", "concurrent"];
+
+/// This process's resident set in bytes (`VmRSS` of `/proc/self/status`;
+/// `None` where there is none).
+fn resident_bytes() -> Option<usize> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
+    let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+/// The child process of the resident-set measurement: builds `index` from
+/// the events of a fleet of `workers` and prints `rss_growth <bytes>`.
+fn rss_child(index: &str, workers: usize) -> ExitCode {
+    let fleet = Fleet::new(workers);
+    let service = service(workers);
+    let growth = match index {
+        "selkie" => {
+            let blocks = fleet.selkie_blocks();
+            let before = resident_bytes();
+            let mut built = KvIndex::new(BLOCK_SIZE);
+            fleet.feed(&mut built, &blocks, &service);
+            let after = resident_bytes();
+            black_box(&built);
+            after.zip(before).map(|(a, b)| a.saturating_sub(b))
+        }
+        "radix" => {
+            let events = fleet.dynamo_events();
+            let before = resident_bytes();
+            let mut radix = RadixTree::new();
+            for e in &events {
+                radix.apply_event(e.clone()).expect("the fleet's events are in order");
+            }
+            let after = resident_bytes();
+            black_box(&radix);
+            after.zip(before).map(|(a, b)| a.saturating_sub(b))
+        }
+        "concurrent" => {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("a current-thread runtime");
+            let events = fleet.dynamo_events();
+            let before = resident_bytes();
+            let pool = ThreadPoolIndexer::new(ConcurrentRadixTreeCompressed::new(), 1, BLOCK_SIZE);
+            // A batch at a time, so that few clones wait in the queue.
+            for batch in events.chunks(64) {
+                for e in batch {
+                    pool.enqueue_event(e.clone()).expect("the indexer thread runs");
+                }
+                runtime.block_on(pool.flush_and_wait()).expect("the indexer flushes");
+            }
+            let after = resident_bytes();
+            black_box(&pool);
+            after.zip(before).map(|(a, b)| a.saturating_sub(b))
+        }
+        other => {
+            eprintln!("vs_dynamo_index: unknown index {other:?} (selkie, radix or concurrent)");
+            return ExitCode::FAILURE;
+        }
+    };
+    match growth {
+        Some(bytes) => {
+            println!("rss_growth {bytes}");
+            ExitCode::SUCCESS
+        }
+        None => ExitCode::FAILURE,
+    }
+}
+
+/// Runs [`rss_child`] for `index` in a fresh process of this binary.
+fn rss_growth(index: &str, workers: usize) -> Option<usize> {
+    let exe = std::env::current_exe().ok()?;
+    let out = std::process::Command::new(exe)
+        .args(["--rss", index, &workers.to_string()])
+        .output()
+        .ok()?;
+    if !out.status.success() {
+        progress(format_args!(
+            "{workers} workers: the resident-set child for {index} failed: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        ));
+        return None;
+    }
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .find_map(|l| l.strip_prefix("rss_growth ")?.trim().parse().ok())
 }
 
 fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().collect();
+    if let Some(at) = args.iter().position(|a| a == "--rss") {
+        let (Some(index), Some(workers)) = (args.get(at + 1), args.get(at + 2).and_then(|w| w.parse().ok())) else {
+            eprintln!("vs_dynamo_index: --rss <selkie|radix|concurrent> <workers>");
+            return ExitCode::FAILURE;
+        };
+        return rss_child(index, workers);
+    }
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -424,6 +534,7 @@ fn main() -> ExitCode {
             selkie_bytes,
             radix_bytes,
             concurrent_bytes,
+            rss: RSS_INDEXES.map(|name| rss_growth(name, workers)),
         });
 
         // Parity of every answer, then the query times.
@@ -633,6 +744,29 @@ fn main() -> ExitCode {
             per(r.selkie_bytes, r.entries),
             per(r.radix_bytes, r.entries),
             per(r.concurrent_bytes, r.entries),
+        );
+    }
+    println!();
+    println!(
+        "Resident set growth while each index is built alone in a fresh process (its events built \
+         first; Dynamo's indexers fed clones, a batch of 64 at a time for the thread pool), per \
+         distinct block; \"-\" where it could not be read."
+    );
+    println!();
+    println!("| workers | selkie B/block | RadixTree B/block | Concurrent B/block | selkie / RadixTree |");
+    println!("|---:|---:|---:|---:|---:|");
+    for r in &ingest_rows {
+        let per = |b: Option<usize>| b.map_or("-".to_string(), |b| format!("{:.0}", b as f64 / r.distinct as f64));
+        let ratio = match (r.rss[0], r.rss[1]) {
+            (Some(a), Some(b)) if b > 0 => format!("{:.2}", a as f64 / b as f64),
+            _ => "-".to_string(),
+        };
+        println!(
+            "| {} | {} | {} | {} | {ratio} |",
+            r.workers,
+            per(r.rss[0]),
+            per(r.rss[1]),
+            per(r.rss[2])
         );
     }
     println!();
