@@ -377,6 +377,16 @@ fn resident_bytes() -> Option<usize> {
     Some(kib * 1024)
 }
 
+/// How much the resident set grows while `build` runs (what it returns is
+/// kept until after the second reading).
+fn resident_growth<T>(build: impl FnOnce() -> T) -> Option<usize> {
+    let before = resident_bytes();
+    let built = build();
+    let after = resident_bytes();
+    black_box(&built);
+    after.zip(before).map(|(a, b)| a.saturating_sub(b))
+}
+
 /// The child process of the resident-set measurement: builds `index` from
 /// the events of a fleet of `workers` and prints `rss_growth <bytes>`.
 fn rss_child(index: &str, workers: usize) -> ExitCode {
@@ -385,23 +395,21 @@ fn rss_child(index: &str, workers: usize) -> ExitCode {
     let growth = match index {
         "selkie" => {
             let blocks = fleet.selkie_blocks();
-            let before = resident_bytes();
-            let mut built = KvIndex::new(BLOCK_SIZE);
-            fleet.feed(&mut built, &blocks, &service);
-            let after = resident_bytes();
-            black_box(&built);
-            after.zip(before).map(|(a, b)| a.saturating_sub(b))
+            resident_growth(|| {
+                let mut built = KvIndex::new(BLOCK_SIZE);
+                fleet.feed(&mut built, &blocks, &service);
+                built
+            })
         }
         "radix" => {
             let events = fleet.dynamo_events();
-            let before = resident_bytes();
-            let mut radix = RadixTree::new();
-            for e in &events {
-                radix.apply_event(e.clone()).expect("the fleet's events are in order");
-            }
-            let after = resident_bytes();
-            black_box(&radix);
-            after.zip(before).map(|(a, b)| a.saturating_sub(b))
+            resident_growth(|| {
+                let mut radix = RadixTree::new();
+                for e in &events {
+                    radix.apply_event(e.clone()).expect("the fleet's events are in order");
+                }
+                radix
+            })
         }
         "concurrent" => {
             let runtime = tokio::runtime::Builder::new_current_thread()
@@ -409,18 +417,17 @@ fn rss_child(index: &str, workers: usize) -> ExitCode {
                 .build()
                 .expect("a current-thread runtime");
             let events = fleet.dynamo_events();
-            let before = resident_bytes();
-            let pool = ThreadPoolIndexer::new(ConcurrentRadixTreeCompressed::new(), 1, BLOCK_SIZE);
-            // A batch at a time, so that few clones wait in the queue.
-            for batch in events.chunks(64) {
-                for e in batch {
-                    pool.enqueue_event(e.clone()).expect("the indexer thread runs");
+            resident_growth(|| {
+                let pool = ThreadPoolIndexer::new(ConcurrentRadixTreeCompressed::new(), 1, BLOCK_SIZE);
+                // A batch at a time, so that few clones wait in the queue.
+                for batch in events.chunks(64) {
+                    for e in batch {
+                        pool.enqueue_event(e.clone()).expect("the indexer thread runs");
+                    }
+                    runtime.block_on(pool.flush_and_wait()).expect("the indexer flushes");
                 }
-                runtime.block_on(pool.flush_and_wait()).expect("the indexer flushes");
-            }
-            let after = resident_bytes();
-            black_box(&pool);
-            after.zip(before).map(|(a, b)| a.saturating_sub(b))
+                pool
+            })
         }
         other => {
             eprintln!("vs_dynamo_index: unknown index {other:?} (selkie, radix or concurrent)");

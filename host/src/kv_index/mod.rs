@@ -537,9 +537,9 @@ impl KvIndex {
         let (worker_id, dp_rank, event_id) = (rank.worker_id, rank.dp_rank, event.event_id);
         let tier = event.tier.bit();
         let rows = self.layout.map_or(0, |l| l.rows);
-        // What the other ranks hold on average (read only while this one
-        // holds nothing, so counts nothing in `held`).
-        let peers_hold = self.held / (self.ranks.len() - 1).max(1);
+        // What the other ranks hold, and how many they are (read only while
+        // this one holds nothing, so counts nothing in `held`).
+        let (peers_hold, peers) = (self.held, self.ranks.len() - 1);
         let state = self.ranks.get_mut(&rank).expect("the rank was created by apply");
         if let Some(parent) = parent {
             if blocks.iter().any(|b| b.block_hash == parent) {
@@ -572,7 +572,7 @@ impl KvIndex {
         // One growth of the rank's table for the whole run, if any; on the
         // first, room for a few runs at once, or for what its peers hold.
         let first_run = if state.blocks.len() == 0 && !blocks.is_empty() {
-            RANK_FIRST_ROOM.max(peers_hold)
+            RANK_FIRST_ROOM.max(peers_hold / peers.max(1))
         } else {
             0
         };
