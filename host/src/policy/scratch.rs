@@ -14,6 +14,7 @@
 
 use std::cell::RefCell;
 
+use selkie_kernel::kernels::keyed::clear_column;
 use selkie_kernel::mask::words_for;
 
 use crate::plugin::{CandidateData, ScoredWorkerCandidate, WorkerCacheInput, WorkerLoadInput};
@@ -65,17 +66,17 @@ impl OverlapColumns {
     /// Zeroes what the last scatter wrote.
     pub(crate) fn reset(&mut self) {
         let n = self.dirty;
-        zero(&mut self.device[..n]);
-        zero(&mut self.cached_tokens[..n]);
+        clear_column(&mut self.device[..n]);
+        clear_column(&mut self.cached_tokens[..n]);
         for &r in &self.touched {
             let r = r as usize;
             self.device[r] = 0.0;
             self.cached_tokens[r] = 0.0;
         }
         if self.any_lower {
-            zero(&mut self.host[..n]);
-            zero(&mut self.disk[..n]);
-            zero(&mut self.shared[..n]);
+            clear_column(&mut self.host[..n]);
+            clear_column(&mut self.disk[..n]);
+            clear_column(&mut self.shared[..n]);
             for &r in &self.touched {
                 let r = r as usize;
                 (self.host[r], self.disk[r], self.shared[r]) = (0.0, 0.0, 0.0);
@@ -84,21 +85,6 @@ impl OverlapColumns {
         self.touched.clear();
         self.dirty = 0;
         (self.any_host, self.any_disk, self.any_shared, self.any_lower) = (false, false, false, false);
-    }
-}
-
-/// Zeroes `column` eight values per store. (`fill(0.0)` becomes a call to
-/// `memset`, which clears columns of this size with `rep stosb`: a byte
-/// per step as an instruction counter sees it.)
-fn zero(column: &mut [f32]) {
-    // Opaque to the optimiser, so the loop stays vector stores.
-    let z = std::hint::black_box([0.0f32; 8]);
-    let mut chunks = column.chunks_exact_mut(8);
-    for c in &mut chunks {
-        c.copy_from_slice(&z);
-    }
-    for v in chunks.into_remainder() {
-        *v = 0.0;
     }
 }
 

@@ -32,7 +32,8 @@
 use core::mem::size_of;
 
 use crate::lanes::LANES;
-use crate::simd::{dispatch, F32Lanes, Simd, U32Lanes};
+use crate::simd::{dispatch, F32Lanes, FieldAt, Simd, U32Lanes};
+use core::marker::PhantomData;
 
 /// An overlap entry keyed by worker rank, in the caller's own layout: the
 /// byte offsets of its fields (for the gathers) and the same fields read
@@ -230,6 +231,51 @@ dispatch! {
     = |s| scatter_lanes(s, entries, dense, probe, device, cached)
 }
 
+dispatch! {
+    /// Sets every value of `column` to `0.0`: what a caller reusing its
+    /// columns does after the selection that read a scatter's values.
+    /// Eight values to a vector store, 64 to a step (`fill(0.0)` becomes a
+    /// call to `memset`, which clears columns of this size with `rep
+    /// stosb`: a step per byte as an instruction counter sees it).
+    ///
+    /// ```
+    /// use selkie_kernel::kernels::keyed::clear_column;
+    /// let mut column = [1.5f32; 100];
+    /// clear_column(&mut column);
+    /// assert!(column.iter().all(|&v| v == 0.0));
+    /// ```
+    pub fn clear_column / clear_column_on [] (column: &mut [f32]) -> ()
+    = |s| clear_lanes(s, column)
+}
+
+/// The scalar reference of [`clear_column`].
+pub fn clear_column_reference(column: &mut [f32]) {
+    for v in column {
+        *v = 0.0;
+    }
+}
+
+/// [`clear_column`] a lane group per store.
+#[cfg_attr(not(debug_assertions), inline(always))]
+fn clear_lanes<S: Simd>(s: S, column: &mut [f32]) {
+    // A zero the optimiser cannot see: stores of a known zero become
+    // `memset` again.
+    let zero = s.splat_f32(core::hint::black_box(0.0)).to_array();
+    let mut steps = column.chunks_exact_mut(8 * LANES);
+    for step in &mut steps {
+        for group in step.chunks_exact_mut(LANES) {
+            group.copy_from_slice(&zero);
+        }
+    }
+    let mut groups = steps.into_remainder().chunks_exact_mut(LANES);
+    for group in &mut groups {
+        group.copy_from_slice(&zero);
+    }
+    for v in groups.into_remainder() {
+        *v = 0.0;
+    }
+}
+
 /// The backend's way: gathers where they are one instruction, the
 /// reference elsewhere.
 #[cfg_attr(not(debug_assertions), inline(always))]
@@ -285,6 +331,37 @@ const fn halves(at: usize) -> (usize, usize) {
     }
 }
 
+/// The fields the gathers read, as types ([`FieldAt`]): each gather
+/// carries its field's offset as its displacement.
+macro_rules! fields {
+    ($($(#[$doc:meta])* $name:ident = $at:expr;)*) => {$(
+        $(#[$doc])*
+        struct $name<T>(PhantomData<T>);
+        impl<T: KeyedOverlap> FieldAt for $name<T> {
+            const AT: usize = $at;
+        }
+    )*};
+}
+
+fields! {
+    /// The low half of the worker id.
+    IdLo = halves(T::WORKER_ID_AT).0;
+    /// The high half of the worker id.
+    IdHi = halves(T::WORKER_ID_AT).1;
+    /// The DP rank.
+    Rank = T::DP_RANK_AT;
+    /// The device-tier blocks.
+    Device = T::DEVICE_BLOCKS_AT;
+    /// The host-tier blocks.
+    Host = T::HOST_BLOCKS_AT;
+    /// The disk-tier blocks.
+    Disk = T::DISK_BLOCKS_AT;
+    /// The shared-cache blocks.
+    Shared = T::SHARED_BLOCKS_AT;
+    /// The cached tokens.
+    Tokens = T::CACHED_TOKENS_AT;
+}
+
 /// [`scatter_keyed`] eight entries at a time with gathers.
 #[cfg_attr(not(debug_assertions), inline(always))]
 pub(crate) fn scatter_gathered<S: Simd, T: KeyedOverlap, P: FnMut(u64, u32) -> u32 + ?Sized>(
@@ -314,7 +391,6 @@ pub(crate) fn scatter_gathered<S: Simd, T: KeyedOverlap, P: FnMut(u64, u32) -> u
     if limit == 0 || dense.workers == 0 || groups == 0 {
         return scatter_keyed_reference(entries, dense, probe, device, cached);
     }
-    let (id_lo_at, id_hi_at) = halves(T::WORKER_ID_AT);
     let offsets = s
         .splat_u32(size_of::<T>() as u32)
         .mul_lo(s.load_u32(&[0, 1, 2, 3, 4, 5, 6, 7]));
@@ -326,68 +402,82 @@ pub(crate) fn scatter_gathered<S: Simd, T: KeyedOverlap, P: FnMut(u64, u32) -> u
     let table = dense.rows.as_ptr().cast::<u8>();
     let mut lower = zero;
     let mut out = Scattered::default();
-    for group in entries[..groups * LANES].chunks_exact(LANES) {
-        let base = group.as_ptr().cast::<u8>();
-        // SAFETY: `group` is eight entries of `size_of::<T>()` bytes, so
-        // `base + offsets[i] + AT` is inside entry `i` for every field
-        // offset `AT` the const block above checked (each field lies inside
-        // the entry); the offsets are below `8 << 24`; and the trait's
-        // contract makes those bytes initialized integers.
-        let (id_lo, id_hi, rank) = unsafe {
-            (
-                s.gather_u32(base.add(id_lo_at), offsets),
-                s.gather_u32(base.add(id_hi_at), offsets),
-                s.gather_u32(base.add(T::DP_RANK_AT), offsets),
-            )
-        };
-        // Unsigned `a <= b` is `min(a, b) == a`.
-        let covered = id_hi.cmp_eq(zero) & id_lo.min(last_worker).cmp_eq(id_lo) & rank.min(last_rank).cmp_eq(rank);
-        if covered.bits() != 0xFF {
-            out.merge(scatter_keyed_reference(group, dense, probe, device, cached));
-            continue;
-        }
-        let index = id_lo.mul_lo(ranks) + rank;
-        // SAFETY: every lane is covered: `id <= workers - 1` and
-        // `rank <= ranks - 1`, so `index < workers * ranks <= rows.len()`
-        // (at most `MAX_LEN`, so `4 * index` fits the gather's offsets), and
-        // the table is initialized `u32`s.
-        let row = unsafe { s.gather_u32(table, index.shl(2)) };
-        // SAFETY: as for the first gathers.
-        let (blocks, tokens) = unsafe {
-            (
-                s.gather_u32(base.add(T::DEVICE_BLOCKS_AT), offsets),
-                s.gather_u32(base.add(T::CACHED_TOKENS_AT), offsets),
-            )
-        };
-        // Every row inside the columns, and every value below `2^31` (where
-        // the signed conversion is the unsigned one).
-        if row.min(last_row).cmp_eq(row).bits() != 0xFF || (blocks | tokens).bits() != 0 {
-            out.merge(scatter_keyed_reference(group, dense, probe, device, cached));
-            continue;
-        }
-        // SAFETY: as for the first gathers.
-        lower = lower
-            | unsafe {
-                s.gather_u32(base.add(T::HOST_BLOCKS_AT), offsets)
-                    | s.gather_u32(base.add(T::DISK_BLOCKS_AT), offsets)
-                    | s.gather_u32(base.add(T::SHARED_BLOCKS_AT), offsets)
+    // Runs of groups gathered whole, each group that is not done one by
+    // one between them: the inner loop calls nothing, so its vectors stay
+    // in registers. `written` counts the groups done one by one; every
+    // other group wrote its eight entries.
+    let mut one_by_one = 0;
+    let mut chunks = entries[..groups * LANES].chunks_exact(LANES);
+    loop {
+        let mut refused = None;
+        for group in &mut chunks {
+            let base = group.as_ptr().cast::<u8>();
+            // SAFETY: `group` is eight entries of `size_of::<T>()` bytes,
+            // so `base + offsets[i] + AT` is inside entry `i` for every
+            // field offset `AT` the const block above checked (each field
+            // lies inside the entry); the offsets are below `8 << 24`; and
+            // the trait's contract makes those bytes initialized integers.
+            let (id_lo, id_hi, rank) = unsafe {
+                (
+                    s.gather_field::<IdLo<T>>(base, offsets),
+                    s.gather_field::<IdHi<T>>(base, offsets),
+                    s.gather_field::<Rank<T>>(base, offsets),
+                )
             };
-        let (rows, blocks, tokens) = (
-            row.to_array(),
-            blocks.small_to_f32().to_array(),
-            tokens.small_to_f32().to_array(),
-        );
-        for lane in 0..LANES {
-            let r = rows[lane] as usize;
-            // SAFETY: `r <= limit - 1` in every lane (checked above), and
-            // both columns were cut to `limit`.
-            unsafe {
-                *device.get_unchecked_mut(r) = blocks[lane];
-                *cached.get_unchecked_mut(r) = tokens[lane];
+            // Unsigned `a <= b` is `min(a, b) == a`: a lane is outside the
+            // table where its id's high half, `min(id, last) ^ id` or
+            // `min(rank, last) ^ rank` is not zero (one test for all three).
+            let outside = id_hi | id_lo.min(last_worker).xor(id_lo) | rank.min(last_rank).xor(rank);
+            if outside.cmp_eq(zero).bits() != 0xFF {
+                refused = Some(group);
+                break;
+            }
+            let index = id_lo.mul_lo(ranks) + rank;
+            // SAFETY: every lane is covered: `id <= workers - 1` and
+            // `rank <= ranks - 1`, so `index < workers * ranks <=
+            // rows.len()` (at most `MAX_LEN`, so `4 * index` fits the
+            // gather's offsets), and the table is initialized `u32`s.
+            let row = unsafe { s.gather_u32(table, index.shl(2)) };
+            // SAFETY: as for the first gathers.
+            let (blocks, tokens) = unsafe {
+                (
+                    s.gather_field::<Device<T>>(base, offsets),
+                    s.gather_field::<Tokens<T>>(base, offsets),
+                )
+            };
+            // Every row inside the columns, and every value below `2^31`
+            // (where the signed conversion is the unsigned one).
+            if row.min(last_row).cmp_eq(row).bits() != 0xFF || (blocks | tokens).bits() != 0 {
+                refused = Some(group);
+                break;
+            }
+            // SAFETY: as for the first gathers.
+            lower = lower
+                | unsafe {
+                    s.gather_field::<Host<T>>(base, offsets)
+                        | s.gather_field::<Disk<T>>(base, offsets)
+                        | s.gather_field::<Shared<T>>(base, offsets)
+                };
+            let (rows, blocks, tokens) = (
+                row.to_array(),
+                blocks.small_to_f32().to_array(),
+                tokens.small_to_f32().to_array(),
+            );
+            for lane in 0..LANES {
+                let r = rows[lane] as usize;
+                // SAFETY: `r <= limit - 1` in every lane (checked above),
+                // and both columns were cut to `limit`.
+                unsafe {
+                    *device.get_unchecked_mut(r) = blocks[lane];
+                    *cached.get_unchecked_mut(r) = tokens[lane];
+                }
             }
         }
-        out.written += LANES;
+        let Some(group) = refused else { break };
+        out.merge(scatter_keyed_reference(group, dense, probe, device, cached));
+        one_by_one += 1;
     }
+    out.written += (groups - one_by_one) * LANES;
     let tail = &entries[groups * LANES..];
     out.merge(scatter_keyed_reference(tail, dense, probe, device, cached));
     out.lower_tiers |= lower.to_array().iter().fold(0, |a, &l| a | l);

@@ -16,7 +16,7 @@
 //!
 //! This module must not contain selection logic.
 
-use super::{F32Lanes, Sealed, Simd, U32Lanes};
+use super::{F32Lanes, FieldAt, Sealed, Simd, U32Lanes};
 use crate::lanes::LANES;
 use core::arch::x86_64::*;
 use core::ops::{Add, BitAnd, BitOr, Div, Mul, Not, Sub};
@@ -123,8 +123,59 @@ impl Simd for Avx2 {
         // that every lane's four bytes at `base + offsets[i]` may be read,
         // and that the offsets are below `i32::MAX` (the instruction reads
         // them as signed).
-        U32x8(unsafe { _mm256_i32gather_epi32::<1>(base.cast(), offsets.0) })
+        U32x8(unsafe { gather_all::<AtBase>(base, offsets.0) })
     }
+    #[inline(always)]
+    unsafe fn gather_field<F: FieldAt>(self, base: *const u8, offsets: U32x8) -> U32x8 {
+        // SAFETY: as for `gather_u32`, at `base + F::AT` (the caller's
+        // promise).
+        U32x8(unsafe { gather_all::<F>(base, offsets.0) })
+    }
+}
+
+/// The field at offset 0: a plain gather.
+struct AtBase;
+
+impl FieldAt for AtBase {
+    const AT: usize = 0;
+}
+
+/// `vpgatherdd` of every lane: each lane's four bytes at `base +
+/// offsets[i] + F::AT` (the offsets signed, `F::AT` the instruction's
+/// displacement). Written out because the intrinsic zeroes the result
+/// register before each gather (to break its dependency on the register's
+/// old value), a third instruction for the two here: every lane's mask bit
+/// is set, so every lane of the result is written and none keeps an old
+/// value.
+///
+/// # Safety
+///
+/// The CPU must have AVX2 (a caller holds the [`Avx2`] token); every lane's
+/// four bytes at `base + offsets[i] + F::AT` must be readable; `F::AT`
+/// must be at most `i32::MAX`.
+#[target_feature(enable = "avx2")]
+#[inline]
+unsafe fn gather_all<F: FieldAt>(base: *const u8, offsets: __m256i) -> __m256i {
+    let out: __m256i;
+    // SAFETY: the caller promises AVX2 and that the eight addresses are
+    // readable; the asm reads only those bytes, writes only its two
+    // registers (`out`, and `mask`, which the gather clears), and touches
+    // no stack or flags. `out` and `mask` are outputs not written late, so
+    // they are distinct from each other and from the index register, as
+    // the instruction requires.
+    unsafe {
+        core::arch::asm!(
+            "vpcmpeqd {mask}, {mask}, {mask}",
+            "vpgatherdd {out}, dword ptr [{base} + {offsets} + {at}], {mask}",
+            base = in(reg) base,
+            offsets = in(ymm_reg) offsets,
+            at = const F::AT,
+            mask = out(ymm_reg) _,
+            out = out(ymm_reg) out,
+            options(pure, readonly, nostack, preserves_flags),
+        );
+    }
+    out
 }
 
 impl BitAnd for U32x8 {

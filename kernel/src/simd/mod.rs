@@ -132,6 +132,26 @@ pub trait Simd: Copy + Sealed {
     /// `base + offsets[i]` lie in one allocation, are initialized and may be
     /// read.
     unsafe fn gather_u32(self, base: *const u8, offsets: Self::U32) -> Self::U32;
+    /// [`gather_u32`](Self::gather_u32) of field `F` of eight entries:
+    /// lane `i` is the `u32` at `base + offsets[i] + F::AT` bytes (on AVX2,
+    /// `F::AT` is the gather's displacement: no address computed for it).
+    ///
+    /// # Safety
+    ///
+    /// As for `gather_u32` at `base + F::AT`, which must lie in the same
+    /// allocation as `base`; `F::AT <= i32::MAX as usize`.
+    #[inline(always)]
+    unsafe fn gather_field<F: FieldAt>(self, base: *const u8, offsets: Self::U32) -> Self::U32 {
+        // SAFETY: the caller's promise, for `base + F::AT`.
+        unsafe { self.gather_u32(base.add(F::AT), offsets) }
+    }
+}
+
+/// A field of a caller's type, named by a type that carries its byte
+/// offset, for [`Simd::gather_field`].
+pub trait FieldAt {
+    /// The field's byte offset in its type.
+    const AT: usize;
 }
 
 /// Eight `u32` lanes of a backend.

@@ -156,6 +156,20 @@ proptest! {
     }
 }
 
+proptest! {
+    #[test]
+    fn clear_column_matches_reference(values in proptest::collection::vec(any::<f32>(), 0..300)) {
+        let mut expected = values.clone();
+        clear_column_reference(&mut expected);
+        let bits = |c: &[f32]| c.iter().map(|v| v.to_bits()).collect::<Vec<u32>>();
+        for backend in Backend::available() {
+            let mut got = values.clone();
+            clear_column_on(backend, &mut got);
+            prop_assert_eq!(bits(&got), bits(&expected), "{:?}", backend);
+        }
+    }
+}
+
 /// A hand-worked case: two full groups of eight entries gathered whole (one
 /// with a duplicate row, last wins), one group done one by one (an entry
 /// outside the table), and a tail.
