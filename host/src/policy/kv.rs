@@ -43,8 +43,8 @@ use crate::types::WorkerType;
 /// the entries are many; the lower tiers are
 /// written in a second pass, only when some entry has one. What is written
 /// is cleared by `reset`: row by row from a list when the entries are few
-/// against the rows, else the written columns whole (one `memset`, cheaper
-/// than keeping the list).
+/// against the rows, else the written columns whole (the kernel's
+/// `clear_column`, cheaper than keeping the list).
 pub(crate) fn scatter_overlaps(env: &Env<'_>, o: &mut OverlapColumns) -> bool {
     let limit = o.device.len().min(env.rows);
     let overlaps = env.req.overlaps;

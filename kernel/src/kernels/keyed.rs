@@ -16,7 +16,8 @@
 //!
 //! Later entries for the same row overwrite earlier ones. The fast version
 //! takes eight entries at a time with gathers (each field of eight entries,
-//! then their eight rows from the dense table, is one instruction) and
+//! then their eight rows from the dense table, is one gather, its field's
+//! offset the gather's displacement) and
 //! writes the eight rows from registers; a group with an entry outside the
 //! dense table, a row outside the columns or a value of `2^31` or more is
 //! done entry by entry, as the reference does it. Backends without a gather
@@ -234,7 +235,8 @@ dispatch! {
 dispatch! {
     /// Sets every value of `column` to `0.0`: what a caller reusing its
     /// columns does after the selection that read a scatter's values.
-    /// Eight values to a vector store, 64 to a step (`fill(0.0)` becomes a
+    /// A lane group (eight values) at a time, 64 values to a step: one
+    /// vector store per group on AVX2 (`fill(0.0)` becomes a
     /// call to `memset`, which clears columns of this size with `rep
     /// stosb`: a step per byte as an instruction counter sees it).
     ///
@@ -272,7 +274,7 @@ fn clear_lanes<S: Simd>(s: S, column: &mut [f32]) {
         group.copy_from_slice(&zero);
     }
     for v in groups.into_remainder() {
-        *v = 0.0;
+        *v = zero[0];
     }
 }
 
