@@ -274,7 +274,7 @@ fn clear_lanes<S: Simd>(s: S, column: &mut [f32]) {
         group.copy_from_slice(&zero);
     }
     for v in groups.into_remainder() {
-        *v = zero[0];
+        *v = 0.0;
     }
 }
 
