@@ -124,3 +124,32 @@ fn a_refused_fast_booking_falls_back_to_the_other_rows() {
         .any(|r| matches!(r, Err(SelectionError::AllEligibleWorkersOverloaded))));
     assert!(results.iter().flatten().all(|b| b.worker().worker_id == 1));
 }
+
+/// A plain booking holds `request_blocks` decode blocks at any block size:
+/// a power of two (a shift on the fast path), 1, or another size (a
+/// division), at prompt lengths on, around and between block boundaries.
+#[test]
+fn plain_bookings_hold_the_request_blocks_at_any_block_size() {
+    for block_size in [1, 2, 10, 16, 64, 100, 1 << 20, 1 << 31, u32::MAX] {
+        let s = WorkerSelectionService::new(
+            WorkerSelectionPolicy::random(),
+            ServiceConfig {
+                block_size,
+                seed: Some(7),
+                ..ServiceConfig::default()
+            },
+        );
+        s.add_worker(WorkerRecord::new(0)).unwrap();
+        let b = block_size as usize;
+        for tokens in [0, 1, 15, 16, 17, b.saturating_sub(1), b, b + 1, 3 * b + 5, 1 << 40] {
+            let req = SelectionRequest::new(tokens);
+            let booked = s.select(&req).unwrap();
+            let expected = u32::try_from(req.request_blocks(block_size)).unwrap_or(u32::MAX);
+            assert_eq!(
+                booked.decode_blocks(),
+                expected.min(16_777_215),
+                "{tokens} tokens at {block_size}"
+            );
+        }
+    }
+}

@@ -80,6 +80,44 @@ impl Rng {
         (m >> 64) as u64
     }
 
+    /// [`below`](Self::below), split so that its common case (one draw
+    /// and one multiply) inlines where it is called: the same draws and
+    /// the same value. For a single draw on a hot path (the host's O(1)
+    /// picks); the kernels' loops call `below`, whose one body their code
+    /// is tuned with.
+    ///
+    /// ```
+    /// use selkie_kernel::Rng;
+    /// let (mut a, mut b) = (Rng::new(9), Rng::new(9));
+    /// for n in [1, 2, 7, 1 << 40, u64::MAX] {
+    ///     assert_eq!(a.below_inlined(n), b.below(n));
+    /// }
+    /// ```
+    #[inline(always)]
+    pub fn below_inlined(&mut self, n: u64) -> u64 {
+        if n == 0 {
+            return self.below(n);
+        }
+        let m = (self.next_u64() as u128) * (n as u128);
+        if (m as u64) < n {
+            return self.below_rejecting(n, m);
+        }
+        (m >> 64) as u64
+    }
+
+    /// [`below_inlined`](Self::below_inlined)'s rare case (probability
+    /// below `n / 2^64`): `below`'s rejection loop from its first product
+    /// `m`. Out of line, so the common case stays small.
+    #[cold]
+    #[inline(never)]
+    fn below_rejecting(&mut self, n: u64, mut m: u128) -> u64 {
+        let threshold = n.wrapping_neg() % n;
+        while (m as u64) < threshold {
+            m = (self.next_u64() as u128) * (n as u128);
+        }
+        (m >> 64) as u64
+    }
+
     /// A uniform `f64` in `[0, 1)`, with 53 random bits (one draw).
     #[inline]
     pub fn unit_f64(&mut self) -> f64 {

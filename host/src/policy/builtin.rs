@@ -85,7 +85,7 @@ pub(crate) fn draw_from_list(
 ) -> Option<(usize, Branch)> {
     let n = list.len();
     match kind {
-        PolicyKind::Random if n != 0 => Some((list[rng.below(n as u64) as usize] as usize, Branch::Random)),
+        PolicyKind::Random if n != 0 => Some((list[rng.below_inlined(n as u64) as usize] as usize, Branch::Random)),
         PolicyKind::RoundRobin if n != 0 => {
             let ticket = u64::from(if advance {
                 fleet.next_ticket()
@@ -98,8 +98,8 @@ pub(crate) fn draw_from_list(
             // The kernel's draws (Dynamo's): two distinct positions, the
             // lighter row wins, ties to the first draw.
             let active = view.active_requests();
-            let k1 = rng.below(n as u64) as usize;
-            let k2 = k1 + 1 + rng.below(n as u64 - 1) as usize;
+            let k1 = rng.below_inlined(n as u64) as usize;
+            let k2 = k1 + 1 + rng.below_inlined(n as u64 - 1) as usize;
             let (a, b) = (list[k1] as usize, list[if k2 >= n { k2 - n } else { k2 }] as usize);
             let row = if U32Source::value(&active, a) <= U32Source::value(&active, b) {
                 a
@@ -114,6 +114,7 @@ pub(crate) fn draw_from_list(
 
 /// In-flight requests per unit of weight of `row`, from the snapshot's
 /// traits and the fleet's columns.
+#[inline(always)]
 pub(crate) fn row_load(reg: &WorkerRegistry, view: &FleetView<'_, FLEET_GROUPS>, row: usize) -> f64 {
     let a = U32Source::value(&view.active_requests(), row) as f64;
     if reg.traits().weighted {

@@ -163,6 +163,10 @@ pub struct WorkerSelectionService {
     /// the workers drops it.
     refused: Mutex<Option<(u64, Vec<WorkerRecord>)>>,
     seed_counter: AtomicU64,
+    /// `log2` of the block size (`max(1)`, as
+    /// [`SelectionRequest::request_blocks`] takes it) when it is a power
+    /// of two: a booking's blocks are then a shift, not a division.
+    block_shift: Option<u32>,
     selections: Counter,
     rejections: Rejections,
     /// Booking sync with other router replicas (feature `nats`).
@@ -184,6 +188,11 @@ impl WorkerSelectionService {
             sessions: SessionTable::new(config.session_idle_timeout, config.max_sessions),
             refused: Mutex::new(None),
             seed_counter: AtomicU64::new(0),
+            block_shift: config
+                .block_size
+                .max(1)
+                .is_power_of_two()
+                .then(|| config.block_size.max(1).trailing_zeros()),
             #[cfg(feature = "nats")]
             replica: replica::ReplicaLink::new(),
             policy,

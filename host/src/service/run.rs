@@ -9,6 +9,7 @@
 //! Runs on the thread's registry snapshot and scratch; allocates nothing
 //! with the built-in policies once the thread is warm.
 
+use std::mem::MaybeUninit;
 use std::ops::Deref;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
@@ -64,9 +65,42 @@ impl WorkerSelectionService {
         req: &SelectionRequest<'_>,
         handle: impl Fn() -> H,
     ) -> Result<Booked<H>, SelectionError> {
-        self.traced(false, || {
-            self.with_snapshot(|reg| self.select_ready_or_general(reg, req, &handle))
-        })
+        // As `traced`, but the selection writes its result into `out`
+        // (through a reference) instead of returning it through the
+        // closures of `traced`, `with_snapshot` and the thread-local's
+        // `with`, each of which moved it.
+        let span = self.span(false);
+        let mut out = MaybeUninit::uninit();
+        let Written(()) = self.with_snapshot(|reg| self.select_into(reg, req, &handle, &mut out));
+        if let Some(span) = span {
+            drop(span);
+        }
+        // SAFETY: `out` is initialized: `with_snapshot` returned a
+        // `Written`, which (generic over its closure's result) it can only
+        // have got by calling the closure, and `select_into` makes one only
+        // after writing `out` (a panic before unwinds past this read). The
+        // error is read in place and the result moved out once, straight
+        // into the return value.
+        unsafe {
+            if let Err(e) = out.assume_init_ref() {
+                self.failed(e);
+            }
+            out.assume_init()
+        }
+    }
+
+    /// [`select_ready_or_general`](Self::select_ready_or_general), its
+    /// result written into `out`: [`Written`] says it was.
+    #[inline(never)]
+    fn select_into<H: Deref<Target = Self>>(
+        &self,
+        reg: &WorkerRegistry,
+        req: &SelectionRequest<'_>,
+        handle: &impl Fn() -> H,
+        out: &mut MaybeUninit<Result<Booked<H>, SelectionError>>,
+    ) -> Written {
+        out.write(self.select_ready_or_general(reg, req, handle));
+        Written(())
     }
 
     /// A preview (`peek`): traced, on the thread's snapshot.
@@ -91,8 +125,7 @@ impl WorkerSelectionService {
     fn traced<T>(&self, preview: bool, f: impl FnOnce() -> Result<T, SelectionError>) -> Result<T, SelectionError> {
         // One call of `f` (so it is inlined here): the span is entered only
         // when debug logging is on.
-        let span = tracing::level_enabled!(tracing::Level::DEBUG)
-            .then(|| tracing::debug_span!("selkie.select", policy = self.policy.name(), preview).entered());
+        let span = self.span(preview);
         let result = f();
         // Dropped only where there is one: the drop glue of an `Option`
         // is an out-of-line call even for `None`.
@@ -100,10 +133,23 @@ impl WorkerSelectionService {
             drop(span);
         }
         if let Err(e) = &result {
-            tracing::debug!(error = %e, "selection failed");
-            metrics::counter!("selkie_selection_errors_total", "reason" => e.reason()).increment(1);
+            self.failed(e);
         }
         result
+    }
+
+    /// The debug span of a selection, when debug logging is on.
+    #[inline(always)]
+    fn span(&self, preview: bool) -> Option<tracing::span::EnteredSpan> {
+        tracing::level_enabled!(tracing::Level::DEBUG)
+            .then(|| tracing::debug_span!("selkie.select", policy = self.policy.name(), preview).entered())
+    }
+
+    /// A selection failed: logged and counted.
+    #[inline(never)]
+    fn failed(&self, e: &SelectionError) {
+        tracing::debug!(error = %e, "selection failed");
+        metrics::counter!("selkie_selection_errors_total", "reason" => e.reason()).increment(1);
     }
 
     /// What every selection checks first.
@@ -159,7 +205,7 @@ impl WorkerSelectionService {
         // A request without per-rank inputs or overlaps books the same
         // load on every row (inline); the others look theirs up.
         if req.rank_inputs.is_none() && req.row_overlaps.is_none() && req.overlaps.is_empty() {
-            let request_blocks = u32::try_from(req.request_blocks(self.config.block_size)).unwrap_or(u32::MAX);
+            let request_blocks = u32::try_from(self.request_blocks(req)).unwrap_or(u32::MAX);
             let prefill = if req.track_prefill_tokens { req.isl_tokens } else { 0 };
             return BookLoad {
                 prefill_tokens: u32::try_from(prefill).unwrap_or(u32::MAX),
@@ -167,6 +213,19 @@ impl WorkerSelectionService {
             };
         }
         self.book_row_load(req, row, worker)
+    }
+
+    /// [`SelectionRequest::request_blocks`] at the service's block size: a
+    /// shift when the block size is a power of two (the same value).
+    #[inline(always)]
+    fn request_blocks(&self, req: &SelectionRequest<'_>) -> u64 {
+        match self.block_shift {
+            Some(shift) => {
+                let tokens = req.isl_tokens as u64;
+                (tokens >> shift) + u64::from(tokens & ((1u64 << shift) - 1) != 0)
+            }
+            None => req.request_blocks(self.config.block_size),
+        }
     }
 
     /// [`book_load`](Self::book_load) of a request with per-rank inputs or
@@ -523,6 +582,10 @@ fn cached_tokens(overlaps: &[crate::WorkerOverlap], worker: WorkerWithDpRank) ->
         .or_else(|| overlaps.iter().find(|o| o.worker == worker));
     hit.map_or(0, |o| o.cached_tokens as usize)
 }
+
+/// Made only by [`select_into`](WorkerSelectionService::select_into), after
+/// it wrote its result (the field is private to this module).
+struct Written(());
 
 pub(super) enum Outcome<H: Deref<Target = WorkerSelectionService>> {
     Booked(Booked<H>),

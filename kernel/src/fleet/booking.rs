@@ -77,6 +77,14 @@ impl<const GROUPS: usize> Fleet<GROUPS> {
     /// The booking protocol; `expected` pins the generation.
     #[inline]
     pub(crate) fn claim(&self, row: usize, expected: Option<u32>, load: BookLoad) -> Result<Claim, BookError> {
+        self.claim_inline(row, expected, load)
+    }
+
+    /// [`claim`](Self::claim), always inlined: for
+    /// [`Booking::new_for_slot`], the host's fast path, where the call and
+    /// its result through memory cost more than the protocol's own loads.
+    #[cfg_attr(not(debug_assertions), inline(always))]
+    pub(crate) fn claim_inline(&self, row: usize, expected: Option<u32>, load: BookLoad) -> Result<Claim, BookError> {
         if !Self::in_range(row) {
             return Err(BookError::NoSuchRow {
                 row,

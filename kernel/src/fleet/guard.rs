@@ -84,7 +84,7 @@ impl<F: Deref<Target = Fleet<GROUPS>>, const GROUPS: usize> Booking<F, GROUPS> {
     /// occupant.
     #[cfg_attr(not(debug_assertions), inline(always))]
     pub fn new_for_slot(fleet: F, slot: SlotId, load: BookLoad) -> Result<Self, BookError> {
-        let claim = fleet.claim(slot.row as usize, Some(slot.generation), load)?;
+        let claim = fleet.claim_inline(slot.row as usize, Some(slot.generation), load)?;
         Ok(Booking { fleet, claim })
     }
 
