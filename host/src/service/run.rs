@@ -89,8 +89,11 @@ impl WorkerSelectionService {
         }
     }
 
-    /// [`select_ready_or_general`](Self::select_ready_or_general), its
-    /// result written into `out`: [`Written`] says it was.
+    /// One selection on the thread's snapshot, its result written into
+    /// `out` ([`Written`] says it was): the fast path of a plain request,
+    /// else (or after its refused booking) the general path on the
+    /// thread's scratch. Each way writes `out` itself, so the fast path's
+    /// booking goes there straight from the registers that built it.
     #[inline(never)]
     fn select_into<H: Deref<Target = Self>>(
         &self,
@@ -99,7 +102,26 @@ impl WorkerSelectionService {
         handle: &impl Fn() -> H,
         out: &mut MaybeUninit<Result<Booked<H>, SelectionError>>,
     ) -> Written {
-        out.write(self.select_ready_or_general(reg, req, handle));
+        if let Err(e) = self.check_basics(req) {
+            out.write(Err(e));
+            return Written(());
+        }
+        let mut rng = self.take_rng();
+        let skip = match self.select_ready(reg, req, &mut rng, handle) {
+            Some(Ok(booked)) => {
+                self.keep_rng(rng);
+                out.write(Ok(booked));
+                return Written(());
+            }
+            Some(Err(Fallback::Failed(e))) => {
+                self.keep_rng(rng);
+                out.write(Err(e));
+                return Written(());
+            }
+            Some(Err(Fallback::Refused(row))) => Some(row),
+            None => None,
+        };
+        out.write(self.select_general(reg, req, handle, rng, skip));
         Written(())
     }
 
@@ -164,30 +186,17 @@ impl WorkerSelectionService {
         Ok(())
     }
 
-    /// One selection on the thread's snapshot: the fast path of a plain
-    /// request, else (or after its refused booking) the general path on
-    /// the thread's scratch.
-    #[inline]
-    fn select_ready_or_general<H: Deref<Target = Self>>(
+    /// The general path of a selection (`skip`: the row whose booking the
+    /// fast path was refused), on the thread's scratch.
+    #[inline(never)]
+    fn select_general<H: Deref<Target = Self>>(
         &self,
         reg: &WorkerRegistry,
         req: &SelectionRequest<'_>,
         handle: &impl Fn() -> H,
+        mut rng: Rng,
+        skip: Option<usize>,
     ) -> Result<Booked<H>, SelectionError> {
-        self.check_basics(req)?;
-        let mut rng = self.take_rng();
-        let skip = match self.select_ready(reg, req, &mut rng, handle) {
-            Some(Ok(booked)) => {
-                self.keep_rng(rng);
-                return Ok(booked);
-            }
-            Some(Err(Fallback::Failed(e))) => {
-                self.keep_rng(rng);
-                return Err(e);
-            }
-            Some(Err(Fallback::Refused(row))) => Some(row),
-            None => None,
-        };
         let r = with_scratch(|s| self.run_with(reg, req, false, s, &mut rng, handle, skip));
         self.keep_rng(rng);
         match r? {
