@@ -3,15 +3,24 @@
 //! --toggle-collect='*host_profile*measured*'` counts its instructions.
 //!
 //! `cargo run --release -p selkie-benches --example host_profile -- random 1024 1000`
-//! (mode: random, round-robin, power-of-two, least-loaded, kv, kv-keyed;
+//! (mode: random, round-robin, power-of-two, least-loaded, kv, kv-keyed,
+//! or kv-index: tokens hashed, the KV index queried, then the selection;
 //! then workers and calls).
 
 use std::hint::black_box;
 
 use selkie_benches::host_fixture::{HostFixture, Mode};
+use selkie_benches::index_fixture::IndexFixture;
 
 #[inline(never)]
 fn measured(f: &HostFixture, calls: usize) {
+    for _ in 0..calls {
+        black_box(f.select_and_release());
+    }
+}
+
+#[inline(never)]
+fn measured_index(f: &mut IndexFixture, calls: usize) {
     for _ in 0..calls {
         black_box(f.select_and_release());
     }
@@ -22,6 +31,12 @@ fn main() {
     let mode = args.next().unwrap_or_else(|| "random".into());
     let workers: usize = args.next().map_or(1024, |s| s.parse().expect("workers is a number"));
     let calls: usize = args.next().map_or(1000, |s| s.parse().expect("calls is a number"));
+    if mode == "kv-index" {
+        let mut fixture = IndexFixture::new(workers);
+        measured_index(&mut fixture, calls);
+        println!("{mode}: {calls} calls at {workers} workers");
+        return;
+    }
     let fixture = match mode.as_str() {
         "kv-keyed" => HostFixture::new(Mode::Kv, workers, 0.0).worker_keyed(),
         name => {
