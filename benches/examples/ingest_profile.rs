@@ -16,7 +16,18 @@
 //!     target/release/examples/ingest_profile 1024 5
 //! valgrind --tool=callgrind target/release/examples/ingest_profile 1024
 //! ```
-use selkie::kv_index::{sequence_hashes_of, KvEvent, KvEventData, KvIndex, StoredBlock};
+//!
+//! A third argument runs that many own-prefix queries (by local hashes, as
+//! `vs_dynamo_index` times them: a worker's shared prompt and continuation,
+//! 128 blocks) on the last build, in `measured_queries`:
+//!
+//! ```text
+//! valgrind --tool=callgrind --toggle-collect='*measured_queries*' \
+//!     target/release/examples/ingest_profile 1024 1 640
+//! ```
+use std::hint::black_box;
+
+use selkie::kv_index::{sequence_hashes_of, KvEvent, KvEventData, KvIndex, KvOverlaps, StoredBlock};
 use selkie::{
     KvRouterConfig, ServiceConfig, WorkerRecord, WorkerSelectionPolicy, WorkerSelectionService, WorkerType,
     WorkerWithDpRank,
@@ -27,6 +38,7 @@ use selkie_benches::SplitMix64 as Stream;
 fn main() {
     let workers: usize = std::env::args().nth(1).map_or(1024, |a| a.parse().expect("workers"));
     let turns: usize = std::env::args().nth(2).map_or(1, |a| a.parse().expect("turns"));
+    let queries: usize = std::env::args().nth(3).map_or(0, |a| a.parse().expect("queries"));
     let mut rng = Stream(0x5e1c_1e1d_e000 + workers as u64);
     let system = rng.chain(64);
     let shared: Vec<Vec<u64>> = (0..64)
@@ -39,11 +51,13 @@ fn main() {
     let own_blocks = (100_000 - 64 - 64 * 32) / workers;
     let (cont, root) = (own_blocks / 2, own_blocks - own_blocks / 2);
     let mut runs: Vec<(u64, u64, Option<u64>, Vec<StoredBlock>)> = Vec::new();
+    let mut own = Vec::new();
     for w in 0..workers {
         let mut id = 0;
         let mut first = shared[w % 64].clone();
         first.extend(rng.chain(cont));
         let chain = rng.chain(root);
+        own.push(first[..first.len().min(128)].to_vec());
         for all in [first, chain] {
             let mut seq = Vec::new();
             sequence_hashes_of(&all, &mut seq);
@@ -73,10 +87,11 @@ fn main() {
     service
         .sync((0..workers as u64).map(WorkerRecord::new).collect())
         .expect("the fleet has room");
+    let mut index = KvIndex::new(16);
     for _ in 0..turns {
         let faults = minor_faults();
         let start = std::time::Instant::now();
-        let mut index = KvIndex::new(16);
+        index = KvIndex::new(16);
         for (w, id, parent, blocks) in &runs {
             let data = KvEventData::Stored {
                 parent: *parent,
@@ -100,6 +115,22 @@ fn main() {
             index.heap_bytes(),
             index.heap_bytes() as f64 / index.block_count() as f64
         );
+    }
+    if queries > 0 {
+        measured_queries(&index, &own, queries);
+        println!("{queries} own-prefix queries");
+    }
+}
+
+/// `queries` own-prefix queries, worker after worker.
+#[inline(never)]
+fn measured_queries(index: &KvIndex, own: &[Vec<u64>], queries: usize) {
+    let mut out = KvOverlaps::new();
+    for i in 0..queries {
+        let columns = index
+            .overlaps_for_local_hashes(&own[i % own.len()], &mut out)
+            .expect("rows are synced");
+        black_box(columns.device_blocks[0]);
     }
 }
 

@@ -22,7 +22,7 @@ use super::rows::RowSet;
 use super::table::HashIndex;
 
 /// The id of "no row holds the block" (such blocks are not in the table).
-const NONE: u32 = u32::MAX;
+pub(crate) const NONE: u32 = u32::MAX;
 
 /// One distinct set and the blocks naming it.
 #[derive(Debug)]
@@ -85,12 +85,29 @@ impl BlockRows {
         self.blocks.len()
     }
 
-    /// The rows holding `sequence`. Two blocks held by the same rows in the
-    /// same tiers return the same reference (compare with `ptr::eq`), except
-    /// after a fingerprint collision.
-    #[inline]
+    /// The rows holding `sequence` (two blocks held by the same rows in the
+    /// same tiers return the same reference, as [`set_id`](Self::set_id)
+    /// says).
+    #[cfg(test)]
     pub(crate) fn get(&self, sequence: &u64) -> Option<&RowSet> {
-        self.blocks.get(*sequence).map(|id| &self.sets[id as usize].rows)
+        let id = self.set_id(*sequence);
+        (id != NONE).then(|| self.rows_of(id))
+    }
+
+    /// The id of the set of rows holding `sequence`'s block ([`NONE`] if no
+    /// row holds it). Two blocks held by the same rows in the same tiers
+    /// have the same id, except after a fingerprint collision; equal ids
+    /// are always equal sets.
+    #[inline]
+    pub(crate) fn set_id(&self, sequence: u64) -> u32 {
+        self.blocks.get(sequence).unwrap_or(NONE)
+    }
+
+    /// The rows of set `id` (an id from [`set_id`](Self::set_id), not
+    /// [`NONE`], with no change to the table since).
+    #[inline]
+    pub(crate) fn rows_of(&self, id: u32) -> &RowSet {
+        &self.sets[id as usize].rows
     }
 
     /// Every block's rows (a set once per block naming it).

@@ -62,18 +62,31 @@ pub fn next_sequence_hash(parent: u64, local: u64) -> u64 {
     acc ^ (acc >> 32)
 }
 
-/// XXH3's default secret, bytes 24..32, 32..40, 40..48 and 48..56 (little
-/// endian): the words its 9-to-16-byte case mixes into the input.
-const SECRET_24_56: [u64; 4] = [
-    u64::from_le_bytes([0x72, 0x40, 0xa4, 0xa4, 0xb7, 0xb3, 0x67, 0x1f]),
-    u64::from_le_bytes([0xcb, 0x79, 0xe6, 0x4e, 0xcc, 0xc0, 0xe5, 0x78]),
-    u64::from_le_bytes([0x82, 0x5a, 0xd0, 0x7d, 0xcc, 0xff, 0x72, 0x21]),
-    u64::from_le_bytes([0xb8, 0x08, 0x46, 0x74, 0xf7, 0x43, 0x24, 0x8e]),
+/// The first 128 bytes of XXH3's default secret as the little-endian
+/// words its cases up to 128 input bytes read.
+const SECRET_WORDS: [u64; 16] = [
+    0xbe4b_a423_396c_feb8,
+    0x1cad_21f7_2c81_017c,
+    0xdb97_9083_e96d_d4de,
+    0x1f67_b3b7_a4a4_4072,
+    0x78e5_c0cc_4ee6_79cb,
+    0x2172_ffcc_7dd0_5a82,
+    0x8e24_43f7_7446_08b8,
+    0x4c26_3a81_e690_35e0,
+    0xcb00_c391_bb52_283c,
+    0xa32e_531b_8b65_d088,
+    0x4ef9_0da2_9748_6471,
+    0xd8ac_dea9_46ef_1938,
+    0x3f34_9ce3_3f76_faa8,
+    0x1d4f_0bc7_c7bb_dcf9,
+    0x3159_b4cd_4be0_518a,
+    0x6473_78d9_c97e_9fc8,
 ];
 /// What the first 8 input bytes (the parent) are XORed with.
-const SEQUENCE_FLIP_LO: u64 = (SECRET_24_56[0] ^ SECRET_24_56[1]).wrapping_add(KV_HASH_SEED);
+/// (The 9-to-16-byte case mixes in the words of bytes 24..56.)
+const SEQUENCE_FLIP_LO: u64 = (SECRET_WORDS[3] ^ SECRET_WORDS[4]).wrapping_add(KV_HASH_SEED);
 /// What the last 8 input bytes (the local hash) are XORed with.
-const SEQUENCE_FLIP_HI: u64 = (SECRET_24_56[2] ^ SECRET_24_56[3]).wrapping_sub(KV_HASH_SEED);
+const SEQUENCE_FLIP_HI: u64 = (SECRET_WORDS[5] ^ SECRET_WORDS[6]).wrapping_sub(KV_HASH_SEED);
 
 /// Appends the sequence hashes of a run of local block hashes that starts at
 /// the first block of a request (precomputed hashes, for example from
@@ -99,12 +112,104 @@ pub fn sequence_hashes_of(local: &[u64], out: &mut Vec<u64>) {
 /// hasher.sequence_hashes(&tokens, &mut hashes);
 /// assert_eq!(hashes.len(), 2, "the last 8 tokens are a partial block");
 /// ```
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, PartialEq, Eq)]
 pub struct KvBlockHasher {
     block_size: u32,
     lora: u64,
     namespace: u64,
     eagle: bool,
+    /// The seeded XXH3 keys of blocks of 17 to 128 bytes (derived from the
+    /// seed whenever it changes).
+    mid: MidKeys,
+}
+
+impl core::fmt::Debug for KvBlockHasher {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_struct("KvBlockHasher")
+            .field("block_size", &self.block_size)
+            .field("lora", &self.lora)
+            .field("namespace", &self.namespace)
+            .field("eagle", &self.eagle)
+            .finish()
+    }
+}
+
+/// XXH3-64 of 17 to 128 input bytes under one seed, the seed folded into
+/// the secret's words once (the library adds it to each word it reads, per
+/// hash): a block of 5 to 32 tokens.
+#[derive(Clone, Copy, PartialEq, Eq)]
+struct MidKeys([u64; 16]);
+
+/// XXH3's first 64-bit prime (the length multiplier of its short cases).
+const PRIME64_1: u64 = 0x9e37_79b1_85eb_ca87;
+
+impl MidKeys {
+    const fn new(seed: u64) -> Self {
+        let mut keys = [0; 16];
+        let mut i = 0;
+        while i < 16 {
+            // Even words take the seed added, odd words subtracted.
+            keys[i] = if i % 2 == 0 {
+                SECRET_WORDS[i].wrapping_add(seed)
+            } else {
+                SECRET_WORDS[i].wrapping_sub(seed)
+            };
+            i += 1;
+        }
+        MidKeys(keys)
+    }
+
+    /// The 16 input bytes at `at` mixed with key pair `pair`: the 128-bit
+    /// product of the two keyed words, folded to 64 bits.
+    #[inline(always)]
+    fn mix(&self, input: &[u8], at: usize, pair: usize) -> u64 {
+        let word = |i: usize| u64::from_le_bytes(input[i..i + 8].try_into().expect("8 bytes"));
+        let lo = word(at) ^ self.0[2 * pair];
+        let hi = word(at + 8) ^ self.0[2 * pair + 1];
+        let product = u128::from(lo) * u128::from(hi);
+        product as u64 ^ (product >> 64) as u64
+    }
+
+    /// XXH3-64 of `input`, which holds 17 to 128 bytes: the input's first
+    /// and last 16 bytes, then (above 32) the next 16 from each end, and so
+    /// on, each mixed with its key pair, summed, then avalanched.
+    ///
+    /// Blocks of 16 tokens (64 bytes, engines' usual block size) get a copy
+    /// of the body for that length: every offset a constant, no bounds
+    /// check. (A second copy for 32 tokens made the query loop that inlines
+    /// this dearer for 16.)
+    #[inline(always)]
+    fn hash(&self, input: &[u8]) -> u64 {
+        if let Ok(block) = <&[u8; 64]>::try_from(input) {
+            self.hash_any(block)
+        } else {
+            self.hash_any(input)
+        }
+    }
+
+    /// The body of [`hash`](Self::hash), for any length it takes.
+    #[inline(always)]
+    fn hash_any(&self, input: &[u8]) -> u64 {
+        let len = input.len();
+        debug_assert!((17..=128).contains(&len), "{len} bytes");
+        let mut acc = (len as u64).wrapping_mul(PRIME64_1);
+        if len > 32 {
+            if len > 64 {
+                if len > 96 {
+                    acc = acc.wrapping_add(self.mix(input, 48, 6));
+                    acc = acc.wrapping_add(self.mix(input, len - 64, 7));
+                }
+                acc = acc.wrapping_add(self.mix(input, 32, 4));
+                acc = acc.wrapping_add(self.mix(input, len - 48, 5));
+            }
+            acc = acc.wrapping_add(self.mix(input, 16, 2));
+            acc = acc.wrapping_add(self.mix(input, len - 32, 3));
+        }
+        acc = acc.wrapping_add(self.mix(input, 0, 0));
+        acc = acc.wrapping_add(self.mix(input, len - 16, 1));
+        let acc = (acc ^ (acc >> 37)).wrapping_mul(0x1656_6791_9e37_79f9);
+        acc ^ (acc >> 32)
+    }
 }
 
 impl KvBlockHasher {
@@ -116,12 +221,14 @@ impl KvBlockHasher {
             lora: 0,
             namespace: 0,
             eagle: false,
+            mid: MidKeys::new(KV_HASH_SEED),
         }
     }
 
     /// Folds a LoRA adapter's name into the seed (an empty name is no adapter).
     pub fn with_lora(mut self, name: &str) -> Self {
         self.lora = if name.is_empty() { 0 } else { xxh3_64(name.as_bytes()) };
+        self.mid = MidKeys::new(self.seed());
         self
     }
 
@@ -133,6 +240,7 @@ impl KvBlockHasher {
         } else {
             xxh3_64_with_seed(namespace.as_bytes(), 1)
         };
+        self.mid = MidKeys::new(self.seed());
         self
     }
 
@@ -201,17 +309,27 @@ impl KvBlockHasher {
         let window = self.block_size as usize + usize::from(self.eagle);
         let window_tokens = &tokens[start..start + window];
         if cfg!(target_endian = "little") {
-            return xxh3_64_with_seed(bytemuck::cast_slice(window_tokens), self.seed());
+            return self.hash_bytes(bytemuck::cast_slice(window_tokens));
         }
         let bytes: Vec<u8> = window_tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
-        xxh3_64_with_seed(&bytes, self.seed())
+        self.hash_bytes(&bytes)
+    }
+
+    /// XXH3-64 of `bytes` under the hasher's seed (17 to 128 bytes, blocks
+    /// of 5 to 32 tokens, with the seeded keys derived once).
+    #[inline(always)]
+    fn hash_bytes(&self, bytes: &[u8]) -> u64 {
+        if (17..=128).contains(&bytes.len()) {
+            self.mid.hash(bytes)
+        } else {
+            xxh3_64_with_seed(bytes, self.seed())
+        }
     }
 
     fn each_local_hash(&self, tokens: &[u32], block_mm: &[&[u64]], mut visit: impl FnMut(u64)) {
         let blocks = self.block_count(tokens.len());
         let stride = self.block_size as usize;
         let window = stride + usize::from(self.eagle);
-        let seed = self.seed();
         let mut bytes = Vec::new();
         let mut mm = Vec::new();
         for block in 0..blocks {
@@ -237,7 +355,7 @@ impl KvBlockHasher {
                     bytes.extend_from_slice(&hash.to_le_bytes());
                 }
             }
-            visit(xxh3_64_with_seed(&bytes, seed));
+            visit(self.hash_bytes(&bytes));
         }
     }
 }
@@ -245,6 +363,42 @@ impl KvBlockHasher {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The seeded keys of 17 to 128 bytes give XXH3-64's answer at every
+    /// length of that case and its bounds, under the seeds of a plain
+    /// request, a LoRA adapter and a cache namespace.
+    #[test]
+    fn mid_size_blocks_hash_as_the_library_does() {
+        let mut x = 0x2545_f491_4f6c_dd1du64;
+        let bytes: Vec<u8> = (0..160)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x as u8
+            })
+            .collect();
+        let hashers = [
+            KvBlockHasher::new(16),
+            KvBlockHasher::new(16).with_lora("adapter"),
+            KvBlockHasher::new(16).with_cache_namespace("tenant").with_lora("a"),
+        ];
+        for hasher in hashers {
+            for len in 0..=bytes.len() {
+                for at in [0, 7] {
+                    let input = &bytes[at..(at + len).min(bytes.len())];
+                    let want = xxh3_64_with_seed(input, hasher.seed());
+                    assert_eq!(
+                        hasher.hash_bytes(input),
+                        want,
+                        "{} bytes, seed {}",
+                        input.len(),
+                        hasher.seed()
+                    );
+                }
+            }
+        }
+    }
 
     /// A block's local hash is XXH3-64 of its tokens' little-endian bytes,
     /// seeded; with Eagle, the window covers the next block's first token.

@@ -31,9 +31,9 @@
 //! those, and of those only the rows that do not hold its own block 0 on
 //! device (it writes every one of those).
 
+use super::block_rows::NONE;
 use super::event::KvQueryError;
 use super::hash::{next_sequence_hash, KvBlockHasher};
-use super::rows::RowSet;
 use super::KvIndex;
 use crate::request::{RowLayout, RowOverlaps};
 
@@ -207,15 +207,16 @@ impl KvIndex {
     /// The walk over a request of `blocks` blocks, whose sequence hashes
     /// `next_hash` yields in order (called at most `blocks` times).
     fn walk(&self, blocks: usize, mut next_hash: impl FnMut() -> u64, out: &mut KvOverlaps) {
-        let first = if blocks == 0 {
-            None
+        let first_id = if blocks == 0 {
+            NONE
         } else {
-            self.blocks.get(&next_hash())
+            self.blocks.set_id(next_hash())
         };
-        let Some(first) = first else {
+        if first_id == NONE {
             out.clear_stale();
             return;
-        };
+        }
+        let first = self.blocks.rows_of(first_id);
         let words = out.stage[0].len();
         let (lo, hi) = first.word_span();
         let (mut lo, mut hi) = (lo.min(words), hi.min(words));
@@ -232,39 +233,42 @@ impl KvIndex {
         let block_size = self.block_size as f32;
         // The blocks' row sets are looked up a chunk ahead: the lookups of
         // a chunk do not depend on one another, so their cache misses
-        // overlap instead of queueing one behind the other.
-        let mut ahead: [Option<&RowSet>; LOOKAHEAD] = [None; LOOKAHEAD];
-        let mut prev = Some(first);
-        for i in 1..blocks {
-            let k = (i - 1) % LOOKAHEAD;
-            if k == 0 {
-                let chunk = LOOKAHEAD.min(blocks - i);
-                for slot in &mut ahead[..chunk] {
-                    *slot = self.blocks.get(&next_hash());
-                }
+        // overlap instead of queueing one behind the other. A chunk holds
+        // the sets' ids; a set's rows are read only when its id differs
+        // from the block before's.
+        let mut ahead = [NONE; LOOKAHEAD];
+        let mut prev = first_id;
+        let mut i = 1;
+        while i < blocks {
+            let chunk = LOOKAHEAD.min(blocks - i);
+            for slot in &mut ahead[..chunk] {
+                *slot = self.blocks.set_id(next_hash());
             }
-            let set = ahead[k];
-            // The same rows in the same tiers as the block before (the index
-            // keeps each distinct set once, so the same set): every row
-            // still in a stage holds this block in its stage's tier, so
-            // nothing moves (the common case inside a shared prompt).
-            if let (Some(set), Some(before)) = (set, prev) {
-                if std::ptr::eq(set, before) {
+            for &id in &ahead[..chunk] {
+                let at = i;
+                i += 1;
+                // The same rows in the same tiers as the block before (the
+                // index keeps each distinct set once, under one id): every
+                // row still in a stage holds this block in its stage's
+                // tier, so nothing moves (the common case inside a shared
+                // prompt).
+                if id == prev && id != NONE {
                     continue;
                 }
+                prev = id;
+                let set = (id != NONE).then(|| self.blocks.rows_of(id));
+                if let Some(set) = set {
+                    set.load(&mut out.held, lo, hi);
+                }
+                let (new_lo, new_hi) = step(at as f32, block_size, out, lo, hi);
+                if let Some(set) = set {
+                    set.unload(&mut out.held, lo, hi);
+                }
+                if new_lo >= new_hi {
+                    return;
+                }
+                (lo, hi) = (new_lo, new_hi);
             }
-            prev = set;
-            if let Some(set) = set {
-                set.load(&mut out.held, lo, hi);
-            }
-            let (new_lo, new_hi) = step(i as f32, block_size, out, lo, hi);
-            if let Some(set) = set {
-                set.unload(&mut out.held, lo, hi);
-            }
-            if new_lo >= new_hi {
-                return;
-            }
-            (lo, hi) = (new_lo, new_hi);
         }
         // Rows still in a stage hold the request to its end.
         let n = blocks as f32;
@@ -321,7 +325,13 @@ fn step(i: f32, block_size: f32, out: &mut KvOverlaps, lo: usize, hi: usize) -> 
         let d = d & dv;
         sd[o] = d;
         if left_device != 0 {
-            if left_device.count_ones() > 8 && (d | left_device) == u64::MAX && w * 64 + 64 <= full {
+            if left_device & (left_device - 1) == 0 {
+                // One row leaves (the common case where each word holds one
+                // of the prompt's rows): two stores, no call.
+                let r = w * 64 + left_device.trailing_zeros() as usize;
+                device[r] = i;
+                cached[r] = i * block_size;
+            } else if (d | left_device) == u64::MAX && w * 64 + 64 <= full {
                 // Every row of the word was on device: the rows that stay
                 // get a value they overwrite when they leave, so the word
                 // is written whole, without masks.
@@ -355,8 +365,18 @@ const LOOKAHEAD: usize = 16;
 /// branch-free pass (a select per row, which the compiler vectorizes).
 #[inline]
 fn set_rows(column: &mut [f32], bits: u64, w: usize, value: f32) {
-    if bits.count_ones() <= 8 {
-        for_rows(bits, w, |r| column[r] = value);
+    // Up to eight rows one by one (no population count: the x86-64
+    // baseline has no `popcnt`); past eight, the whole word, rewriting the
+    // rows already written with the same value.
+    let mut rest = bits;
+    for _ in 0..8 {
+        if rest == 0 {
+            return;
+        }
+        column[w * 64 + rest.trailing_zeros() as usize] = value;
+        rest &= rest - 1;
+    }
+    if rest == 0 {
         return;
     }
     let end = (w * 64 + 64).min(column.len());
@@ -385,5 +405,43 @@ fn for_rows(mut bits: u64, w: usize, mut f: impl FnMut(usize)) {
     while bits != 0 {
         f(w * 64 + bits.trailing_zeros() as usize);
         bits &= bits - 1;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `set_rows` writes exactly the rows of its bits, from none to all 64,
+    /// in a full word and in the short last word of a column.
+    #[test]
+    fn set_rows_writes_exactly_the_rows_of_its_bits() {
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        for len in [128, 100] {
+            for case in 0..2_000 {
+                // Every count of bits from 0 to 64 (the writing changes
+                // form past 8).
+                let want_bits = (case % 66).min(64);
+                let mut bits = 0u64;
+                while (bits.count_ones() as usize) < want_bits {
+                    bits |= 1 << (next() % 64);
+                }
+                let valid = if len == 128 { u64::MAX } else { (1u64 << (len - 64)) - 1 };
+                let bits = bits & valid;
+                let mut column: Vec<f32> = (0..len).map(|r| r as f32).collect();
+                set_rows(&mut column, bits, 1, -1.0);
+                for (r, &v) in column.iter().enumerate() {
+                    let set = r >= 64 && (bits >> (r - 64)) & 1 != 0;
+                    let want = if set { -1.0 } else { r as f32 };
+                    assert_eq!(v, want, "row {r}, bits {bits:#x}, {len} rows");
+                }
+            }
+        }
     }
 }
