@@ -14,7 +14,8 @@
 //! target/release/examples/ingest_profile 1024 5     # workers, builds
 //! MALLOC_TRIM_THRESHOLD_=4000000000 MALLOC_MMAP_THRESHOLD_=4000000000 \
 //!     target/release/examples/ingest_profile 1024 5
-//! valgrind --tool=callgrind target/release/examples/ingest_profile 1024
+//! valgrind --tool=callgrind --toggle-collect='*measured_build*' \
+//!     target/release/examples/ingest_profile 1024
 //! ```
 //!
 //! A third argument runs that many own-prefix queries (by local hashes, as
@@ -91,19 +92,7 @@ fn main() {
     for _ in 0..turns {
         let faults = minor_faults();
         let start = std::time::Instant::now();
-        index = KvIndex::new(16);
-        for (w, id, parent, blocks) in &runs {
-            let data = KvEventData::Stored {
-                parent: *parent,
-                blocks,
-            };
-            index
-                .apply(&KvEvent::new(WorkerWithDpRank::new(*w, 0), *id, data))
-                .expect("in order");
-            if *id == 0 {
-                index.sync_rows(service.row_layout(), |r| service.row_of(r));
-            }
-        }
+        index = measured_build(&runs, &service);
         let s = start.elapsed().as_secs_f64();
         let faults = minor_faults() - faults;
         println!(
@@ -120,6 +109,26 @@ fn main() {
         measured_queries(&index, &own, queries);
         println!("{queries} own-prefix queries");
     }
+}
+
+/// One build of the index from `runs` (callgrind:
+/// `--toggle-collect='*measured_build*'`).
+#[inline(never)]
+fn measured_build(runs: &[(u64, u64, Option<u64>, Vec<StoredBlock>)], service: &WorkerSelectionService) -> KvIndex {
+    let mut index = KvIndex::new(16);
+    for (w, id, parent, blocks) in runs {
+        let data = KvEventData::Stored {
+            parent: *parent,
+            blocks,
+        };
+        index
+            .apply(&KvEvent::new(WorkerWithDpRank::new(*w, 0), *id, data))
+            .expect("in order");
+        if *id == 0 {
+            index.sync_rows(service.row_layout(), |r| service.row_of(r));
+        }
+    }
+    index
 }
 
 /// `queries` own-prefix queries, worker after worker.
