@@ -53,11 +53,23 @@ pub fn next_sequence_hash(parent: u64, local: u64) -> u64 {
     // multiply (equal to the library's answer: see the tests).
     let lo = parent ^ SEQUENCE_FLIP_LO;
     let hi = local ^ SEQUENCE_FLIP_HI;
-    let product = u128::from(lo) * u128::from(hi);
     let acc = 16u64
         .wrapping_add(lo.swap_bytes())
         .wrapping_add(hi)
-        .wrapping_add(product as u64 ^ (product >> 64) as u64);
+        .wrapping_add(fold_product(lo, hi));
+    avalanche(acc)
+}
+
+/// XXH3's 64x64 -> 128-bit multiply folded to 64 bits (low half XOR high).
+#[inline(always)]
+const fn fold_product(lo: u64, hi: u64) -> u64 {
+    let product = (lo as u128) * (hi as u128);
+    product as u64 ^ (product >> 64) as u64
+}
+
+/// XXH3's final mix of its short cases.
+#[inline(always)]
+const fn avalanche(acc: u64) -> u64 {
     let acc = (acc ^ (acc >> 37)).wrapping_mul(0x1656_6791_9e37_79f9);
     acc ^ (acc >> 32)
 }
@@ -166,8 +178,7 @@ impl MidKeys {
         let word = |i: usize| u64::from_le_bytes(input[i..i + 8].try_into().expect("8 bytes"));
         let lo = word(at) ^ self.0[2 * pair];
         let hi = word(at + 8) ^ self.0[2 * pair + 1];
-        let product = u128::from(lo) * u128::from(hi);
-        product as u64 ^ (product >> 64) as u64
+        fold_product(lo, hi)
     }
 
     /// XXH3-64 of `input`, which holds 17 to 128 bytes: the input's first
@@ -207,8 +218,7 @@ impl MidKeys {
         }
         acc = acc.wrapping_add(self.mix(input, 0, 0));
         acc = acc.wrapping_add(self.mix(input, len - 16, 1));
-        let acc = (acc ^ (acc >> 37)).wrapping_mul(0x1656_6791_9e37_79f9);
-        acc ^ (acc >> 32)
+        avalanche(acc)
     }
 }
 
@@ -369,15 +379,8 @@ mod tests {
     /// request, a LoRA adapter and a cache namespace.
     #[test]
     fn mid_size_blocks_hash_as_the_library_does() {
-        let mut x = 0x2545_f491_4f6c_dd1du64;
-        let bytes: Vec<u8> = (0..160)
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                x as u8
-            })
-            .collect();
+        let mut rng = selkie_kernel::Rng::new(0x2545_f491_4f6c_dd1d);
+        let bytes: Vec<u8> = (0..160).map(|_| rng.next_u64() as u8).collect();
         let hashers = [
             KvBlockHasher::new(16),
             KvBlockHasher::new(16).with_lora("adapter"),

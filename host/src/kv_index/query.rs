@@ -416,13 +416,7 @@ mod tests {
     /// in a full word and in the short last word of a column.
     #[test]
     fn set_rows_writes_exactly_the_rows_of_its_bits() {
-        let mut x = 0x9e37_79b9_7f4a_7c15u64;
-        let mut next = move || {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x
-        };
+        let mut rng = selkie_kernel::Rng::new(0x9e37_79b9_7f4a_7c15);
         for len in [128, 100] {
             for case in 0..2_000 {
                 // Every count of bits from 0 to 64 (the writing changes
@@ -430,7 +424,7 @@ mod tests {
                 let want_bits = (case % 66).min(64);
                 let mut bits = 0u64;
                 while (bits.count_ones() as usize) < want_bits {
-                    bits |= 1 << (next() % 64);
+                    bits |= 1 << rng.below(64);
                 }
                 let valid = if len == 128 { u64::MAX } else { (1u64 << (len - 64)) - 1 };
                 let bits = bits & valid;
