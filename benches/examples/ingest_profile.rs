@@ -1,7 +1,8 @@
 //! KV index ingestion alone, to profile it: the fleet of `vs_dynamo_index`
 //! (the same seeded chains, runs of at most 32 blocks) stored into an empty
 //! index, synced to the service's rows after each worker's first event, as
-//! that bench times it, without building Dynamo.
+//! that bench times it (Dynamo is built only with the `dynamo` feature:
+//! see below).
 //!
 //! Each build prints its time and the page faults it took. glibc hands a
 //! dropped index's memory back to the system, so every build here faults
@@ -26,6 +27,25 @@
 //! valgrind --tool=callgrind --toggle-collect='*measured_queries*' \
 //!     target/release/examples/ingest_profile 1024 1 640
 //! ```
+//!
+//! A fourth argument, `unplaced`, never syncs the rows: the ranks' own
+//! tables and the sequence hashes alone, no block table (what the block
+//! table costs is the difference); `reserved` builds each index with its
+//! block table reserved for the fleet's distinct blocks
+//! (`KvIndex::with_block_capacity`), so that it never grows.
+//!
+//! Built with the `dynamo` feature, each turn also builds Dynamo 1.6.1's
+//! `RadixTree` from the same runs (its events made before its clock starts,
+//! as `vs_dynamo_index` does), and the fastest of the turns of each is
+//! compared at the end: `vs_dynamo_index`'s ingestion ratio in one process,
+//! without that bench's queries and other indexers.
+//!
+//! ```text
+//! cargo build --release -p selkie-benches --features dynamo --example ingest_profile
+//! target/release/examples/ingest_profile 1024 10
+//! valgrind --tool=callgrind --toggle-collect='*measured_radix*' \
+//!     target/release/examples/ingest_profile 1024
+//! ```
 use std::hint::black_box;
 
 use selkie::kv_index::{sequence_hashes_of, KvEvent, KvEventData, KvIndex, KvOverlaps, StoredBlock};
@@ -40,6 +60,12 @@ fn main() {
     let workers: usize = std::env::args().nth(1).map_or(1024, |a| a.parse().expect("workers"));
     let turns: usize = std::env::args().nth(2).map_or(1, |a| a.parse().expect("turns"));
     let queries: usize = std::env::args().nth(3).map_or(0, |a| a.parse().expect("queries"));
+    let (place, reserve) = match std::env::args().nth(4).as_deref() {
+        None => (true, false),
+        Some("unplaced") => (false, false),
+        Some("reserved") => (true, true),
+        Some(other) => panic!("unknown mode {other}: the fourth argument is `unplaced`, `reserved` or nothing"),
+    };
     let mut rng = Stream(0x5e1c_1e1d_e000 + workers as u64);
     let system = rng.chain(64);
     let shared: Vec<Vec<u64>> = (0..64)
@@ -88,11 +114,22 @@ fn main() {
     service
         .sync((0..workers as u64).map(WorkerRecord::new).collect())
         .expect("the fleet has room");
+    let capacity = if reserve {
+        let distinct: std::collections::HashSet<u64> =
+            runs.iter().flat_map(|r| r.3.iter().map(|b| b.block_hash)).collect();
+        distinct.len()
+    } else {
+        0
+    };
+    let mut fastest = f64::MAX;
+    #[cfg_attr(not(feature = "dynamo"), allow(unused_mut))]
+    let mut fastest_radix = f64::MAX;
     for turn in 0..turns {
         let faults = minor_faults();
         let start = std::time::Instant::now();
-        let index = measured_build(&runs, &service);
+        let index = measured_build(&runs, &service, place, capacity);
         let s = start.elapsed().as_secs_f64();
+        fastest = fastest.min(s);
         let faults = minor_faults() - faults;
         println!(
             "{workers} workers: {} events in {:.2} ms ({:.0} events/s, {faults} page faults), {} blocks, heap {} B ({:.1} B/block)",
@@ -109,14 +146,88 @@ fn main() {
             measured_queries(&index, &own, queries);
             println!("{queries} own-prefix queries");
         }
+        drop(index);
+        #[cfg(feature = "dynamo")]
+        {
+            let events = radix::events(&runs);
+            let start = std::time::Instant::now();
+            let tree = radix::measured_radix(events);
+            fastest_radix = fastest_radix.min(start.elapsed().as_secs_f64());
+            drop(tree);
+        }
+    }
+    if fastest_radix < f64::MAX {
+        let n = runs.len() as f64;
+        println!(
+            "fastest of {turns}: selkie {:.0} events/s, RadixTree {:.0} events/s: selkie {:.2}x",
+            n / fastest,
+            n / fastest_radix,
+            fastest_radix / fastest
+        );
     }
 }
 
-/// One build of the index from `runs` (callgrind:
-/// `--toggle-collect='*measured_build*'`).
+/// Dynamo's `RadixTree` fed the same runs.
+#[cfg(feature = "dynamo")]
+mod radix {
+    use dynamo_kv_router::protocols::{
+        ExternalSequenceBlockHash, KvCacheEvent, KvCacheEventData, KvCacheStoreData, KvCacheStoredBlockData,
+        LocalBlockHash, RouterEvent,
+    };
+    use dynamo_kv_router::RadixTree;
+    use selkie::kv_index::StoredBlock;
+
+    /// The runs as Dynamo's events (each a stored run under its parent).
+    pub fn events(runs: &[(u64, u64, Option<u64>, Vec<StoredBlock>)]) -> Vec<RouterEvent> {
+        runs.iter()
+            .map(|(worker, id, parent, blocks)| {
+                let data = KvCacheEventData::Stored(KvCacheStoreData {
+                    parent_hash: parent.map(ExternalSequenceBlockHash),
+                    start_position: None,
+                    blocks: blocks
+                        .iter()
+                        .map(|b| KvCacheStoredBlockData {
+                            block_hash: ExternalSequenceBlockHash(b.block_hash),
+                            tokens_hash: LocalBlockHash(b.tokens_hash),
+                            mm_extra_info: None,
+                        })
+                        .collect(),
+                });
+                RouterEvent::new(
+                    *worker,
+                    KvCacheEvent {
+                        event_id: *id,
+                        dp_rank: 0,
+                        data,
+                    },
+                )
+            })
+            .collect()
+    }
+
+    /// One build of a `RadixTree` (callgrind:
+    /// `--toggle-collect='*measured_radix*'`).
+    #[inline(never)]
+    pub fn measured_radix(events: Vec<RouterEvent>) -> RadixTree {
+        let mut tree = RadixTree::new();
+        for event in events {
+            tree.apply_event(event).expect("the runs are in order");
+        }
+        tree
+    }
+}
+
+/// One build of the index from `runs`, each rank put on its row after its
+/// first run if `place`, the block table reserved for `capacity` blocks
+/// (callgrind: `--toggle-collect='*measured_build*'`).
 #[inline(never)]
-fn measured_build(runs: &[(u64, u64, Option<u64>, Vec<StoredBlock>)], service: &WorkerSelectionService) -> KvIndex {
-    let mut index = KvIndex::new(16);
+fn measured_build(
+    runs: &[(u64, u64, Option<u64>, Vec<StoredBlock>)],
+    service: &WorkerSelectionService,
+    place: bool,
+    capacity: usize,
+) -> KvIndex {
+    let mut index = KvIndex::new(16).with_block_capacity(capacity);
     for (w, id, parent, blocks) in runs {
         let data = KvEventData::Stored {
             parent: *parent,
@@ -125,7 +236,7 @@ fn measured_build(runs: &[(u64, u64, Option<u64>, Vec<StoredBlock>)], service: &
         index
             .apply(&KvEvent::new(WorkerWithDpRank::new(*w, 0), *id, data))
             .expect("in order");
-        if *id == 0 {
+        if *id == 0 && place {
             index.sync_rows(service.row_layout(), |r| service.row_of(r));
         }
     }

@@ -80,6 +80,18 @@ impl Default for BlockRows {
 }
 
 impl BlockRows {
+    /// Makes room for `blocks` distinct blocks (see
+    /// [`KvIndex::with_block_capacity`](super::KvIndex::with_block_capacity)).
+    pub(crate) fn reserve(&mut self, blocks: usize) {
+        self.blocks.reserve(blocks.saturating_sub(self.blocks.len()));
+    }
+
+    /// Slots of the block table (its capacity, before it grows).
+    #[cfg(test)]
+    pub(crate) fn table_slots(&self) -> usize {
+        self.blocks.slots()
+    }
+
     /// Distinct blocks some row holds.
     pub(crate) fn len(&self) -> usize {
         self.blocks.len()

@@ -65,7 +65,29 @@ pub fn shared(block_size: u32) -> (KvIndexWriter, KvIndexReader) {
 
 /// [`shared`], each copy bounded as by [`KvIndex::with_max_blocks`].
 pub fn shared_bounded(block_size: u32, max_blocks: usize) -> (KvIndexWriter, KvIndexReader) {
-    let copy = || KvIndex::new(block_size).with_max_blocks(max_blocks);
+    shared_with(|| KvIndex::new(block_size).with_max_blocks(max_blocks))
+}
+
+/// [`shared`], each of the two copies made by `make`: an empty index
+/// configured as the router wants it (bounded, its block capacity
+/// reserved).
+///
+/// ```
+/// use selkie::kv_index::{shared_with, KvIndex};
+///
+/// let (writer, reader) = shared_with(|| KvIndex::new(16).with_block_capacity(100_000).with_max_blocks(400_000));
+/// assert_eq!(writer.stats(), reader.stats());
+/// ```
+///
+/// # Panics
+/// If `make` returns an index that already knows a rank (the copies must
+/// start equal and empty).
+pub fn shared_with(make: impl Fn() -> KvIndex) -> (KvIndexWriter, KvIndexReader) {
+    let copy = || {
+        let index = make();
+        assert_eq!(index.rank_count(), 0, "shared_with: `make` must return an empty index");
+        index
+    };
     let copies = CopyWriter::new(copy(), copy());
     let reader = KvIndexReader {
         copies: copies.readers(),

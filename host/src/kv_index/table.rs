@@ -54,7 +54,7 @@ impl<V: Copy + Default, const DENSE: bool> HashIndex<V, DENSE> {
 
     /// Probed entries (a power of two, or 0).
     #[inline]
-    fn slots(&self) -> usize {
+    pub(crate) fn slots(&self) -> usize {
         self.entries.len().saturating_sub(1)
     }
 

@@ -671,6 +671,51 @@ fn long_runs_are_indexed_whole() {
     }
 }
 
+/// A block table reserved for the blocks to come takes its size up front,
+/// keeps it while they arrive, and answers as a table grown to them.
+#[test]
+fn a_reserved_block_table_never_grows_and_answers_alike() {
+    let blocks = 1_000u64;
+    let mut reserved = Fx {
+        index: KvIndex::new(16).with_block_capacity(blocks as usize),
+        ranks: Vec::new(),
+        epoch: 0,
+        out: KvOverlaps::new(),
+    };
+    sync(&mut reserved, 1, &[W1, W2]);
+    let mut grown = index_on(&[W1, W2]);
+    let slots = reserved.blocks.table_slots();
+    assert!(slots >= blocks as usize, "{slots} slots reserved for {blocks} blocks");
+    // W1 stores the whole chain in runs of 100, W2 its first half.
+    let pairs: Vec<(u64, u64)> = (1..=blocks).map(|i| (7_000 + i, i)).collect();
+    for (rank, len) in [(W1, blocks as usize), (W2, blocks as usize / 2)] {
+        for (id, run) in pairs[..len].chunks(100).enumerate() {
+            let parent = (id > 0).then(|| pairs[id * 100 - 1].0);
+            store(&mut reserved, rank, id as u64, Device, parent, run).unwrap();
+            store(&mut grown, rank, id as u64, Device, parent, run).unwrap();
+            // Synced after each event, as a router syncs before each query.
+            sync(&mut reserved, 1, &[W1, W2]);
+            sync(&mut grown, 1, &[W1, W2]);
+            assert_eq!(
+                reserved.blocks.table_slots(),
+                slots,
+                "{rank:?} run {id}: the table grew"
+            );
+        }
+    }
+    assert_eq!(reserved.block_count(), blocks as usize);
+    assert_eq!(grown.block_count(), blocks as usize);
+    let locals: Vec<u64> = pairs.iter().map(|p| p.1).collect();
+    for n in [1, 99, 100, 101, 500, 501, 1_000] {
+        assert_eq!(
+            query(&mut reserved, &locals[..n]),
+            query(&mut grown, &locals[..n]),
+            "prefix {n}"
+        );
+    }
+    assert_eq!(query(&mut reserved, &locals)[1], (500, 0, 0));
+}
+
 /// An empty stored run leaves a new rank's table unallocated: the room a
 /// first run makes is for ranks that store blocks.
 #[test]
@@ -862,6 +907,18 @@ fn a_shared_index_publishes_what_a_plain_index_holds() {
     for bound in [usize::MAX, 40] {
         shared_equals_plain(bound);
     }
+}
+
+/// The copies of a shared index must start empty: an index that already
+/// knows a rank is refused.
+#[test]
+#[should_panic(expected = "must return an empty index")]
+fn a_shared_index_refuses_a_copy_that_knows_a_rank() {
+    shared_with(|| {
+        let mut index = KvIndex::new(16);
+        store(&mut index, W1, 0, Device, None, &[(1, 1)]).unwrap();
+        index
+    });
 }
 
 fn shared_equals_plain(bound: usize) {
