@@ -84,8 +84,7 @@ use selkie_benches::SplitMix64 as Stream;
 
 use dynamo_kv_router::indexer::{KvIndexerInterface, SyncIndexer, ThreadPoolIndexer};
 use dynamo_kv_router::protocols::{
-    ExternalSequenceBlockHash, KvCacheEvent, KvCacheEventData, KvCacheRemoveData, KvCacheStoreData,
-    KvCacheStoredBlockData, LocalBlockHash, RouterEvent,
+    ExternalSequenceBlockHash, KvCacheEvent, KvCacheEventData, KvCacheRemoveData, LocalBlockHash, RouterEvent,
 };
 use dynamo_kv_router::{ConcurrentRadixTreeCompressed, RadixTree};
 use selkie::kv_index::{sequence_hashes_of, KvBlockHasher, KvEvent, KvEventData, KvIndex, KvOverlaps, StoredBlock};
@@ -93,7 +92,7 @@ use selkie::{
     KvRouterConfig, SelectionRequest, ServiceConfig, WorkerRecord, WorkerSelectionPolicy, WorkerSelectionService,
     WorkerType, WorkerWithDpRank,
 };
-use selkie_benches::vs_dynamo::DynamoCore;
+use selkie_benches::vs_dynamo::{dynamo_stored, DynamoCore};
 
 /// Live heap bytes of the whole process.
 static LIVE: AtomicIsize = AtomicIsize::new(0);
@@ -156,19 +155,13 @@ struct Run {
 impl Run {
     /// The run as Dynamo's stored-event data.
     fn dynamo_stored(&self) -> KvCacheEventData {
-        KvCacheEventData::Stored(KvCacheStoreData {
-            parent_hash: self.parent.map(ExternalSequenceBlockHash),
-            start_position: None,
-            blocks: self
-                .blocks
-                .iter()
-                .map(|&(seq, local)| KvCacheStoredBlockData {
-                    block_hash: ExternalSequenceBlockHash(seq),
-                    tokens_hash: LocalBlockHash(local),
-                    mm_extra_info: None,
-                })
-                .collect(),
-        })
+        dynamo_stored(
+            self.parent,
+            self.blocks.iter().map(|&(block_hash, tokens_hash)| StoredBlock {
+                block_hash,
+                tokens_hash,
+            }),
+        )
     }
 }
 

@@ -170,29 +170,16 @@ fn main() {
 /// Dynamo's `RadixTree` fed the same runs.
 #[cfg(feature = "dynamo")]
 mod radix {
-    use dynamo_kv_router::protocols::{
-        ExternalSequenceBlockHash, KvCacheEvent, KvCacheEventData, KvCacheStoreData, KvCacheStoredBlockData,
-        LocalBlockHash, RouterEvent,
-    };
+    use dynamo_kv_router::protocols::{KvCacheEvent, RouterEvent};
     use dynamo_kv_router::RadixTree;
     use selkie::kv_index::StoredBlock;
+    use selkie_benches::vs_dynamo::dynamo_stored;
 
     /// The runs as Dynamo's events (each a stored run under its parent).
     pub fn events(runs: &[(u64, u64, Option<u64>, Vec<StoredBlock>)]) -> Vec<RouterEvent> {
         runs.iter()
             .map(|(worker, id, parent, blocks)| {
-                let data = KvCacheEventData::Stored(KvCacheStoreData {
-                    parent_hash: parent.map(ExternalSequenceBlockHash),
-                    start_position: None,
-                    blocks: blocks
-                        .iter()
-                        .map(|b| KvCacheStoredBlockData {
-                            block_hash: ExternalSequenceBlockHash(b.block_hash),
-                            tokens_hash: LocalBlockHash(b.tokens_hash),
-                            mm_extra_info: None,
-                        })
-                        .collect(),
-                });
+                let data = dynamo_stored(*parent, blocks.iter().copied());
                 RouterEvent::new(
                     *worker,
                     KvCacheEvent {

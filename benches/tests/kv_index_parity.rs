@@ -20,8 +20,8 @@
 use std::collections::{HashMap, HashSet};
 
 use dynamo_kv_router::protocols::{
-    ExternalSequenceBlockHash, KvCacheEvent, KvCacheEventData, KvCacheRemoveData, KvCacheStoreData,
-    KvCacheStoredBlockData, LocalBlockHash, RouterEvent, WorkerWithDpRank as DynamoRank,
+    ExternalSequenceBlockHash, KvCacheEvent, KvCacheEventData, KvCacheRemoveData, LocalBlockHash, RouterEvent,
+    WorkerWithDpRank as DynamoRank,
 };
 use dynamo_kv_router::RadixTree;
 use selkie::kv_index::{sequence_hashes_of, KvEvent, KvEventData, KvIndex, KvOverlaps, StorageTier, StoredBlock};
@@ -29,6 +29,7 @@ use selkie::{
     KvRouterConfig, ServiceConfig, WorkerRecord, WorkerSelectionPolicy, WorkerSelectionService, WorkerType,
     WorkerWithDpRank,
 };
+use selkie_benches::vs_dynamo::dynamo_stored;
 use selkie_kernel::Rng;
 
 /// The engine hash of a block: a fixed function of its sequence hash, as
@@ -230,18 +231,7 @@ fn run(stream: &Stream, seed: u64, off_by_one: bool) -> Result<Tally, String> {
                     *model.held.entry(rank).or_default().entry(seq).or_insert(0) |= bit(tier);
                 }
             }
-            dynamo_data = KvCacheEventData::Stored(KvCacheStoreData {
-                parent_hash: parent.map(ExternalSequenceBlockHash),
-                start_position: None,
-                blocks: blocks
-                    .iter()
-                    .map(|b| KvCacheStoredBlockData {
-                        block_hash: ExternalSequenceBlockHash(b.block_hash),
-                        tokens_hash: LocalBlockHash(b.tokens_hash),
-                        mm_extra_info: None,
-                    })
-                    .collect(),
-            });
+            dynamo_data = dynamo_stored(parent, blocks.iter().copied());
             stored_blocks = blocks;
             data = KvEventData::Stored {
                 parent,

@@ -50,6 +50,30 @@ pub const RANDOM_SEED: u64 = 0x5e1c_1e00_d1a0;
 /// Temperatures Dynamo's bench measures.
 pub const TEMPERATURES: [f32; 2] = [0.0, 0.7];
 
+/// A stored run of selkie's blocks under `parent` as Dynamo's stored-event
+/// data: each block's engine hash and local hash, no multimodal extras (the
+/// KV index benches and their parity test feed both indexes the same runs).
+pub fn dynamo_stored(
+    parent: Option<u64>,
+    blocks: impl IntoIterator<Item = ::selkie::kv_index::StoredBlock>,
+) -> dynamo_kv_router::protocols::KvCacheEventData {
+    use dynamo_kv_router::protocols::{
+        ExternalSequenceBlockHash, KvCacheEventData, KvCacheStoreData, KvCacheStoredBlockData, LocalBlockHash,
+    };
+    KvCacheEventData::Stored(KvCacheStoreData {
+        parent_hash: parent.map(ExternalSequenceBlockHash),
+        start_position: None,
+        blocks: blocks
+            .into_iter()
+            .map(|b| KvCacheStoredBlockData {
+                block_hash: ExternalSequenceBlockHash(b.block_hash),
+                tokens_hash: LocalBlockHash(b.tokens_hash),
+                mm_extra_info: None,
+            })
+            .collect(),
+    })
+}
+
 /// Every scenario the side-by-side bench measures: Dynamo's fixture at
 /// [`WORKER_COUNTS`], then the random fleets at [`RANDOM_WORKER_COUNTS`].
 pub fn scenarios() -> impl Iterator<Item = (Case, usize)> {
