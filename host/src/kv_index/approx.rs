@@ -111,6 +111,13 @@ impl ApproxKvIndex {
         self
     }
 
+    /// Reserves the block table for `blocks` distinct blocks (see
+    /// [`KvIndex::with_block_capacity`]).
+    pub fn with_block_capacity(mut self, blocks: usize) -> Self {
+        self.index.blocks.reserve(blocks);
+        self
+    }
+
     /// The underlying index (what has been recorded and not expired as of
     /// the last record or query).
     pub fn index(&self) -> &KvIndex {
@@ -273,6 +280,27 @@ mod tests {
         let mut out = KvOverlaps::new();
         let c = index.overlaps(&seq, &mut out, now).expect("synced");
         [c.device_blocks[0], c.device_blocks[1]]
+    }
+
+    /// A reserved table keeps its size while the records fill it, and
+    /// scores as an unreserved one.
+    #[test]
+    fn a_reserved_approximate_index_records_without_growing() {
+        let t0 = Instant::now();
+        let mut index = ApproxKvIndex::new(16).with_block_capacity(200);
+        let mut grown = ApproxKvIndex::new(16);
+        let slots = index.index().blocks.table_slots();
+        assert!(slots >= 200, "{slots} slots reserved for 200 blocks");
+        synced(&mut index);
+        synced(&mut grown);
+        let chain: Vec<u64> = (1..=200).collect();
+        index.record(A, &chain, t0);
+        grown.record(A, &chain, t0);
+        index.record(B, &chain[..50], t0);
+        grown.record(B, &chain[..50], t0);
+        assert_eq!(overlaps(&mut index, &chain, t0), [200.0, 50.0]);
+        assert_eq!(overlaps(&mut index, &chain, t0), overlaps(&mut grown, &chain, t0));
+        assert_eq!(index.index().blocks.table_slots(), slots);
     }
 
     #[test]

@@ -105,7 +105,8 @@
 //! `selkie_kv_evicted_blocks_total` counter.
 //! [`KvIndex::with_block_capacity`] reserves the block table for the
 //! distinct blocks a fleet caches, so that ingestion never stops to grow
-//! it; [`shared_with`] builds a shared index from copies configured so.
+//! it ([`ApproxKvIndex::with_block_capacity`] likewise); [`shared_with`]
+//! builds a shared index from copies configured so.
 //!
 //! # Concurrency
 //!
