@@ -353,6 +353,11 @@ impl KvIndex {
     /// power of two of slots that holds `blocks` at 4/5 full (what the
     /// table grown to that size would take).
     ///
+    /// # Panics
+    /// "capacity overflow" where no table could hold `blocks` (as
+    /// `HashMap::with_capacity`; a table too large for memory aborts the
+    /// allocation, as the standard collections do).
+    ///
     /// ```
     /// use selkie::kv_index::KvIndex;
     ///

@@ -171,14 +171,21 @@ impl<V: Copy + Default, const DENSE: bool> HashIndex<V, DENSE> {
 
     /// Makes room for `additional` more keys at once, so that inserting
     /// them grows the table at most once, straight to its final size.
+    ///
+    /// Panics ("capacity overflow") if no table could hold that many keys.
     pub(crate) fn reserve(&mut self, additional: usize) {
-        if self.len + additional > self.room {
-            let target = self.len + additional;
+        let target = self.len.checked_add(additional).expect("capacity overflow");
+        if target > self.room {
             // The smallest power of two of slots (16 at least) with room
-            // for `target`.
-            let mut slots = 16;
+            // for `target`; `room_of` multiplies by 4, so slots stay below
+            // a quarter of the address space (the entries could not be
+            // allocated long before).
+            let mut slots: usize = 16;
             while Self::room_of(slots) < target {
-                slots *= 2;
+                slots = slots
+                    .checked_mul(2)
+                    .filter(|&s| s <= usize::MAX / 4)
+                    .expect("capacity overflow");
             }
             self.grow_to(slots);
         }

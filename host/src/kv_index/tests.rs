@@ -909,6 +909,14 @@ fn a_shared_index_publishes_what_a_plain_index_holds() {
     }
 }
 
+/// A capacity no table could hold is refused with a panic, not a hang or
+/// a table sized by an overflowed count.
+#[test]
+#[should_panic(expected = "capacity overflow")]
+fn an_impossible_block_capacity_is_refused() {
+    let _ = KvIndex::new(16).with_block_capacity(usize::MAX);
+}
+
 /// The copies of a shared index must start empty: an index that already
 /// knows a rank is refused.
 #[test]
