@@ -66,6 +66,10 @@ fn main() {
         Some("reserved") => (true, true),
         Some(other) => panic!("unknown mode {other}: the fourth argument is `unplaced`, `reserved` or nothing"),
     };
+    assert!(
+        place || queries == 0,
+        "queries need the rows synced: `unplaced` takes no queries"
+    );
     let mut rng = Stream(0x5e1c_1e1d_e000 + workers as u64);
     let system = rng.chain(64);
     let shared: Vec<Vec<u64>> = (0..64)
