@@ -221,8 +221,8 @@ struct RankBlocks {
     /// The last event id applied.
     last_event: Option<u64>,
     /// Engine hash -> block: a dense table (grown past 7/8 full), as only
-    /// events read it; 24 bytes per entry, one entry per block the rank
-    /// holds.
+    /// events read it; 25 bytes per slot (a 24-byte entry and its control
+    /// byte), one entry per block the rank holds.
     blocks: HashIndex<HeldBlock, true>,
 }
 

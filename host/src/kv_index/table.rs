@@ -4,22 +4,49 @@
 //! A lookup is one multiply for the home slot (the top bits of the product,
 //! so sequential keys spread too) and, usually, one or two key comparisons
 //! along the entries; a miss stops at the first empty slot. A key and its
-//! value share an entry (one cache line holds both), an insertion probes
-//! once (finding the key or the empty slot it takes), and the table grows
-//! past 4/5 full, or past 7/8 full for a dense table (`DENSE`: fewer bytes
-//! and fewer growths, for longer probes near the limit; for tables no query
-//! reads). Removal shifts the entries after the hole back (no
+//! value share an entry (one cache line holds both).
+//!
+//! Beside the entries, one control byte per slot says whether it is empty
+//! and, if not, carries seven more bits of its key's product (SwissTable's
+//! idea). An insertion reads the control bytes eight at a time for its
+//! key's byte or an empty slot, and reads an entry only where the byte
+//! matches: a new key's entry is written without being read, so inserting
+//! many new keys into a table larger than the caches does not wait on each
+//! entry's cache line, and a long probe run costs a few group reads
+//! instead of a branch per entry. Lookups compare the entries themselves:
+//! fewer instructions where the entries are in cache (a query's prefix
+//! that many requests share). The table grows past 4/5 full, or past 7/8
+//! full for a dense table (`DENSE`: fewer bytes and fewer growths, for
+//! longer probes near the limit; for tables no query reads). Removal shifts
+//! the entries after the hole back, with their control bytes (no
 //! tombstones), so probe runs never outlive their entries.
 
 /// Key 0 marks an empty slot; key 0 itself is kept in the entry after the
 /// probed ones.
 const EMPTY: u64 = 0;
 
+/// Control bytes read at once (one `u64`).
+const GROUP: usize = 8;
+/// The bit every occupied slot's control byte has (an empty slot's is 0).
+const TAG: u8 = 0x80;
+/// `0x01` and `0x80` in every byte of a group.
+const LO: u64 = 0x0101_0101_0101_0101;
+const HI: u64 = 0x8080_8080_8080_8080;
+
+/// The multiplier of a key's product (the home slot is its top bits, the
+/// control byte its low seven).
+const MULTIPLIER: u64 = 0x9e37_79b9_7f4a_7c15;
+
 #[derive(Clone, Debug, Default)]
 pub(crate) struct HashIndex<V, const DENSE: bool = false> {
     /// A power of two of probed entries, then key 0's entry (no entries
     /// before the first insertion).
     entries: Vec<(u64, V)>,
+    /// One byte per probed entry (0: empty; else [`TAG`] and seven bits of
+    /// the key's product), then a copy of the first [`GROUP`] bytes, so
+    /// that a group read at any slot wraps around the table (empty before
+    /// the first insertion).
+    ctrl: Vec<u8>,
     /// Keys in the probed entries (not counting key 0).
     len: usize,
     /// `64 - log2(probed entries)`: the home slot is the top bits of the
@@ -49,7 +76,7 @@ impl<V: Copy + Default, const DENSE: bool> HashIndex<V, DENSE> {
 
     /// Heap bytes, as allocated.
     pub(crate) fn heap_bytes(&self) -> usize {
-        self.entries.capacity() * std::mem::size_of::<(u64, V)>()
+        self.entries.capacity() * std::mem::size_of::<(u64, V)>() + self.ctrl.capacity()
     }
 
     /// Probed entries (a power of two, or 0).
@@ -60,7 +87,31 @@ impl<V: Copy + Default, const DENSE: bool> HashIndex<V, DENSE> {
 
     #[inline]
     fn home(&self, key: u64) -> usize {
-        (key.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> self.shift) as usize
+        (key.wrapping_mul(MULTIPLIER) >> self.shift) as usize
+    }
+
+    /// `key`'s control byte.
+    #[inline]
+    fn tag(key: u64) -> u8 {
+        key.wrapping_mul(MULTIPLIER) as u8 | TAG
+    }
+
+    /// Sets slot `i`'s control byte (and its copy after the table).
+    #[inline]
+    fn set_ctrl(&mut self, i: usize, byte: u8) {
+        self.ctrl[i] = byte;
+        if i < GROUP {
+            let slots = self.slots();
+            self.ctrl[slots + i] = byte;
+        }
+    }
+
+    /// The control bytes of slots `i..i + GROUP` (wrapping), the first in
+    /// the lowest byte.
+    #[inline]
+    fn group(&self, i: usize) -> u64 {
+        let bytes: [u8; GROUP] = self.ctrl[i..i + GROUP].try_into().expect("a group's bytes");
+        u64::from_le_bytes(bytes)
     }
 
     #[inline]
@@ -159,13 +210,34 @@ impl<V: Copy + Default, const DENSE: bool> HashIndex<V, DENSE> {
             }
             return slots;
         }
-        match self.probe(key) {
-            Ok(i) => i,
-            Err(i) => {
-                self.entries[i] = (key, value);
-                self.len += 1;
-                i
+        let mask = slots - 1;
+        let tag = Self::tag(key);
+        let tags = LO * u64::from(tag);
+        let mut i = self.home(key);
+        loop {
+            let group = self.group(i);
+            let empty = !group & HI;
+            // Bytes equal to `tag` (the zero-byte test of `group ^ tags`;
+            // a byte past a true match may show as one too, which the key
+            // comparison rules out), before the first empty slot.
+            let x = group ^ tags;
+            let first_empty = empty & empty.wrapping_neg();
+            let mut matches = x.wrapping_sub(LO) & !x & HI & first_empty.wrapping_sub(1);
+            while matches != 0 {
+                let j = (i + matches.trailing_zeros() as usize / 8) & mask;
+                if self.entries[j].0 == key {
+                    return j;
+                }
+                matches &= matches - 1;
             }
+            if empty != 0 {
+                let j = (i + empty.trailing_zeros() as usize / 8) & mask;
+                self.entries[j] = (key, value);
+                self.set_ctrl(j, tag);
+                self.len += 1;
+                return j;
+            }
+            i = (i + GROUP) & mask;
         }
     }
 
@@ -236,6 +308,7 @@ impl<V: Copy + Default, const DENSE: bool> HashIndex<V, DENSE> {
         }
         let mask = self.slots() - 1;
         self.entries[hole].0 = EMPTY;
+        self.set_ctrl(hole, 0);
         self.len -= 1;
         // Every entry of the run after the hole that the hole lies on the
         // probe path of (between its home and its slot) moves into it.
@@ -250,6 +323,9 @@ impl<V: Copy + Default, const DENSE: bool> HashIndex<V, DENSE> {
             if (j.wrapping_sub(home) & mask) >= (j.wrapping_sub(hole) & mask) {
                 self.entries[hole] = self.entries[j];
                 self.entries[j].0 = EMPTY;
+                let byte = self.ctrl[j];
+                self.set_ctrl(hole, byte);
+                self.set_ctrl(j, 0);
                 hole = j;
             }
         }
@@ -260,6 +336,23 @@ impl<V: Copy + Default, const DENSE: bool> HashIndex<V, DENSE> {
         let slots = self.slots();
         let probed = self.entries[..slots].iter().filter(|(k, _)| *k != EMPTY).copied();
         probed.chain(self.has_zero.then(|| (EMPTY, self.entries[slots].1)))
+    }
+
+    /// Panics unless every slot's control byte is its entry's (0 where it
+    /// is empty) and the bytes after the table copy the first group.
+    #[cfg(test)]
+    pub(crate) fn check_ctrl(&self) {
+        let slots = self.slots();
+        if slots == 0 {
+            assert!(self.ctrl.is_empty(), "control bytes before the first insertion");
+            return;
+        }
+        assert_eq!(self.ctrl.len(), slots + GROUP);
+        for (i, &(k, _)) in self.entries[..slots].iter().enumerate() {
+            let expected = if k == EMPTY { 0 } else { Self::tag(k) };
+            assert_eq!(self.ctrl[i], expected, "slot {i} (key {k}): control byte");
+        }
+        assert_eq!(self.ctrl[slots..], self.ctrl[..GROUP], "the control bytes' copy");
     }
 
     /// Out of line: an insertion's fast path stays short enough to inline.
@@ -273,6 +366,7 @@ impl<V: Copy + Default, const DENSE: bool> HashIndex<V, DENSE> {
     /// two, more than there are now).
     fn grow_to(&mut self, slots: usize) {
         let old = std::mem::replace(&mut self.entries, vec![(EMPTY, V::default()); slots + 1]);
+        self.ctrl = vec![0; slots + GROUP];
         self.shift = 64 - slots.trailing_zeros();
         self.room = Self::room_of(slots);
         let mask = slots - 1;
@@ -280,12 +374,15 @@ impl<V: Copy + Default, const DENSE: bool> HashIndex<V, DENSE> {
             return;
         };
         self.entries[slots].1 = zero;
+        // The new table's empty slots are found by its control bytes (read,
+        // where its entries are only written).
         for &(k, v) in probed.iter().filter(|(k, _)| *k != EMPTY) {
             let mut i = self.home(k);
-            while self.entries[i].0 != EMPTY {
+            while self.ctrl[i] != 0 {
                 i = (i + 1) & mask;
             }
             self.entries[i] = (k, v);
+            self.set_ctrl(i, Self::tag(k));
         }
     }
 }
@@ -353,6 +450,7 @@ mod tests {
                 }
                 assert_eq!(table.len(), model.len(), "step {step}");
                 if step % 16 == 0 || pool_size < 50 {
+                    table.check_ctrl();
                     for &k in &pool {
                         assert_eq!(table.get(k), model.get(&k).copied(), "step {step}: get {k}");
                     }

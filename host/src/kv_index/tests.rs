@@ -608,9 +608,11 @@ fn a_late_ranks_first_run_makes_room_for_what_its_peers_hold() {
     // The peers hold 500 on average: 1,024 slots (room for 896), where a
     // first rank gets 256 (room for 224).
     store(&mut index, W3, 0, Device, None, &chain(30_000, 1)).unwrap();
-    let entry = std::mem::size_of::<(u64, HeldBlock)>();
-    assert_eq!(rank_bytes(&index, W3), 1025 * entry);
-    assert_eq!(rank_bytes(&index, W1), 1025 * entry);
+    // Each slot's entry and control byte, key 0's entry, the control
+    // bytes' 8-byte tail.
+    let bytes = 1025 * std::mem::size_of::<(u64, HeldBlock)>() + 1024 + 8;
+    assert_eq!(rank_bytes(&index, W3), bytes);
+    assert_eq!(rank_bytes(&index, W1), bytes);
     let locals: Vec<u64> = second.iter().map(|p| p.1).collect();
     assert_eq!(query(&mut index, &locals)[1], (400, 0, 0));
     assert_eq!(query(&mut index, &[30_001])[2], (1, 0, 0));
