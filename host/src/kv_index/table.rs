@@ -334,7 +334,7 @@ impl<V: Copy + Default, const DENSE: bool> HashIndex<V, DENSE> {
     /// Every `(key, value)`.
     pub(crate) fn iter(&self) -> impl Iterator<Item = (u64, V)> + '_ {
         let slots = self.slots();
-        let probed = self.entries[..slots].iter().filter(|(k, _)| *k != EMPTY).copied();
+        let probed = Occupied::new(&self.ctrl, slots).map(|i| self.entries[i]);
         probed.chain(self.has_zero.then(|| (EMPTY, self.entries[slots].1)))
     }
 
@@ -384,6 +384,48 @@ impl<V: Copy + Default, const DENSE: bool> HashIndex<V, DENSE> {
             self.entries[i] = (k, v);
             self.set_ctrl(i, Self::tag(k));
         }
+    }
+}
+
+/// The occupied slots of a table with `slots` probed entries (a power of
+/// two, 16 at least, or 0), in order, from its control bytes: a group's
+/// occupied bytes at once, then one set bit after another.
+struct Occupied<'a> {
+    ctrl: &'a [u8],
+    /// The next group's first slot.
+    next: usize,
+    /// The current group's first slot.
+    base: usize,
+    /// `0x80` in each byte of the current group not yet returned whose
+    /// slot is occupied.
+    full: u64,
+}
+
+impl<'a> Occupied<'a> {
+    fn new(ctrl: &'a [u8], slots: usize) -> Self {
+        Occupied {
+            ctrl: &ctrl[..slots],
+            next: 0,
+            base: 0,
+            full: 0,
+        }
+    }
+}
+
+impl Iterator for Occupied<'_> {
+    type Item = usize;
+
+    #[inline]
+    fn next(&mut self) -> Option<usize> {
+        while self.full == 0 {
+            let bytes = self.ctrl.get(self.next..self.next + GROUP)?;
+            self.full = u64::from_le_bytes(bytes.try_into().expect("a group's bytes")) & HI;
+            self.base = self.next;
+            self.next += GROUP;
+        }
+        let i = self.base + self.full.trailing_zeros() as usize / 8;
+        self.full &= self.full - 1;
+        Some(i)
     }
 }
 
