@@ -392,10 +392,8 @@ impl<V: Copy + Default, const DENSE: bool> HashIndex<V, DENSE> {
 /// occupied bytes at once, then one set bit after another.
 struct Occupied<'a> {
     ctrl: &'a [u8],
-    /// The next group's first slot.
+    /// The next group's first slot (the current group's is `GROUP` before).
     next: usize,
-    /// The current group's first slot.
-    base: usize,
     /// `0x80` in each byte of the current group not yet returned whose
     /// slot is occupied.
     full: u64,
@@ -406,7 +404,6 @@ impl<'a> Occupied<'a> {
         Occupied {
             ctrl: &ctrl[..slots],
             next: 0,
-            base: 0,
             full: 0,
         }
     }
@@ -420,10 +417,9 @@ impl Iterator for Occupied<'_> {
         while self.full == 0 {
             let bytes = self.ctrl.get(self.next..self.next + GROUP)?;
             self.full = u64::from_le_bytes(bytes.try_into().expect("a group's bytes")) & HI;
-            self.base = self.next;
             self.next += GROUP;
         }
-        let i = self.base + self.full.trailing_zeros() as usize / 8;
+        let i = self.next - GROUP + self.full.trailing_zeros() as usize / 8;
         self.full &= self.full - 1;
         Some(i)
     }
