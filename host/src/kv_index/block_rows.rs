@@ -152,8 +152,7 @@ impl BlockRows {
         let (mut from, mut to, mut moved) = (NONE, NONE, 0u32);
         let mut streak = false;
         for &sequence in sequences {
-            let entry = self.blocks.index_or_insert(sequence, NONE);
-            let held = self.blocks.at(entry);
+            let (entry, held) = self.blocks.index_and_value_or_insert(sequence, NONE);
             if !streak || held != from {
                 self.settle(from, to, moved);
                 (from, moved, streak) = (held, 0, true);

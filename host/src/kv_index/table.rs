@@ -107,11 +107,37 @@ impl<V: Copy + Default, const DENSE: bool> HashIndex<V, DENSE> {
     }
 
     /// The control bytes of slots `i..i + GROUP` (wrapping), the first in
-    /// the lowest byte.
-    #[inline]
-    fn group(&self, i: usize) -> u64 {
-        let bytes: [u8; GROUP] = self.ctrl[i..i + GROUP].try_into().expect("a group's bytes");
-        u64::from_le_bytes(bytes)
+    /// the lowest byte, read without a bounds check.
+    ///
+    /// # Safety
+    ///
+    /// `i + GROUP` is at most the control bytes' length (`i` below
+    /// `slots`).
+    #[inline(always)]
+    unsafe fn group_unchecked(&self, i: usize) -> u64 {
+        debug_assert!(i + GROUP <= self.ctrl.len());
+        // SAFETY: the caller's bound: the `GROUP` bytes at `i` are in the
+        // control bytes; an unaligned read of plain bytes.
+        u64::from_le(unsafe { self.ctrl.as_ptr().add(i).cast::<u64>().read_unaligned() })
+    }
+
+    /// [`set_ctrl`](Self::set_ctrl) without its bounds checks.
+    ///
+    /// # Safety
+    ///
+    /// `i` is below `slots` and the control bytes are `slots + GROUP` long.
+    #[inline(always)]
+    unsafe fn set_ctrl_unchecked(&mut self, i: usize, byte: u8) {
+        let slots = self.slots();
+        debug_assert!(i < slots && self.ctrl.len() == slots + GROUP);
+        // SAFETY: the caller's bounds: `i < slots` and, for `i < GROUP`,
+        // `slots + i < slots + GROUP`.
+        unsafe {
+            *self.ctrl.get_unchecked_mut(i) = byte;
+            if i < GROUP {
+                *self.ctrl.get_unchecked_mut(slots + i) = byte;
+            }
+        }
     }
 
     #[inline]
@@ -151,9 +177,11 @@ impl<V: Copy + Default, const DENSE: bool> HashIndex<V, DENSE> {
         #[cfg(all(target_arch = "x86_64", not(miri)))]
         if self.slots() != 0 {
             use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-            let slot: *const (u64, V) = &self.entries[self.home(key)];
+            // The home slot is below `slots`: the address of an entry
+            // (computed without a bounds check, as a prefetch needs none).
+            let slot = self.entries.as_ptr().wrapping_add(self.home(key));
             // SAFETY: a prefetch is a hint that never faults or changes
-            // memory; the address is that of an entry of the table.
+            // memory.
             unsafe { _mm_prefetch::<_MM_HINT_T0>(slot.cast()) };
         }
         #[cfg(not(all(target_arch = "x86_64", not(miri))))]
@@ -214,8 +242,11 @@ impl<V: Copy + Default, const DENSE: bool> HashIndex<V, DENSE> {
         let tag = Self::tag(key);
         let tags = LO * u64::from(tag);
         let mut i = self.home(key);
+        debug_assert!(i <= mask && self.entries.len() == slots + 1 && self.ctrl.len() == slots + GROUP);
         loop {
-            let group = self.group(i);
+            // SAFETY: `i` is a home slot (below `slots`) or masked by
+            // `slots - 1`, and the control bytes are `slots + GROUP` long.
+            let group = unsafe { self.group_unchecked(i) };
             let empty = !group & HI;
             // Bytes equal to `tag` (the zero-byte test of `group ^ tags`;
             // a byte past a true match may show as one too, which the key
@@ -225,15 +256,21 @@ impl<V: Copy + Default, const DENSE: bool> HashIndex<V, DENSE> {
             let mut matches = x.wrapping_sub(LO) & !x & HI & first_empty.wrapping_sub(1);
             while matches != 0 {
                 let j = (i + matches.trailing_zeros() as usize / 8) & mask;
-                if self.entries[j].0 == key {
+                // SAFETY: `j` is masked by `slots - 1`; `entries` holds
+                // `slots + 1`.
+                if unsafe { self.entries.get_unchecked(j) }.0 == key {
                     return j;
                 }
                 matches &= matches - 1;
             }
             if empty != 0 {
                 let j = (i + empty.trailing_zeros() as usize / 8) & mask;
-                self.entries[j] = (key, value);
-                self.set_ctrl(j, tag);
+                // SAFETY: as above: `j` is below `slots`, `entries` holds
+                // `slots + 1` and the control bytes `slots + GROUP`.
+                unsafe {
+                    *self.entries.get_unchecked_mut(j) = (key, value);
+                    self.set_ctrl_unchecked(j, tag);
+                }
                 self.len += 1;
                 return j;
             }
@@ -263,11 +300,26 @@ impl<V: Copy + Default, const DENSE: bool> HashIndex<V, DENSE> {
         }
     }
 
+    /// The entry holding `key` and its value, inserting `value` first if
+    /// the key is absent: [`index_or_insert`](Self::index_or_insert) and
+    /// [`at`](Self::at) in one.
+    #[inline(always)]
+    pub(crate) fn index_and_value_or_insert(&mut self, key: u64, value: V) -> (usize, V) {
+        let i = self.index_or_insert(key, value);
+        debug_assert!(i < self.entries.len());
+        // SAFETY: `index_or_insert` returns a probed entry (below `slots`)
+        // or key 0's (`slots`), and `entries` holds `slots + 1`.
+        (i, unsafe { self.entries.get_unchecked(i) }.1)
+    }
+
     /// `key`'s value, inserting `value` first if the key is absent.
     #[inline]
     pub(crate) fn get_or_insert(&mut self, key: u64, value: V) -> &mut V {
         let i = self.index_or_insert(key, value);
-        &mut self.entries[i].1
+        debug_assert!(i < self.entries.len());
+        // SAFETY: as in `index_and_value_or_insert`: `i` is at most
+        // `slots`, and `entries` holds `slots + 1`.
+        unsafe { &mut self.entries.get_unchecked_mut(i).1 }
     }
 
     /// Keeps the entries `keep` returns `true` for (it may change them).
@@ -378,11 +430,16 @@ impl<V: Copy + Default, const DENSE: bool> HashIndex<V, DENSE> {
         // where its entries are only written).
         for &(k, v) in probed.iter().filter(|(k, _)| *k != EMPTY) {
             let mut i = self.home(k);
-            while self.ctrl[i] != 0 {
-                i = (i + 1) & mask;
+            // SAFETY: `i` is a home slot (below `slots`) or masked by
+            // `slots - 1`; `entries` holds `slots + 1` and the control
+            // bytes are `slots + GROUP` long (both made just above).
+            unsafe {
+                while *self.ctrl.get_unchecked(i) != 0 {
+                    i = (i + 1) & mask;
+                }
+                *self.entries.get_unchecked_mut(i) = (k, v);
+                self.set_ctrl_unchecked(i, Self::tag(k));
             }
-            self.entries[i] = (k, v);
-            self.set_ctrl(i, Self::tag(k));
         }
     }
 }
