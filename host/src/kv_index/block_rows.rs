@@ -115,6 +115,12 @@ impl BlockRows {
         self.blocks.get(sequence).unwrap_or(NONE)
     }
 
+    /// [`set_id`](Self::set_id), `None` where no row holds the block.
+    #[inline]
+    pub(crate) fn find_set_id(&self, sequence: u64) -> Option<u32> {
+        self.blocks.get(sequence)
+    }
+
     /// The rows of set `id` (an id from [`set_id`](Self::set_id), not
     /// [`NONE`], with no change to the table since).
     #[inline]

@@ -160,8 +160,9 @@ impl KvIndex {
 
     /// [`overlaps`](Self::overlaps) for a request given by its local block
     /// hashes (Dynamo's `LocalBlockHash`es, from the first block on). The
-    /// sequence hashes are chained as the walk goes, so none is computed
-    /// past the block where it stops.
+    /// sequence hashes are chained as the walk goes: none past the first
+    /// block no row holds, and at most 15 past the block where the walk
+    /// stops otherwise (the rows holding the prefix hold no more of it).
     pub fn overlaps_for_local_hashes<'o>(
         &self,
         local_hashes: &[u64],
@@ -182,8 +183,10 @@ impl KvIndex {
 
     /// [`overlaps`](Self::overlaps) for a request given by its tokens,
     /// hashed by `hasher` (block size, LoRA adapter, namespace). Blocks are
-    /// hashed as the walk goes, so none past the block where it stops (for a
-    /// prompt nobody holds, only the first).
+    /// hashed as the walk goes, as by
+    /// [`overlaps_for_local_hashes`](Self::overlaps_for_local_hashes): none
+    /// past the first block no row holds (for a prompt nobody holds, only
+    /// the first).
     pub fn overlaps_for_tokens<'o>(
         &self,
         hasher: &KvBlockHasher,
@@ -202,6 +205,24 @@ impl KvIndex {
         };
         self.walk(hasher.block_count(tokens.len()), chain, out);
         Ok(out.row_overlaps().expect("reset sets the layout"))
+    }
+
+    /// [`overlaps`](Self::overlaps), returning how many of
+    /// `sequence_hashes` the walk asked for.
+    #[cfg(test)]
+    pub(super) fn hashes_walked(&self, sequence_hashes: &[u64], out: &mut KvOverlaps) -> usize {
+        out.reset(self.layout.expect("synced"));
+        let mut next = sequence_hashes.iter().copied();
+        let mut asked = 0;
+        self.walk(
+            sequence_hashes.len(),
+            || {
+                asked += 1;
+                next.next().unwrap_or(0)
+            },
+            out,
+        );
+        asked
     }
 
     /// The walk over a request of `blocks` blocks, whose sequence hashes
@@ -240,9 +261,20 @@ impl KvIndex {
         let mut prev = first_id;
         let mut i = 1;
         while i < blocks {
-            let chunk = LOOKAHEAD.min(blocks - i);
-            for slot in &mut ahead[..chunk] {
-                *slot = self.blocks.set_id(next_hash());
+            // A block no row holds ends the walk (every row leaves its
+            // stage there), so the chunk stops at it: no hash is chained
+            // past the first such block.
+            let end = LOOKAHEAD.min(blocks - i);
+            let mut chunk = 0;
+            for slot in &mut ahead[..end] {
+                chunk += 1;
+                match self.blocks.find_set_id(next_hash()) {
+                    Some(id) => *slot = id,
+                    None => {
+                        *slot = NONE;
+                        break;
+                    }
+                }
             }
             for &id in &ahead[..chunk] {
                 let at = i;

@@ -230,6 +230,34 @@ fn overlap_is_the_leading_run_of_held_blocks() {
     );
 }
 
+/// The walk asks for no hash past the first block no row holds (a
+/// prompt's tail nobody holds is never chained), and runs to the end of a
+/// prompt held whole.
+#[test]
+fn the_walk_hashes_nothing_past_the_first_block_no_row_holds() {
+    let mut index = index_on(&[W1, W2]);
+    let pairs: Vec<(u64, u64)> = (1..=5).map(|i| (100 + i, i)).collect();
+    store(&mut index, W1, 0, Device, None, &pairs).unwrap();
+    let held: Vec<(u64, u64)> = (1..=40).map(|i| (200 + i, i)).collect();
+    store(&mut index, W2, 0, Device, None, &held).unwrap();
+    let (epoch, ranks) = (index.epoch, index.ranks.clone());
+    sync(&mut index, epoch, &ranks);
+    let mut sequences = Vec::new();
+    sequence_hashes_of(
+        &(1..=40).chain([99]).chain(41..=60).collect::<Vec<u64>>(),
+        &mut sequences,
+    );
+    let mut out = KvOverlaps::new();
+    // Blocks 0..40 are held (W2), block 40 by no row: 41 asked of 61.
+    assert_eq!(index.hashes_walked(&sequences, &mut out), 41);
+    assert_eq!(index.hashes_walked(&sequences[..40], &mut out), 40);
+    // Every row leaves at block 5 but W2 holds block 5 differently: no
+    // row holds the block with this prefix, so the walk stops there too.
+    let mut other = Vec::new();
+    sequence_hashes_of(&[1, 2, 3, 4, 5, 77, 7, 8, 9, 10], &mut other);
+    assert_eq!(index.hashes_walked(&other, &mut out), 6);
+}
+
 /// A fleet wider than a mask word, where whole words leave the device
 /// stage at once while some of their rows go on: 200 ranks hold blocks
 /// 0..10, ranks 0..70 blocks 10..20 (ranks 0..3 of those in host memory
