@@ -251,8 +251,8 @@ fn the_walk_hashes_nothing_past_the_first_block_no_row_holds() {
     // Blocks 0..40 are held (W2), block 40 by no row: 41 asked of 61.
     assert_eq!(index.hashes_walked(&sequences, &mut out), 41);
     assert_eq!(index.hashes_walked(&sequences[..40], &mut out), 40);
-    // Every row leaves at block 5 but W2 holds block 5 differently: no
-    // row holds the block with this prefix, so the walk stops there too.
+    // Five blocks both hold, then one neither holds (77 where W2 holds
+    // 6): the walk stops there, at the sixth.
     let mut other = Vec::new();
     sequence_hashes_of(&[1, 2, 3, 4, 5, 77, 7, 8, 9, 10], &mut other);
     assert_eq!(index.hashes_walked(&other, &mut out), 6);
