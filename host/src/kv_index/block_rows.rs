@@ -112,7 +112,7 @@ impl BlockRows {
     /// are always equal sets.
     #[inline]
     pub(crate) fn set_id(&self, sequence: u64) -> u32 {
-        self.blocks.get(sequence).unwrap_or(NONE)
+        self.find_set_id(sequence).unwrap_or(NONE)
     }
 
     /// [`set_id`](Self::set_id), `None` where no row holds the block.
