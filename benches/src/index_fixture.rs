@@ -38,7 +38,22 @@ pub struct IndexFixture {
     pub hasher: KvBlockHasher,
     /// The measured prompt's tokens.
     pub prompt: Vec<u32>,
+    /// The fleet's stored events, in the order the index applied them (for
+    /// feeding another index the same fleet).
+    pub runs: Vec<FleetRun>,
     out: KvOverlaps,
+}
+
+/// One stored event of the fixture's fleet.
+pub struct FleetRun {
+    /// The worker (DP rank 0).
+    pub worker: u64,
+    /// Its event id.
+    pub event_id: u64,
+    /// The sequence hash of the block before the run, if any.
+    pub parent: Option<u64>,
+    /// The run's blocks.
+    pub blocks: Vec<StoredBlock>,
 }
 
 impl IndexFixture {
@@ -61,10 +76,14 @@ impl IndexFixture {
         let system = tokens(0, SYSTEM_BLOCKS * bs);
         let mut index = KvIndex::new(INDEX_BLOCK_SIZE);
         let (mut local, mut seq) = (Vec::new(), Vec::new());
+        let mut runs = Vec::new();
         for w in 0..n as u32 {
             let mut held = system.clone();
             held.extend(tokens(1 + w % SHARED_PROMPTS, SHARED_BLOCKS * bs));
             held.extend(tokens(1_000 + w, OWN_BLOCKS * bs));
+            // The hashers append: each worker's blocks start from empty.
+            local.clear();
+            seq.clear();
             hasher.local_hashes(&held, &mut local);
             hasher.sequence_hashes(&held, &mut seq);
             let blocks: Vec<StoredBlock> = seq
@@ -82,6 +101,12 @@ impl IndexFixture {
                 index
                     .apply(&KvEvent::new(WorkerWithDpRank::new(u64::from(w), 0), id as u64, data))
                     .expect("a fleet's events in order");
+                runs.push(FleetRun {
+                    worker: u64::from(w),
+                    event_id: id as u64,
+                    parent,
+                    blocks: run.to_vec(),
+                });
             }
         }
         index.sync_rows(service.row_layout(), |r| service.row_of(r));
@@ -93,6 +118,7 @@ impl IndexFixture {
             index,
             hasher,
             prompt,
+            runs,
             out: KvOverlaps::new(),
         };
         fixture.select_and_release();
@@ -113,5 +139,35 @@ impl IndexFixture {
         let request = SelectionRequest::new(self.prompt.len()).with_row_overlaps(columns);
         let selection = self.service.select(&request).expect("an idle fleet admits");
         selection.worker()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn workers_hold_the_system_prompt_and_their_shared_prompt() {
+        // 128 workers: 1 and 65 hold shared prompt 1 (the prompt's), so the
+        // prompt's system and shared blocks; every other worker only the
+        // system prompt's.
+        let n = 128;
+        let mut f = IndexFixture::new(n);
+        let prompt = f.prompt.clone();
+        f.index
+            .overlaps_for_tokens(&f.hasher, &prompt, &mut f.out)
+            .expect("the index is synced");
+        for w in 0..n {
+            let row = f
+                .service
+                .row_of(WorkerWithDpRank::new(w as u64, 0))
+                .expect("every worker has a row");
+            let expected = if w % SHARED_PROMPTS as usize == 1 {
+                SYSTEM_BLOCKS + SHARED_BLOCKS
+            } else {
+                SYSTEM_BLOCKS
+            };
+            assert_eq!(f.out.tiers(row), (expected, 0, 0), "worker {w}");
+        }
     }
 }

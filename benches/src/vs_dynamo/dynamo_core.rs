@@ -7,18 +7,23 @@
 //! `upsert_worker`, nothing cached, and a current-thread tokio runtime that
 //! blocks on each request. One measured call, [`DynamoCore::select_and_free`],
 //! is one iteration of Dynamo's bench: a fresh selection id, a request for
-//! the 256-token prompt `1..=256` (or another length, [`DynamoCore::with_prompt`]),
-//! the booked selection and its release.
+//! the 256-token prompt `1..=256` (or another length, [`DynamoCore::with_prompt`],
+//! or given tokens, [`DynamoCore::with_tokens`]), the booked selection and its
+//! release. [`DynamoCore::apply_events`] feeds the core's indexer a fleet's
+//! engine events, for a prompt its workers hold.
 //!
 //! Built only with the `dynamo-core` feature. This module must not know
 //! about selkie.
 
 use std::sync::Arc;
 
-use dynamo_kv_router::protocols::RoutingConstraints;
+use std::time::{Duration, Instant};
+
+use dynamo_kv_router::protocols::{LocalBlockHash, RouterEvent, RoutingConstraints};
 use dynamo_kv_router::services::selection::{
     PromptRequest, SelectAndReserveRequest, SelectionCacheConfig, SelectionCore, WorkerRequest,
 };
+use dynamo_kv_router::RoutingPartitionId;
 use dynamo_kv_router::{KvRouterConfig, WorkerSelectionPolicy};
 use tokio::runtime::Runtime;
 use tokio_util::sync::CancellationToken;
@@ -36,8 +41,8 @@ pub struct DynamoCore {
     core: SelectionCore,
     /// Numbers the selection ids, as Dynamo's bench does.
     sequence: u64,
-    /// Prompt length in tokens (the prompt is `1..=prompt_tokens`).
-    prompt_tokens: u32,
+    /// The prompt's token ids.
+    prompt: Vec<u32>,
 }
 
 impl DynamoCore {
@@ -55,6 +60,15 @@ impl DynamoCore {
     /// # Panics
     /// As [`new`](Self::new).
     pub fn with_prompt(workers: u64, prompt_tokens: u32) -> Self {
+        Self::with_tokens(workers, (1..=prompt_tokens).collect())
+    }
+
+    /// The core with workers `1..=workers` registered, requests for the
+    /// prompt `tokens`.
+    ///
+    /// # Panics
+    /// As [`new`](Self::new).
+    pub fn with_tokens(workers: u64, tokens: Vec<u32>) -> Self {
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
@@ -89,8 +103,44 @@ impl DynamoCore {
             runtime,
             core,
             sequence: 0,
-            prompt_tokens,
+            prompt: tokens,
         }
+    }
+
+    /// Applies `events` to the core's indexer (its workers are `1..=n`),
+    /// then waits until a query of `local_hashes` (a prompt's local block
+    /// hashes) credits `expected` blocks in all (the indexer applies events
+    /// on its own thread).
+    ///
+    /// # Panics
+    /// If the core has no partition for its requests' model and routing
+    /// group, or the credit is not reached within 60 s.
+    pub fn apply_events(&mut self, events: Vec<RouterEvent>, local_hashes: &[u64], expected: u64) {
+        let key = RoutingPartitionId::new("default", "default");
+        let partition = self.core.partition(&key).expect("the workers' partition");
+        let hashes: Vec<LocalBlockHash> = local_hashes.iter().map(|&h| LocalBlockHash(h)).collect();
+        self.runtime.block_on(async {
+            for event in events {
+                partition.indexer().apply_event(event).await;
+            }
+            let deadline = Instant::now() + Duration::from_secs(60);
+            loop {
+                let scores = partition
+                    .indexer()
+                    .find_matches(hashes.clone())
+                    .await
+                    .expect("Dynamo's indexer answers");
+                let credited: u64 = scores.scores.values().map(|&s| u64::from(s)).sum();
+                if credited == expected {
+                    break;
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "Dynamo's indexer credits {credited} blocks, not {expected}"
+                );
+                tokio::task::yield_now().await;
+            }
+        });
     }
 
     /// The measured call: select and reserve a worker for the prompt, then
@@ -102,7 +152,7 @@ impl DynamoCore {
     pub fn select_and_free(&mut self) -> u64 {
         self.sequence += 1;
         let id = format!("bench-{}", self.sequence);
-        let request = reserve_request(id.clone(), self.prompt_tokens);
+        let request = reserve_request(id.clone(), &self.prompt);
         let core = &self.core;
         self.runtime.block_on(async {
             let response = core.select_and_reserve(request).await.expect("Dynamo reserves");
@@ -114,13 +164,13 @@ impl DynamoCore {
 
 /// The request of Dynamo's bench: default model and routing group, the
 /// prompt's token ids, nothing else.
-fn reserve_request(selection_id: String, prompt_tokens: u32) -> SelectAndReserveRequest {
+fn reserve_request(selection_id: String, prompt: &[u32]) -> SelectAndReserveRequest {
     SelectAndReserveRequest {
         model_name: "default".to_string(),
         routing_group: "default".to_string(),
         selection_id: Some(selection_id),
         prompt: PromptRequest {
-            token_ids: Some((1..=prompt_tokens).collect()),
+            token_ids: Some(prompt.to_vec()),
             ..PromptRequest::default()
         },
         router_config_override: None,
