@@ -306,6 +306,34 @@ impl AtomicGroup {
     }
 }
 
+/// The atomic of row `row` of `groups`: one bound check and one scaled
+/// add (indexing the group, then its lane, costs a division, a remainder
+/// and a check each).
+///
+/// # Panics
+/// If `row >= groups.len() * LANES`.
+#[cfg(not(selkie_loom))]
+#[inline(always)]
+fn row_atomic(groups: &[AtomicGroup], row: usize) -> &AtomicU32 {
+    const {
+        assert!(core::mem::size_of::<AtomicGroup>() == LANES * core::mem::size_of::<AtomicU32>());
+    }
+    assert!(row < groups.len() * LANES);
+    // SAFETY: `AtomicGroup` is `repr(C)` over `[AtomicU32; LANES]` and no
+    // larger (the assertion above), so `groups` is `groups.len() * LANES`
+    // contiguous `AtomicU32`s, row `row` the `row`-th, and `row` is in
+    // bounds (checked above).
+    unsafe { &*groups.as_ptr().cast::<AtomicU32>().add(row) }
+}
+
+/// The atomic of row `row` of `groups` (loom's atomics are larger than
+/// the machine's: indexed group by group).
+#[cfg(selkie_loom)]
+#[inline(always)]
+fn row_atomic(groups: &[AtomicGroup], row: usize) -> &AtomicU32 {
+    &groups[row / LANES].0[row % LANES]
+}
+
 /// A fixed-capacity column of `u32` atomics, `GROUPS * LANES` rows, 32-byte
 /// aligned. The fleet's columns are all of this type.
 pub(crate) struct Column<const GROUPS: usize> {
@@ -334,9 +362,12 @@ impl<const GROUPS: usize> Column<GROUPS> {
         }
     }
     /// The atomic of one row.
+    ///
+    /// # Panics
+    /// If `row >= GROUPS * LANES`.
     #[inline]
     pub(crate) fn at(&self, row: usize) -> &AtomicU32 {
-        &self.groups[row / LANES].0[row % LANES]
+        row_atomic(&self.groups, row)
     }
     /// A read-only view of the first `rows` rows for the kernels.
     #[inline]
@@ -393,7 +424,7 @@ impl U32Source for AtomicView<'_> {
     #[inline(always)]
     fn value(&self, row: usize) -> u32 {
         debug_assert!(row < self.rows);
-        self.decode_one(self.groups[row / LANES].0[row % LANES].load(Ordering::Relaxed))
+        self.decode_one(row_atomic(self.groups, row).load(Ordering::Relaxed))
     }
     #[inline(always)]
     fn group(&self, group: usize) -> [u32; LANES] {
@@ -448,7 +479,7 @@ impl F32Source for AtomicView<'_> {
     }
     #[inline(always)]
     fn value(&self, row: usize) -> f32 {
-        f32::from_bits(self.groups[row / LANES].0[row % LANES].load(Ordering::Relaxed))
+        f32::from_bits(row_atomic(self.groups, row).load(Ordering::Relaxed))
     }
     #[inline(always)]
     fn group(&self, group: usize) -> [f32; LANES] {
@@ -462,5 +493,34 @@ impl F32Source for AtomicView<'_> {
     fn lanes8<S: Simd>(&self, s: S, first_group: usize) -> [S::F32; 8] {
         let block = &self.groups[first_group..first_group + 8];
         by_lane8!(i => s.load_atomic(&block[i]).cast_f32())
+    }
+}
+
+#[cfg(all(test, not(selkie_loom)))]
+mod tests {
+    use super::*;
+
+    /// Row `r` of a column is lane `r % LANES` of group `r / LANES`, as the
+    /// SIMD kernels read it, and every access path agrees.
+    #[test]
+    fn a_row_is_its_groups_lane() {
+        let column = Column::<3>::new(0);
+        for row in 0..3 * LANES {
+            column.at(row).store(1000 + row as u32, Ordering::Relaxed);
+        }
+        let view = column.view(3 * LANES, Decode::Raw);
+        for row in 0..3 * LANES {
+            let lane = column.groups[row / LANES].0[row % LANES].load(Ordering::Relaxed);
+            assert_eq!(lane, 1000 + row as u32, "row {row}");
+            assert_eq!(U32Source::value(&view, row), 1000 + row as u32, "row {row}");
+            assert_eq!(F32Source::value(&view, row).to_bits(), 1000 + row as u32, "row {row}");
+        }
+    }
+
+    #[test]
+    #[should_panic]
+    fn a_row_past_the_column_panics() {
+        let column = Column::<3>::new(0);
+        let _ = column.at(3 * LANES);
     }
 }
