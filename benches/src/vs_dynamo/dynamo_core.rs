@@ -16,15 +16,13 @@
 //! about selkie.
 
 use std::sync::Arc;
-
 use std::time::{Duration, Instant};
 
 use dynamo_kv_router::protocols::{LocalBlockHash, RouterEvent, RoutingConstraints};
 use dynamo_kv_router::services::selection::{
     PromptRequest, SelectAndReserveRequest, SelectionCacheConfig, SelectionCore, WorkerRequest,
 };
-use dynamo_kv_router::RoutingPartitionId;
-use dynamo_kv_router::{KvRouterConfig, WorkerSelectionPolicy};
+use dynamo_kv_router::{KvRouterConfig, RoutingPartitionId, WorkerSelectionPolicy};
 use tokio::runtime::Runtime;
 use tokio_util::sync::CancellationToken;
 
