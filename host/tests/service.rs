@@ -310,6 +310,31 @@ fn metrics_count_selections_per_worker_and_rejection_reasons() {
     assert_eq!(rec.get("selkie_selection_errors_total{reason=pinned_overloaded}"), 1);
 }
 
+/// A worker marked overloaded is counted as skipped (`reason=busy`) by a
+/// plain request as by an explained one: the fast path, which would not
+/// count it, does not take a snapshot whose ready rows leave out a live
+/// worker.
+#[test]
+fn a_marked_worker_is_counted_on_plain_requests_too() {
+    let counts = [false, true].map(|explained| {
+        let rec = TestRecorder::default();
+        metrics::with_local_recorder(&rec, || {
+            let s = svc(WorkerSelectionPolicy::random());
+            for id in 1..=3 {
+                s.add_worker(WorkerRecord::new(id)).unwrap();
+            }
+            s.set_overloaded(2, true).unwrap();
+            for _ in 0..5 {
+                let req = SelectionRequest::new(1);
+                let req = if explained { req.explained() } else { req };
+                assert_ne!(s.select(&req).unwrap().worker().worker_id, 2);
+            }
+        });
+        rec.get("selkie_rejections_total{reason=busy}")
+    });
+    assert_eq!(counts, [5, 5], "plain and explained requests");
+}
+
 /// A booking the fleet refuses is counted once, on the fast path of a
 /// plain request as on the general path (an explained request): both see
 /// the same refusals.

@@ -283,6 +283,11 @@ pub(crate) struct RowIndex<E> {
     /// without constraints, as a mask and as a sorted list.
     ready_rows: Vec<u64>,
     ready_list: Vec<u32>,
+    /// The ready rows are exactly the live rows, there is at least one, no
+    /// worker has a busy threshold, and the ready mask covers the scan:
+    /// a request without constraints may take them as they are (kept per
+    /// change, so the selection path reads one flag).
+    ready_exact: bool,
     /// Rows of workers with a busy threshold (checked against their load).
     threshold_rows: Vec<u64>,
     /// One past the highest row with a [`RowMeta`], in whole lane groups:
@@ -313,6 +318,7 @@ impl<E> Clone for RowIndex<E> {
             live_count: self.live_count,
             ready_rows: self.ready_rows.clone(),
             ready_list: self.ready_list.clone(),
+            ready_exact: self.ready_exact,
             threshold_rows: self.threshold_rows.clone(),
             scan_rows: self.scan_rows,
             retired: self.retired.clone(),
@@ -337,6 +343,7 @@ impl<E: RowOwner> RowIndex<E> {
             live_count: 0,
             ready_rows: Vec::new(),
             ready_list: Vec::new(),
+            ready_exact: false,
             threshold_rows: Vec::new(),
             scan_rows: 0,
             retired: IdMap::default(),
@@ -433,6 +440,15 @@ impl<E: RowOwner> RowIndex<E> {
     #[inline]
     pub(crate) fn ready_rows(&self) -> (&[u64], &[u32]) {
         (&self.ready_rows, &self.ready_list)
+    }
+
+    /// Whether a request without constraints may take the ready rows as
+    /// they are: they are exactly the live rows, at least one, no worker
+    /// has a busy threshold, and [`ready_rows`](Self::ready_rows)' mask
+    /// covers [`scan_rows`](Self::scan_rows).
+    #[inline]
+    pub(crate) fn ready_exact(&self) -> bool {
+        self.ready_exact
     }
 
     /// Rows of workers with a busy threshold, as mask words.
@@ -554,6 +570,10 @@ impl<E: RowOwner> RowIndex<E> {
                 w &= w - 1;
             }
         }
+        self.ready_exact = !self.traits.thresholds
+            && !self.ready_list.is_empty()
+            && self.ready_list.len() == self.live_count
+            && self.ready_rows.len() >= selkie_kernel::mask::words_for(self.scan_rows);
     }
 
     /// Rows held now: every indexed rank, and every retired row.

@@ -7,6 +7,7 @@
 //! the same random numbers, and hands a refused booking back to it. It
 //! must not filter, rescan or build an explanation's runner-up.
 
+use std::mem::MaybeUninit;
 use std::ops::Deref;
 
 use selkie_kernel::fleet::Booking;
@@ -39,7 +40,8 @@ impl WorkerSelectionService {
     /// threshold). Random, round-robin and power-of-two draw from the ready
     /// rows in O(1); the other policies read the snapshot's ready mask as
     /// it is (no copy). The row is booked directly: the same row, from the
-    /// same random numbers, as the general path.
+    /// same random numbers, as the general path, and the selection is
+    /// written into `out` in place (`Some(Ok(()))`).
     ///
     /// `None`: not such a request (the general path runs).
     #[inline]
@@ -49,27 +51,22 @@ impl WorkerSelectionService {
         req: &SelectionRequest<'_>,
         rng: &mut Rng,
         handle: &impl Fn() -> H,
-    ) -> Option<Result<Booked<H>, Fallback>> {
-        if !self.policy.reads_ready_rows()
+        out: &mut MaybeUninit<Result<Booked<H>, SelectionError>>,
+    ) -> Option<Result<(), Fallback>> {
+        if !self.reads_ready_rows
             || req.pin.is_some()
             || req.session.is_some()
             || req.explain
             || req.allowed_worker_ids.is_some()
             || !req.required_taints.is_empty()
             || req.lora.is_some()
-            || reg.traits().thresholds
+            || !reg.ready_exact()
         {
             return None;
         }
         let (ready, list) = reg.ready_rows();
-        if list.is_empty() || list.len() != reg.live_rows().1 {
-            return None;
-        }
         let rows = reg.scan_rows();
         let nw = mask::words_for(rows);
-        if ready.len() < nw {
-            return None;
-        }
         #[cfg(test)]
         super::tests::hooks::after_rows_read(rows);
         let view = self.fleet.view(rows);
@@ -83,7 +80,11 @@ impl WorkerSelectionService {
         let meta = reg.row(choice.row)?;
         let load = self.book_load(req, choice.row, meta.worker());
         match Booking::new_for_slot(FleetHandle(handle()), meta.handle.slot, load) {
-            Ok(booking) => Some(Ok(self.booked(req, booking, &choice, None, meta, Route::Policy, None))),
+            Ok(booking) => {
+                // Written in place: the booking is not staged and copied.
+                out.write(Ok(self.booked(req, booking, &choice, None, meta, Route::Policy, None)));
+                Some(Ok(()))
+            }
             Err(e) => {
                 refused(&self.rejections, &e);
                 Some(Err(Fallback::Refused(choice.row)))

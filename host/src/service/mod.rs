@@ -155,6 +155,9 @@ pub struct WorkerSelectionService {
     /// Identifies this service in the per-thread snapshot caches.
     id: u64,
     policy: WorkerSelectionPolicy,
+    /// The policy takes a plain request's eligible rows as the snapshot's
+    /// ready rows (the fast path's first check, kept here as one flag).
+    reads_ready_rows: bool,
     config: ServiceConfig,
     sessions: SessionTable,
     /// The last snapshot `refresh` could not apply, retried by later
@@ -195,6 +198,7 @@ impl WorkerSelectionService {
                 .then(|| config.block_size.max(1).trailing_zeros()),
             #[cfg(feature = "nats")]
             replica: replica::ReplicaLink::new(),
+            reads_ready_rows: policy.reads_ready_rows(),
             policy,
             config,
         }

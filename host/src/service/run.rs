@@ -68,7 +68,8 @@ impl WorkerSelectionService {
         // As `traced`, but the selection writes its result into `out`
         // (through a reference) instead of returning it through the
         // closures of `traced`, `with_snapshot` and the thread-local's
-        // `with`, each of which moved it.
+        // `with`, each of which moved it; `select_into` logs and counts
+        // its errors itself.
         let span = self.span(false);
         let mut out = MaybeUninit::uninit();
         let Written(()) = self.with_snapshot(|reg| self.select_into(reg, req, &handle, &mut out));
@@ -79,18 +80,13 @@ impl WorkerSelectionService {
         // `Written`, which (generic over its closure's result) it can only
         // have got by calling the closure, and `select_into` makes one only
         // after writing `out` (a panic before unwinds past this read). The
-        // error is read in place and the result moved out once, straight
-        // into the return value.
-        unsafe {
-            if let Err(e) = out.assume_init_ref() {
-                self.failed(e);
-            }
-            out.assume_init()
-        }
+        // result is moved out once, straight into the return value.
+        unsafe { out.assume_init() }
     }
 
     /// One selection on the thread's snapshot, its result written into
-    /// `out` ([`Written`] says it was): the fast path of a plain request,
+    /// `out` ([`Written`] says it was) and an error logged and counted
+    /// (`failed`): the fast path of a plain request,
     /// else (or after its refused booking) the general path on the
     /// thread's scratch. Each way writes `out` itself, so the fast path's
     /// booking goes there straight from the registers that built it.
@@ -103,25 +99,30 @@ impl WorkerSelectionService {
         out: &mut MaybeUninit<Result<Booked<H>, SelectionError>>,
     ) -> Written {
         if let Err(e) = self.check_basics(req) {
+            self.failed(&e);
             out.write(Err(e));
             return Written(());
         }
         let mut rng = self.take_rng();
-        let skip = match self.select_ready(reg, req, &mut rng, handle) {
-            Some(Ok(booked)) => {
+        let skip = match self.select_ready(reg, req, &mut rng, handle, out) {
+            Some(Ok(())) => {
                 self.keep_rng(rng);
-                out.write(Ok(booked));
                 return Written(());
             }
             Some(Err(Fallback::Failed(e))) => {
                 self.keep_rng(rng);
+                self.failed(&e);
                 out.write(Err(e));
                 return Written(());
             }
             Some(Err(Fallback::Refused(row))) => Some(row),
             None => None,
         };
-        out.write(self.select_general(reg, req, handle, rng, skip));
+        let r = self.select_general(reg, req, handle, rng, skip);
+        if let Err(e) = &r {
+            self.failed(e);
+        }
+        out.write(r);
         Written(())
     }
 

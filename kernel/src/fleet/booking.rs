@@ -7,7 +7,7 @@
 use super::counter::{self, add_saturating, increment_below, sub_if_tagged, tag_of_generation, Refusal};
 use super::error::BookError;
 use super::guard::Booking;
-use super::state::SlotId;
+use super::state::{SlotId, StateWord};
 use super::Fleet;
 use crate::sync::Ordering;
 
@@ -20,6 +20,23 @@ pub struct BookLoad {
     /// KV blocks the request holds when decoding starts (grown by
     /// [`Booking::add_output_block`]).
     pub decode_blocks: u32,
+}
+
+/// Why a row whose state word is `s` refuses a booking (`expected`: the
+/// generation it must carry): [`BookError::Stale`] if the generation
+/// differs, else [`BookError::NotLive`]. Only called once the word has
+/// been found not admissible.
+#[cold]
+#[inline(never)]
+fn refusal(row: u32, expected: Option<u32>, s: StateWord) -> BookError {
+    match expected {
+        Some(expected) if expected != s.generation() => BookError::Stale {
+            row,
+            expected,
+            found: s.generation(),
+        },
+        _ => BookError::NotLive { row, state: s.state() },
+    }
 }
 
 /// What one booking holds on one row: the part of a [`Booking`] that does
@@ -94,20 +111,14 @@ impl<const GROUPS: usize> Fleet<GROUPS> {
         let row32 = row as u32;
         let s = self.state_word(row, Ordering::Acquire);
         let generation = s.generation();
-        if let Some(expected) = expected {
-            if expected != generation {
-                return Err(BookError::Stale {
-                    row: row32,
-                    expected,
-                    found: generation,
-                });
-            }
-        }
-        if !s.is_live() {
-            return Err(BookError::NotLive {
-                row: row32,
-                state: s.state(),
-            });
+        // One comparison of the whole word on the way in; the refusal's
+        // reason is worked out off the hot path.
+        let admissible = match expected {
+            Some(expected) => s.is_live_of(expected),
+            None => s.is_live(),
+        };
+        if !admissible {
+            return Err(refusal(row32, expected, s));
         }
         let limit = self.admission_limit.at(row).load(Ordering::Acquire);
         let tag = tag_of_generation(generation);
@@ -124,20 +135,9 @@ impl<const GROUPS: usize> Fleet<GROUPS> {
             Err(Refusal::Stale) => return Err(self.stale(row, generation)),
         }
         let now = self.state_word(row, Ordering::SeqCst);
-        if now.generation() != generation || !now.is_live() {
+        if !now.is_live_of(generation) {
             sub_if_tagged(active, tag, 1);
-            return Err(if now.generation() != generation {
-                BookError::Stale {
-                    row: row32,
-                    expected: generation,
-                    found: now.generation(),
-                }
-            } else {
-                BookError::NotLive {
-                    row: row32,
-                    state: now.state(),
-                }
-            });
+            return Err(refusal(row32, Some(generation), now));
         }
         let Some(prefill_tokens) = add_saturating(self.active_prefill_tokens.at(row), tag, load.prefill_tokens) else {
             sub_if_tagged(active, tag, 1);

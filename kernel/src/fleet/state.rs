@@ -103,6 +103,13 @@ impl StateWord {
     pub(crate) const fn is_live(self) -> bool {
         self.0 & STATE_MASK == 1
     }
+    /// Whether this is `Live` with generation `generation` (the writer bit
+    /// ignored): one comparison of the whole word. A `generation` above
+    /// [`GENERATION_MASK`] never matches.
+    #[inline(always)]
+    pub(crate) const fn is_live_of(self, generation: u32) -> bool {
+        (self.0 & !WRITER) as u64 == ((generation as u64) << GENERATION_SHIFT | 1)
+    }
     #[inline(always)]
     pub(crate) const fn writer_held(self) -> bool {
         self.0 & WRITER != 0
@@ -188,4 +195,34 @@ pub struct Outstanding {
     pub prefill_tokens: u32,
     /// KV blocks held by decoding requests.
     pub decode_blocks: u32,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `is_live_of` is `is_live` and the generation, whatever the writer
+    /// bit; a generation too large for the word never matches.
+    #[test]
+    fn live_of_a_generation_is_the_state_and_the_generation() {
+        for generation in [0, 1, 255, 256, GENERATION_MASK] {
+            for state in [
+                SlotState::Empty,
+                SlotState::Live,
+                SlotState::Draining,
+                SlotState::Cordoned,
+            ] {
+                let word = StateWord::new(state, generation);
+                for w in [word, StateWord(word.0 | WRITER)] {
+                    let live = state == SlotState::Live;
+                    assert_eq!(w.is_live_of(generation), live, "{w:?} of {generation}");
+                    assert!(!w.is_live_of(generation ^ 1), "{w:?} of another generation");
+                    assert!(
+                        !w.is_live_of(generation | (GENERATION_MASK + 1)),
+                        "{w:?}: a generation past the mask"
+                    );
+                }
+            }
+        }
+    }
 }
