@@ -32,6 +32,7 @@ impl<H: Deref<Target = WorkerSelectionService>> Deref for FleetHandle<H> {
 ///
 /// `H` is how the booking holds the service: [`Selection`] borrows it,
 /// [`OwnedSelection`] holds an `Arc` (for bookings moved into tasks).
+#[repr(C)]
 pub struct Booked<H: Deref<Target = WorkerSelectionService>> {
     pub(crate) booking: Booking<FleetHandle<H>, FLEET_GROUPS>,
     pub(crate) worker: WorkerWithDpRank,
