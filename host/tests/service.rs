@@ -335,6 +335,36 @@ fn a_marked_worker_is_counted_on_plain_requests_too() {
     assert_eq!(counts, [5, 5], "plain and explained requests");
 }
 
+/// A failed selection is counted once under its reason, whichever way it
+/// failed: a request refused before any path (a NaN temperature), a
+/// plain request whose policy fails on the fast path (overlap columns of
+/// an earlier row layout), and the same request explained (the general
+/// path).
+#[test]
+fn every_failed_selection_is_counted_once() {
+    let rec = TestRecorder::default();
+    metrics::with_local_recorder(&rec, || {
+        let s = svc(WorkerSelectionPolicy::kv(
+            KvRouterConfig::default(),
+            WorkerType::Aggregated,
+        ));
+        s.add_worker(WorkerRecord::new(1)).unwrap();
+        let layout = s.row_layout();
+        let device = vec![0.0; layout.rows()];
+        s.add_worker(WorkerRecord::new(2)).unwrap();
+        let stale = SelectionRequest::new(64).with_row_overlaps(RowOverlaps::new(layout, &device));
+        assert!(matches!(s.select(&stale), Err(SelectionError::StaleRowLayout { .. })));
+        assert!(matches!(
+            s.select(&stale.explained()),
+            Err(SelectionError::StaleRowLayout { .. })
+        ));
+        let nan = SelectionRequest::new(64).with_temperature(f64::NAN);
+        assert!(matches!(s.select(&nan), Err(SelectionError::InvalidRequest(_))));
+    });
+    assert_eq!(rec.get("selkie_selection_errors_total{reason=stale_row_layout}"), 2);
+    assert_eq!(rec.get("selkie_selection_errors_total{reason=invalid_request}"), 1);
+}
+
 /// A booking the fleet refuses is counted once, on the fast path of a
 /// plain request as on the general path (an explained request): both see
 /// the same refusals.
