@@ -125,7 +125,7 @@ fn power_of_two_prefers_the_lower_of_two_distinct_draws() {
     // Worker 0 (load 0) wins whenever drawn: in 2 of the 3 distinct pairs.
     let mut zero = 0;
     for _ in 0..3000 {
-        let w = s.peek(&SelectionRequest::new(1)).unwrap().worker.worker_id;
+        let w = s.select(&SelectionRequest::new(1)).unwrap().worker().worker_id;
         zero += usize::from(w == 0);
     }
     assert!((1850..2150).contains(&zero), "{zero}");
@@ -135,7 +135,7 @@ fn power_of_two_prefers_the_lower_of_two_distinct_draws() {
     t.add_worker(WorkerRecord::new(2)).unwrap();
     let _h = t.select(&SelectionRequest::new(1).pinned_to_worker(1)).unwrap();
     for _ in 0..50 {
-        assert_eq!(t.peek(&SelectionRequest::new(1)).unwrap().worker.worker_id, 2);
+        assert_eq!(t.select(&SelectionRequest::new(1)).unwrap().worker().worker_id, 2);
     }
 }
 

@@ -89,6 +89,37 @@ fn peek_books_nothing() {
     }
 }
 
+/// Finding: a preview took the next random stream of a seeded service
+/// (and the thread's generator, advanced, on an unseeded one), so the
+/// selection after it drew other numbers than the preview had: a random
+/// policy chose another worker than the one previewed, and a seeded
+/// service's selections changed with previews between them.
+#[test]
+fn a_preview_draws_what_the_next_selection_draws() {
+    for seed in [Some(2), None] {
+        let config = || ServiceConfig {
+            seed,
+            ..ServiceConfig::default()
+        };
+        let previewed = WorkerSelectionService::new(WorkerSelectionPolicy::random(), config());
+        let plain = WorkerSelectionService::new(WorkerSelectionPolicy::random(), config());
+        for id in 0..16 {
+            previewed.add_worker(WorkerRecord::new(id)).unwrap();
+            plain.add_worker(WorkerRecord::new(id)).unwrap();
+        }
+        let req = SelectionRequest::new(64);
+        for i in 0..40 {
+            let preview = previewed.peek(&req).unwrap();
+            let chosen = previewed.select(&req).unwrap().worker();
+            assert_eq!(chosen, preview.worker, "seed {seed:?}, selection {i}");
+            if seed.is_some() {
+                let alone = plain.select(&req).unwrap().worker();
+                assert_eq!(chosen, alone, "selection {i}: previews between selections changed it");
+            }
+        }
+    }
+}
+
 #[test]
 fn retarget_moves_the_load() {
     let s = svc(WorkerSelectionPolicy::least_loaded());

@@ -448,6 +448,23 @@ impl WorkerSelectionService {
     /// The worker [`select`](Self::select) would choose now, booking nothing
     /// and advancing no cursor (plugins see
     /// [`WorkerSelectionContext::is_preview`]). Always explained.
+    ///
+    /// It draws the random numbers the thread's next selection will draw
+    /// and leaves them to it: a seeded service's sequence of selections is
+    /// the same with previews between them or without, and the next
+    /// `select` on this thread chooses the previewed worker unless the
+    /// fleet changed or another thread selected in between.
+    ///
+    /// ```
+    /// use selkie::*;
+    /// let service = WorkerSelectionService::new(WorkerSelectionPolicy::random(), ServiceConfig::default());
+    /// for id in 0..8 {
+    ///     service.add_worker(WorkerRecord::new(id))?;
+    /// }
+    /// let preview = service.peek(&SelectionRequest::new(64))?;
+    /// assert_eq!(service.select(&SelectionRequest::new(64))?.worker(), preview.worker);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn peek(&self, req: &SelectionRequest<'_>) -> Result<Preview, SelectionError> {
         self.run_peek(req)
     }

@@ -32,6 +32,12 @@ use crate::policy::{Choice, Env};
 use crate::request::{AffinityMode, Pin, SelectionRequest};
 use crate::types::WorkerWithDpRank;
 
+/// The generator of the `n`-th selection of a service seeded with `seed`.
+#[inline]
+fn seeded_stream(seed: u64, n: u64) -> Rng {
+    Rng::new(mix(seed ^ n.wrapping_mul(0x9E37_79B9_7F4A_7C15)))
+}
+
 impl WorkerSelectionService {
     /// The request's generator: drawn from the service's seed and a
     /// counter when the service has a seed, else the thread's (one
@@ -39,11 +45,22 @@ impl WorkerSelectionService {
     #[inline]
     fn take_rng(&self) -> Rng {
         match self.config.seed {
-            Some(seed) => {
-                let n = self.seed_counter.fetch_add(1, Ordering::Relaxed);
-                Rng::new(mix(seed ^ n.wrapping_mul(0x9E37_79B9_7F4A_7C15)))
-            }
+            Some(seed) => seeded_stream(seed, self.seed_counter.fetch_add(1, Ordering::Relaxed)),
             None => thread_rng::take(),
+        }
+    }
+
+    /// The generator the next selection on this thread would take, left
+    /// where it is: a preview draws what that selection will draw (unless
+    /// another selection comes first) and advances nothing.
+    fn preview_rng(&self) -> Rng {
+        match self.config.seed {
+            Some(seed) => seeded_stream(seed, self.seed_counter.load(Ordering::Relaxed)),
+            None => {
+                let rng = thread_rng::take();
+                thread_rng::put(rng.clone());
+                rng
+            }
         }
     }
 
@@ -131,9 +148,8 @@ impl WorkerSelectionService {
         self.traced(true, || {
             self.with_snapshot(|reg| {
                 self.check_basics(req)?;
-                let mut rng = self.take_rng();
+                let mut rng = self.preview_rng();
                 let r = with_scratch(|s| self.run_with(reg, req, true, s, &mut rng, &|| self, None));
-                self.keep_rng(rng);
                 match r? {
                     Outcome::Previewed(p) => Ok(p),
                     Outcome::Booked(_) => unreachable!("a preview books nothing"),

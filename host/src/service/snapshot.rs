@@ -6,7 +6,7 @@
 //! cached snapshot and reloads only when it moved. This module must not
 //! select or book.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, PoisonError};
 
@@ -22,10 +22,87 @@ pub(super) static SERVICE_IDS: AtomicU64 = AtomicU64::new(0);
 type SnapshotCache = Vec<(u64, u64, Arc<WorkerRegistry>)>;
 
 /// Services one thread keeps a snapshot for before evicting the oldest.
-const CACHED_SNAPSHOTS: usize = 8;
+pub(super) const CACHED_SNAPSHOTS: usize = 8;
+
+/// A service id no service has: the hot entry is empty.
+const NO_SERVICE: u64 = u64::MAX;
+
+/// The snapshot this thread read last, checked before the cache: two
+/// comparisons, no borrow flag, no search, no destructor to register.
+///
+/// `snapshot` points into an `Arc` that the thread's cache holds. The
+/// cache drops an entry only (a) when it changes, which empties this entry
+/// first and happens only while no reader on this thread holds the entry
+/// (`readers` is 0), or (b) at thread exit, where the cache's destructor
+/// empties this entry first.
+struct HotSnapshot {
+    id: Cell<u64>,
+    version: Cell<u64>,
+    snapshot: Cell<*const WorkerRegistry>,
+    /// Selections on this thread reading through `snapshot` now (more
+    /// than one when a plugin selects from inside a selection).
+    readers: Cell<usize>,
+}
+
+impl HotSnapshot {
+    fn set(&self, id: u64, version: u64, snapshot: &Arc<WorkerRegistry>) {
+        self.id.set(id);
+        self.version.set(version);
+        self.snapshot.set(Arc::as_ptr(snapshot));
+    }
+
+    fn clear(&self) {
+        self.id.set(NO_SERVICE);
+    }
+}
+
+/// A weak reference to the hot entry's snapshot, for the crate's tests to
+/// check that no selection nested in a reader dropped it.
+#[cfg(test)]
+fn held_weakly(snapshot: *const WorkerRegistry) -> std::sync::Weak<WorkerRegistry> {
+    // SAFETY: `snapshot` came from `Arc::as_ptr` of an `Arc` the thread's
+    // cache holds (the hot entry is not empty); `ManuallyDrop` leaves its
+    // count as it was.
+    let arc = std::mem::ManuallyDrop::new(unsafe { Arc::from_raw(snapshot) });
+    Arc::downgrade(&arc)
+}
+
+/// One reader of the hot entry (released on drop, also when the reader
+/// panics).
+struct Reading<'a>(&'a Cell<usize>);
+
+impl<'a> Reading<'a> {
+    fn enter(readers: &'a Cell<usize>) -> Self {
+        readers.set(readers.get() + 1);
+        Reading(readers)
+    }
+}
+
+impl Drop for Reading<'_> {
+    fn drop(&mut self) {
+        self.0.set(self.0.get() - 1);
+    }
+}
+
+/// The thread's cache; dropping it (at thread exit) empties the hot entry.
+struct Cache(SnapshotCache);
+
+impl Drop for Cache {
+    fn drop(&mut self) {
+        HOT.with(HotSnapshot::clear);
+    }
+}
 
 thread_local! {
-    static SNAPSHOTS: RefCell<SnapshotCache> = const { RefCell::new(Vec::new()) };
+    static HOT: HotSnapshot = const {
+        HotSnapshot {
+            id: Cell::new(NO_SERVICE),
+            version: Cell::new(0),
+            snapshot: Cell::new(std::ptr::null()),
+            readers: Cell::new(0),
+        }
+    };
+    static SNAPSHOTS: RefCell<Cache> = const { RefCell::new(Cache(Vec::new())) };
 }
 
 impl WorkerSelectionService {
@@ -57,23 +134,57 @@ impl WorkerSelectionService {
     }
 
     /// Runs `f` with this thread's snapshot of the registry, reloading it if
-    /// the registry changed. The fast path reads one atomic and touches no
-    /// shared reference count.
+    /// the registry changed. The fast path reads one atomic and the
+    /// thread's hot entry, and touches no shared reference count.
+    #[inline]
     pub(super) fn with_snapshot<R>(&self, f: impl FnOnce(&WorkerRegistry) -> R) -> R {
         let v = self.version.load(Ordering::Acquire);
+        HOT.with(|hot| {
+            if hot.id.get() == self.id && hot.version.get() == v {
+                let _reading = Reading::enter(&hot.readers);
+                #[cfg(test)]
+                let held = held_weakly(hot.snapshot.get());
+                // SAFETY: the hot entry is not empty, so `snapshot` points
+                // into an `Arc` the thread's cache holds (see
+                // `HotSnapshot`); `_reading` keeps the cache from dropping
+                // it until `f` returns or unwinds, and the registry behind
+                // an `Arc` is never written.
+                let r = f(unsafe { &*hot.snapshot.get() });
+                #[cfg(test)]
+                assert!(
+                    held.strong_count() > 0,
+                    "a snapshot was dropped while a selection read it"
+                );
+                return r;
+            }
+            self.with_cached_snapshot(v, hot, f)
+        })
+    }
+
+    /// [`with_snapshot`](Self::with_snapshot) past the hot entry: the
+    /// thread's cache, else the current snapshot (cached for the next
+    /// selection when no reader on this thread holds the cache).
+    #[inline(never)]
+    fn with_cached_snapshot<R>(&self, v: u64, hot: &HotSnapshot, f: impl FnOnce(&WorkerRegistry) -> R) -> R {
         SNAPSHOTS.with(|cell| {
             if let Ok(cache) = cell.try_borrow() {
-                if let Some((_, _, snap)) = cache.iter().find(|(id, ver, _)| *id == self.id && *ver == v) {
+                if let Some((_, _, snap)) = cache.0.iter().find(|(id, ver, _)| *id == self.id && *ver == v) {
+                    hot.set(self.id, v, snap);
                     return f(snap);
                 }
             }
             let (ver, snap) = self.current_snapshot();
-            if let Ok(mut cache) = cell.try_borrow_mut() {
-                cache.retain(|(id, _, _)| *id != self.id);
-                if cache.len() >= CACHED_SNAPSHOTS {
-                    cache.remove(0);
+            if hot.readers.get() == 0 {
+                if let Ok(mut cache) = cell.try_borrow_mut() {
+                    hot.clear();
+                    let cache = &mut cache.0;
+                    cache.retain(|(id, _, _)| *id != self.id);
+                    if cache.len() >= CACHED_SNAPSHOTS {
+                        cache.remove(0);
+                    }
+                    cache.push((self.id, ver, snap.clone()));
+                    hot.set(self.id, ver, &snap);
                 }
-                cache.push((self.id, ver, snap.clone()));
             }
             f(&snap)
         })

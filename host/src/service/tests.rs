@@ -278,3 +278,70 @@ fn retarget_never_books_a_worker_other_than_the_one_named() {
     drop(booking);
     assert_eq!(active(1), 0);
 }
+
+/// A selection reads its thread's snapshot through a raw pointer (the hot
+/// entry). Selections nested in it (a plugin, here a hook) that move the
+/// registry on and fill the thread's cache past its size must not drop the
+/// snapshot it is reading: it still books and reports a worker of its own
+/// snapshot, though every one of them was removed meanwhile.
+#[test]
+fn a_snapshot_in_use_outlives_selections_nested_in_it() {
+    let s = Arc::new(WorkerSelectionService::new(
+        WorkerSelectionPolicy::random(),
+        ServiceConfig::default(),
+    ));
+    for id in 0..8 {
+        s.add_worker(WorkerRecord::new(id)).unwrap();
+    }
+    s.select(&SelectionRequest::new(16)).unwrap(); // the hot entry holds it
+    let others: Arc<Vec<_>> = Arc::new(
+        (0..super::snapshot::CACHED_SNAPSHOTS + 2)
+            .map(|i| {
+                let o = WorkerSelectionService::new(WorkerSelectionPolicy::random(), ServiceConfig::default());
+                o.add_worker(WorkerRecord::new(500 + i as u64)).unwrap();
+                o
+            })
+            .collect(),
+    );
+    let (nested, in_hook) = (s.clone(), others.clone());
+    let mut next = 1000;
+    hooks::set_after_rows_read(Some(Box::new(move |_| {
+        for round in 0..3 {
+            for id in nested.workers().iter().map(|w| w.worker_id).collect::<Vec<_>>() {
+                nested.remove_worker(id).unwrap();
+            }
+            for _ in 0..8 {
+                nested.add_worker(WorkerRecord::new(next)).unwrap();
+                next += 1;
+            }
+            let inner = nested.select(&SelectionRequest::new(16)).unwrap();
+            assert!(inner.worker().worker_id >= 1000, "round {round}: {}", inner.worker());
+            for (i, o) in in_hook.iter().enumerate() {
+                assert_eq!(
+                    o.select(&SelectionRequest::new(16)).unwrap().worker().worker_id,
+                    500 + i as u64
+                );
+            }
+        }
+    })));
+    let outer = s.select(&SelectionRequest::new(16));
+    hooks::set_after_rows_read(None);
+    // The outer selection's row now belongs to a worker added in the hook
+    // (or to none): its booking is refused as stale, and the general path
+    // retries on the same (old) snapshot, whose rows all refuse.
+    match outer {
+        Ok(b) => panic!("booked {} though every worker of its snapshot left", b.worker()),
+        Err(e) => assert_eq!(e, SelectionError::AllEligibleWorkersOverloaded),
+    }
+    // The next selections read the new snapshots, each service its own, with
+    // more services than the thread's cache holds taking turns.
+    for _ in 0..2 {
+        assert!(s.select(&SelectionRequest::new(16)).unwrap().worker().worker_id >= 1000);
+        for (i, o) in others.iter().enumerate() {
+            assert_eq!(
+                o.select(&SelectionRequest::new(16)).unwrap().worker().worker_id,
+                500 + i as u64
+            );
+        }
+    }
+}
