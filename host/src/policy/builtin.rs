@@ -16,7 +16,7 @@ use selkie_kernel::Rng;
 use selkie_kernel::fleet::FleetView;
 
 use super::scratch::Scratch;
-use super::{Choice, DeviceAwareConfig, Env, PolicyKind};
+use super::{Choice, DeviceAwareConfig, Draws, Env, ListDraw};
 use crate::discovery::registry::WorkerRegistry;
 use crate::error::SelectionError;
 use crate::explain::Branch;
@@ -67,26 +67,26 @@ pub(crate) fn none() -> SelectionError {
 /// The draw of random, round-robin and power-of-two from `list`, the
 /// eligible rows as a sorted list (the snapshot's ready rows): O(1), the
 /// same row the kernel's scan of the matching mask would give for the same
-/// random numbers and ticket. `None` when the policy does not draw from a
-/// list or the list is too short for it (power-of-two needs two rows, and
-/// a fleet of data-parallel workers, where it chooses by worker first).
+/// random numbers and ticket. `None` when the list is too short for the
+/// draw (power-of-two needs two rows) or the fleet has data-parallel
+/// workers (where power-of-two chooses by worker first).
 ///
 /// `advance`: take the round-robin ticket (a selection) rather than read it
 /// (a preview).
 #[inline(always)]
 pub(crate) fn draw_from_list(
-    kind: &PolicyKind,
+    draw: ListDraw,
     reg: &WorkerRegistry,
     fleet: &HostFleet,
     view: &FleetView<'_, FLEET_GROUPS>,
     list: &[u32],
     advance: bool,
-    rng: &mut Rng,
+    rng: &mut impl Draws,
 ) -> Option<(usize, Branch)> {
     let n = list.len();
-    match kind {
-        PolicyKind::Random if n != 0 => Some((list[rng.below_inlined(n as u64) as usize] as usize, Branch::Random)),
-        PolicyKind::RoundRobin if n != 0 => {
+    match draw {
+        ListDraw::Random if n != 0 => Some((list[rng.draw_below(n as u64) as usize] as usize, Branch::Random)),
+        ListDraw::RoundRobin if n != 0 => {
             let ticket = u64::from(if advance {
                 fleet.next_ticket()
             } else {
@@ -94,12 +94,12 @@ pub(crate) fn draw_from_list(
             });
             Some((list[(ticket % n as u64) as usize] as usize, Branch::RoundRobin))
         }
-        PolicyKind::PowerOfTwo if n >= 2 && !reg.traits().multi_rank => {
+        ListDraw::PowerOfTwo if n >= 2 && !reg.traits().multi_rank => {
             // The kernel's draws (Dynamo's): two distinct positions, the
             // lighter row wins, ties to the first draw.
             let active = view.active_requests();
-            let k1 = rng.below_inlined(n as u64) as usize;
-            let k2 = k1 + 1 + rng.below_inlined(n as u64 - 1) as usize;
+            let k1 = rng.draw_below(n as u64) as usize;
+            let k2 = k1 + 1 + rng.draw_below(n as u64 - 1) as usize;
             let (a, b) = (list[k1] as usize, list[if k2 >= n { k2 - n } else { k2 }] as usize);
             let row = if U32Source::value(&active, a) <= U32Source::value(&active, b) {
                 a
@@ -128,14 +128,14 @@ pub(crate) fn row_load(reg: &WorkerRegistry, view: &FleetView<'_, FLEET_GROUPS>,
 /// `env.list` when there is one, else the kernel's scan of `env.mask`.
 fn from_list_or_scan(
     env: &Env<'_>,
-    kind: &PolicyKind,
+    draw: ListDraw,
     rng: &mut Rng,
     scan: impl FnOnce(&mut Rng) -> Option<usize>,
     branch: Branch,
 ) -> Result<Choice, SelectionError> {
     let advance = !env.ctx.is_preview();
     let (n, row) = match env.list.and_then(|list| {
-        draw_from_list(kind, env.reg, env.fleet, &env.view, list, advance, rng).map(|d| (list.len(), d.0))
+        draw_from_list(draw, env.reg, env.fleet, &env.view, list, advance, rng).map(|d| (list.len(), d.0))
     }) {
         Some(d) => d,
         None => (env.candidates(), scan(rng).ok_or_else(none)?),
@@ -146,7 +146,7 @@ fn from_list_or_scan(
 pub(crate) fn random(env: &Env<'_>, _s: &mut Scratch, rng: &mut Rng) -> Result<Choice, SelectionError> {
     from_list_or_scan(
         env,
-        &PolicyKind::Random,
+        ListDraw::Random,
         rng,
         |rng| index::random(env.rows, env.mask, rng),
         Branch::Random,
@@ -157,7 +157,7 @@ pub(crate) fn round_robin(env: &Env<'_>, _s: &mut Scratch, rng: &mut Rng) -> Res
     let advance = !env.ctx.is_preview();
     from_list_or_scan(
         env,
-        &PolicyKind::RoundRobin,
+        ListDraw::RoundRobin,
         rng,
         |_| {
             let ticket = u64::from(if advance {
@@ -258,7 +258,7 @@ pub(crate) fn power_of_two(env: &Env<'_>, s: &mut Scratch, rng: &mut Rng) -> Res
     }
     if let Some((row, branch)) = env
         .list
-        .and_then(|list| draw_from_list(&PolicyKind::PowerOfTwo, env.reg, env.fleet, &env.view, list, true, rng))
+        .and_then(|list| draw_from_list(ListDraw::PowerOfTwo, env.reg, env.fleet, &env.view, list, true, rng))
     {
         return Ok(finish(env, choice(row, load_of(env, row), branch, n)));
     }

@@ -241,6 +241,68 @@ pub(crate) enum PolicyKind {
     Composed(Composed),
 }
 
+/// How a policy takes a plain request's eligible rows when they are the
+/// snapshot's ready rows (the selection's fast path): one byte to branch
+/// on, where [`PolicyKind`] carries configurations.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum ReadyRows {
+    /// It does not (direct needs a pin, a composed policy runs its own
+    /// filters): the general path runs.
+    No,
+    /// Drawn from the ready list in O(1).
+    Draw(ListDraw),
+    /// Read as the ready mask by the policy's scan.
+    Scan,
+}
+
+/// The built-in policies that draw from a list of eligible rows in O(1).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum ListDraw {
+    Random,
+    RoundRobin,
+    PowerOfTwo,
+}
+
+/// Where a list draw takes its random numbers: the request's generator,
+/// or none at all for a draw that takes none (round-robin's).
+pub(crate) trait Draws {
+    /// A uniform integer in `0..n` (`n > 0`): [`Rng::below`]'s.
+    fn draw_below(&mut self, n: u64) -> u64;
+}
+
+impl Draws for Rng {
+    #[inline(always)]
+    fn draw_below(&mut self, n: u64) -> u64 {
+        self.below_inlined(n)
+    }
+}
+
+/// The choice of random, round-robin or power-of-two (`draw`) for a
+/// request whose eligible rows are exactly `list` (the snapshot's ready
+/// rows), drawn in O(1) without a mask or the scratch, advancing the
+/// round-robin cursor: the row the policy's `choose` would give for the
+/// same random numbers. `None` when the draw needs the general path (see
+/// `builtin::draw_from_list`).
+#[cfg_attr(not(debug_assertions), inline(always))]
+pub(crate) fn draw_ready(
+    draw: ListDraw,
+    reg: &WorkerRegistry,
+    fleet: &HostFleet,
+    view: &FleetView<'_, FLEET_GROUPS>,
+    list: &[u32],
+    rng: &mut impl Draws,
+) -> Option<Choice> {
+    let (row, branch) = builtin::draw_from_list(draw, reg, fleet, view, list, true, rng)?;
+    Some(Choice {
+        row,
+        cost: builtin::row_load(reg, view, row),
+        runner_up: None,
+        branch,
+        candidates: list.len(),
+        temperature: 0.0,
+    })
+}
+
 /// One worker-selection policy: a built-in mode, or custom filters, scorers
 /// and a picker. Built once per routing partition; `Send + Sync`.
 pub struct WorkerSelectionPolicy {
@@ -509,39 +571,18 @@ impl WorkerSelectionPolicy {
         }
     }
 
-    /// Whether the policy chooses among the snapshot's ready rows as they
-    /// are (the built-in policies that need no pin): the selection's fast
-    /// path, with [`draw_ready`](Self::draw_ready) or the ready mask
-    /// itself.
-    #[inline]
-    pub(crate) fn reads_ready_rows(&self) -> bool {
-        !matches!(self.kind, PolicyKind::Direct | PolicyKind::Composed(_))
-    }
-
-    /// The choice of random, round-robin or power-of-two for a request
-    /// whose eligible rows are exactly `list` (the snapshot's ready rows),
-    /// drawn in O(1) without a mask or the scratch, advancing the
-    /// round-robin cursor: the row [`choose`](Self::choose) would give for
-    /// the same random numbers. `None` for the other policies, or when the
-    /// draw needs the general path (see `builtin::draw_from_list`).
-    #[cfg_attr(not(debug_assertions), inline(always))]
-    pub(crate) fn draw_ready(
-        &self,
-        reg: &WorkerRegistry,
-        fleet: &HostFleet,
-        view: &FleetView<'_, FLEET_GROUPS>,
-        list: &[u32],
-        rng: &mut Rng,
-    ) -> Option<Choice> {
-        let (row, branch) = builtin::draw_from_list(&self.kind, reg, fleet, view, list, true, rng)?;
-        Some(Choice {
-            row,
-            cost: builtin::row_load(reg, view, row),
-            runner_up: None,
-            branch,
-            candidates: list.len(),
-            temperature: 0.0,
-        })
+    /// How the policy takes a plain request's eligible rows when they are
+    /// the snapshot's ready rows (the selection's fast path).
+    pub(crate) fn ready_rows(&self) -> ReadyRows {
+        match self.kind {
+            PolicyKind::Direct | PolicyKind::Composed(_) => ReadyRows::No,
+            PolicyKind::Random => ReadyRows::Draw(ListDraw::Random),
+            PolicyKind::RoundRobin => ReadyRows::Draw(ListDraw::RoundRobin),
+            PolicyKind::PowerOfTwo => ReadyRows::Draw(ListDraw::PowerOfTwo),
+            PolicyKind::LeastLoaded | PolicyKind::DeviceAware(_) | PolicyKind::Kv(_) | PolicyKind::PrefixHash(_) => {
+                ReadyRows::Scan
+            }
+        }
     }
 
     /// Whether this is the direct policy, which needs a pinned request.

@@ -13,7 +13,7 @@ use std::ops::Deref;
 use selkie_kernel::fleet::Booking;
 use selkie_kernel::{mask, Rng};
 
-use super::run::refused;
+use super::run::{refused, RngSlot};
 use super::selection::{Booked, FleetHandle};
 use super::WorkerSelectionService;
 use crate::discovery::registry::WorkerRegistry;
@@ -21,7 +21,7 @@ use crate::error::SelectionError;
 use crate::explain::Route;
 use crate::plugin::WorkerSelectionContext;
 use crate::policy::scratch::with_scratch;
-use crate::policy::{Choice, Env};
+use crate::policy::{draw_ready, Choice, Env, ReadyRows};
 use crate::request::SelectionRequest;
 
 /// How the fast path ended when it booked nothing.
@@ -49,11 +49,11 @@ impl WorkerSelectionService {
         &self,
         reg: &WorkerRegistry,
         req: &SelectionRequest<'_>,
-        rng: &mut Rng,
+        rng: &mut impl RngSlot,
         handle: &impl Fn() -> H,
         out: &mut MaybeUninit<Result<Booked<H>, SelectionError>>,
     ) -> Option<Result<(), Fallback>> {
-        if !self.reads_ready_rows
+        if self.ready_rows == ReadyRows::No
             || req.pin.is_some()
             || req.session.is_some()
             || req.explain
@@ -70,9 +70,13 @@ impl WorkerSelectionService {
         #[cfg(test)]
         super::tests::hooks::after_rows_read(rows);
         let view = self.fleet.view(rows);
-        let choice = match self.policy.draw_ready(reg, &self.fleet, &view, list, rng) {
+        let drawn = match self.ready_rows {
+            ReadyRows::Draw(draw) => draw_ready(draw, reg, &self.fleet, &view, list, rng),
+            _ => None,
+        };
+        let choice = match drawn {
             Some(choice) => choice,
-            None => match self.choose_on_ready(reg, req, rng, &ready[..nw], list, rows) {
+            None => match self.choose_on_ready(reg, req, rng.rng(self), &ready[..nw], list, rows) {
                 Ok(choice) => choice,
                 Err(e) => return Some(Err(Fallback::Failed(e))),
             },

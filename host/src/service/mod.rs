@@ -50,7 +50,7 @@ use crate::filter::{eligible_rows, is_busy, Rejections};
 use crate::fleet::HostFleet;
 use crate::plugin::WorkerSelectionContext;
 use crate::policy::scratch::{with_scratch, Scratch};
-use crate::policy::{Env, WorkerSelectionPolicy};
+use crate::policy::{Env, ReadyRows, WorkerSelectionPolicy};
 use crate::request::{RowLayout, SelectionRequest};
 use crate::types::{WorkerId, WorkerWithDpRank};
 use session::SessionTable;
@@ -155,9 +155,10 @@ pub struct WorkerSelectionService {
     /// Identifies this service in the per-thread snapshot caches.
     id: u64,
     policy: WorkerSelectionPolicy,
-    /// The policy takes a plain request's eligible rows as the snapshot's
-    /// ready rows (the fast path's first check, kept here as one flag).
-    reads_ready_rows: bool,
+    /// How the policy takes a plain request's eligible rows as the
+    /// snapshot's ready rows (the fast path's first check and its draw,
+    /// kept here as one byte).
+    ready_rows: ReadyRows,
     config: ServiceConfig,
     sessions: SessionTable,
     /// The last snapshot `refresh` could not apply, retried by later
@@ -198,7 +199,7 @@ impl WorkerSelectionService {
                 .then(|| config.block_size.max(1).trailing_zeros()),
             #[cfg(feature = "nats")]
             replica: replica::ReplicaLink::new(),
-            reads_ready_rows: policy.reads_ready_rows(),
+            ready_rows: policy.ready_rows(),
             policy,
             config,
         }
@@ -419,6 +420,7 @@ impl WorkerSelectionService {
     ///
     /// The booking (request, prefill tokens, decode blocks) is released when
     /// the returned [`Selection`] is dropped.
+    #[inline]
     pub fn select<'s>(&'s self, req: &SelectionRequest<'_>) -> Result<Selection<'s>, SelectionError> {
         self.run_select(req, || self)
     }

@@ -28,7 +28,7 @@ use crate::filter::{eligible_rows, Rejections};
 use crate::fleet::FLEET_GROUPS;
 use crate::plugin::WorkerSelectionContext;
 use crate::policy::scratch::{mix, thread_rng, with_scratch, Scratch};
-use crate::policy::{Choice, Env};
+use crate::policy::{Choice, Draws, Env, ListDraw, ReadyRows};
 use crate::request::{AffinityMode, Pin, SelectionRequest};
 use crate::types::WorkerWithDpRank;
 
@@ -38,12 +38,69 @@ fn seeded_stream(seed: u64, n: u64) -> Rng {
     Rng::new(mix(seed ^ n.wrapping_mul(0x9E37_79B9_7F4A_7C15)))
 }
 
+/// A selection's generator: taken before the selection starts (an
+/// [`Rng`]), or only when a path first needs one ([`Untaken`]).
+pub(super) trait RngSlot: Draws {
+    /// The generator, taken now if it was not.
+    fn rng(&mut self, service: &WorkerSelectionService) -> &mut Rng;
+
+    /// The generator, for the general path.
+    fn into_rng(self, service: &WorkerSelectionService) -> Rng;
+
+    /// Puts a taken generator back (see `keep_rng`).
+    fn keep(self, service: &WorkerSelectionService);
+}
+
+impl RngSlot for Rng {
+    #[inline(always)]
+    fn rng(&mut self, _: &WorkerSelectionService) -> &mut Rng {
+        self
+    }
+
+    #[inline(always)]
+    fn into_rng(self, _: &WorkerSelectionService) -> Rng {
+        self
+    }
+
+    #[inline(always)]
+    fn keep(self, service: &WorkerSelectionService) {
+        service.keep_rng(self);
+    }
+}
+
+/// The generator of a round-robin selection, not taken until a path needs
+/// one: its fast path's draw takes no random numbers.
+pub(super) struct Untaken(Option<Rng>);
+
+impl Draws for Untaken {
+    fn draw_below(&mut self, _n: u64) -> u64 {
+        unreachable!("round-robin's draw takes no random numbers")
+    }
+}
+
+impl RngSlot for Untaken {
+    fn rng(&mut self, service: &WorkerSelectionService) -> &mut Rng {
+        self.0.get_or_insert_with(|| service.take_rng())
+    }
+
+    fn into_rng(self, service: &WorkerSelectionService) -> Rng {
+        self.0.unwrap_or_else(|| service.take_rng())
+    }
+
+    #[inline(always)]
+    fn keep(self, service: &WorkerSelectionService) {
+        if let Some(rng) = self.0 {
+            service.keep_rng(rng);
+        }
+    }
+}
+
 impl WorkerSelectionService {
     /// The request's generator: drawn from the service's seed and a
     /// counter when the service has a seed, else the thread's (one
     /// thread-local read; written back by [`keep_rng`](Self::keep_rng)).
     #[inline]
-    fn take_rng(&self) -> Rng {
+    pub(super) fn take_rng(&self) -> Rng {
         match self.config.seed {
             Some(seed) => seeded_stream(seed, self.seed_counter.fetch_add(1, Ordering::Relaxed)),
             None => thread_rng::take(),
@@ -76,7 +133,7 @@ impl WorkerSelectionService {
     /// A selection (`select`, `select_owned`): traced, on the thread's
     /// snapshot. Returns the booking itself, not an [`Outcome`], so the
     /// fast path's result is moved as few times as possible.
-    #[inline]
+    #[inline(always)]
     pub(super) fn run_select<H: Deref<Target = Self>>(
         &self,
         req: &SelectionRequest<'_>,
@@ -86,19 +143,35 @@ impl WorkerSelectionService {
         // (through a reference) instead of returning it through the
         // closures of `traced`, `with_snapshot` and the thread-local's
         // `with`, each of which moved it; `select_into` logs and counts
-        // its errors itself.
-        let span = self.span(false);
+        // its errors itself. With debug logging on, the selection runs in
+        // its span, out of line: an `Option` of the span held across the
+        // selection, even `None`, cost `host_random` 13 instructions.
         let mut out = MaybeUninit::uninit();
-        let Written(()) = self.with_snapshot(|reg| self.select_into(reg, req, &handle, &mut out));
-        if let Some(span) = span {
-            drop(span);
-        }
-        // SAFETY: `out` is initialized: `with_snapshot` returned a
-        // `Written`, which (generic over its closure's result) it can only
-        // have got by calling the closure, and `select_into` makes one only
-        // after writing `out` (a panic before unwinds past this read). The
-        // result is moved out once, straight into the return value.
+        let Written(()) = if tracing::level_enabled!(tracing::Level::DEBUG) {
+            self.select_in_span(req, &handle, &mut out)
+        } else {
+            self.with_snapshot(|reg| self.select_into(reg, req, &handle, &mut out))
+        };
+        // SAFETY: `out` is initialized: either way a `Written` came back
+        // from `with_snapshot`, which (generic over its closure's result)
+        // can only have got it by calling the closure, and `select_into`
+        // makes one only after writing `out` (a panic before unwinds past
+        // this read). The result is moved out once, straight into the
+        // return value.
         unsafe { out.assume_init() }
+    }
+
+    /// [`run_select`](Self::run_select)'s selection in a debug span.
+    #[cold]
+    #[inline(never)]
+    fn select_in_span<H: Deref<Target = Self>>(
+        &self,
+        req: &SelectionRequest<'_>,
+        handle: &impl Fn() -> H,
+        out: &mut MaybeUninit<Result<Booked<H>, SelectionError>>,
+    ) -> Written {
+        let _span = self.span(false);
+        self.with_snapshot(|reg| self.select_into(reg, req, handle, out))
     }
 
     /// One selection on the thread's snapshot, its result written into
@@ -120,14 +193,32 @@ impl WorkerSelectionService {
             out.write(Err(e));
             return Written(());
         }
-        let mut rng = self.take_rng();
+        match self.ready_rows {
+            // Round-robin's fast path draws no random numbers: its
+            // generator is taken only if the general path runs.
+            ReadyRows::Draw(ListDraw::RoundRobin) => self.select_taking(reg, req, handle, out, Untaken(None)),
+            _ => self.select_taking(reg, req, handle, out, self.take_rng()),
+        }
+    }
+
+    /// [`select_into`](Self::select_into) past its checks, with the
+    /// request's generator in `rng`.
+    #[inline(always)]
+    fn select_taking<H: Deref<Target = Self>>(
+        &self,
+        reg: &WorkerRegistry,
+        req: &SelectionRequest<'_>,
+        handle: &impl Fn() -> H,
+        out: &mut MaybeUninit<Result<Booked<H>, SelectionError>>,
+        mut rng: impl RngSlot,
+    ) -> Written {
         let skip = match self.select_ready(reg, req, &mut rng, handle, out) {
             Some(Ok(())) => {
-                self.keep_rng(rng);
+                rng.keep(self);
                 return Written(());
             }
             Some(Err(Fallback::Failed(e))) => {
-                self.keep_rng(rng);
+                rng.keep(self);
                 self.failed(&e);
                 out.write(Err(e));
                 return Written(());
@@ -135,7 +226,7 @@ impl WorkerSelectionService {
             Some(Err(Fallback::Refused(row))) => Some(row),
             None => None,
         };
-        let r = self.select_general(reg, req, handle, rng, skip);
+        let r = self.select_general(reg, req, handle, rng.into_rng(self), skip);
         if let Err(e) = &r {
             self.failed(e);
         }
@@ -609,8 +700,9 @@ fn cached_tokens(overlaps: &[crate::WorkerOverlap], worker: WorkerWithDpRank) ->
     hit.map_or(0, |o| o.cached_tokens as usize)
 }
 
-/// Made only by [`select_into`](WorkerSelectionService::select_into), after
-/// it wrote its result (the field is private to this module).
+/// Made only by [`select_into`](WorkerSelectionService::select_into) (and
+/// `select_taking`, the rest of its body), after it wrote its result (the
+/// field is private to this module).
 struct Written(());
 
 pub(super) enum Outcome<H: Deref<Target = WorkerSelectionService>> {
