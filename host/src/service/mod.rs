@@ -168,9 +168,10 @@ pub struct WorkerSelectionService {
     refused: Mutex<Option<(u64, Vec<WorkerRecord>)>>,
     seed_counter: AtomicU64,
     /// `log2` of the block size (`max(1)`, as
-    /// [`SelectionRequest::request_blocks`] takes it) when it is a power
-    /// of two: a booking's blocks are then a shift, not a division.
-    block_shift: Option<u32>,
+    /// [`SelectionRequest::request_blocks`] takes it) and the mask of a
+    /// block's tokens, when it is a power of two: a booking's blocks are
+    /// then a shift, not a division.
+    block_shift: Option<(u32, u64)>,
     selections: Counter,
     rejections: Rejections,
     /// Booking sync with other router replicas (feature `nats`).
@@ -192,11 +193,10 @@ impl WorkerSelectionService {
             sessions: SessionTable::new(config.session_idle_timeout, config.max_sessions),
             refused: Mutex::new(None),
             seed_counter: AtomicU64::new(0),
-            block_shift: config
-                .block_size
-                .max(1)
-                .is_power_of_two()
-                .then(|| config.block_size.max(1).trailing_zeros()),
+            block_shift: config.block_size.max(1).is_power_of_two().then(|| {
+                let size = config.block_size.max(1);
+                (size.trailing_zeros(), size as u64 - 1)
+            }),
             #[cfg(feature = "nats")]
             replica: replica::ReplicaLink::new(),
             ready_rows: policy.ready_rows(),

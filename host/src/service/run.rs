@@ -337,9 +337,9 @@ impl WorkerSelectionService {
     #[inline(always)]
     fn request_blocks(&self, req: &SelectionRequest<'_>) -> u64 {
         match self.block_shift {
-            Some(shift) => {
+            Some((shift, mask)) => {
                 let tokens = req.isl_tokens as u64;
-                (tokens >> shift) + u64::from(tokens & ((1u64 << shift) - 1) != 0)
+                (tokens >> shift) + u64::from(tokens & mask != 0)
             }
             None => req.request_blocks(self.config.block_size),
         }
