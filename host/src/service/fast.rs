@@ -64,9 +64,8 @@ impl WorkerSelectionService {
         {
             return None;
         }
-        let (ready, list) = reg.ready_rows();
+        let (_, list) = reg.ready_rows();
         let rows = reg.scan_rows();
-        let nw = mask::words_for(rows);
         #[cfg(test)]
         super::tests::hooks::after_rows_read(rows);
         let view = self.fleet.view(rows);
@@ -76,7 +75,7 @@ impl WorkerSelectionService {
         };
         let choice = match drawn {
             Some(choice) => choice,
-            None => match self.choose_on_ready(reg, req, rng.rng(self), &ready[..nw], list, rows) {
+            None => match self.choose_on_ready(reg, req, rng.rng(self), list, rows) {
                 Ok(choice) => choice,
                 Err(e) => return Some(Err(Fallback::Failed(e))),
             },
@@ -97,18 +96,19 @@ impl WorkerSelectionService {
     }
 
     /// The fast path's choice for the policies that scan: the policy reads
-    /// the snapshot's ready mask `ready` (and list) as the eligible rows.
-    /// Out of line, so the O(1) draws stay short.
+    /// the snapshot's ready mask (and list) as the eligible rows. Out of
+    /// line, and the mask's words taken here, so the O(1) draws stay
+    /// short.
     #[inline(never)]
     fn choose_on_ready(
         &self,
         reg: &WorkerRegistry,
         req: &SelectionRequest<'_>,
         rng: &mut Rng,
-        ready: &[u64],
         list: &[u32],
         rows: usize,
     ) -> Result<Choice, SelectionError> {
+        let ready = &reg.ready_rows().0[..mask::words_for(rows)];
         let ctx = WorkerSelectionContext {
             request: req,
             block_size: self.config.block_size,
