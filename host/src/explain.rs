@@ -123,7 +123,7 @@ pub(crate) struct Why {
     pub(crate) branch: Branch,
     pub(crate) cost: f64,
     pub(crate) runner_up: Option<(WorkerWithDpRank, f64)>,
-    /// Saturated at `u32::MAX` (a fleet has far fewer rows).
+    /// At most the fleet's capacity (16,384 rows).
     pub(crate) candidates: u32,
     pub(crate) temperature: f64,
 }

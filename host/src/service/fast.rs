@@ -7,13 +7,12 @@
 //! the same random numbers, and hands a refused booking back to it. It
 //! must not filter, rescan or build an explanation's runner-up.
 
-use std::mem::MaybeUninit;
 use std::ops::Deref;
 
 use selkie_kernel::fleet::Booking;
 use selkie_kernel::{mask, Rng};
 
-use super::run::{refused, RngSlot};
+use super::run::{refused, Plan, RngSlot};
 use super::selection::{Booked, FleetHandle};
 use super::WorkerSelectionService;
 use crate::discovery::registry::WorkerRegistry;
@@ -40,28 +39,20 @@ impl WorkerSelectionService {
     /// threshold). Random, round-robin and power-of-two draw from the ready
     /// rows in O(1); the other policies read the snapshot's ready mask as
     /// it is (no copy). The row is booked directly: the same row, from the
-    /// same random numbers, as the general path, and the selection is
-    /// written into `out` in place (`Some(Ok(()))`).
+    /// same random numbers, as the general path (`Some(Ok(..))`).
     ///
     /// `None`: not such a request (the general path runs).
-    #[inline]
+    #[inline(always)]
     pub(super) fn select_ready<H: Deref<Target = Self>>(
         &self,
         reg: &WorkerRegistry,
         req: &SelectionRequest<'_>,
+        plan: Plan,
         rng: &mut impl RngSlot,
         handle: &impl Fn() -> H,
-        out: &mut MaybeUninit<Result<Booked<H>, SelectionError>>,
-    ) -> Option<Result<(), Fallback>> {
-        if self.ready_rows == ReadyRows::No
-            || req.pin.is_some()
-            || req.session.is_some()
-            || req.explain
-            || req.allowed_worker_ids.is_some()
-            || !req.required_taints.is_empty()
-            || req.lora.is_some()
-            || !reg.ready_exact()
-        {
+        traced: bool,
+    ) -> Option<Result<Booked<H>, Fallback>> {
+        if !plan.ready || !reg.ready_exact() {
             return None;
         }
         let (_, list) = reg.ready_rows();
@@ -81,13 +72,12 @@ impl WorkerSelectionService {
             },
         };
         let meta = reg.row(choice.row)?;
-        let load = self.book_load(req, choice.row, meta.worker());
+        let load = match plan.load {
+            Some(load) => load,
+            None => self.book_row_load(req, choice.row, meta.worker()),
+        };
         match Booking::new_for_slot(FleetHandle(handle()), meta.handle.slot, load) {
-            Ok(booking) => {
-                // Written in place: the booking is not staged and copied.
-                out.write(Ok(self.booked(req, booking, &choice, None, meta, Route::Policy, None)));
-                Some(Ok(()))
-            }
+            Ok(booking) => Some(Ok(self.booked(booking, &choice, None, meta, Route::Policy, traced))),
             Err(e) => {
                 refused(&self.rejections, &e);
                 Some(Err(Fallback::Refused(choice.row)))

@@ -167,6 +167,9 @@ pub struct WorkerSelectionService {
     /// the workers drops it.
     refused: Mutex<Option<(u64, Vec<WorkerRecord>)>>,
     seed_counter: AtomicU64,
+    /// The seed mixed once, for the streams of a seeded service
+    /// (`config.seed`).
+    seed_base: Option<u64>,
     /// `log2` of the block size (`max(1)`, as
     /// [`SelectionRequest::request_blocks`] takes it) and the mask of a
     /// block's tokens, when it is a power of two: a booking's blocks are
@@ -193,6 +196,7 @@ impl WorkerSelectionService {
             sessions: SessionTable::new(config.session_idle_timeout, config.max_sessions),
             refused: Mutex::new(None),
             seed_counter: AtomicU64::new(0),
+            seed_base: config.seed.map(run::seed_base),
             block_shift: config.block_size.max(1).is_power_of_two().then(|| {
                 let size = config.block_size.max(1);
                 (size.trailing_zeros(), size as u64 - 1)

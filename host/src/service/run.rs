@@ -9,7 +9,6 @@
 //! Runs on the thread's registry snapshot and scratch; allocates nothing
 //! with the built-in policies once the thread is warm.
 
-use std::mem::MaybeUninit;
 use std::ops::Deref;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
@@ -32,10 +31,23 @@ use crate::policy::{Choice, Draws, Env, ListDraw, ReadyRows};
 use crate::request::{AffinityMode, Pin, SelectionRequest};
 use crate::types::WorkerWithDpRank;
 
-/// The generator of the `n`-th selection of a service seeded with `seed`.
-#[inline]
-fn seeded_stream(seed: u64, n: u64) -> Rng {
-    Rng::new(mix(seed ^ n.wrapping_mul(0x9E37_79B9_7F4A_7C15)))
+/// The generator of the `n`-th selection of a service whose seed mixed
+/// is `base` (`seed_base`): SplitMix64 streams `n * STREAM_STEP` apart.
+/// With this step, two selections fewer than 2^48 apart never reach a
+/// common generator state within 10,000 draws of each other (the test
+/// `seeded_streams_stay_apart`).
+#[inline(always)]
+fn seeded_stream(base: u64, n: u64) -> Rng {
+    Rng::new(base.wrapping_add(n.wrapping_mul(STREAM_STEP)))
+}
+
+/// How far apart the generator states of consecutive selections of a
+/// seeded service start.
+const STREAM_STEP: u64 = 0xD1B5_4A32_D192_ED03;
+
+/// The base of a seeded service's streams: its seed, mixed once.
+pub(super) fn seed_base(seed: u64) -> u64 {
+    mix(seed)
 }
 
 /// A selection's generator: taken before the selection starts (an
@@ -101,8 +113,8 @@ impl WorkerSelectionService {
     /// thread-local read; written back by [`keep_rng`](Self::keep_rng)).
     #[inline]
     pub(super) fn take_rng(&self) -> Rng {
-        match self.config.seed {
-            Some(seed) => seeded_stream(seed, self.seed_counter.fetch_add(1, Ordering::Relaxed)),
+        match self.seed_base {
+            Some(base) => seeded_stream(base, self.seed_counter.fetch_add(1, Ordering::Relaxed)),
             None => thread_rng::take(),
         }
     }
@@ -111,8 +123,8 @@ impl WorkerSelectionService {
     /// where it is: a preview draws what that selection will draw (unless
     /// another selection comes first) and advances nothing.
     fn preview_rng(&self) -> Rng {
-        match self.config.seed {
-            Some(seed) => seeded_stream(seed, self.seed_counter.load(Ordering::Relaxed)),
+        match self.seed_base {
+            Some(base) => seeded_stream(base, self.seed_counter.load(Ordering::Relaxed)),
             None => {
                 let rng = thread_rng::take();
                 thread_rng::put(rng.clone());
@@ -125,40 +137,46 @@ impl WorkerSelectionService {
     /// services).
     #[inline]
     fn keep_rng(&self, rng: Rng) {
-        if self.config.seed.is_none() {
+        if self.seed_base.is_none() {
             thread_rng::put(rng);
         }
     }
 
     /// A selection (`select`, `select_owned`): traced, on the thread's
-    /// snapshot. Returns the booking itself, not an [`Outcome`], so the
-    /// fast path's result is moved as few times as possible.
+    /// snapshot. Returns the booking itself, not an [`Outcome`].
+    ///
+    /// With the thread's snapshot in its hot entry (every selection but
+    /// the first after a change of the workers), the whole fast path
+    /// inlines into the caller and the selection is returned by value: no
+    /// closure, no frame of its own. Errors are logged and counted where
+    /// they arise. With debug logging on, the selection runs in its span,
+    /// out of line: an `Option` of the span held across the selection,
+    /// even `None`, cost `host_random` 13 instructions.
     #[inline(always)]
     pub(super) fn run_select<H: Deref<Target = Self>>(
         &self,
         req: &SelectionRequest<'_>,
         handle: impl Fn() -> H,
     ) -> Result<Booked<H>, SelectionError> {
-        // As `traced`, but the selection writes its result into `out`
-        // (through a reference) instead of returning it through the
-        // closures of `traced`, `with_snapshot` and the thread-local's
-        // `with`, each of which moved it; `select_into` logs and counts
-        // its errors itself. With debug logging on, the selection runs in
-        // its span, out of line: an `Option` of the span held across the
-        // selection, even `None`, cost `host_random` 13 instructions.
-        let mut out = MaybeUninit::uninit();
-        let Written(()) = if tracing::level_enabled!(tracing::Level::DEBUG) {
-            self.select_in_span(req, &handle, &mut out)
+        // What the selection needs of the request alone is worked out
+        // before the registry's version is read: that load (`Acquire`) is
+        // a barrier to the compiler, which ahead of it can still use what
+        // it knows of a request built just before the call.
+        if tracing::level_enabled!(tracing::Level::DEBUG) {
+            return self.select_in_span(req, &handle);
+        }
+        if let Err(e) = self.check_basics(req) {
+            self.failed(&e);
+            return Err(e);
+        }
+        let plan = self.plan(req);
+        if let Some(hot) = self.hot_snapshot() {
+            // The selection in the caller's code, on the hot entry's
+            // snapshot; the way past it out of line.
+            self.select_on_snapshot(hot.registry(), req, &handle, plan, false)
         } else {
-            self.with_snapshot(|reg| self.select_into(reg, req, &handle, &mut out))
-        };
-        // SAFETY: `out` is initialized: either way a `Written` came back
-        // from `with_snapshot`, which (generic over its closure's result)
-        // can only have got it by calling the closure, and `select_into`
-        // makes one only after writing `out` (a panic before unwinds past
-        // this read). The result is moved out once, straight into the
-        // return value.
-        unsafe { out.assume_init() }
+            self.with_reloaded_snapshot(move |reg| self.select_on_snapshot(reg, req, &handle, plan, false))
+        }
     }
 
     /// [`run_select`](Self::run_select)'s selection in a debug span.
@@ -168,40 +186,42 @@ impl WorkerSelectionService {
         &self,
         req: &SelectionRequest<'_>,
         handle: &impl Fn() -> H,
-        out: &mut MaybeUninit<Result<Booked<H>, SelectionError>>,
-    ) -> Written {
+    ) -> Result<Booked<H>, SelectionError> {
         let _span = self.span(false);
-        self.with_snapshot(|reg| self.select_into(reg, req, handle, out))
+        if let Err(e) = self.check_basics(req) {
+            self.failed(&e);
+            return Err(e);
+        }
+        let plan = self.plan(req);
+        self.with_snapshot(|reg| self.select_on_snapshot(reg, req, handle, plan, true))
     }
 
-    /// One selection on the thread's snapshot, its result written into
-    /// `out` ([`Written`] says it was) and an error logged and counted
-    /// (`failed`): the fast path of a plain request,
-    /// else (or after its refused booking) the general path on the
-    /// thread's scratch. Each way writes `out` itself, so the fast path's
-    /// booking goes there straight from the registers that built it.
-    #[inline(never)]
-    fn select_into<H: Deref<Target = Self>>(
+    /// One selection on the thread's snapshot of a request that passed
+    /// `check_basics` (`plan`: what was worked out before), an
+    /// error logged and counted (`failed`): the fast path of a plain
+    /// request, else (or after its refused booking) the general path on
+    /// the thread's scratch. `traced`: the caller runs it in a debug span
+    /// (the "selected" event is then logged; without the span debug
+    /// logging was off when the selection started, and the event's level
+    /// check is skipped).
+    #[inline(always)]
+    fn select_on_snapshot<H: Deref<Target = Self>>(
         &self,
         reg: &WorkerRegistry,
         req: &SelectionRequest<'_>,
         handle: &impl Fn() -> H,
-        out: &mut MaybeUninit<Result<Booked<H>, SelectionError>>,
-    ) -> Written {
-        if let Err(e) = self.check_basics(req) {
-            self.failed(&e);
-            out.write(Err(e));
-            return Written(());
-        }
+        plan: Plan,
+        traced: bool,
+    ) -> Result<Booked<H>, SelectionError> {
         match self.ready_rows {
             // Round-robin's fast path draws no random numbers: its
             // generator is taken only if the general path runs.
-            ReadyRows::Draw(ListDraw::RoundRobin) => self.select_taking(reg, req, handle, out, Untaken(None)),
-            _ => self.select_taking(reg, req, handle, out, self.take_rng()),
+            ReadyRows::Draw(ListDraw::RoundRobin) => self.select_taking(reg, req, handle, plan, Untaken(None), traced),
+            _ => self.select_taking(reg, req, handle, plan, self.take_rng(), traced),
         }
     }
 
-    /// [`select_into`](Self::select_into) past its checks, with the
+    /// [`select_on_snapshot`](Self::select_on_snapshot) with the
     /// request's generator in `rng`.
     #[inline(always)]
     fn select_taking<H: Deref<Target = Self>>(
@@ -209,19 +229,19 @@ impl WorkerSelectionService {
         reg: &WorkerRegistry,
         req: &SelectionRequest<'_>,
         handle: &impl Fn() -> H,
-        out: &mut MaybeUninit<Result<Booked<H>, SelectionError>>,
+        plan: Plan,
         mut rng: impl RngSlot,
-    ) -> Written {
-        let skip = match self.select_ready(reg, req, &mut rng, handle, out) {
-            Some(Ok(())) => {
+        traced: bool,
+    ) -> Result<Booked<H>, SelectionError> {
+        let skip = match self.select_ready(reg, req, plan, &mut rng, handle, traced) {
+            Some(Ok(booked)) => {
                 rng.keep(self);
-                return Written(());
+                return Ok(booked);
             }
             Some(Err(Fallback::Failed(e))) => {
                 rng.keep(self);
                 self.failed(&e);
-                out.write(Err(e));
-                return Written(());
+                return Err(e);
             }
             Some(Err(Fallback::Refused(row))) => Some(row),
             None => None,
@@ -230,8 +250,7 @@ impl WorkerSelectionService {
         if let Err(e) = &r {
             self.failed(e);
         }
-        out.write(r);
-        Written(())
+        r
     }
 
     /// A preview (`peek`): traced, on the thread's snapshot.
@@ -282,6 +301,22 @@ impl WorkerSelectionService {
         metrics::counter!("selkie_selection_errors_total", "reason" => e.reason()).increment(1);
     }
 
+    /// What a selection of `req` can work out before it reads the
+    /// registry (see [`Plan`]).
+    #[inline(always)]
+    fn plan(&self, req: &SelectionRequest<'_>) -> Plan {
+        Plan {
+            ready: self.ready_rows != ReadyRows::No
+                && req.pin.is_none()
+                && req.session.is_none()
+                && !req.explain
+                && req.allowed_worker_ids.is_none()
+                && req.required_taints.is_empty()
+                && req.lora.is_none(),
+            load: self.uniform_load(req),
+        }
+    }
+
     /// What every selection checks first.
     #[inline(always)]
     fn check_basics(&self, req: &SelectionRequest<'_>) -> Result<(), SelectionError> {
@@ -319,17 +354,27 @@ impl WorkerSelectionService {
     /// the cached ones when the request tracks them.
     #[cfg_attr(not(debug_assertions), inline(always))]
     pub(super) fn book_load(&self, req: &SelectionRequest<'_>, row: usize, worker: WorkerWithDpRank) -> BookLoad {
-        // A request without per-rank inputs or overlaps books the same
-        // load on every row (inline); the others look theirs up.
-        if req.rank_inputs.is_none() && req.row_overlaps.is_none() && req.overlaps.is_empty() {
-            let request_blocks = u32::try_from(self.request_blocks(req)).unwrap_or(u32::MAX);
-            let prefill = if req.track_prefill_tokens { req.isl_tokens } else { 0 };
-            return BookLoad {
-                prefill_tokens: u32::try_from(prefill).unwrap_or(u32::MAX),
-                decode_blocks: request_blocks,
-            };
+        match self.uniform_load(req) {
+            Some(load) => load,
+            None => self.book_row_load(req, row, worker),
         }
-        self.book_row_load(req, row, worker)
+    }
+
+    /// The load a booking of `req` carries on every row alike, when it has
+    /// no per-rank inputs or overlaps (`None`: the row's own, from
+    /// `book_row_load`). Reads the request only, so a selection works it
+    /// out before it reads the registry.
+    #[inline(always)]
+    pub(super) fn uniform_load(&self, req: &SelectionRequest<'_>) -> Option<BookLoad> {
+        if req.rank_inputs.is_some() || req.row_overlaps.is_some() || !req.overlaps.is_empty() {
+            return None;
+        }
+        let request_blocks = u32::try_from(self.request_blocks(req)).unwrap_or(u32::MAX);
+        let prefill = if req.track_prefill_tokens { req.isl_tokens } else { 0 };
+        Some(BookLoad {
+            prefill_tokens: u32::try_from(prefill).unwrap_or(u32::MAX),
+            decode_blocks: request_blocks,
+        })
     }
 
     /// [`SelectionRequest::request_blocks`] at the service's block size: a
@@ -348,7 +393,7 @@ impl WorkerSelectionService {
     /// [`book_load`](Self::book_load) of a request with per-rank inputs or
     /// overlaps.
     #[inline(never)]
-    fn book_row_load(&self, req: &SelectionRequest<'_>, row: usize, worker: WorkerWithDpRank) -> BookLoad {
+    pub(super) fn book_row_load(&self, req: &SelectionRequest<'_>, row: usize, worker: WorkerWithDpRank) -> BookLoad {
         let request_blocks = u32::try_from(req.request_blocks(self.config.block_size)).unwrap_or(u32::MAX);
         let decode_blocks = match req.rank_inputs {
             Some(r) => r.added_blocks.on(worker, request_blocks),
@@ -370,31 +415,29 @@ impl WorkerSelectionService {
         }
     }
 
-    /// A booking made: counts it, binds the session, and wraps it.
-    #[allow(clippy::too_many_arguments)]
+    /// A booking made: counts it and wraps it (the general path binds the
+    /// request's session; a request on the fast path has none).
     #[inline(always)]
     pub(super) fn booked<H: Deref<Target = Self>>(
         &self,
-        req: &SelectionRequest<'_>,
         booking: Booking<FleetHandle<H>, FLEET_GROUPS>,
         choice: &Choice,
         runner_up: Option<(WorkerWithDpRank, f64)>,
         meta: &RowMeta,
         route: Route,
-        now: Option<Instant>,
+        traced: bool,
     ) -> Booked<H> {
         let worker = meta.worker();
         meta.entry.selections.increment(1);
         self.selections.increment(1);
-        if let Some(sess) = req.session {
-            self.sessions.bind(sess.id, worker, now.unwrap_or_else(Instant::now));
+        if traced {
+            tracing::debug!(
+                worker = %worker,
+                cost = choice.cost,
+                branch = choice.branch.as_str(),
+                "selected"
+            );
         }
-        tracing::debug!(
-            worker = %worker,
-            cost = choice.cost,
-            branch = choice.branch.as_str(),
-            "selected"
-        );
         Booked {
             booking,
             worker,
@@ -637,8 +680,12 @@ impl WorkerSelectionService {
         match (booked, picked) {
             (Ok(booking), Some((choice, meta))) => {
                 let runner_up = runner_up(&choice);
+                if let Some(sess) = req.session {
+                    self.sessions
+                        .bind(sess.id, meta.worker(), now.unwrap_or_else(Instant::now));
+                }
                 Ok(Outcome::Booked(
-                    self.booked(req, booking, &choice, runner_up, meta, route, now),
+                    self.booked(booking, &choice, runner_up, meta, route, true),
                 ))
             }
             (booked, _) => {
@@ -660,12 +707,14 @@ pub(super) fn refused(rejections: &Rejections, e: &BookError) {
 /// The explanation's parts a booking keeps (see [`Why`]).
 #[inline(always)]
 fn why(choice: &Choice, runner_up: Option<(WorkerWithDpRank, f64)>, route: Route) -> Why {
+    debug_assert!(choice.candidates <= crate::fleet::HostFleet::CAPACITY);
     Why {
         route,
         branch: choice.branch,
         cost: choice.cost,
         runner_up,
-        candidates: u32::try_from(choice.candidates).unwrap_or(u32::MAX),
+        // Rows the policy chose from: at most the fleet's 16,384.
+        candidates: choice.candidates as u32,
         temperature: choice.temperature,
     }
 }
@@ -700,12 +749,53 @@ fn cached_tokens(overlaps: &[crate::WorkerOverlap], worker: WorkerWithDpRank) ->
     hit.map_or(0, |o| o.cached_tokens as usize)
 }
 
-/// Made only by [`select_into`](WorkerSelectionService::select_into) (and
-/// `select_taking`, the rest of its body), after it wrote its result (the
-/// field is private to this module).
-struct Written(());
+/// What a selection can work out before it reads the registry: from its
+/// request, and from the service's policy.
+#[derive(Clone, Copy)]
+pub(super) struct Plan {
+    /// A plain request (no pin, session, constraint or explanation) under
+    /// a policy that reads ready rows: the fast path may take it, if the
+    /// snapshot's ready rows are exactly its live rows.
+    pub(super) ready: bool,
+    /// The load it books on every row alike ([`uniform_load`]).
+    ///
+    /// [`uniform_load`]: WorkerSelectionService::uniform_load
+    pub(super) load: Option<BookLoad>,
+}
 
 pub(super) enum Outcome<H: Deref<Target = WorkerSelectionService>> {
     Booked(Booked<H>),
     Previewed(Preview),
+}
+
+#[cfg(test)]
+mod stream_tests {
+    use super::STREAM_STEP;
+
+    /// SplitMix64's increment (`Rng::next_u64` adds it before each draw).
+    const GAMMA: u64 = 0x9E37_79B9_7F4A_7C15;
+
+    /// The inverse of an odd `x` modulo 2^64 (Newton's iteration).
+    fn inverse(x: u64) -> u64 {
+        let mut y = x;
+        for _ in 0..6 {
+            y = y.wrapping_mul(2u64.wrapping_sub(x.wrapping_mul(y)));
+        }
+        assert_eq!(x.wrapping_mul(y), 1);
+        y
+    }
+
+    /// Selection `n + d` draws, at its `k + e`-th draw, the state selection
+    /// `n` reaches at its `k`-th exactly when `d * STEP == -e * GAMMA`
+    /// (mod 2^64): for every `e` up to 10,000 the `d` that does so is at
+    /// least 2^48 away from 0.
+    #[test]
+    fn seeded_streams_stay_apart() {
+        let step_inverse = inverse(STREAM_STEP);
+        for e in 1..=10_000u64 {
+            let d = e.wrapping_mul(GAMMA).wrapping_mul(step_inverse);
+            let distance = d.min(d.wrapping_neg());
+            assert!(distance >= 1 << 48, "draw offset {e}: streams {distance} apart meet");
+        }
+    }
 }

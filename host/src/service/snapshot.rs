@@ -67,20 +67,39 @@ fn held_weakly(snapshot: *const WorkerRegistry) -> std::sync::Weak<WorkerRegistr
     Arc::downgrade(&arc)
 }
 
-/// One reader of the hot entry (released on drop, also when the reader
-/// panics).
-struct Reading<'a>(&'a Cell<usize>);
+/// A read of the thread's snapshot through its hot entry, counted among
+/// the entry's readers until dropped (also when the reader panics): while
+/// it lives the thread's cache keeps the snapshot. Not `Send` (the raw
+/// pointer sees to it): the count it undoes is its thread's.
+pub(super) struct HotRead {
+    snapshot: *const WorkerRegistry,
+    #[cfg(test)]
+    held: std::sync::Weak<WorkerRegistry>,
+}
 
-impl<'a> Reading<'a> {
-    fn enter(readers: &'a Cell<usize>) -> Self {
-        readers.set(readers.get() + 1);
-        Reading(readers)
+impl HotRead {
+    /// The snapshot.
+    #[inline(always)]
+    pub(super) fn registry(&self) -> &WorkerRegistry {
+        // SAFETY: `snapshot` was the hot entry's, for this service's
+        // current version, so it points into an `Arc` the thread's cache
+        // holds (see `HotSnapshot`); this read is counted among the
+        // entry's readers until it is dropped, which keeps the cache from
+        // dropping that `Arc`, and the registry behind an `Arc` is never
+        // written. The borrow cannot outlive `self`.
+        unsafe { &*self.snapshot }
     }
 }
 
-impl Drop for Reading<'_> {
+impl Drop for HotRead {
+    #[inline(always)]
     fn drop(&mut self) {
-        self.0.set(self.0.get() - 1);
+        #[cfg(test)]
+        assert!(
+            self.held.strong_count() > 0,
+            "a snapshot was dropped while a selection read it"
+        );
+        HOT.with(|hot| hot.readers.set(hot.readers.get() - 1));
     }
 }
 
@@ -136,29 +155,41 @@ impl WorkerSelectionService {
     /// Runs `f` with this thread's snapshot of the registry, reloading it if
     /// the registry changed. The fast path reads one atomic and the
     /// thread's hot entry, and touches no shared reference count.
-    #[inline]
+    #[inline(always)]
     pub(super) fn with_snapshot<R>(&self, f: impl FnOnce(&WorkerRegistry) -> R) -> R {
+        match self.hot_snapshot() {
+            Some(hot) => f(hot.registry()),
+            None => self.with_reloaded_snapshot(f),
+        }
+    }
+
+    /// The thread's snapshot through its hot entry, if that holds this
+    /// service's current one. The entry is read, and its reader counted,
+    /// in one short access of the thread-local: the caller then reads
+    /// the snapshot in its own code (a selection inlines into its caller).
+    #[inline(always)]
+    pub(super) fn hot_snapshot(&self) -> Option<HotRead> {
         let v = self.version.load(Ordering::Acquire);
         HOT.with(|hot| {
-            if hot.id.get() == self.id && hot.version.get() == v {
-                let _reading = Reading::enter(&hot.readers);
-                #[cfg(test)]
-                let held = held_weakly(hot.snapshot.get());
-                // SAFETY: the hot entry is not empty, so `snapshot` points
-                // into an `Arc` the thread's cache holds (see
-                // `HotSnapshot`); `_reading` keeps the cache from dropping
-                // it until `f` returns or unwinds, and the registry behind
-                // an `Arc` is never written.
-                let r = f(unsafe { &*hot.snapshot.get() });
-                #[cfg(test)]
-                assert!(
-                    held.strong_count() > 0,
-                    "a snapshot was dropped while a selection read it"
-                );
-                return r;
+            if hot.id.get() != self.id || hot.version.get() != v {
+                return None;
             }
-            self.with_cached_snapshot(v, hot, f)
+            hot.readers.set(hot.readers.get() + 1);
+            let snapshot = hot.snapshot.get();
+            Some(HotRead {
+                #[cfg(test)]
+                held: held_weakly(snapshot),
+                snapshot,
+            })
         })
+    }
+
+    /// [`with_snapshot`](Self::with_snapshot) when the hot entry does not
+    /// hold the current snapshot: the thread's cache, else a new one.
+    #[inline(never)]
+    pub(super) fn with_reloaded_snapshot<R>(&self, f: impl FnOnce(&WorkerRegistry) -> R) -> R {
+        let v = self.version.load(Ordering::Acquire);
+        HOT.with(|hot| self.with_cached_snapshot(v, hot, f))
     }
 
     /// [`with_snapshot`](Self::with_snapshot) past the hot entry: the
