@@ -172,7 +172,9 @@ impl WorkerSelectionService {
         let plan = self.plan(req);
         if let Some(hot) = self.hot_snapshot() {
             // The selection in the caller's code, on the hot entry's
-            // snapshot; the way past it out of line.
+            // snapshot; the way past it out of line. (Not `with_snapshot`,
+            // which does the same: its closure, called at both of its
+            // sites, is compiled out of line, a frame of its own.)
             self.select_on_snapshot(hot.registry(), req, &handle, plan, false)
         } else {
             self.with_reloaded_snapshot(move |reg| self.select_on_snapshot(reg, req, &handle, plan, false))
