@@ -23,7 +23,11 @@
 //! * `service_MODE(n)` (`service_random`, ..., `service_prefix_hash`, `service_kv_t0`,
 //!   `service_kv_t07`, `service_kv_keyed_t0`): a `WorkerSelectionService`
 //!   with that built-in policy ([`HostFixture`]); the measured call is
-//!   `select` + drop of the booking. The `kv` cases send row-indexed
+//!   `select` + drop of the booking. The modes whose request is plain
+//!   (random, round-robin, least-loaded, power-of-two, device-aware) send
+//!   `SelectionRequest::new(2048)` built in the call, the token count
+//!   hidden from the compiler as a router's is; the others build the
+//!   fixture's request for their mode. The `kv` cases send row-indexed
 //!   overlaps on every worker; `host_kv_keyed_t0` sends them keyed by worker.
 //!
 //! Callgrind runs without cache simulation: only instruction counts are
@@ -547,22 +551,30 @@ fn select_and_release(f: Box<HostFixture>) -> (WorkerWithDpRank, Box<HostFixture
     (worker, f)
 }
 
+/// The measured host call of a mode whose request is plain, built as a
+/// router builds it (`HostFixture::select_plain_and_release`).
+#[inline(always)]
+fn select_plain_and_release(f: Box<HostFixture>) -> (WorkerWithDpRank, Box<HostFixture>) {
+    let worker = black_box(f.select_plain_and_release());
+    (worker, f)
+}
+
 #[library_benchmark]
 #[benches::workers(args = [8, 64, 1024, 10000], setup = service_random, teardown = release)]
 fn host_random(f: Box<HostFixture>) -> (WorkerWithDpRank, Box<HostFixture>) {
-    select_and_release(f)
+    select_plain_and_release(f)
 }
 
 #[library_benchmark]
 #[benches::workers(args = [8, 64, 1024, 10000], setup = service_round_robin, teardown = release)]
 fn host_round_robin(f: Box<HostFixture>) -> (WorkerWithDpRank, Box<HostFixture>) {
-    select_and_release(f)
+    select_plain_and_release(f)
 }
 
 #[library_benchmark]
 #[benches::workers(args = [8, 64, 1024, 10000], setup = service_least_loaded, teardown = release)]
 fn host_least_loaded(f: Box<HostFixture>) -> (WorkerWithDpRank, Box<HostFixture>) {
-    select_and_release(f)
+    select_plain_and_release(f)
 }
 
 /// Least-loaded with one worker marked overloaded (`set_overloaded`): the
@@ -578,19 +590,19 @@ fn service_least_loaded_marked(n: usize) -> Box<HostFixture> {
 #[library_benchmark]
 #[benches::workers(args = [1024, 10000], setup = service_least_loaded_marked, teardown = release)]
 fn host_least_loaded_marked(f: Box<HostFixture>) -> (WorkerWithDpRank, Box<HostFixture>) {
-    select_and_release(f)
+    select_plain_and_release(f)
 }
 
 #[library_benchmark]
 #[benches::workers(args = [8, 64, 1024, 10000], setup = service_power_of_two, teardown = release)]
 fn host_power_of_two(f: Box<HostFixture>) -> (WorkerWithDpRank, Box<HostFixture>) {
-    select_and_release(f)
+    select_plain_and_release(f)
 }
 
 #[library_benchmark]
 #[benches::workers(args = [8, 64, 1024, 10000], setup = service_device_aware, teardown = release)]
 fn host_device_aware(f: Box<HostFixture>) -> (WorkerWithDpRank, Box<HostFixture>) {
-    select_and_release(f)
+    select_plain_and_release(f)
 }
 
 #[library_benchmark]

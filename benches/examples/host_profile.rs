@@ -20,6 +20,13 @@ fn measured(f: &HostFixture, calls: usize) {
 }
 
 #[inline(never)]
+fn measured_plain(f: &HostFixture, calls: usize) {
+    for _ in 0..calls {
+        black_box(f.select_plain_and_release());
+    }
+}
+
+#[inline(never)]
 fn measured_index(f: &mut IndexFixture, calls: usize) {
     for _ in 0..calls {
         black_box(f.select_and_release());
@@ -47,6 +54,10 @@ fn main() {
             HostFixture::new(mode, workers, 0.0)
         }
     };
-    measured(&fixture, calls);
+    if fixture.mode().plain() {
+        measured_plain(&fixture, calls);
+    } else {
+        measured(&fixture, calls);
+    }
     println!("{mode}: {calls} calls at {workers} workers");
 }

@@ -80,6 +80,12 @@ impl Mode {
         }
     }
 
+    /// Whether the fixture's request of this mode is plain:
+    /// `SelectionRequest::new(PROMPT_TOKENS)`, nothing added.
+    pub fn plain(self) -> bool {
+        !matches!(self, Mode::Direct | Mode::Kv | Mode::PrefixHash)
+    }
+
     /// A new policy of this mode.
     pub fn policy(self) -> WorkerSelectionPolicy {
         match self {
@@ -179,6 +185,11 @@ impl HostFixture {
         self
     }
 
+    /// The fixture's mode.
+    pub fn mode(&self) -> Mode {
+        self.mode
+    }
+
     /// Number of workers.
     pub fn workers(&self) -> usize {
         self.workers
@@ -197,7 +208,10 @@ impl HostFixture {
             }
             Mode::Direct => req.pinned_to_worker((self.workers / 2) as u64),
             Mode::PrefixHash => req.with_prompt_blocks(&self.blocks),
-            _ => req,
+            mode => {
+                debug_assert!(mode.plain());
+                req
+            }
         }
     }
 
@@ -211,6 +225,27 @@ impl HostFixture {
         let selection = self
             .service
             .select(&self.request())
+            .expect("the fixture admits every request");
+        let worker = selection.worker();
+        drop(selection);
+        worker
+    }
+
+    /// [`select_and_release`](Self::select_and_release) for a mode whose
+    /// request is plain (random, round-robin, least-loaded,
+    /// power-of-two, device-aware): the same request,
+    /// `SelectionRequest::new(PROMPT_TOKENS)`, built as a router builds
+    /// it, without the fixture's match on its mode.
+    ///
+    /// # Panics
+    /// If the selection fails, or (debug builds) the mode's request is not
+    /// plain.
+    #[inline]
+    pub fn select_plain_and_release(&self) -> WorkerWithDpRank {
+        debug_assert!(self.mode.plain(), "{:?} requests are not plain", self.mode);
+        let selection = self
+            .service
+            .select(&SelectionRequest::new(std::hint::black_box(PROMPT_TOKENS)))
             .expect("the fixture admits every request");
         let worker = selection.worker();
         drop(selection);

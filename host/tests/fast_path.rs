@@ -153,3 +153,27 @@ fn plain_bookings_hold_the_request_blocks_at_any_block_size() {
         }
     }
 }
+
+/// A block size of 0 refuses every selection, plain (the fast path) or
+/// not, under a policy that draws (random) and one that scans
+/// (least-loaded), and books nothing.
+#[test]
+fn a_block_size_of_0_refuses_every_selection() {
+    for policy in [WorkerSelectionPolicy::random(), WorkerSelectionPolicy::least_loaded()] {
+        let s = WorkerSelectionService::new(
+            policy,
+            ServiceConfig {
+                block_size: 0,
+                ..ServiceConfig::default()
+            },
+        );
+        s.add_worker(WorkerRecord::new(0)).unwrap();
+        for req in [SelectionRequest::new(64), SelectionRequest::new(64).explained()] {
+            match s.select(&req) {
+                Err(SelectionError::InvalidRequest(why)) => assert_eq!(why, "block_size is 0"),
+                other => panic!("a block size of 0 selected: {other:?}"),
+            }
+        }
+        assert_eq!(s.worker_status(0).unwrap().ranks[0].active_requests, 0);
+    }
+}

@@ -72,7 +72,8 @@ pub(crate) fn none() -> SelectionError {
 /// workers (where power-of-two chooses by worker first).
 ///
 /// `advance`: take the round-robin ticket (a selection) rather than read it
-/// (a preview).
+/// (a preview). With the row, its branch and, where the draw read it
+/// (power-of-two), the row's in-flight requests as read.
 #[inline(always)]
 pub(crate) fn draw_from_list(
     draw: ListDraw,
@@ -82,17 +83,17 @@ pub(crate) fn draw_from_list(
     list: &[u32],
     advance: bool,
     rng: &mut impl Draws,
-) -> Option<(usize, Branch)> {
+) -> Option<(usize, Branch, Option<u32>)> {
     let n = list.len();
     match draw {
-        ListDraw::Random if n != 0 => Some((list[rng.draw_below(n as u64) as usize] as usize, Branch::Random)),
+        ListDraw::Random if n != 0 => Some((list[rng.draw_below(n as u64) as usize] as usize, Branch::Random, None)),
         ListDraw::RoundRobin if n != 0 => {
             let ticket = u64::from(if advance {
                 fleet.next_ticket()
             } else {
                 fleet.peek_ticket()
             });
-            Some((list[(ticket % n as u64) as usize] as usize, Branch::RoundRobin))
+            Some((list[(ticket % n as u64) as usize] as usize, Branch::RoundRobin, None))
         }
         ListDraw::PowerOfTwo if n >= 2 && !reg.traits().multi_rank => {
             // The kernel's draws (Dynamo's): two distinct positions, the
@@ -101,12 +102,9 @@ pub(crate) fn draw_from_list(
             let k1 = rng.draw_below(n as u64) as usize;
             let k2 = k1 + 1 + rng.draw_below(n as u64 - 1) as usize;
             let (a, b) = (list[k1] as usize, list[if k2 >= n { k2 - n } else { k2 }] as usize);
-            let row = if U32Source::value(&active, a) <= U32Source::value(&active, b) {
-                a
-            } else {
-                b
-            };
-            Some((row, Branch::PowerOfTwo))
+            let (load_a, load_b) = (U32Source::value(&active, a), U32Source::value(&active, b));
+            let (row, load) = if load_a <= load_b { (a, load_a) } else { (b, load_b) };
+            Some((row, Branch::PowerOfTwo, Some(load)))
         }
         _ => None,
     }
@@ -116,7 +114,13 @@ pub(crate) fn draw_from_list(
 /// traits and the fleet's columns.
 #[inline(always)]
 pub(crate) fn row_load(reg: &WorkerRegistry, view: &FleetView<'_, FLEET_GROUPS>, row: usize) -> f64 {
-    let a = U32Source::value(&view.active_requests(), row) as f64;
+    weighted_load(reg, view, row, U32Source::value(&view.active_requests(), row))
+}
+
+/// [`row_load`] of `row` with `active` in-flight requests (as read).
+#[inline(always)]
+pub(crate) fn weighted_load(reg: &WorkerRegistry, view: &FleetView<'_, FLEET_GROUPS>, row: usize, active: u32) -> f64 {
+    let a = f64::from(active);
     if reg.traits().weighted {
         a * F32Source::value(&view.inv_capacity_weight(), row) as f64
     } else {
@@ -135,7 +139,7 @@ fn from_list_or_scan(
 ) -> Result<Choice, SelectionError> {
     let advance = !env.ctx.is_preview();
     let (n, row) = match env.list.and_then(|list| {
-        draw_from_list(draw, env.reg, env.fleet, &env.view, list, advance, rng).map(|d| (list.len(), d.0))
+        draw_from_list(draw, env.reg, env.fleet, &env.view, list, advance, rng).map(|(row, ..)| (list.len(), row))
     }) {
         Some(d) => d,
         None => (env.candidates(), scan(rng).ok_or_else(none)?),
@@ -256,7 +260,7 @@ pub(crate) fn power_of_two(env: &Env<'_>, s: &mut Scratch, rng: &mut Rng) -> Res
             choice(row, load_of(env, row), Branch::PowerOfTwoWorkerThenRank, n),
         ));
     }
-    if let Some((row, branch)) = env
+    if let Some((row, branch, _)) = env
         .list
         .and_then(|list| draw_from_list(ListDraw::PowerOfTwo, env.reg, env.fleet, &env.view, list, true, rng))
     {

@@ -292,10 +292,13 @@ pub(crate) fn draw_ready(
     list: &[u32],
     rng: &mut impl Draws,
 ) -> Option<Choice> {
-    let (row, branch) = builtin::draw_from_list(draw, reg, fleet, view, list, true, rng)?;
+    let (row, branch, active) = builtin::draw_from_list(draw, reg, fleet, view, list, true, rng)?;
     Some(Choice {
         row,
-        cost: builtin::row_load(reg, view, row),
+        cost: match active {
+            Some(active) => builtin::weighted_load(reg, view, row, active),
+            None => builtin::row_load(reg, view, row),
+        },
         runner_up: None,
         branch,
         candidates: list.len(),

@@ -66,7 +66,7 @@ impl WorkerSelectionService {
         };
         let choice = match drawn {
             Some(choice) => choice,
-            None => match self.choose_on_ready(reg, req, rng.rng(self), list, rows) {
+            None => match self.choose_on_ready(reg, *req, rng.rng(self), list, rows) {
                 Ok(choice) => choice,
                 Err(e) => return Some(Err(Fallback::Failed(e))),
             },
@@ -74,7 +74,7 @@ impl WorkerSelectionService {
         let meta = reg.row(choice.row)?;
         let load = match plan.load {
             Some(load) => load,
-            None => self.book_row_load(req, choice.row, meta.worker()),
+            None => self.book_row_load(*req, choice.row, meta.worker()),
         };
         match Booking::new_for_slot(FleetHandle(handle()), meta.handle.slot, load) {
             Ok(booking) => Some(Ok(self.booked(booking, &choice, None, meta, Route::Policy, traced))),
@@ -93,14 +93,14 @@ impl WorkerSelectionService {
     fn choose_on_ready(
         &self,
         reg: &WorkerRegistry,
-        req: &SelectionRequest<'_>,
+        req: SelectionRequest<'_>,
         rng: &mut Rng,
         list: &[u32],
         rows: usize,
     ) -> Result<Choice, SelectionError> {
         let ready = &reg.ready_rows().0[..mask::words_for(rows)];
         let ctx = WorkerSelectionContext {
-            request: req,
+            request: &req,
             block_size: self.config.block_size,
             worker_type: self.policy.worker_type,
             preview: false,
@@ -113,7 +113,7 @@ impl WorkerSelectionService {
                 mask: ready,
                 list: Some(list),
                 view: self.fleet.view(rows),
-                req,
+                req: &req,
                 ctx: &ctx,
                 rows,
                 pinned: false,

@@ -170,10 +170,9 @@ pub struct WorkerSelectionService {
     /// The seed mixed once, for the streams of a seeded service
     /// (`config.seed`).
     seed_base: Option<u64>,
-    /// `log2` of the block size (`max(1)`, as
-    /// [`SelectionRequest::request_blocks`] takes it) and the mask of a
-    /// block's tokens, when it is a power of two: a booking's blocks are
-    /// then a shift, not a division.
+    /// `log2` of the block size and the mask of a block's tokens, when it
+    /// is a power of two (so not 0): a booking's blocks are then a shift,
+    /// not a division.
     block_shift: Option<(u32, u64)>,
     selections: Counter,
     rejections: Rejections,
@@ -197,10 +196,12 @@ impl WorkerSelectionService {
             refused: Mutex::new(None),
             seed_counter: AtomicU64::new(0),
             seed_base: config.seed.map(run::seed_base),
-            block_shift: config.block_size.max(1).is_power_of_two().then(|| {
-                let size = config.block_size.max(1);
-                (size.trailing_zeros(), size as u64 - 1)
-            }),
+            // `None` for a block size of 0 (not a power of two), which
+            // every selection refuses.
+            block_shift: config
+                .block_size
+                .is_power_of_two()
+                .then(|| (config.block_size.trailing_zeros(), config.block_size as u64 - 1)),
             #[cfg(feature = "nats")]
             replica: replica::ReplicaLink::new(),
             ready_rows: policy.ready_rows(),

@@ -33,8 +33,8 @@ impl<H: Deref<Target = WorkerSelectionService>> Deref for FleetHandle<H> {
 /// `H` is how the booking holds the service: [`Selection`] borrows it,
 /// [`OwnedSelection`] holds an `Arc` (for bookings moved into tasks).
 // `repr(C)` keeps the fields in declaration order, the order the fast path
-// builds them in (without it `host_random` takes 2 instructions more,
-// `host_round_robin` 6).
+// builds them in (without it, `host_profile` at 1,024 workers: random 14
+// instructions more per call, round-robin 9, power-of-two 13).
 #[repr(C)]
 pub struct Booked<H: Deref<Target = WorkerSelectionService>> {
     pub(crate) booking: Booking<FleetHandle<H>, FLEET_GROUPS>,

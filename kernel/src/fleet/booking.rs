@@ -135,7 +135,9 @@ impl<const GROUPS: usize> Fleet<GROUPS> {
             Err(Refusal::Stale) => return Err(self.stale(row, generation)),
         }
         let now = self.state_word(row, Ordering::SeqCst);
-        if !now.is_live_of(generation) {
+        // `s` was found Live (of `expected`, when given): unchanged means
+        // Live of `generation` still.
+        if !s.unchanged_in(now) {
             sub_if_tagged(active, tag, 1);
             return Err(refusal(row32, Some(generation), now));
         }

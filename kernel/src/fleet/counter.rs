@@ -54,10 +54,19 @@ pub(crate) const fn value_of(word: u32) -> u32 {
     word >> TAG_BITS
 }
 
-/// The tag of a counter word.
-#[inline(always)]
+/// The tag of a counter word (what [`carries`] compares).
+#[cfg(test)]
 pub(crate) const fn tag_of(word: u32) -> u32 {
     word & ((1 << TAG_BITS) - 1)
+}
+
+/// Whether the counter word carries `tag` (a tag of
+/// [`tag_of_generation`]): the word's low byte compared with the tag's,
+/// one comparison in each read-modify-write loop (no widening).
+#[inline(always)]
+pub(crate) const fn carries(word: u32, tag: u32) -> bool {
+    const { assert!(TAG_BITS == u8::BITS) };
+    word as u8 == tag as u8
 }
 
 /// Why [`increment_below`] refused.
@@ -78,7 +87,7 @@ pub(crate) fn increment_below(counter: &AtomicU32, tag: u32, limit: u32) -> Resu
     let limit = if limit < COUNTER_MAX { limit } else { COUNTER_MAX };
     let mut word = counter.load(Ordering::Relaxed);
     loop {
-        if tag_of(word) != tag {
+        if !carries(word, tag) {
             return Err(Refusal::Stale);
         }
         if value_of(word) >= limit {
@@ -100,7 +109,7 @@ pub(crate) fn add_saturating(counter: &AtomicU32, tag: u32, amount: u32) -> Opti
     }
     let mut word = counter.load(Ordering::Relaxed);
     loop {
-        if tag_of(word) != tag {
+        if !carries(word, tag) {
             return None;
         }
         let added = amount.min(COUNTER_MAX - value_of(word));
@@ -120,7 +129,7 @@ pub(crate) fn sub_if_tagged(counter: &AtomicU32, tag: u32, amount: u32) -> bool 
     }
     let mut word = counter.load(Ordering::Relaxed);
     loop {
-        if tag_of(word) != tag {
+        if !carries(word, tag) {
             return false;
         }
         let taken = amount.min(value_of(word));
@@ -141,7 +150,7 @@ pub(crate) mod broken {
     /// the last free place and both take it.
     pub(crate) fn increment_below_load_store(counter: &AtomicU32, tag: u32, limit: u32) -> Result<(), Refusal> {
         let word = counter.load(Ordering::SeqCst);
-        if tag_of(word) != tag {
+        if !carries(word, tag) {
             return Err(Refusal::Stale);
         }
         if value_of(word) >= limit {
@@ -169,7 +178,7 @@ pub(crate) mod broken {
     /// updates.
     pub(crate) fn sub_load_store(counter: &AtomicU32, tag: u32, amount: u32) -> bool {
         let word = counter.load(Ordering::Acquire);
-        if tag_of(word) != tag {
+        if !carries(word, tag) {
             return false;
         }
         counter.store(word - amount.min(value_of(word)) * ONE, Ordering::Release);
@@ -185,6 +194,27 @@ pub(crate) mod broken {
             match counter.compare_exchange(word, word - taken * ONE, Ordering::AcqRel, Ordering::Relaxed) {
                 Ok(_) => return true,
                 Err(now) => word = now,
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `carries` is `tag_of(word) == tag` for every tag a generation gives,
+    /// whatever the value above it.
+    #[test]
+    fn a_word_carries_exactly_its_own_tag() {
+        for generation in [0, 1, 7, 255, 256, 257, 0x1FFF_FFFF] {
+            let tag = tag_of_generation(generation);
+            for value in [0, 1, 255, 256, COUNTER_MAX] {
+                for other in [0, 1, 128, 255] {
+                    let word = pack(value, other);
+                    assert_eq!(carries(word, tag), tag_of(word) == tag, "{word:#x} under {tag}");
+                }
+                assert!(carries(pack(value, tag), tag), "value {value} under {tag}");
             }
         }
     }

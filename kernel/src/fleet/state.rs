@@ -110,6 +110,14 @@ impl StateWord {
     pub(crate) const fn is_live_of(self, generation: u32) -> bool {
         (self.0 & !WRITER) as u64 == ((generation as u64) << GENERATION_SHIFT | 1)
     }
+    /// Whether `now` holds what this word held, the writer bit ignored:
+    /// for a word found `Live`, whether `now` is `Live` with the same
+    /// generation (`now.is_live_of(self.generation())`, compared with the
+    /// masked word already at hand).
+    #[inline(always)]
+    pub(crate) const fn unchanged_in(self, now: StateWord) -> bool {
+        now.0 & !WRITER == self.0 & !WRITER
+    }
     #[inline(always)]
     pub(crate) const fn writer_held(self) -> bool {
         self.0 & WRITER != 0
@@ -221,6 +229,35 @@ mod tests {
                         !w.is_live_of(generation | (GENERATION_MASK + 1)),
                         "{w:?}: a generation past the mask"
                     );
+                }
+            }
+        }
+    }
+
+    /// For a word found Live, `unchanged_in(now)` is
+    /// `now.is_live_of(generation)`, whatever either writer bit.
+    #[test]
+    fn an_unchanged_live_word_is_live_of_its_generation() {
+        let states = [
+            SlotState::Empty,
+            SlotState::Live,
+            SlotState::Draining,
+            SlotState::Cordoned,
+        ];
+        for generation in [0, 1, 255, 256, GENERATION_MASK] {
+            for writer in [0, WRITER] {
+                let found = StateWord(StateWord::new(SlotState::Live, generation).0 | writer);
+                for now_generation in [generation, generation ^ 1, generation.wrapping_sub(1) & GENERATION_MASK] {
+                    for state in states {
+                        for now_writer in [0, WRITER] {
+                            let now = StateWord(StateWord::new(state, now_generation).0 | now_writer);
+                            assert_eq!(
+                                found.unchanged_in(now),
+                                now.is_live_of(generation),
+                                "{found:?} then {now:?}"
+                            );
+                        }
+                    }
                 }
             }
         }
