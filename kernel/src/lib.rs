@@ -15,7 +15,8 @@
 //!   KV cost, the pick (argmin or softmax) and device-aware weighted.
 //! * [`mask`]: eligibility bitmasks.
 //! * [`Rng`]: the seedable generator every random choice goes through
-//!   ([`rng`]: it and SplitMix64's mixer).
+//!   ([`rng`]: it (wyrand), SplitMix64 for streams that must not change
+//!   with it, and SplitMix64's mixer for seeds).
 //! * [`lanes`]: the lane width and column access.
 //! * [`simd`]: the SIMD backends (AVX2, and `wide`'s portable lanes) and the
 //!   one place the kernel chooses between them, at run time where `std`

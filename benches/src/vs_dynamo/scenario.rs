@@ -12,7 +12,7 @@
 
 use std::fmt;
 
-use selkie_kernel::Rng;
+use selkie_kernel::rng::SplitMix64;
 
 use super::{BLOCK_SIZE, PROMPT_TOKENS};
 
@@ -128,9 +128,10 @@ impl Scenario {
     /// * 60% of workers hold a prefix of the 2,048-token prompt: `1..=128`
     ///   device blocks, cached tokens = blocks * 16.
     ///
-    /// The same `(n, seed)` always gives the same fleet.
+    /// The same `(n, seed)` always gives the same fleet (drawn from
+    /// SplitMix64, which does not change with the selections' generator).
     pub fn random(n: usize, seed: u64) -> Self {
-        let mut rng = Rng::new(seed);
+        let mut rng = SplitMix64::new(seed);
         let prompt_blocks = u64::from(PROMPT_TOKENS.div_ceil(BLOCK_SIZE));
         let workers = (0..n)
             .map(|_| {

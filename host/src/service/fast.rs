@@ -88,7 +88,7 @@ impl WorkerSelectionService {
     /// The fast path's choice for the policies that scan: the policy reads
     /// the snapshot's ready mask (and list) as the eligible rows. Out of
     /// line, and the mask's words taken here, so the O(1) draws stay
-    /// short.
+    /// short; the request by value (see `written` in `run`).
     #[inline(never)]
     fn choose_on_ready(
         &self,

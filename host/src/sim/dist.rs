@@ -1,6 +1,7 @@
 //! The random distributions the workload generator draws from: `rand_distr`'s,
-//! over the kernel's seedable [`Rng`] (which implements the rand ecosystem's
-//! generator interface), so that a whole simulation replays from one seed.
+//! over the kernel's seedable SplitMix64 ([`WorkloadRng`], which implements
+//! the rand ecosystem's generator interface), so that a whole simulation
+//! replays from one seed.
 //!
 //! Only the shapes the generator needs: exponential gaps (Poisson arrivals),
 //! log-normal and uniform lengths ([`LengthDist`], a scenario's field), and
@@ -8,11 +9,17 @@
 //! not read clocks or the OS.
 
 use rand_distr::{Distribution, Exp1};
-use selkie_kernel::Rng;
+use selkie_kernel::rng::SplitMix64;
 use serde::{Deserialize, Serialize};
 
+/// The generator a simulation's workload and the tuner's search draw
+/// from: SplitMix64, apart from the kernel's [`Rng`](selkie_kernel::Rng)
+/// that selections draw from, so that a scenario's requests (and a
+/// tuning's candidates) stay the same whatever generator selections use.
+pub type WorkloadRng = SplitMix64;
+
 /// An exponential draw with the given mean.
-pub fn exponential(rng: &mut Rng, mean: f64) -> f64 {
+pub fn exponential(rng: &mut WorkloadRng, mean: f64) -> f64 {
     let unit: f64 = Exp1.sample(rng);
     mean * unit
 }
@@ -49,7 +56,7 @@ impl LengthDist {
     /// median that is not positive and finite, a negative or non-finite
     /// sigma: the scenario limits refuse them first) gives its median,
     /// clamped.
-    pub fn sample(&self, rng: &mut Rng) -> u32 {
+    pub fn sample(&self, rng: &mut WorkloadRng) -> u32 {
         match *self {
             LengthDist::Fixed(n) => n,
             LengthDist::Uniform { lo, hi } => {
@@ -97,7 +104,7 @@ impl Zipf {
     }
 
     /// One rank.
-    pub fn sample(&self, rng: &mut Rng) -> usize {
+    pub fn sample(&self, rng: &mut WorkloadRng) -> usize {
         // `rand_distr` draws in `1..=n`, as a float.
         (self.zipf.sample(rng) as usize).clamp(1, self.n) - 1
     }
@@ -112,7 +119,7 @@ mod tests {
     #[test]
     fn rand_distr_draws_the_kernel_generators_words() {
         use rand_distr::StandardUniform;
-        let (mut a, mut b) = (Rng::new(11), Rng::new(11));
+        let (mut a, mut b) = (WorkloadRng::new(11), WorkloadRng::new(11));
         for _ in 0..4 {
             let x: u64 = StandardUniform.sample(&mut a);
             assert_eq!(x, b.next_u64());
@@ -123,7 +130,7 @@ mod tests {
 
     #[test]
     fn exponential_mean_is_close() {
-        let mut rng = Rng::new(1);
+        let mut rng = WorkloadRng::new(1);
         let n = 20_000;
         let mean = (0..n).map(|_| exponential(&mut rng, 5.0)).sum::<f64>() / n as f64;
         assert!((mean - 5.0).abs() < 0.2, "{mean}");
@@ -131,7 +138,7 @@ mod tests {
 
     #[test]
     fn zipf_rank_zero_dominates_and_uniform_does_not() {
-        let mut rng = Rng::new(2);
+        let mut rng = WorkloadRng::new(2);
         let skewed = Zipf::new(10, 1.5);
         let mut counts = [0u32; 10];
         for _ in 0..10_000 {
@@ -151,7 +158,7 @@ mod tests {
     /// The log-normal's median is its parameter: half the draws fall below.
     #[test]
     fn log_normal_lengths_have_their_median_and_stay_in_bounds() {
-        let mut rng = Rng::new(3);
+        let mut rng = WorkloadRng::new(3);
         let d = LengthDist::LogNormal {
             median: 100.0,
             sigma: 2.0,

@@ -32,9 +32,8 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
-use selkie_kernel::Rng;
-
 use super::compare::{run_policy_within, PolicyChoice};
+use super::dist::WorkloadRng;
 use super::metrics::{HitBounds, PolicyReport};
 use super::run::FleetSpec;
 use super::workload::Workload;
@@ -202,8 +201,9 @@ pub fn split_in_time(workload: &Workload) -> (Workload, Workload) {
 /// `n` candidates from `seed`: the default weights first, then draws over
 /// `space`.
 pub fn candidates(space: &TuneSpace, n: usize, seed: u64) -> Vec<KvWeights> {
-    let mut rng = Rng::new(seed ^ 0x7E57_7E57);
-    let log_uniform = |(lo, hi): (f64, f64), rng: &mut Rng| (lo.ln() + rng.unit_f64() * (hi.ln() - lo.ln())).exp();
+    let mut rng = WorkloadRng::new(seed ^ 0x7E57_7E57);
+    let log_uniform =
+        |(lo, hi): (f64, f64), rng: &mut WorkloadRng| (lo.ln() + rng.unit_f64() * (hi.ln() - lo.ln())).exp();
     let mut out = vec![KvWeights::default()];
     while out.len() < n {
         let w = KvWeights {

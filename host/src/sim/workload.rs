@@ -7,10 +7,9 @@
 //! per block of `block_size` tokens, where equal hashes mean equal prefixes.
 //! Generation is a pure function of the spec and the seed.
 
-use selkie_kernel::Rng;
 use serde::{Deserialize, Serialize};
 
-use super::dist::{exponential, LengthDist, Zipf};
+use super::dist::{exponential, LengthDist, WorkloadRng, Zipf};
 
 /// One request of a workload.
 #[derive(Clone, Debug, PartialEq)]
@@ -91,7 +90,7 @@ impl Arrivals {
     }
 
     /// `n` arrival times (ms) of new conversations at `scale` times the rate.
-    fn times(&self, n: usize, scale: f64, rng: &mut Rng) -> Vec<f64> {
+    fn times(&self, n: usize, scale: f64, rng: &mut WorkloadRng) -> Vec<f64> {
         let mut out = Vec::with_capacity(n);
         let mut t = 0.0;
         match *self {
@@ -163,7 +162,7 @@ pub struct WorkloadSpec {
 
 /// A hash for block `index` of `stream`, distinct across streams.
 fn block_hash(stream: u64, index: u64, salt: u64) -> u64 {
-    let mut r = Rng::new(stream.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ index.rotate_left(32) ^ salt);
+    let mut r = WorkloadRng::new(stream.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ index.rotate_left(32) ^ salt);
     r.next_u64()
 }
 
@@ -173,7 +172,7 @@ impl WorkloadSpec {
     /// spec outside the [`limits`](super::limits) may allocate without
     /// bound.
     pub fn generate(&self, seed: u64) -> Workload {
-        let mut rng = Rng::new(seed);
+        let mut rng = WorkloadRng::new(seed);
         let bs = self.block_size.max(1);
         let prompts: Vec<Vec<u64>> = (0..self.system_prompts.max(1))
             .map(|p| {
@@ -329,7 +328,7 @@ mod tests {
 
     #[test]
     fn bursty_arrivals_keep_the_mean_rate_but_cluster() {
-        let mut rng = Rng::new(1);
+        let mut rng = WorkloadRng::new(1);
         let bursty = Arrivals::Bursty {
             rate_per_s: 100.0,
             burst_factor: 5.0,

@@ -195,9 +195,9 @@ fn non_finite_costs_are_refused_by_row() {
 #[test]
 fn softmax_draw_at_zero_takes_the_first_eligible_row_even_at_weight_zero() {
     // Dynamo walks `sample <= cumulative`, so u == 0 selects the first
-    // eligible row whatever its weight. SplitMix64 outputs 0 (so u == 0) from
-    // the state that the next increment wraps to 0.
-    let zero_draw = 0u64.wrapping_sub(0x9E37_79B9_7F4A_7C15);
+    // eligible row whatever its weight. The generator outputs 0 (so u == 0)
+    // from the state that the next increment wraps to 0.
+    let zero_draw = 0u64.wrapping_sub(Rng::INCREMENT);
     assert_eq!(Rng::new(zero_draw).unit_f64(), 0.0);
     let costs = [7.0f32, 1.0e30, 0.0, 5.0];
     let mask = [0b1110u64];
