@@ -49,7 +49,7 @@ impl WorkerSelectionService {
         req: &SelectionRequest<'_>,
         plan: Plan,
         rng: &mut impl RngSlot,
-        handle: &impl Fn() -> H,
+        handle: impl Fn() -> H + Copy,
         traced: bool,
     ) -> Option<Result<Booked<H>, Fallback>> {
         if !plan.ready || !reg.ready_exact() {

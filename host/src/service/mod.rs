@@ -427,7 +427,7 @@ impl WorkerSelectionService {
     /// the returned [`Selection`] is dropped.
     #[inline]
     pub fn select<'s>(&'s self, req: &SelectionRequest<'_>) -> Result<Selection<'s>, SelectionError> {
-        self.run_select(req, || self)
+        self.run_select(req, move || self)
     }
 
     /// As [`select`](Self::select), for a booking that must outlive the
@@ -449,7 +449,7 @@ impl WorkerSelectionService {
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn select_owned(self: &Arc<Self>, req: &SelectionRequest<'_>) -> Result<OwnedSelection, SelectionError> {
-        self.run_select(req, || Arc::clone(self))
+        self.run_select(req, move || Arc::clone(self))
     }
 
     /// The worker [`select`](Self::select) would choose now, booking nothing

@@ -13,7 +13,7 @@ use std::ops::Deref;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-use selkie_kernel::fleet::{BookError, BookLoad, Booking, SelectError, SlotPick};
+use selkie_kernel::fleet::{BookError, BookLoad, Booking, SelectError, SlotPick, COUNTER_MAX};
 use selkie_kernel::{mask, Rng};
 
 use super::fast::Fallback;
@@ -175,7 +175,7 @@ impl WorkerSelectionService {
     pub(super) fn run_select<H: Deref<Target = Self>>(
         &self,
         req: &SelectionRequest<'_>,
-        handle: impl Fn() -> H,
+        handle: impl Fn() -> H + Copy,
     ) -> Result<Booked<H>, SelectionError> {
         // What the selection needs of the request alone is worked out
         // before the registry's version is read: that load (`Acquire`) is
@@ -185,7 +185,7 @@ impl WorkerSelectionService {
             // `written` spelt out: through it, this way cost the fast path
             // `host_power_of_two` 6 instructions more.
             let mut out = None;
-            self.select_in_span(*req, &handle, &mut out);
+            self.select_in_span(*req, handle, &mut out);
             return match out {
                 Some(r) => r,
                 None => unreachable!("the selection in a span wrote no result"),
@@ -201,12 +201,12 @@ impl WorkerSelectionService {
             // snapshot; the way past it out of line. (Not `with_snapshot`,
             // which does the same: its closure, called at both of its
             // sites, is compiled out of line, a frame of its own.)
-            self.select_on_snapshot(hot.registry(), req, &handle, plan, false)
+            self.select_on_snapshot(hot.registry(), req, handle, plan, false)
         } else {
             let req = *req;
             written(|out| {
                 self.with_reloaded_snapshot(move |reg| {
-                    *out = Some(self.select_on_snapshot(reg, &req, &handle, plan, false))
+                    *out = Some(self.select_on_snapshot(reg, &req, handle, plan, false))
                 })
             })
         }
@@ -219,7 +219,7 @@ impl WorkerSelectionService {
     fn select_in_span<H: Deref<Target = Self>>(
         &self,
         req: SelectionRequest<'_>,
-        handle: &impl Fn() -> H,
+        handle: impl Fn() -> H + Copy,
         out: &mut Option<Result<Booked<H>, SelectionError>>,
     ) {
         let _span = self.span(false);
@@ -245,7 +245,7 @@ impl WorkerSelectionService {
         &self,
         reg: &WorkerRegistry,
         req: &SelectionRequest<'_>,
-        handle: &impl Fn() -> H,
+        handle: impl Fn() -> H + Copy,
         plan: Plan,
         traced: bool,
     ) -> Result<Booked<H>, SelectionError> {
@@ -264,7 +264,7 @@ impl WorkerSelectionService {
         &self,
         reg: &WorkerRegistry,
         req: &SelectionRequest<'_>,
-        handle: &impl Fn() -> H,
+        handle: impl Fn() -> H + Copy,
         plan: Plan,
         mut rng: impl RngSlot,
         traced: bool,
@@ -371,12 +371,12 @@ impl WorkerSelectionService {
         &self,
         reg: &WorkerRegistry,
         req: SelectionRequest<'_>,
-        handle: &impl Fn() -> H,
+        handle: impl Fn() -> H + Copy,
         mut rng: Rng,
         skip: Option<usize>,
         out: &mut Option<Result<Booked<H>, SelectionError>>,
     ) {
-        let r = with_scratch(|s| self.run_with(reg, &req, false, s, &mut rng, handle, skip));
+        let r = with_scratch(|s| self.run_with(reg, &req, false, s, &mut rng, &handle, skip));
         self.keep_rng(rng);
         *out = Some(match r {
             Ok(Outcome::Booked(booked)) => Ok(booked),
@@ -409,10 +409,12 @@ impl WorkerSelectionService {
         if req.rank_inputs.is_some() || req.row_overlaps.is_some() || !req.overlaps.is_empty() {
             return None;
         }
-        let request_blocks = u32::try_from(self.request_blocks(req)).unwrap_or(u32::MAX);
+        // Capped where the fleet's counters saturate (a booking of more
+        // adds that much), so that the booking's own cap is known to hold.
+        let request_blocks = self.request_blocks(req).min(u64::from(COUNTER_MAX)) as u32;
         let prefill = if req.track_prefill_tokens { req.isl_tokens } else { 0 };
         Some(BookLoad {
-            prefill_tokens: u32::try_from(prefill).unwrap_or(u32::MAX),
+            prefill_tokens: prefill.min(COUNTER_MAX as usize) as u32,
             decode_blocks: request_blocks,
         })
     }
@@ -774,7 +776,11 @@ impl WorkerSelectionService {
     /// would be refused).
     fn at_admission_limit(&self, row: usize) -> bool {
         let active = self.fleet.outstanding(row).map_or(0, |o| o.requests);
-        self.fleet.worker(row).is_some_and(|w| active >= w.admission_limit)
+        // A limit at or above the counter's maximum reads back as
+        // `UNLIMITED`; the booking stops at the maximum all the same.
+        self.fleet
+            .worker(row)
+            .is_some_and(|w| active >= w.admission_limit.min(COUNTER_MAX))
     }
 }
 

@@ -4,7 +4,7 @@
 //!
 //! This module must not scan.
 
-use super::counter::{self, add_saturating, increment_below, sub_if_tagged, tag_of_generation, Refusal};
+use super::counter::{add_saturating, increment_below, sub_if_tagged, tag_of_generation, value_of, Refusal};
 use super::error::BookError;
 use super::guard::Booking;
 use super::state::{SlotId, StateWord};
@@ -120,16 +120,18 @@ impl<const GROUPS: usize> Fleet<GROUPS> {
         if !admissible {
             return Err(refusal(row32, expected, s));
         }
-        let limit = self.admission_limit.at(row).load(Ordering::Acquire);
+        // The limit as a counter word (`counter::limit_word`), compared
+        // with the active-requests word as it is.
+        let full = self.admission_limit.at(row).load(Ordering::Acquire);
         let tag = tag_of_generation(generation);
         let active = self.active_requests.at(row);
-        let admitted = self.increment_active(row, tag, limit);
+        let admitted = self.increment_active(row, tag, full);
         match admitted {
             Ok(()) => {}
             Err(Refusal::AtLimit) => {
                 return Err(BookError::Overloaded {
                     row: row32,
-                    limit: limit.min(counter::COUNTER_MAX),
+                    limit: value_of(full),
                 })
             }
             Err(Refusal::Stale) => return Err(self.stale(row, generation)),
@@ -158,19 +160,22 @@ impl<const GROUPS: usize> Fleet<GROUPS> {
         })
     }
 
-    /// Step 2 of the protocol (or, in a loom model, its broken variants).
+    /// Step 2 of the protocol (or, in a loom model, its broken variants);
+    /// `full`: the row's [`limit_word`](super::counter::limit_word).
     #[inline(always)]
-    fn increment_active(&self, row: usize, tag: u32, limit: u32) -> Result<(), Refusal> {
+    fn increment_active(&self, row: usize, tag: u32, full: u32) -> Result<(), Refusal> {
         let active = self.active_requests.at(row);
         #[cfg(selkie_loom)]
         match self.fault {
             super::fault::Fault::BookLoadThenStore => {
-                return counter::broken::increment_below_load_store(active, tag, limit)
+                return super::counter::broken::increment_below_load_store(active, tag, value_of(full))
             }
-            super::fault::Fault::BookIgnoresTag => return counter::broken::increment_below_untagged(active, limit),
+            super::fault::Fault::BookIgnoresTag => {
+                return super::counter::broken::increment_below_untagged(active, value_of(full))
+            }
             _ => {}
         }
-        increment_below(active, tag, limit)
+        increment_below(active, tag, full)
     }
 
     pub(super) fn stale(&self, row: usize, expected: u32) -> BookError {
@@ -187,9 +192,9 @@ impl<const GROUPS: usize> Fleet<GROUPS> {
         let row = claim.row as usize;
         #[cfg(selkie_loom)]
         if self.fault == super::fault::Fault::ReleaseIgnoresGeneration {
-            counter::broken::sub_untagged(self.active_prefill_tokens.at(row), claim.prefill_tokens);
-            counter::broken::sub_untagged(self.active_decode_blocks.at(row), claim.decode_blocks);
-            counter::broken::sub_untagged(self.active_requests.at(row), 1);
+            super::counter::broken::sub_untagged(self.active_prefill_tokens.at(row), claim.prefill_tokens);
+            super::counter::broken::sub_untagged(self.active_decode_blocks.at(row), claim.decode_blocks);
+            super::counter::broken::sub_untagged(self.active_requests.at(row), 1);
             return;
         }
         if self.state_word(row, Ordering::Acquire).generation() != claim.generation {
@@ -206,7 +211,7 @@ impl<const GROUPS: usize> Fleet<GROUPS> {
     pub(super) fn sub(&self, counter: &crate::sync::AtomicU32, tag: u32, amount: u32) -> bool {
         #[cfg(selkie_loom)]
         if self.fault == super::fault::Fault::ReleaseLoadThenStore {
-            return counter::broken::sub_load_store(counter, tag, amount);
+            return super::counter::broken::sub_load_store(counter, tag, amount);
         }
         sub_if_tagged(counter, tag, amount)
     }

@@ -69,6 +69,25 @@ pub(crate) const fn carries(word: u32, tag: u32) -> bool {
     word as u8 == tag as u8
 }
 
+/// The word an admission limit is kept as: the limit, capped to
+/// [`COUNTER_MAX`], in a counter word's value bits over tag 0. A counter's
+/// value is at the limit exactly when its word is at least this (its tag
+/// sits below the value), so a booking compares the two words as they are.
+#[inline(always)]
+pub(crate) const fn limit_word(limit: u32) -> u32 {
+    pack(if limit < COUNTER_MAX { limit } else { COUNTER_MAX }, 0)
+}
+
+/// The admission limit a [`limit_word`] keeps: a limit at or above
+/// [`COUNTER_MAX`] (they admit alike) as [`UNLIMITED`](crate::fleet::UNLIMITED).
+#[inline(always)]
+pub(crate) const fn limit_of_word(word: u32) -> u32 {
+    match value_of(word) {
+        COUNTER_MAX => crate::fleet::UNLIMITED,
+        limit => limit,
+    }
+}
+
 /// Why [`increment_below`] refused.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Refusal {
@@ -78,67 +97,112 @@ pub(crate) enum Refusal {
     AtLimit,
 }
 
-/// Adds one to the value if the tag is `tag` and the value is below `limit`
-/// (capped to [`COUNTER_MAX`]). This CAS is the admission decision: it is
-/// `SeqCst` so that it is ordered with the booking's state re-check and with
-/// `set_state` / `remove` (see `booking`).
-#[inline]
-pub(crate) fn increment_below(counter: &AtomicU32, tag: u32, limit: u32) -> Result<(), Refusal> {
-    let limit = if limit < COUNTER_MAX { limit } else { COUNTER_MAX };
+/// Marks the way it is called on as the unlikely one (what
+/// `core::hint::cold_path` does from Rust 1.95, above this crate's minimum
+/// Rust version): a call of a `#[cold]` function.
+#[cold]
+#[inline(always)]
+const fn cold_path() {}
+
+/// One read-modify-write of `counter`: `step` turns the word read into the
+/// word to write, or refuses (`Err`, nothing written); the compare-and-swap
+/// (`order` on success) is retried with the word found until it succeeds or
+/// `step` refuses. Returns what `step` returned for the word replaced.
+///
+/// A lost race is the cold way (the hot path runs the loop's body once).
+#[inline(always)]
+fn update<T, E>(counter: &AtomicU32, order: Ordering, step: impl Fn(u32) -> Result<(u32, T), E>) -> Result<T, E> {
     let mut word = counter.load(Ordering::Relaxed);
     loop {
+        let (new, done) = step(word)?;
+        match counter.compare_exchange_weak(word, new, order, Ordering::Relaxed) {
+            Ok(_) => return Ok(done),
+            Err(now) => {
+                cold_path();
+                word = now;
+            }
+        }
+    }
+}
+
+/// Adds one to the value if the tag is `tag` and the value is below the
+/// limit whose [`limit_word`] is `full`. This CAS is the admission decision:
+/// it is `SeqCst` so that it is ordered with the booking's state re-check and
+/// with `set_state` / `remove` (see `booking`).
+#[cfg_attr(not(debug_assertions), inline(always))]
+pub(crate) fn increment_below(counter: &AtomicU32, tag: u32, full: u32) -> Result<(), Refusal> {
+    update(counter, Ordering::SeqCst, |word| {
         if !carries(word, tag) {
             return Err(Refusal::Stale);
         }
-        if value_of(word) >= limit {
+        if word >= full {
             return Err(Refusal::AtLimit);
         }
-        match counter.compare_exchange_weak(word, word + ONE, Ordering::SeqCst, Ordering::Relaxed) {
-            Ok(_) => return Ok(()),
-            Err(now) => word = now,
-        }
-    }
+        Ok((word + ONE, ()))
+    })
 }
 
 /// Adds up to `amount`, saturating at [`COUNTER_MAX`], if the tag is `tag`.
 /// Returns the amount really added, or `None` (nothing changed) if stale.
-#[inline]
+#[cfg_attr(not(debug_assertions), inline(always))]
 pub(crate) fn add_saturating(counter: &AtomicU32, tag: u32, amount: u32) -> Option<u32> {
     if amount == 0 {
         return Some(0);
     }
-    let mut word = counter.load(Ordering::Relaxed);
-    loop {
-        if !carries(word, tag) {
-            return None;
-        }
-        let added = amount.min(COUNTER_MAX - value_of(word));
-        match counter.compare_exchange_weak(word, word + added * ONE, Ordering::AcqRel, Ordering::Relaxed) {
-            Ok(_) => return Some(added),
-            Err(now) => word = now,
-        }
+    let mut amount = amount;
+    if amount > COUNTER_MAX {
+        cold_path();
+        amount = COUNTER_MAX;
     }
+    let step = pack(amount, 0);
+    update(counter, Ordering::AcqRel, |word| {
+        if !carries(word, tag) {
+            return Err(());
+        }
+        // The sum carries out of the word exactly when the value would pass
+        // `COUNTER_MAX` (the tag below is untouched by adding `step`): only
+        // then is the room worked out.
+        Ok(match word.checked_add(step) {
+            Some(new) => (new, amount),
+            None => {
+                cold_path();
+                let room = COUNTER_MAX - value_of(word);
+                (word + room * ONE, room)
+            }
+        })
+    })
+    .ok()
 }
 
 /// Subtracts `amount` (never below zero) if the tag is `tag`; a no-op on a
 /// stale tag. Returns whether the counter carried the tag.
-#[inline]
+///
+/// `amount` is at most [`COUNTER_MAX`]: an amount an add returned, or a
+/// difference of two values.
+#[cfg_attr(not(debug_assertions), inline(always))]
 pub(crate) fn sub_if_tagged(counter: &AtomicU32, tag: u32, amount: u32) -> bool {
     if amount == 0 {
         return true;
     }
-    let mut word = counter.load(Ordering::Relaxed);
-    loop {
+    debug_assert!(amount <= COUNTER_MAX, "no counter holds {amount}");
+    let step = amount << TAG_BITS;
+    update(counter, Ordering::AcqRel, |word| {
         if !carries(word, tag) {
-            return false;
+            return Err(());
         }
-        let taken = amount.min(value_of(word));
-        debug_assert_eq!(taken, amount, "releasing more than was booked");
-        match counter.compare_exchange_weak(word, word - taken * ONE, Ordering::AcqRel, Ordering::Relaxed) {
-            Ok(_) => return true,
-            Err(now) => word = now,
-        }
-    }
+        // The difference borrows exactly when the value is below `amount`
+        // (`step`'s low byte is 0, so the tag is untouched): only then is
+        // the counter emptied instead.
+        Ok(match word.checked_sub(step) {
+            Some(new) => (new, ()),
+            None => {
+                cold_path();
+                debug_assert!(false, "releasing more than was booked (counter word {word:#x})");
+                (word & (ONE - 1), ())
+            }
+        })
+    })
+    .is_ok()
 }
 
 /// Deliberately broken counter operations, for the loom models to catch.
@@ -217,5 +281,150 @@ mod tests {
                 assert!(carries(pack(value, tag), tag), "value {value} under {tag}");
             }
         }
+    }
+
+    /// Values at and around every boundary the word arithmetic relies on.
+    const VALUES: [u32; 9] = [
+        0,
+        1,
+        2,
+        255,
+        256,
+        COUNTER_MAX / 2,
+        COUNTER_MAX - 2,
+        COUNTER_MAX - 1,
+        COUNTER_MAX,
+    ];
+    const TAGS: [u32; 4] = [0, 1, 128, 255];
+
+    /// A counter holding `value` under `tag`.
+    fn counter(value: u32, tag: u32) -> AtomicU32 {
+        AtomicU32::new(pack(value, tag))
+    }
+
+    /// Comparing a counter word with a limit's word is comparing the
+    /// counter's value with the limit capped to `COUNTER_MAX`, whatever the
+    /// tag; `increment_below` admits exactly below it.
+    #[test]
+    fn a_limit_word_compares_as_the_capped_limit() {
+        let limits = [
+            0,
+            1,
+            2,
+            256,
+            COUNTER_MAX - 1,
+            COUNTER_MAX,
+            COUNTER_MAX + 1,
+            u32::MAX - 1,
+            u32::MAX,
+        ];
+        for limit in limits {
+            let full = limit_word(limit);
+            for tag in TAGS {
+                for value in VALUES
+                    .into_iter()
+                    .chain([limit.saturating_sub(1), limit.min(COUNTER_MAX)])
+                {
+                    let value = value.min(COUNTER_MAX);
+                    let at_limit = value >= limit.min(COUNTER_MAX);
+                    assert_eq!(
+                        pack(value, tag) >= full,
+                        at_limit,
+                        "value {value}, tag {tag}, limit {limit}"
+                    );
+                    let c = counter(value, tag);
+                    let admitted = increment_below(&c, tag, full);
+                    if at_limit {
+                        assert_eq!(admitted, Err(Refusal::AtLimit), "value {value}, limit {limit}");
+                        assert_eq!(c.load(Ordering::Relaxed), pack(value, tag));
+                    } else {
+                        assert_eq!(admitted, Ok(()), "value {value}, limit {limit}");
+                        assert_eq!(c.load(Ordering::Relaxed), pack(value + 1, tag));
+                    }
+                    let stale = increment_below(&counter(value, tag ^ 1), tag, full);
+                    assert_eq!(stale, Err(Refusal::Stale), "value {value}, limit {limit}");
+                }
+            }
+        }
+    }
+
+    /// A limit reads back as it was set, but for one at or above
+    /// `COUNTER_MAX`, which admits as `UNLIMITED` does and reads back so.
+    #[test]
+    fn a_limit_word_reads_back_as_its_limit() {
+        for limit in [0, 1, 9, 256, COUNTER_MAX - 1] {
+            assert_eq!(limit_of_word(limit_word(limit)), limit);
+        }
+        for limit in [COUNTER_MAX, COUNTER_MAX + 1, u32::MAX] {
+            assert_eq!(limit_word(limit), limit_word(crate::fleet::UNLIMITED));
+            assert_eq!(limit_of_word(limit_word(limit)), crate::fleet::UNLIMITED);
+        }
+    }
+
+    /// `add_saturating` adds `min(amount, COUNTER_MAX - value)` under its
+    /// own tag, returns what it added, and leaves the tag alone.
+    #[test]
+    fn an_add_saturates_exactly_at_the_counter_max() {
+        let amounts = [
+            0,
+            1,
+            2,
+            255,
+            256,
+            COUNTER_MAX - 1,
+            COUNTER_MAX,
+            COUNTER_MAX + 1,
+            u32::MAX,
+        ];
+        for tag in TAGS {
+            for value in VALUES {
+                for amount in amounts {
+                    let c = counter(value, tag);
+                    let added = amount.min(COUNTER_MAX - value);
+                    assert_eq!(add_saturating(&c, tag, amount), Some(added), "{value} + {amount}");
+                    assert_eq!(
+                        c.load(Ordering::Relaxed),
+                        pack(value + added, tag),
+                        "{value} + {amount}"
+                    );
+                    let stale = counter(value, tag ^ 1);
+                    let refused = if amount == 0 { Some(0) } else { None };
+                    assert_eq!(add_saturating(&stale, tag, amount), refused, "{value} + {amount}");
+                    assert_eq!(stale.load(Ordering::Relaxed), pack(value, tag ^ 1));
+                }
+            }
+        }
+    }
+
+    /// `sub_if_tagged` takes exactly `amount` from a value that holds it,
+    /// under its own tag only.
+    #[test]
+    fn a_sub_takes_exactly_its_amount_under_its_tag() {
+        for tag in TAGS {
+            for value in VALUES {
+                for amount in VALUES.into_iter().filter(|&a| a <= value) {
+                    let c = counter(value, tag);
+                    assert!(sub_if_tagged(&c, tag, amount), "{value} - {amount}");
+                    assert_eq!(
+                        c.load(Ordering::Relaxed),
+                        pack(value - amount, tag),
+                        "{value} - {amount}"
+                    );
+                    let stale = counter(value, tag ^ 1);
+                    assert_eq!(sub_if_tagged(&stale, tag, amount), amount == 0, "{value} - {amount}");
+                    assert_eq!(stale.load(Ordering::Relaxed), pack(value, tag ^ 1));
+                }
+            }
+        }
+    }
+
+    /// Releasing more than a counter holds empties it (and, in a debug
+    /// build, is caught as the bug it is).
+    #[test]
+    #[cfg_attr(debug_assertions, should_panic(expected = "releasing more than was booked"))]
+    fn a_sub_of_more_than_the_value_empties_the_counter() {
+        let c = counter(3, 7);
+        assert!(sub_if_tagged(&c, 7, 5));
+        assert_eq!(c.load(Ordering::Relaxed), pack(0, 7));
     }
 }

@@ -164,7 +164,8 @@ pub struct Fleet<const GROUPS: usize> {
     capacity_weight: Column<GROUPS>,
     /// `1 / capacity weight`, `f32` bits (least-loaded-weighted multiplies).
     inv_capacity_weight: Column<GROUPS>,
-    /// Admission limit (`UNLIMITED` for none).
+    /// Admission limit as a counter word (`counter::limit_word`): capped
+    /// to `COUNTER_MAX`, compared with `active_requests` words as they are.
     admission_limit: Column<GROUPS>,
     /// Tagged counter: requests in flight, including reservations.
     active_requests: Column<GROUPS>,

@@ -11,7 +11,7 @@
 //!
 //! This module must not write.
 
-use super::counter::value_of;
+use super::counter::{limit_of_word, value_of};
 use super::state::{Outstanding, SlotId, SlotState, StateWord, WorkerInfo};
 use super::Fleet;
 use crate::sync::Ordering;
@@ -83,7 +83,7 @@ impl<const GROUPS: usize> Fleet<GROUPS> {
                     worker_id: (hi as u64) << 32 | lo as u64,
                     dp_rank,
                     capacity_weight: f32::from_bits(weight),
-                    admission_limit: limit,
+                    admission_limit: limit_of_word(limit),
                 });
             }
             crate::sync::spin_loop();

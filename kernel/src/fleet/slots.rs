@@ -28,7 +28,7 @@
 //!
 //! This module must not book or scan.
 
-use super::counter::{pack, tag_of_generation};
+use super::counter::{limit_word, pack, tag_of_generation};
 use super::error::FleetError;
 use super::state::{SlotId, SlotState, StateWord, WorkerSpec, WorkerState, GENERATION_MASK, WRITER};
 use super::Fleet;
@@ -83,7 +83,7 @@ impl<const GROUPS: usize> Fleet<GROUPS> {
         self.write_weight(row, weight);
         self.admission_limit
             .at(row)
-            .store(worker.admission_limit, Ordering::Release);
+            .store(limit_word(worker.admission_limit), Ordering::Release);
         self.rows.fetch_max(row as u32 + 1, Ordering::AcqRel);
         self.state
             .at(row)
@@ -179,7 +179,7 @@ impl<const GROUPS: usize> Fleet<GROUPS> {
     /// bookings until enough are released; nothing is cancelled.
     pub fn set_admission_limit(&self, slot: SlotId, limit: u32) -> Result<(), FleetError> {
         let row = self.lock_writer(slot)?;
-        self.admission_limit.at(row).store(limit, Ordering::Release);
+        self.admission_limit.at(row).store(limit_word(limit), Ordering::Release);
         self.unlock_writer(row);
         Ok(())
     }

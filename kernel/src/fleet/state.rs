@@ -190,7 +190,9 @@ pub struct WorkerInfo {
     pub dp_rank: u32,
     /// Capacity weight.
     pub capacity_weight: f32,
-    /// Admission limit ([`UNLIMITED`] for none).
+    /// Admission limit ([`UNLIMITED`] for none). A limit set at or above
+    /// [`COUNTER_MAX`](crate::fleet::COUNTER_MAX) admits as `UNLIMITED`
+    /// does (up to that many requests) and reads back as `UNLIMITED`.
     pub admission_limit: u32,
 }
 

@@ -241,8 +241,10 @@ fn updates_change_weight_and_limit_of_the_right_occupant() {
         BookError::Overloaded { row: 0, limit: 1 }
     );
     fleet.set_admission_limit(a, 2).unwrap();
+    assert_eq!(fleet.worker(0).unwrap().admission_limit, 2);
     let second = fleet.book(0, load(0, 0)).unwrap();
     fleet.set_admission_limit(a, 0).unwrap();
+    assert_eq!(fleet.worker(0).unwrap().admission_limit, 0);
     assert_eq!(
         fleet.book(0, load(0, 0)).unwrap_err(),
         BookError::Overloaded { row: 0, limit: 0 }
@@ -250,6 +252,11 @@ fn updates_change_weight_and_limit_of_the_right_occupant() {
     assert_eq!(out(&fleet, 0).requests, 2, "lowering the limit cancels nothing");
     fleet.set_admission_limit(a, UNLIMITED).unwrap();
     assert_eq!(fleet.worker(0).unwrap().admission_limit, UNLIMITED);
+    // Above the counter's maximum a limit admits as UNLIMITED does.
+    fleet.set_admission_limit(a, COUNTER_MAX + 1).unwrap();
+    assert_eq!(fleet.worker(0).unwrap().admission_limit, UNLIMITED);
+    fleet.set_admission_limit(a, COUNTER_MAX - 1).unwrap();
+    assert_eq!(fleet.worker(0).unwrap().admission_limit, COUNTER_MAX - 1);
     drop((first, second));
 
     fleet.remove(a).unwrap();
