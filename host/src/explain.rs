@@ -104,6 +104,10 @@ pub struct Explanation {
     pub chosen: WorkerWithDpRank,
     /// The chosen row's cost (the KV cost, a custom policy's summed cost, or
     /// the load for the load modes: in-flight requests per unit of weight).
+    /// A plain request's random, round-robin or power-of-two draw reads no
+    /// load of its own: its cost is the requests its booking found there
+    /// (power-of-two: those it compared), per unit of the weight the worker
+    /// has when the explanation is built.
     pub cost: f64,
     /// The cheapest other eligible row and its cost, when computed.
     pub runner_up: Option<(WorkerWithDpRank, f64)>,
@@ -122,6 +126,10 @@ pub(crate) struct Why {
     pub(crate) route: Route,
     pub(crate) branch: Branch,
     pub(crate) cost: f64,
+    /// `cost` is the chosen row's in-flight requests, still to be divided
+    /// by its capacity weight (an O(1) draw's choice: the weight is read
+    /// when the explanation is built, not on every selection).
+    pub(crate) per_weight: bool,
     pub(crate) runner_up: Option<(WorkerWithDpRank, f64)>,
     /// At most the fleet's capacity (16,384 rows).
     pub(crate) candidates: u32,
@@ -129,14 +137,31 @@ pub(crate) struct Why {
 }
 
 impl Why {
-    /// The explanation of choosing `chosen` under `policy`.
-    pub(crate) fn explain(&self, policy: &'static str, chosen: WorkerWithDpRank) -> Explanation {
+    /// The chosen row's cost, its weight's inverse read by `inv_weight`
+    /// where `cost` still needs it.
+    #[inline]
+    pub(crate) fn cost(&self, inv_weight: impl FnOnce() -> f32) -> f64 {
+        if self.per_weight {
+            self.cost * f64::from(inv_weight())
+        } else {
+            self.cost
+        }
+    }
+
+    /// The explanation of choosing `chosen` under `policy` (`inv_weight`:
+    /// see [`cost`](Self::cost)).
+    pub(crate) fn explain(
+        &self,
+        policy: &'static str,
+        chosen: WorkerWithDpRank,
+        inv_weight: impl FnOnce() -> f32,
+    ) -> Explanation {
         Explanation {
             policy,
             route: self.route,
             branch: self.branch,
             chosen,
-            cost: self.cost,
+            cost: self.cost(inv_weight),
             runner_up: self.runner_up,
             candidates: self.candidates as usize,
             temperature: self.temperature,

@@ -184,6 +184,61 @@ impl<O: Output> Generator<O> {
         (m >> 64) as u64
     }
 
+    /// An element of `items` at a uniform position (`None` if it is
+    /// empty): `items[self.below_inlined(items.len())]`, the same draws,
+    /// without the bounds check a caller's index would need.
+    ///
+    /// ```
+    /// use selkie_kernel::Rng;
+    /// let (mut a, mut b) = (Rng::new(5), Rng::new(5));
+    /// let rows = [3u32, 9, 27, 81];
+    /// assert_eq!(a.pick(&rows), Some(rows[b.below(4) as usize]));
+    /// assert_eq!(a.pick::<u32>(&[]), None);
+    /// ```
+    #[inline(always)]
+    pub fn pick<T: Copy>(&mut self, items: &[T]) -> Option<T> {
+        let n = items.len();
+        if n == 0 {
+            return None;
+        }
+        let k = self.below_inlined(n as u64) as usize;
+        debug_assert!(k < n);
+        // SAFETY: `below_inlined(n)` is the high word of the 128-bit
+        // product of a 64-bit draw and `n`, which is below `n`.
+        Some(unsafe { *items.get_unchecked(k) })
+    }
+
+    /// Two elements of `items` at distinct positions (`None` if it has
+    /// fewer than two): the first position uniform, the second uniform
+    /// among the others, `(first + 1 + below(n - 1)) mod n` (power of two
+    /// choices' draw, as [`power_of_two`](crate::kernels::index::power_of_two)
+    /// makes it), without bounds checks.
+    ///
+    /// ```
+    /// use selkie_kernel::Rng;
+    /// let (mut a, mut b) = (Rng::new(5), Rng::new(5));
+    /// let rows = [3u32, 9, 27, 81];
+    /// let first = b.below(4) as usize;
+    /// let second = (first + 1 + b.below(3) as usize) % 4;
+    /// assert_eq!(a.pick_two(&rows), Some((rows[first], rows[second])));
+    /// assert_eq!(a.pick_two(&rows[..1]), None);
+    /// ```
+    #[inline(always)]
+    pub fn pick_two<T: Copy>(&mut self, items: &[T]) -> Option<(T, T)> {
+        let n = items.len();
+        if n < 2 {
+            return None;
+        }
+        let first = self.below_inlined(n as u64) as usize;
+        let after = first + 1 + self.below_inlined(n as u64 - 1) as usize;
+        let second = if after >= n { after - n } else { after };
+        debug_assert!(first < n && second < n && first != second);
+        // SAFETY: `first < n` (see `pick`); `after` is at most
+        // `(n - 1) + 1 + (n - 2) = 2n - 2`, so `second` is `after` below
+        // `n`, else `after - n <= n - 2`.
+        Some(unsafe { (*items.get_unchecked(first), *items.get_unchecked(second)) })
+    }
+
     /// A uniform `f64` in `[0, 1)`, with 53 random bits (one draw).
     #[inline]
     pub fn unit_f64(&mut self) -> f64 {
@@ -230,6 +285,55 @@ mod tests {
         let mut r = SplitMix64::new(0);
         assert_eq!(r.next_u64(), 0xE220_A839_7B1D_CDAF);
         assert_eq!(r.next_u64(), 0x6E78_9E6A_A1B9_65F4);
+    }
+
+    /// `pick` and `pick_two` draw what indexing with `below` would, for
+    /// every length up to 70 and many seeds, and draw nothing from a list
+    /// too short for them.
+    #[test]
+    fn picks_are_the_draws_of_below() {
+        let items: [u32; 70] = core::array::from_fn(|i| 1000 + i as u32);
+        for n in 0..=items.len() {
+            let list = &items[..n];
+            for seed in 0..300 {
+                let (mut a, mut b) = (Rng::new(seed), Rng::new(seed));
+                let expected = (n > 0).then(|| list[b.below(n as u64) as usize]);
+                assert_eq!(a.pick(list), expected, "n {n}, seed {seed}");
+                assert_eq!(a.state(), b.state(), "n {n}, seed {seed}: the same draws");
+
+                let (mut a, mut b) = (Rng::new(seed), Rng::new(seed));
+                let expected = (n >= 2).then(|| {
+                    let first = b.below(n as u64) as usize;
+                    let second = (first + 1 + b.below(n as u64 - 1) as usize) % n;
+                    assert_ne!(first, second);
+                    (list[first], list[second])
+                });
+                assert_eq!(a.pick_two(list), expected, "n {n}, seed {seed}");
+                assert_eq!(a.state(), b.state(), "n {n}, seed {seed}: the same draws");
+            }
+        }
+    }
+
+    /// Every ordered pair of distinct positions is drawn by `pick_two`,
+    /// about equally often (the wrap-around included).
+    #[test]
+    fn pick_two_covers_every_distinct_pair() {
+        let items = [0usize, 1, 2, 3, 4];
+        let mut seen = [[0u32; 5]; 5];
+        let mut r = Rng::new(3);
+        for _ in 0..20_000 {
+            let (a, b) = r.pick_two(&items).unwrap();
+            seen[a][b] += 1;
+        }
+        for (a, row) in seen.iter().enumerate() {
+            for (b, &count) in row.iter().enumerate() {
+                if a == b {
+                    assert_eq!(count, 0, "({a}, {a}) drawn");
+                } else {
+                    assert!((800..1200).contains(&count), "({a}, {b}) drawn {count} times: {seen:?}");
+                }
+            }
+        }
     }
 
     #[test]

@@ -86,7 +86,7 @@ pub(crate) fn draw_from_list(
 ) -> Option<(usize, Branch, Option<u32>)> {
     let n = list.len();
     match draw {
-        ListDraw::Random if n != 0 => Some((list[rng.draw_below(n as u64) as usize] as usize, Branch::Random, None)),
+        ListDraw::Random => Some((rng.pick(list)? as usize, Branch::Random, None)),
         ListDraw::RoundRobin if n != 0 => {
             let ticket = u64::from(if advance {
                 fleet.next_ticket()
@@ -95,13 +95,12 @@ pub(crate) fn draw_from_list(
             });
             Some((list[(ticket % n as u64) as usize] as usize, Branch::RoundRobin, None))
         }
-        ListDraw::PowerOfTwo if n >= 2 && !reg.traits().multi_rank => {
+        ListDraw::PowerOfTwo if !reg.traits().multi_rank => {
             // The kernel's draws (Dynamo's): two distinct positions, the
             // lighter row wins, ties to the first draw.
             let active = view.active_requests();
-            let k1 = rng.draw_below(n as u64) as usize;
-            let k2 = k1 + 1 + rng.draw_below(n as u64 - 1) as usize;
-            let (a, b) = (list[k1] as usize, list[if k2 >= n { k2 - n } else { k2 }] as usize);
+            let (a, b) = rng.pick_two(list)?;
+            let (a, b) = (a as usize, b as usize);
             let (load_a, load_b) = (U32Source::value(&active, a), U32Source::value(&active, b));
             let (row, load) = if load_a <= load_b { (a, load_a) } else { (b, load_b) };
             Some((row, Branch::PowerOfTwo, Some(load)))
@@ -114,13 +113,7 @@ pub(crate) fn draw_from_list(
 /// traits and the fleet's columns.
 #[inline(always)]
 pub(crate) fn row_load(reg: &WorkerRegistry, view: &FleetView<'_, FLEET_GROUPS>, row: usize) -> f64 {
-    weighted_load(reg, view, row, U32Source::value(&view.active_requests(), row))
-}
-
-/// [`row_load`] of `row` with `active` in-flight requests (as read).
-#[inline(always)]
-pub(crate) fn weighted_load(reg: &WorkerRegistry, view: &FleetView<'_, FLEET_GROUPS>, row: usize, active: u32) -> f64 {
-    let a = f64::from(active);
+    let a = f64::from(U32Source::value(&view.active_requests(), row));
     if reg.traits().weighted {
         a * F32Source::value(&view.inv_capacity_weight(), row) as f64
     } else {

@@ -266,18 +266,26 @@ pub(crate) enum ListDraw {
 /// Where a list draw takes its random numbers: the request's generator,
 /// or none at all for a draw that takes none (round-robin's).
 pub(crate) trait Draws {
-    /// A uniform integer in `0..n` (`n > 0`): [`Rng::below`]'s.
-    fn draw_below(&mut self, n: u64) -> u64;
+    /// A row of `list` at a uniform position: [`Rng::pick`]'s.
+    fn pick(&mut self, list: &[u32]) -> Option<u32>;
+
+    /// Two rows of `list` at distinct positions: [`Rng::pick_two`]'s.
+    fn pick_two(&mut self, list: &[u32]) -> Option<(u32, u32)>;
 }
 
 impl Draws for Rng {
     #[inline(always)]
-    fn draw_below(&mut self, n: u64) -> u64 {
-        self.below_inlined(n)
+    fn pick(&mut self, list: &[u32]) -> Option<u32> {
+        Rng::pick(self, list)
+    }
+
+    #[inline(always)]
+    fn pick_two(&mut self, list: &[u32]) -> Option<(u32, u32)> {
+        Rng::pick_two(self, list)
     }
 }
 
-/// The choice of random, round-robin or power-of-two (`draw`) for a
+/// The row random, round-robin or power-of-two (`draw`) chooses for a
 /// request whose eligible rows are exactly `list` (the snapshot's ready
 /// rows), drawn in O(1) without a mask or the scratch, advancing the
 /// round-robin cursor: the row the policy's `choose` would give for the
@@ -291,19 +299,45 @@ pub(crate) fn draw_ready(
     view: &FleetView<'_, FLEET_GROUPS>,
     list: &[u32],
     rng: &mut impl Draws,
-) -> Option<Choice> {
+) -> Option<Drawn> {
     let (row, branch, active) = builtin::draw_from_list(draw, reg, fleet, view, list, true, rng)?;
-    Some(Choice {
+    Some(Drawn {
         row,
-        cost: match active {
-            Some(active) => builtin::weighted_load(reg, view, row, active),
-            None => builtin::row_load(reg, view, row),
-        },
-        runner_up: None,
         branch,
+        active,
         candidates: list.len(),
-        temperature: 0.0,
     })
+}
+
+/// A row drawn by [`draw_ready`], before its booking.
+#[derive(Clone, Copy)]
+pub(crate) struct Drawn {
+    pub(crate) row: usize,
+    pub(crate) branch: Branch,
+    /// The row's in-flight requests as the draw read them (power-of-two
+    /// compares them); random and round-robin read none.
+    pub(crate) active: Option<u32>,
+    pub(crate) candidates: usize,
+}
+
+impl Drawn {
+    /// Why it was chosen, once booked: its cost is the row's in-flight
+    /// requests as the draw read them, else as the booking found them
+    /// (`found`, before its own), so a draw that reads nothing costs no
+    /// read of its own; the weight is applied when the explanation is
+    /// built (`Why::per_weight`).
+    #[inline(always)]
+    pub(crate) fn why(self, found: u32) -> Why {
+        Why {
+            route: Route::Policy,
+            branch: self.branch,
+            cost: f64::from(self.active.unwrap_or(found)),
+            per_weight: true,
+            runner_up: None,
+            candidates: self.candidates as u32,
+            temperature: 0.0,
+        }
+    }
 }
 
 /// One worker-selection policy: a built-in mode, or custom filters, scorers
@@ -499,7 +533,7 @@ impl std::fmt::Debug for WorkerSelectionPolicy {
 
 use crate::discovery::registry::WorkerRegistry;
 use crate::error::SelectionError;
-use crate::explain::Branch;
+use crate::explain::{Branch, Route, Why};
 use crate::filter::for_each_row;
 use crate::fleet::{HostFleet, FLEET_GROUPS};
 use crate::plugin::WorkerSelectionContext;

@@ -1,11 +1,13 @@
 //! The fast path of a plain selection: a request with no pin, session,
 //! constraint, explanation or preview, under a built-in policy other than
 //! direct, on a snapshot whose ready rows are exactly its live rows.
-//! Random, round-robin and power-of-two draw from the ready rows in O(1);
-//! the other policies read the snapshot's ready mask as it is; the row is
-//! booked directly. It chooses what the general path (`run`) would, from
-//! the same random numbers, and hands a refused booking back to it. It
-//! must not filter, rescan or build an explanation's runner-up.
+//! Random, round-robin and power-of-two draw from the ready rows in O(1)
+//! (a draw that cannot be made there, with no ready row or power-of-two
+//! on ranks, is the general path's); the other policies read the
+//! snapshot's ready mask as it is; the row is booked directly. It chooses
+//! what the general path (`run`) would, from the same random numbers, and
+//! hands a refused booking back to it. It must not filter, rescan or
+//! build an explanation's runner-up.
 
 use std::ops::Deref;
 
@@ -20,7 +22,7 @@ use crate::error::SelectionError;
 use crate::explain::Route;
 use crate::plugin::WorkerSelectionContext;
 use crate::policy::scratch::with_scratch;
-use crate::policy::{draw_ready, Choice, Env, ReadyRows};
+use crate::policy::{draw_ready, Choice, Drawn, Env, ReadyRows};
 use crate::request::SelectionRequest;
 
 /// How the fast path ended when it booked nothing.
@@ -32,6 +34,14 @@ pub(super) enum Fallback {
     Failed(SelectionError),
 }
 
+/// How the fast path came to its row.
+enum Pick {
+    /// Drawn from the ready list in O(1).
+    Drawn(Drawn),
+    /// Chosen by the policy's scan of the ready mask.
+    Chosen(Choice),
+}
+
 impl WorkerSelectionService {
     /// The fast path of a plain selection: no pin, session, constraint,
     /// explanation or preview, under a built-in policy, on a snapshot whose
@@ -41,18 +51,22 @@ impl WorkerSelectionService {
     /// it is (no copy). The row is booked directly: the same row, from the
     /// same random numbers, as the general path (`Some(Ok(..))`).
     ///
-    /// `None`: not such a request (the general path runs).
+    /// `ready` is the policy's [`ReadyRows`], a constant where the caller
+    /// matched it. `None`: not such a request, or a draw the general path
+    /// makes (the general path runs).
     #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn select_ready<H: Deref<Target = Self>>(
         &self,
         reg: &WorkerRegistry,
         req: &SelectionRequest<'_>,
         plan: Plan,
+        ready: ReadyRows,
         rng: &mut impl RngSlot,
         handle: impl Fn() -> H + Copy,
         traced: bool,
     ) -> Option<Result<Booked<H>, Fallback>> {
-        if !plan.ready || !reg.ready_exact() {
+        if ready == ReadyRows::No || !plan.ready || !reg.ready_exact() {
             return None;
         }
         let (_, list) = reg.ready_rows();
@@ -60,27 +74,31 @@ impl WorkerSelectionService {
         #[cfg(test)]
         super::tests::hooks::after_rows_read(rows);
         let view = self.fleet.view(rows);
-        let drawn = match self.ready_rows {
-            ReadyRows::Draw(draw) => draw_ready(draw, reg, &self.fleet, &view, list, rng),
-            _ => None,
-        };
-        let choice = match drawn {
-            Some(choice) => choice,
-            None => match self.choose_on_ready(reg, *req, rng.rng(self), list, rows) {
-                Ok(choice) => choice,
+        // A drawn row's cost is the load its booking found (see
+        // `Drawn::why`).
+        let (row, pick) = match ready {
+            ReadyRows::Draw(draw) => {
+                let drawn = draw_ready(draw, reg, &self.fleet, &view, list, rng)?;
+                (drawn.row, Pick::Drawn(drawn))
+            }
+            _ => match self.choose_on_ready(reg, *req, rng.rng(self), list, rows) {
+                Ok(choice) => (choice.row, Pick::Chosen(choice)),
                 Err(e) => return Some(Err(Fallback::Failed(e))),
             },
         };
-        let meta = reg.row(choice.row)?;
+        let meta = reg.row(row)?;
         let load = match plan.load {
             Some(load) => load,
-            None => self.book_row_load(*req, choice.row, meta.worker()),
+            None => self.book_row_load(*req, row, meta.worker()),
         };
-        match Booking::new_for_slot(FleetHandle(handle()), meta.handle.slot, load) {
-            Ok(booking) => Some(Ok(self.booked(booking, &choice, None, meta, Route::Policy, traced))),
+        match Booking::new_for_slot_with_active(FleetHandle(handle()), meta.handle.slot, load) {
+            Ok((booking, found)) => Some(Ok(match pick {
+                Pick::Drawn(drawn) => self.booked_why(booking, drawn.why(found), meta, traced),
+                Pick::Chosen(choice) => self.booked(booking, &choice, None, meta, Route::Policy, traced),
+            })),
             Err(e) => {
                 refused(&self.rejections, &e);
-                Some(Err(Fallback::Refused(choice.row)))
+                Some(Err(Fallback::Refused(row)))
             }
         }
     }

@@ -14,6 +14,7 @@ use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use selkie_kernel::fleet::{BookError, BookLoad, Booking, SelectError, SlotPick, COUNTER_MAX};
+use selkie_kernel::lanes::F32Source;
 use selkie_kernel::{mask, Rng};
 
 use super::fast::Fallback;
@@ -104,7 +105,11 @@ impl RngSlot for Rng {
 pub(super) struct Untaken(Option<Rng>);
 
 impl Draws for Untaken {
-    fn draw_below(&mut self, _n: u64) -> u64 {
+    fn pick(&mut self, _list: &[u32]) -> Option<u32> {
+        unreachable!("round-robin's draw takes no random numbers")
+    }
+
+    fn pick_two(&mut self, _list: &[u32]) -> Option<(u32, u32)> {
         unreachable!("round-robin's draw takes no random numbers")
     }
 }
@@ -249,27 +254,43 @@ impl WorkerSelectionService {
         plan: Plan,
         traced: bool,
     ) -> Result<Booked<H>, SelectionError> {
+        // The policy's way to the ready rows, matched once here: each arm
+        // runs with it as a constant, so the fast path branches on it no
+        // further.
         match self.ready_rows {
             // Round-robin's fast path draws no random numbers: its
             // generator is taken only if the general path runs.
-            ReadyRows::Draw(ListDraw::RoundRobin) => self.select_taking(reg, req, handle, plan, Untaken(None), traced),
-            _ => self.select_taking(reg, req, handle, plan, self.take_rng(), traced),
+            ReadyRows::Draw(ListDraw::RoundRobin) => {
+                let ready = ReadyRows::Draw(ListDraw::RoundRobin);
+                self.select_taking(reg, req, handle, plan, ready, Untaken(None), traced)
+            }
+            ReadyRows::Draw(ListDraw::Random) => {
+                let ready = ReadyRows::Draw(ListDraw::Random);
+                self.select_taking(reg, req, handle, plan, ready, self.take_rng(), traced)
+            }
+            ReadyRows::Draw(ListDraw::PowerOfTwo) => {
+                let ready = ReadyRows::Draw(ListDraw::PowerOfTwo);
+                self.select_taking(reg, req, handle, plan, ready, self.take_rng(), traced)
+            }
+            ready => self.select_taking(reg, req, handle, plan, ready, self.take_rng(), traced),
         }
     }
 
     /// [`select_on_snapshot`](Self::select_on_snapshot) with the
     /// request's generator in `rng`.
     #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
     fn select_taking<H: Deref<Target = Self>>(
         &self,
         reg: &WorkerRegistry,
         req: &SelectionRequest<'_>,
         handle: impl Fn() -> H + Copy,
         plan: Plan,
+        ready: ReadyRows,
         mut rng: impl RngSlot,
         traced: bool,
     ) -> Result<Booked<H>, SelectionError> {
-        let skip = match self.select_ready(reg, req, plan, &mut rng, handle, traced) {
+        let skip = match self.select_ready(reg, req, plan, ready, &mut rng, handle, traced) {
             Some(Ok(booked)) => {
                 rng.keep(self);
                 return Ok(booked);
@@ -338,8 +359,7 @@ impl WorkerSelectionService {
     #[inline(always)]
     fn plan(&self, req: &SelectionRequest<'_>) -> Plan {
         Plan {
-            ready: self.ready_rows != ReadyRows::No
-                && req.pin.is_none()
+            ready: req.pin.is_none()
                 && req.session.is_none()
                 && !req.explain
                 && req.allowed_worker_ids.is_none()
@@ -469,22 +489,35 @@ impl WorkerSelectionService {
         route: Route,
         traced: bool,
     ) -> Booked<H> {
+        self.booked_why(booking, why(choice, runner_up, route), meta, traced)
+    }
+
+    /// [`booked`](Self::booked) with the choice's [`Why`] as it is kept.
+    #[inline(always)]
+    pub(super) fn booked_why<H: Deref<Target = Self>>(
+        &self,
+        booking: Booking<FleetHandle<H>, FLEET_GROUPS>,
+        why: Why,
+        meta: &RowMeta,
+        traced: bool,
+    ) -> Booked<H> {
         let worker = meta.worker();
         meta.entry.selections.increment(1);
         self.selections.increment(1);
         if traced {
             tracing::debug!(
                 worker = %worker,
-                cost = choice.cost,
-                branch = choice.branch.as_str(),
+                cost = why.cost(|| self.inv_weight(booking.row())),
+                branch = why.branch.as_str(),
                 "selected"
             );
         }
-        Booked {
-            booking,
-            worker,
-            why: why(choice, runner_up, route),
-        }
+        Booked { booking, worker, why }
+    }
+
+    /// The inverse of `row`'s capacity weight, as the fleet holds it now.
+    pub(super) fn inv_weight(&self, row: usize) -> f32 {
+        F32Source::value(&self.fleet.inv_capacity_weight(), row)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -658,8 +691,9 @@ impl WorkerSelectionService {
             }
         };
         let runner_up = |choice: &Choice| choice.runner_up.and_then(|(r, c)| reg.row(r).map(|m| (m.worker(), c)));
-        let explanation =
-            |choice: &Choice, worker, route| why(choice, runner_up(choice), route).explain(self.policy.name(), worker);
+        let explanation = |choice: &Choice, worker, route| {
+            why(choice, runner_up(choice), route).explain(self.policy.name(), worker, || 1.0)
+        };
         if preview {
             loop {
                 let choice = choose(mask, list, s, &mut soft_row, &mut route)?;
@@ -754,6 +788,7 @@ fn why(choice: &Choice, runner_up: Option<(WorkerWithDpRank, f64)>, route: Route
         route,
         branch: choice.branch,
         cost: choice.cost,
+        per_weight: false,
         runner_up,
         // Rows the policy chose from: at most the fleet's 16,384.
         candidates: choice.candidates as u32,
@@ -799,8 +834,8 @@ fn cached_tokens(overlaps: &[crate::WorkerOverlap], worker: WorkerWithDpRank) ->
 /// request, and from the service's policy.
 #[derive(Clone, Copy)]
 pub(super) struct Plan {
-    /// A plain request (no pin, session, constraint or explanation) under
-    /// a policy that reads ready rows: the fast path may take it, if the
+    /// A plain request (no pin, session, constraint or explanation): the
+    /// fast path may take it, if the policy reads ready rows and the
     /// snapshot's ready rows are exactly its live rows.
     pub(super) ready: bool,
     /// The load it books on every row alike ([`uniform_load`]).

@@ -58,9 +58,13 @@ impl<H: Deref<Target = WorkerSelectionService>> Booked<H> {
     }
 
     /// Why this worker was chosen (built on request from what the
-    /// booking keeps: a few copies, no allocation).
+    /// booking keeps, and for an O(1) draw the worker's capacity weight as
+    /// the fleet holds it now: a few copies and one read, no allocation).
     pub fn explanation(&self) -> Explanation {
-        self.why.explain(self.booking.fleet().0.policy.name(), self.worker)
+        let service = &self.booking.fleet().0;
+        self.why.explain(service.policy.name(), self.worker, || {
+            service.inv_weight(self.booking.row())
+        })
     }
 
     /// Prefill tokens still booked.

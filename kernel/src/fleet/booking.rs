@@ -94,14 +94,21 @@ impl<const GROUPS: usize> Fleet<GROUPS> {
     /// The booking protocol; `expected` pins the generation.
     #[inline]
     pub(crate) fn claim(&self, row: usize, expected: Option<u32>, load: BookLoad) -> Result<Claim, BookError> {
-        self.claim_inline(row, expected, load)
+        self.claim_inline(row, expected, load).map(|(claim, _)| claim)
     }
 
-    /// [`claim`](Self::claim), always inlined: for
-    /// [`Booking::new_for_slot`], the host's fast path, where the call and
-    /// its result through memory cost more than the protocol's own loads.
+    /// [`claim`](Self::claim), always inlined, with the row's in-flight
+    /// requests its CAS found (its own not counted): for
+    /// [`Booking::new_for_slot_with_active`], the host's fast path, where
+    /// the call and its result through memory cost more than the
+    /// protocol's own loads.
     #[cfg_attr(not(debug_assertions), inline(always))]
-    pub(crate) fn claim_inline(&self, row: usize, expected: Option<u32>, load: BookLoad) -> Result<Claim, BookError> {
+    pub(crate) fn claim_inline(
+        &self,
+        row: usize,
+        expected: Option<u32>,
+        load: BookLoad,
+    ) -> Result<(Claim, u32), BookError> {
         if !Self::in_range(row) {
             return Err(BookError::NoSuchRow {
                 row,
@@ -125,9 +132,8 @@ impl<const GROUPS: usize> Fleet<GROUPS> {
         let full = self.admission_limit.at(row).load(Ordering::Acquire);
         let tag = tag_of_generation(generation);
         let active = self.active_requests.at(row);
-        let admitted = self.increment_active(row, tag, full);
-        match admitted {
-            Ok(()) => {}
+        let found = match self.increment_active(row, tag, full) {
+            Ok(found) => found,
             Err(Refusal::AtLimit) => {
                 return Err(BookError::Overloaded {
                     row: row32,
@@ -135,7 +141,7 @@ impl<const GROUPS: usize> Fleet<GROUPS> {
                 })
             }
             Err(Refusal::Stale) => return Err(self.stale(row, generation)),
-        }
+        };
         let now = self.state_word(row, Ordering::SeqCst);
         // `s` was found Live (of `expected`, when given): unchanged means
         // Live of `generation` still.
@@ -152,18 +158,20 @@ impl<const GROUPS: usize> Fleet<GROUPS> {
             sub_if_tagged(active, tag, 1);
             return Err(self.stale(row, generation));
         };
-        Ok(Claim {
+        let claim = Claim {
             row: row32,
             generation,
             prefill_tokens,
             decode_blocks,
-        })
+        };
+        Ok((claim, found))
     }
 
     /// Step 2 of the protocol (or, in a loom model, its broken variants);
-    /// `full`: the row's [`limit_word`](super::counter::limit_word).
+    /// `full`: the row's [`limit_word`](super::counter::limit_word). Returns
+    /// the in-flight requests found.
     #[inline(always)]
-    fn increment_active(&self, row: usize, tag: u32, full: u32) -> Result<(), Refusal> {
+    fn increment_active(&self, row: usize, tag: u32, full: u32) -> Result<u32, Refusal> {
         let active = self.active_requests.at(row);
         #[cfg(selkie_loom)]
         match self.fault {

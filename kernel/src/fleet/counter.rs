@@ -126,11 +126,12 @@ fn update<T, E>(counter: &AtomicU32, order: Ordering, step: impl Fn(u32) -> Resu
 }
 
 /// Adds one to the value if the tag is `tag` and the value is below the
-/// limit whose [`limit_word`] is `full`. This CAS is the admission decision:
-/// it is `SeqCst` so that it is ordered with the booking's state re-check and
-/// with `set_state` / `remove` (see `booking`).
+/// limit whose [`limit_word`] is `full`; returns the value it found. This
+/// CAS is the admission decision: it is `SeqCst` so that it is ordered with
+/// the booking's state re-check and with `set_state` / `remove` (see
+/// `booking`).
 #[cfg_attr(not(debug_assertions), inline(always))]
-pub(crate) fn increment_below(counter: &AtomicU32, tag: u32, full: u32) -> Result<(), Refusal> {
+pub(crate) fn increment_below(counter: &AtomicU32, tag: u32, full: u32) -> Result<u32, Refusal> {
     update(counter, Ordering::SeqCst, |word| {
         if !carries(word, tag) {
             return Err(Refusal::Stale);
@@ -138,7 +139,7 @@ pub(crate) fn increment_below(counter: &AtomicU32, tag: u32, full: u32) -> Resul
         if word >= full {
             return Err(Refusal::AtLimit);
         }
-        Ok((word + ONE, ()))
+        Ok((word + ONE, value_of(word)))
     })
 }
 
@@ -212,7 +213,7 @@ pub(crate) mod broken {
 
     /// [`increment_below`] as a load then a store: two bookers can both see
     /// the last free place and both take it.
-    pub(crate) fn increment_below_load_store(counter: &AtomicU32, tag: u32, limit: u32) -> Result<(), Refusal> {
+    pub(crate) fn increment_below_load_store(counter: &AtomicU32, tag: u32, limit: u32) -> Result<u32, Refusal> {
         let word = counter.load(Ordering::SeqCst);
         if !carries(word, tag) {
             return Err(Refusal::Stale);
@@ -221,18 +222,18 @@ pub(crate) mod broken {
             return Err(Refusal::AtLimit);
         }
         counter.store(word + ONE, Ordering::SeqCst);
-        Ok(())
+        Ok(value_of(word))
     }
 
     /// [`increment_below`] without the tag check: keeps whatever tag is there.
-    pub(crate) fn increment_below_untagged(counter: &AtomicU32, limit: u32) -> Result<(), Refusal> {
+    pub(crate) fn increment_below_untagged(counter: &AtomicU32, limit: u32) -> Result<u32, Refusal> {
         let mut word = counter.load(Ordering::Relaxed);
         loop {
             if value_of(word) >= limit {
                 return Err(Refusal::AtLimit);
             }
             match counter.compare_exchange(word, word + ONE, Ordering::SeqCst, Ordering::Relaxed) {
-                Ok(_) => return Ok(()),
+                Ok(_) => return Ok(value_of(word)),
                 Err(now) => word = now,
             }
         }
@@ -338,7 +339,7 @@ mod tests {
                         assert_eq!(admitted, Err(Refusal::AtLimit), "value {value}, limit {limit}");
                         assert_eq!(c.load(Ordering::Relaxed), pack(value, tag));
                     } else {
-                        assert_eq!(admitted, Ok(()), "value {value}, limit {limit}");
+                        assert_eq!(admitted, Ok(value), "value {value}, limit {limit}");
                         assert_eq!(c.load(Ordering::Relaxed), pack(value + 1, tag));
                     }
                     let stale = increment_below(&counter(value, tag ^ 1), tag, full);

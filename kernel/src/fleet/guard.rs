@@ -84,8 +84,28 @@ impl<F: Deref<Target = Fleet<GROUPS>>, const GROUPS: usize> Booking<F, GROUPS> {
     /// occupant.
     #[cfg_attr(not(debug_assertions), inline(always))]
     pub fn new_for_slot(fleet: F, slot: SlotId, load: BookLoad) -> Result<Self, BookError> {
-        let claim = fleet.claim_inline(slot.row as usize, Some(slot.generation), load)?;
-        Ok(Booking { fleet, claim })
+        Self::new_for_slot_with_active(fleet, slot, load).map(|(booking, _)| booking)
+    }
+
+    /// As [`new_for_slot`](Self::new_for_slot), also returning the row's
+    /// in-flight requests the admission found, this booking not counted:
+    /// the load the request was admitted at, without a read of its own.
+    ///
+    /// ```
+    /// use selkie_kernel::fleet::{BookLoad, Booking, Fleet, WorkerSpec};
+    ///
+    /// let fleet = Fleet::<1>::new();
+    /// let slot = fleet.add(WorkerSpec::new(7)).unwrap();
+    /// let (first, found) = Booking::new_for_slot_with_active(&fleet, slot, BookLoad::default()).unwrap();
+    /// assert_eq!(found, 0);
+    /// let (second, found) = Booking::new_for_slot_with_active(&fleet, slot, BookLoad::default()).unwrap();
+    /// assert_eq!(found, 1);
+    /// # drop((first, second));
+    /// ```
+    #[cfg_attr(not(debug_assertions), inline(always))]
+    pub fn new_for_slot_with_active(fleet: F, slot: SlotId, load: BookLoad) -> Result<(Self, u32), BookError> {
+        let (claim, found) = fleet.claim_inline(slot.row as usize, Some(slot.generation), load)?;
+        Ok((Booking { fleet, claim }, found))
     }
 
     /// Wraps a claim made by the caller on `fleet`.

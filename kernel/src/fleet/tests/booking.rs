@@ -28,6 +28,34 @@ fn a_booking_counts_its_load_and_releases_it_once_on_drop() {
     assert!(std::format!("{:?}", fleet.book(0, load(1, 2)).unwrap()).contains("prefill_tokens: 1"));
 }
 
+/// A booking by slot reports the in-flight requests it was admitted at
+/// (its own not counted), whoever booked them, and across a reuse of the
+/// row counts only the new occupant's.
+#[test]
+fn a_slot_booking_reports_the_requests_it_found() {
+    let fleet = Fleet::<1>::new();
+    let a = fleet.add(worker(1, 4)).unwrap();
+    let (first, found) = Booking::new_for_slot_with_active(&fleet, a, load(10, 1)).unwrap();
+    assert_eq!(found, 0);
+    let second = fleet.book(0, load(0, 1)).unwrap();
+    let (third, found) = Booking::new_for_slot_with_active(&fleet, a, load(0, 0)).unwrap();
+    assert_eq!(found, 2, "two bookings held before it");
+    drop(second);
+    let (fourth, found) = Booking::new_for_slot_with_active(&fleet, a, load(0, 0)).unwrap();
+    assert_eq!(found, 2, "the first and third");
+    let (last, found) = Booking::new_for_slot_with_active(&fleet, a, load(0, 0)).unwrap();
+    assert_eq!(found, 3, "the last place");
+    assert_eq!(
+        Booking::new_for_slot_with_active(&fleet, a, load(0, 0)).map(|(_, found)| found),
+        Err(BookError::Overloaded { row: 0, limit: 4 })
+    );
+    drop((first, third, fourth, last));
+    fleet.remove(a).unwrap();
+    let b = fleet.add(worker(2, 4)).unwrap();
+    let (_held, found) = Booking::new_for_slot_with_active(&fleet, b, load(0, 0)).unwrap();
+    assert_eq!(found, 0, "the new occupant's counters start empty");
+}
+
 #[test]
 fn booking_refuses_absent_rows_and_workers_that_are_not_live() {
     let fleet = Fleet::<1>::new();
