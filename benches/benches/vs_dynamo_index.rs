@@ -82,7 +82,7 @@ use std::time::{Duration, Instant};
 
 use selkie_benches::index_fixture::IndexFixture;
 use selkie_benches::timing::{batch, Timing};
-use selkie_benches::SplitMix64 as Stream;
+use selkie_benches::{chain, SplitMix64 as Stream};
 
 use dynamo_kv_router::indexer::{KvIndexerInterface, SyncIndexer, ThreadPoolIndexer};
 use dynamo_kv_router::protocols::{
@@ -201,12 +201,12 @@ fn runs_of(worker: u64, next_id: &mut u64, prefix: &[u64], chain: &[u64], runs: 
 
 impl Fleet {
     fn new(workers: usize) -> Self {
-        let mut rng = Stream(0x5e1c_1e1d_e000 + workers as u64);
-        let system = rng.chain(SYSTEM_BLOCKS);
+        let mut rng = Stream::new(0x5e1c_1e1d_e000 + workers as u64);
+        let system = chain(&mut rng, SYSTEM_BLOCKS);
         let shared: Vec<Vec<u64>> = (0..SHARED_PROMPTS)
             .map(|_| {
                 let mut p = system.clone();
-                p.extend(rng.chain(SHARED_BLOCKS));
+                p.extend(chain(&mut rng, SHARED_BLOCKS));
                 p
             })
             .collect();
@@ -218,15 +218,15 @@ impl Fleet {
         for w in 0..workers {
             let mut next_id = 0;
             let prompt = &shared[w % SHARED_PROMPTS];
-            let continuation = rng.chain(cont);
-            let chain = rng.chain(root);
+            let continuation = chain(&mut rng, cont);
+            let alone = chain(&mut rng, root);
             let mut first = prompt.clone();
             first.extend_from_slice(&continuation);
             runs_of(w as u64, &mut next_id, &[], &first, &mut runs);
-            runs_of(w as u64, &mut next_id, &[], &chain, &mut runs);
-            entries += first.len() + chain.len();
+            runs_of(w as u64, &mut next_id, &[], &alone, &mut runs);
+            entries += first.len() + alone.len();
             own.push(first);
-            unshared.push(chain);
+            unshared.push(alone);
         }
         Fleet {
             workers,
@@ -248,7 +248,7 @@ impl Fleet {
             Query::Unshared => self.unshared[i % self.workers].clone(),
         };
         q.truncate(QUERY_BLOCKS);
-        let mut pad = Stream(0xAD ^ i as u64);
+        let mut pad = Stream::new(0xAD ^ i as u64);
         while q.len() < QUERY_BLOCKS {
             q.push(pad.next_u64());
         }

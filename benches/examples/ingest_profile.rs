@@ -54,7 +54,7 @@ use selkie::{
     WorkerWithDpRank,
 };
 
-use selkie_benches::SplitMix64 as Stream;
+use selkie_benches::{chain, SplitMix64 as Stream};
 
 fn main() {
     let workers: usize = std::env::args().nth(1).map_or(1024, |a| a.parse().expect("workers"));
@@ -70,12 +70,12 @@ fn main() {
         place || queries == 0,
         "queries need the rows synced: `unplaced` takes no queries"
     );
-    let mut rng = Stream(0x5e1c_1e1d_e000 + workers as u64);
-    let system = rng.chain(64);
+    let mut rng = Stream::new(0x5e1c_1e1d_e000 + workers as u64);
+    let system = chain(&mut rng, 64);
     let shared: Vec<Vec<u64>> = (0..64)
         .map(|_| {
             let mut p = system.clone();
-            p.extend(rng.chain(32));
+            p.extend(chain(&mut rng, 32));
             p
         })
         .collect();
@@ -86,10 +86,10 @@ fn main() {
     for w in 0..workers {
         let mut id = 0;
         let mut first = shared[w % 64].clone();
-        first.extend(rng.chain(cont));
-        let chain = rng.chain(root);
+        first.extend(chain(&mut rng, cont));
+        let alone = chain(&mut rng, root);
         own.push(first[..first.len().min(128)].to_vec());
-        for all in [first, chain] {
+        for all in [first, alone] {
             let mut seq = Vec::new();
             sequence_hashes_of(&all, &mut seq);
             let mut at = 0;

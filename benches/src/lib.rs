@@ -23,26 +23,14 @@ pub fn all_eligible(n: usize) -> Vec<u64> {
     m
 }
 
-/// A splitmix64 stream: the benches' generated fleets are the same on
-/// every run (`vs_dynamo_index` and the `ingest_profile` example build the
-/// same events from the same seed).
-#[derive(Clone, Debug)]
-pub struct SplitMix64(pub u64);
+/// The benches' generated fleets come from the kernel's SplitMix64 streams:
+/// the same on every run (`vs_dynamo_index` and the `ingest_profile`
+/// example build the same events from the same seed).
+pub use selkie_kernel::rng::SplitMix64;
 
-impl SplitMix64 {
-    /// The next value.
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// The next `n` values.
-    pub fn chain(&mut self, n: usize) -> Vec<u64> {
-        (0..n).map(|_| self.next_u64()).collect()
-    }
+/// The next `n` values of `stream`.
+pub fn chain(stream: &mut SplitMix64, n: usize) -> Vec<u64> {
+    (0..n).map(|_| stream.next_u64()).collect()
 }
 
 pub mod host_fixture;

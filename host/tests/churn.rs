@@ -225,7 +225,7 @@ impl Run<'_> {
     /// bookings it holds.
     fn selector(&self, thread: usize) -> Tally {
         let mut t = Tally::default();
-        let mut rng = SplitMix(0x5E1E_C70B ^ ((thread as u64) << 32));
+        let mut rng = SplitMix::new(0x5E1E_C70B ^ ((thread as u64) << 32));
         let sessions: Vec<String> = (0..4).map(|k| format!("t{thread}-s{k}")).collect();
         let mut held: Vec<Selection<'_>> = Vec::new();
         let mut parts = RequestParts::default();
@@ -371,7 +371,7 @@ impl Run<'_> {
     /// then checks the quiescent fleet against the selectors' bookings.
     fn churn(&self, mut model: FleetModel) -> Tally {
         let mut t = Tally::default();
-        let mut rng = SplitMix(0xC4u64 << 40);
+        let mut rng = SplitMix::new(0xC4u64 << 40);
         let mut ops = 0u64;
         for round in 0..ROUNDS {
             let end = self.round_end(round);
@@ -670,7 +670,7 @@ fn growth_one_worker_at_a_time_under_selection() {
                 .map(|i| {
                     let f = move || {
                         let mut t = Tally::default();
-                        let mut rng = SplitMix(i);
+                        let mut rng = SplitMix::new(i);
                         while added.load(Ordering::Acquire) < GROWTH_WORKERS {
                             let n = added.load(Ordering::Acquire);
                             let req = SelectionRequest::new(64);

@@ -36,20 +36,23 @@ pub const GROWTH_BASE: WorkerId = 1000;
 /// The taint some core and some churned workers carry.
 pub const TAINT: &str = "gpu";
 
-/// A small SplitMix64: deterministic per seed, no dependency.
-pub struct SplitMix(pub u64);
+/// The plan's stream: the kernel's SplitMix64, deterministic per seed,
+/// with the plan's own draws (a remainder, so the plans stay those their
+/// seeds have always made).
+pub struct SplitMix(selkie_kernel::rng::SplitMix64);
 
 impl SplitMix {
-    /// The next 64 random bits.
-    pub fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+    /// The stream of `seed`.
+    pub fn new(seed: u64) -> Self {
+        SplitMix(selkie_kernel::rng::SplitMix64::new(seed))
     }
 
-    /// Uniform in `0..n` (`n > 0`).
+    /// The next 64 random bits.
+    pub fn next(&mut self) -> u64 {
+        self.0.next_u64()
+    }
+
+    /// In `0..n` (`n > 0`), as the remainder of the next 64 bits.
     pub fn below(&mut self, n: u64) -> u64 {
         self.next() % n
     }
@@ -148,7 +151,7 @@ pub fn service(policy: WorkerSelectionPolicy, seed: u64) -> (WorkerSelectionServ
             ..ServiceConfig::default()
         },
     );
-    let mut rng = SplitMix(seed);
+    let mut rng = SplitMix::new(seed);
     let model = FleetModel {
         churned: CHURNED.map(|id| (id, random_churned(&mut rng, id))).collect(),
         growth: Vec::new(),

@@ -186,7 +186,7 @@ pub(crate) fn sub_if_tagged(counter: &AtomicU32, tag: u32, amount: u32) -> bool 
         return true;
     }
     debug_assert!(amount <= COUNTER_MAX, "no counter holds {amount}");
-    let step = amount << TAG_BITS;
+    let step = pack(amount, 0);
     update(counter, Ordering::AcqRel, |word| {
         if !carries(word, tag) {
             return Err(());
