@@ -16,7 +16,7 @@ use selkie_kernel::Rng;
 use selkie_kernel::fleet::FleetView;
 
 use super::scratch::Scratch;
-use super::{Choice, DeviceAwareConfig, Draws, Env, ListDraw};
+use super::{Choice, DeviceAwareConfig, Drawn, Draws, Env, ListDraw};
 use crate::discovery::registry::WorkerRegistry;
 use crate::error::SelectionError;
 use crate::explain::Branch;
@@ -72,8 +72,7 @@ pub(crate) fn none() -> SelectionError {
 /// workers (where power-of-two chooses by worker first).
 ///
 /// `advance`: take the round-robin ticket (a selection) rather than read it
-/// (a preview). With the row, its branch and, where the draw read it
-/// (power-of-two), the row's in-flight requests as read.
+/// (a preview).
 #[inline(always)]
 pub(crate) fn draw_from_list(
     draw: ListDraw,
@@ -83,17 +82,17 @@ pub(crate) fn draw_from_list(
     list: &[u32],
     advance: bool,
     rng: &mut impl Draws,
-) -> Option<(usize, Branch, Option<u32>)> {
+) -> Option<Drawn> {
     let n = list.len();
-    match draw {
-        ListDraw::Random => Some((rng.pick(list)? as usize, Branch::Random, None)),
+    let (row, branch, active) = match draw {
+        ListDraw::Random => (rng.pick(list)? as usize, Branch::Random, None),
         ListDraw::RoundRobin if n != 0 => {
             let ticket = u64::from(if advance {
                 fleet.next_ticket()
             } else {
                 fleet.peek_ticket()
             });
-            Some((list[(ticket % n as u64) as usize] as usize, Branch::RoundRobin, None))
+            (list[(ticket % n as u64) as usize] as usize, Branch::RoundRobin, None)
         }
         ListDraw::PowerOfTwo if !reg.traits().multi_rank => {
             // The kernel's draws (Dynamo's): two distinct positions, the
@@ -103,10 +102,16 @@ pub(crate) fn draw_from_list(
             let (a, b) = (a as usize, b as usize);
             let (load_a, load_b) = (U32Source::value(&active, a), U32Source::value(&active, b));
             let (row, load) = if load_a <= load_b { (a, load_a) } else { (b, load_b) };
-            Some((row, Branch::PowerOfTwo, Some(load)))
+            (row, Branch::PowerOfTwo, Some(load))
         }
-        _ => None,
-    }
+        _ => return None,
+    };
+    Some(Drawn {
+        row,
+        branch,
+        active,
+        candidates: n,
+    })
 }
 
 /// In-flight requests per unit of weight of `row`, from the snapshot's
@@ -132,7 +137,7 @@ fn from_list_or_scan(
 ) -> Result<Choice, SelectionError> {
     let advance = !env.ctx.is_preview();
     let (n, row) = match env.list.and_then(|list| {
-        draw_from_list(draw, env.reg, env.fleet, &env.view, list, advance, rng).map(|(row, ..)| (list.len(), row))
+        draw_from_list(draw, env.reg, env.fleet, &env.view, list, advance, rng).map(|d| (d.candidates, d.row))
     }) {
         Some(d) => d,
         None => (env.candidates(), scan(rng).ok_or_else(none)?),
@@ -253,11 +258,11 @@ pub(crate) fn power_of_two(env: &Env<'_>, s: &mut Scratch, rng: &mut Rng) -> Res
             choice(row, load_of(env, row), Branch::PowerOfTwoWorkerThenRank, n),
         ));
     }
-    if let Some((row, branch, _)) = env
+    if let Some(d) = env
         .list
         .and_then(|list| draw_from_list(ListDraw::PowerOfTwo, env.reg, env.fleet, &env.view, list, true, rng))
     {
-        return Ok(finish(env, choice(row, load_of(env, row), branch, n)));
+        return Ok(finish(env, choice(d.row, load_of(env, d.row), d.branch, n)));
     }
     let row = index::power_of_two(&env.view.active_requests(), env.mask, rng).ok_or_else(none)?;
     Ok(finish(env, choice(row, load_of(env, row), Branch::PowerOfTwo, n)))

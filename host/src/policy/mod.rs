@@ -300,16 +300,11 @@ pub(crate) fn draw_ready(
     list: &[u32],
     rng: &mut impl Draws,
 ) -> Option<Drawn> {
-    let (row, branch, active) = builtin::draw_from_list(draw, reg, fleet, view, list, true, rng)?;
-    Some(Drawn {
-        row,
-        branch,
-        active,
-        candidates: list.len(),
-    })
+    builtin::draw_from_list(draw, reg, fleet, view, list, true, rng)
 }
 
-/// A row drawn by [`draw_ready`], before its booking.
+/// A row drawn from a list of eligible rows ([`draw_ready`]), before its
+/// booking.
 #[derive(Clone, Copy)]
 pub(crate) struct Drawn {
     pub(crate) row: usize,
@@ -317,6 +312,7 @@ pub(crate) struct Drawn {
     /// The row's in-flight requests as the draw read them (power-of-two
     /// compares them); random and round-robin read none.
     pub(crate) active: Option<u32>,
+    /// The rows it was drawn from.
     pub(crate) candidates: usize,
 }
 

@@ -701,7 +701,7 @@ impl WorkerSelectionService {
                     .row(choice.row)
                     .ok_or(SelectionError::AllEligibleWorkersOverloaded)?
                     .worker();
-                if soft_row.is_some() && self.at_admission_limit(choice.row) {
+                if soft_row.is_some() && self.fleet.at_admission_limit(choice.row) {
                     // What select would do: the session's worker would
                     // refuse the booking, so the request would go elsewhere.
                     leave_soft(mask, &s.rest, choice.row);
@@ -803,19 +803,6 @@ fn overloaded(pin: Option<Pin>) -> SelectionError {
             worker_id: p.worker_id(),
         },
         None => SelectionError::AllEligibleWorkersOverloaded,
-    }
-}
-
-impl WorkerSelectionService {
-    /// Whether `row`'s worker is at its admission limit now (a booking
-    /// would be refused).
-    fn at_admission_limit(&self, row: usize) -> bool {
-        let active = self.fleet.outstanding(row).map_or(0, |o| o.requests);
-        // A limit at or above the counter's maximum reads back as
-        // `UNLIMITED`; the booking stops at the maximum all the same.
-        self.fleet
-            .worker(row)
-            .is_some_and(|w| active >= w.admission_limit.min(COUNTER_MAX))
     }
 }
 

@@ -121,6 +121,31 @@ impl<const GROUPS: usize> Fleet<GROUPS> {
         })
     }
 
+    /// Whether a booking on `row` would now be refused for its admission
+    /// limit: the admission's own comparison of the in-flight requests with
+    /// the limit (capped to `COUNTER_MAX`, where a booking stops whatever
+    /// the limit), as read now. `false` for an empty row and past the
+    /// capacity.
+    ///
+    /// ```
+    /// use selkie_kernel::fleet::{BookLoad, Fleet, WorkerSpec};
+    ///
+    /// let fleet = Fleet::<1>::new();
+    /// fleet.add(WorkerSpec { admission_limit: 1, ..WorkerSpec::new(1) }).unwrap();
+    /// assert!(!fleet.at_admission_limit(0));
+    /// let held = fleet.book(0, BookLoad::default()).unwrap();
+    /// assert!(fleet.at_admission_limit(0));
+    /// drop(held);
+    /// assert!(!fleet.at_admission_limit(0));
+    /// ```
+    pub fn at_admission_limit(&self, row: usize) -> bool {
+        if !Self::in_range(row) || self.state_word(row, Ordering::Acquire).state() == SlotState::Empty {
+            return false;
+        }
+        let full = self.admission_limit.at(row).load(Ordering::Acquire);
+        self.active_requests.at(row).load(Ordering::Acquire) >= full
+    }
+
     /// Whether no booking holds anything on `row` any more, for a row the
     /// caller has just taken out of rotation ([`set_state`](Self::set_state)
     /// to Draining or Cordoned) and wants to free if nothing is left on it.

@@ -56,6 +56,34 @@ fn a_slot_booking_reports_the_requests_it_found() {
     assert_eq!(found, 0, "the new occupant's counters start empty");
 }
 
+/// `at_admission_limit` answers what the next booking's admission would:
+/// at the limit, after it changes, for a row's next occupant, and never for
+/// an empty row, a row past the capacity or an unlimited worker.
+#[test]
+fn at_admission_limit_is_the_admissions_answer() {
+    let fleet = Fleet::<1>::new();
+    assert!(!fleet.at_admission_limit(0), "an empty row");
+    assert!(!fleet.at_admission_limit(8), "past the capacity");
+    let a = fleet.add(worker(1, 2)).unwrap();
+    let first = fleet.book(0, load(0, 0)).unwrap();
+    assert!(!fleet.at_admission_limit(0));
+    let second = fleet.book(0, load(0, 0)).unwrap();
+    assert!(fleet.at_admission_limit(0));
+    assert!(fleet.book(0, load(0, 0)).is_err(), "the admission agrees");
+    fleet.set_admission_limit(a, 3).unwrap();
+    assert!(!fleet.at_admission_limit(0));
+    fleet.set_admission_limit(a, UNLIMITED).unwrap();
+    assert!(!fleet.at_admission_limit(0));
+    fleet.set_admission_limit(a, COUNTER_MAX + 1).unwrap();
+    assert!(!fleet.at_admission_limit(0), "above the counter's maximum");
+    drop((first, second));
+    fleet.remove(a).unwrap();
+    assert!(!fleet.at_admission_limit(0), "a removed worker's row");
+    fleet.add(worker(2, 0)).unwrap();
+    assert!(fleet.at_admission_limit(0), "a limit of 0 admits nothing");
+    assert!(fleet.book(0, load(0, 0)).is_err());
+}
+
 #[test]
 fn booking_refuses_absent_rows_and_workers_that_are_not_live() {
     let fleet = Fleet::<1>::new();
