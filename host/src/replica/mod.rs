@@ -49,6 +49,7 @@
 //! fleet's counters hold here, and sets [`ReplicaSync::remote_loads`] as
 //! its rows' remote load when [`ReplicaSync::version`] moved.
 
+mod connect;
 mod ring;
 mod tables;
 mod task;
@@ -90,6 +91,8 @@ pub struct ReplicaSyncOptions {
     queue_capacity: usize,
     connect_timeout: Duration,
     max_reconnect_delay: Duration,
+    /// Credentials and TLS (`connect`).
+    security: connect::NatsSecurity,
 }
 
 impl Default for ReplicaSyncOptions {
@@ -108,6 +111,7 @@ impl Default for ReplicaSyncOptions {
             queue_capacity: 1 << 13,
             connect_timeout: Duration::from_secs(5),
             max_reconnect_delay: Duration::from_secs(2),
+            security: connect::NatsSecurity::default(),
         }
     }
 }
@@ -441,13 +445,20 @@ pub struct ReplicaSync {
 impl ReplicaSync {
     /// Connects to the NATS server at `url`, subscribes to the options'
     /// subject and asks the peers for snapshots; returns once subscribed.
-    /// Fails if an option is out of range or the server cannot be reached
-    /// within the connect timeout. After that, a lost server is retried for
-    /// as long as this lives.
-    pub fn connect(url: &str, options: ReplicaSyncOptions) -> Result<ReplicaSync, SyncError> {
+    /// Fails if an option is out of range, a credential or TLS file cannot
+    /// be used ([`SyncError::Credentials`]), the server refuses the
+    /// credentials ([`SyncError::AuthenticationFailed`]), the TLS handshake
+    /// fails ([`SyncError::Tls`]), or the server cannot be reached within
+    /// the connect timeout. After that, a lost server is retried for as
+    /// long as this lives. Credentials in `url` (`nats://user:password@host`
+    /// or `nats://token@host`) are taken out of it and used as if given
+    /// with [`ReplicaSyncOptions::with_user_and_password`] or
+    /// [`with_token`](ReplicaSyncOptions::with_token).
+    pub fn connect(url: &str, mut options: ReplicaSyncOptions) -> Result<ReplicaSync, SyncError> {
         options.validate()?;
+        let server = options.security.take_url_credentials(url)?;
+        options.security.check()?;
         let replica_id = options.replica_id.unwrap_or_else(random_u64);
-        let server = url.to_owned();
         let shared = Arc::new(Shared {
             tables: Mutex::default(),
             version: AtomicU64::new(0),
@@ -476,9 +487,9 @@ impl ReplicaSync {
                 stop: Some(stop),
                 thread: Some(thread),
             }),
-            Ok(Err(message)) => {
+            Ok(Err(e)) => {
                 let _ = thread.join();
-                Err(unavailable(message))
+                Err(e)
             }
             Err(_) => {
                 let _ = thread.join();
@@ -567,7 +578,8 @@ impl ReplicaSync {
         self.replica_id
     }
 
-    /// The server's URL, as given to [`connect`](Self::connect).
+    /// The server's URL, as given to [`connect`](Self::connect) less any
+    /// credentials in it.
     pub fn server(&self) -> &str {
         &self.server
     }
