@@ -113,7 +113,11 @@ fn certificates(option: &'static str, path: &Path) -> Result<Vec<u8>, Credential
         count += 1;
     }
     if count == 0 {
-        return Err(invalid(option, path, "holds no PEM certificate (-----BEGIN CERTIFICATE-----)"));
+        return Err(invalid(
+            option,
+            path,
+            "holds no PEM certificate (-----BEGIN CERTIFICATE-----)",
+        ));
     }
     Ok(pem)
 }
@@ -152,6 +156,7 @@ pub(crate) fn redact_url(url: &str) -> String {
 
 /// Splits the user information off `url`: the URL without it (and its
 /// `@`), and the user information, percent-decoded, if there was one.
+#[cfg(feature = "nats")]
 pub(crate) fn split_url_credentials(url: &str) -> (String, Option<(String, Option<Secret>)>) {
     let Some(range) = userinfo(url) else {
         return (url.to_owned(), None);
@@ -167,13 +172,18 @@ pub(crate) fn split_url_credentials(url: &str) -> (String, Option<(String, Optio
 
 /// Decodes `%XX` escapes (RFC 3986); a `%` not followed by two hex digits
 /// stays as it is.
+#[cfg(feature = "nats")]
 fn percent_decode(s: &str) -> String {
     let bytes = s.as_bytes();
     let mut out = Vec::with_capacity(bytes.len());
     let mut i = 0;
     while i < bytes.len() {
         let hex = |b: u8| (b as char).to_digit(16);
-        match (bytes[i], bytes.get(i + 1).copied().and_then(hex), bytes.get(i + 2).copied().and_then(hex)) {
+        match (
+            bytes[i],
+            bytes.get(i + 1).copied().and_then(hex),
+            bytes.get(i + 2).copied().and_then(hex),
+        ) {
             (b'%', Some(hi), Some(lo)) => {
                 out.push((hi * 16 + lo) as u8);
                 i += 3;
@@ -199,18 +209,26 @@ mod tests {
     }
 
     #[test]
-    fn credentials_in_a_url_are_redacted_and_split_off() {
+    fn credentials_in_a_url_are_redacted() {
         assert_eq!(redact_url("nats://u:p@h:4222"), "nats://***@h:4222");
         assert_eq!(redact_url("nats://tok@h:4222/x@y"), "nats://***@h:4222/x@y");
         assert_eq!(redact_url("nats://h:4222"), "nats://h:4222");
         assert_eq!(redact_url("u:p@h:4222"), "***@h:4222");
+    }
+
+    #[cfg(feature = "nats")]
+    #[test]
+    fn credentials_in_a_url_are_split_off() {
         let (url, creds) = split_url_credentials("tls://al%40ce:p%3Ass@h:4222");
         assert_eq!(url, "tls://h:4222");
         let (user, password) = creds.unwrap();
         assert_eq!(user, "al@ce");
         assert_eq!(password.unwrap().expose(), "p:ss");
         let (url, creds) = split_url_credentials("nats://s3cr3t@h");
-        assert_eq!((url.as_str(), creds.map(|c| (c.0, c.1.is_none()))), ("nats://h", Some(("s3cr3t".into(), true))));
+        assert_eq!(
+            (url.as_str(), creds.map(|c| (c.0, c.1.is_none()))),
+            ("nats://h", Some(("s3cr3t".into(), true)))
+        );
         assert_eq!(split_url_credentials("nats://h:1").1, None);
         assert_eq!(percent_decode("100%"), "100%");
     }
@@ -236,7 +254,16 @@ mod tests {
             client: None,
         };
         let e = files.load().err().unwrap();
-        assert!(matches!(&e, CredentialError::Invalid { option: "tls_ca_file", .. }), "{e}");
+        assert!(
+            matches!(
+                &e,
+                CredentialError::Invalid {
+                    option: "tls_ca_file",
+                    ..
+                }
+            ),
+            "{e}"
+        );
         assert!(e.to_string().contains("garbage.pem"), "{e}");
         let files = TlsFiles {
             ca_file: None,

@@ -189,7 +189,11 @@ fn nkey_seed(path: &std::path::Path) -> Result<String, CredentialError> {
         Ok(pair) if pair.key_pair_type() == nkeys::KeyPairType::User => Ok(seed.to_owned()),
         // The parser's message says what is wrong with the encoding, never
         // the seed.
-        Ok(_) => Err(secure::invalid(NKEY_SEED_FILE, path, "holds an NKey seed that is not a user's (SU...)")),
+        Ok(_) => Err(secure::invalid(
+            NKEY_SEED_FILE,
+            path,
+            "holds an NKey seed that is not a user's (SU...)",
+        )),
         Err(e) => Err(secure::invalid(
             NKEY_SEED_FILE,
             path,
@@ -253,13 +257,18 @@ mod tests {
     #[test]
     fn url_credentials_move_into_the_options() {
         let mut security = NatsSecurity::default();
-        let url = security.take_url_credentials("nats://router:hunter2@127.0.0.1:4222").unwrap();
+        let url = security
+            .take_url_credentials("nats://router:hunter2@127.0.0.1:4222")
+            .unwrap();
         assert_eq!(url, "nats://127.0.0.1:4222");
         assert!(matches!(&security.auth, NatsAuth::UserAndPassword { user, password }
             if user == "router" && password.expose() == "hunter2"));
         let mut security = ReplicaSyncOptions::default().with_token("t").security;
         let e = security.take_url_credentials("nats://u:hunter2@h:4222").unwrap_err();
-        assert!(matches!(e, SyncError::Credentials(CredentialError::Misplaced { option: "url", .. })));
+        assert!(matches!(
+            e,
+            SyncError::Credentials(CredentialError::Misplaced { option: "url", .. })
+        ));
         assert!(!e.to_string().contains("hunter2"), "{e}");
     }
 
@@ -274,20 +283,41 @@ mod tests {
             .security
             .check()
             .unwrap_err();
-        assert!(matches!(&e, CredentialError::Invalid { option: "nkey_seed_file", path, .. } if *path == bad), "{e}");
+        assert!(
+            matches!(&e, CredentialError::Invalid { option: "nkey_seed_file", path, .. } if *path == bad),
+            "{e}"
+        );
         assert!(!e.to_string().contains("SUnot"), "{e}");
         let e = ReplicaSyncOptions::default()
             .with_credentials_file(&bad)
             .security
             .check()
             .unwrap_err();
-        assert!(matches!(&e, CredentialError::Invalid { option: "credentials_file", .. }), "{e}");
+        assert!(
+            matches!(
+                &e,
+                CredentialError::Invalid {
+                    option: "credentials_file",
+                    ..
+                }
+            ),
+            "{e}"
+        );
         let e = ReplicaSyncOptions::default()
             .with_credentials_file(dir.join("absent.creds"))
             .security
             .check()
             .unwrap_err();
-        assert!(matches!(&e, CredentialError::Unreadable { option: "credentials_file", .. }), "{e}");
+        assert!(
+            matches!(
+                &e,
+                CredentialError::Unreadable {
+                    option: "credentials_file",
+                    ..
+                }
+            ),
+            "{e}"
+        );
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

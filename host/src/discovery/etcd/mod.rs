@@ -20,6 +20,7 @@
 //! [`crate::WorkerSelectionService::refresh`] like every source's), or
 //! block `poll` on the network (`poll` only reads the map).
 
+mod connect;
 mod registration;
 mod watch;
 
@@ -49,6 +50,8 @@ use crate::types::WorkerId;
 pub struct EtcdOptions {
     timeout: Duration,
     max_backoff: Duration,
+    /// User, password and TLS (`connect`).
+    security: connect::EtcdSecurity,
 }
 
 impl Default for EtcdOptions {
@@ -57,6 +60,7 @@ impl Default for EtcdOptions {
         EtcdOptions {
             timeout: Duration::from_secs(5),
             max_backoff: Duration::from_secs(2),
+            security: connect::EtcdSecurity::default(),
         }
     }
 }
@@ -252,6 +256,7 @@ impl EtcdDiscovery {
         options: EtcdOptions,
     ) -> Result<Self, DiscoveryError> {
         let endpoints: Vec<String> = endpoints.iter().map(|e| e.as_ref().to_owned()).collect();
+        options.security.check(&endpoints)?;
         let joined = endpoints.join(",");
         let prefix = prefix.into();
         let shared = Arc::new(Mutex::new(WatchState {
@@ -278,9 +283,9 @@ impl EtcdDiscovery {
                 stop: Some(stop),
                 thread: Some(thread),
             }),
-            Ok(Err(message)) => {
+            Ok(Err(failure)) => {
                 let _ = thread.join();
-                Err(unavailable(&joined, message))
+                Err(failure.into_error(&joined))
             }
             Err(_) => {
                 let _ = thread.join();
