@@ -197,6 +197,33 @@ fn percent_decode(s: &str) -> String {
     String::from_utf8_lossy(&out).into_owned()
 }
 
+/// The TLS failure somewhere in `error`'s sources, if there is one: a
+/// rustls error, or the I/O error a TLS stream reports when the peer
+/// ends the handshake with an alert (clients report a failed handshake
+/// as an I/O or transport error).
+pub(crate) fn tls_failure(error: &(dyn std::error::Error + 'static)) -> Option<String> {
+    let mut next = Some(error);
+    while let Some(e) = next {
+        if let Some(tls) = e.downcast_ref::<rustls::Error>() {
+            return Some(tls.to_string());
+        }
+        if let Some(io) = e.downcast_ref::<std::io::Error>() {
+            // An I/O error's `source` skips the error it wraps: look at it.
+            if let Some(inner) = io.get_ref() {
+                if let Some(tls) = inner.downcast_ref::<rustls::Error>() {
+                    return Some(tls.to_string());
+                }
+                let message = inner.to_string();
+                if io.kind() == std::io::ErrorKind::InvalidData && message.contains("alert") {
+                    return Some(message);
+                }
+            }
+        }
+        next = e.source();
+    }
+    None
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -212,7 +212,7 @@ pub(super) fn connect_failed(server: &str, error: &async_nats::ConnectError) -> 
             SyncError::AuthenticationFailed { server, message }
         }
         ConnectErrorKind::Tls => SyncError::Tls { server, message },
-        _ => match tls_failure(error) {
+        _ => match secure::tls_failure(error) {
             Some(tls) => SyncError::Tls { server, message: tls },
             None => SyncError::Unavailable {
                 server,
@@ -220,25 +220,6 @@ pub(super) fn connect_failed(server: &str, error: &async_nats::ConnectError) -> 
             },
         },
     }
-}
-
-/// The TLS error somewhere in `error`'s sources, if there is one (the
-/// client reports a failed handshake as an I/O error).
-fn tls_failure(error: &(dyn std::error::Error + 'static)) -> Option<String> {
-    let mut next = Some(error);
-    while let Some(e) = next {
-        if let Some(tls) = e.downcast_ref::<async_nats::rustls::Error>() {
-            return Some(tls.to_string());
-        }
-        // An I/O error's `source` skips the error it wraps: look at it.
-        if let Some(inner) = e.downcast_ref::<std::io::Error>().and_then(std::io::Error::get_ref) {
-            if let Some(tls) = inner.downcast_ref::<async_nats::rustls::Error>() {
-                return Some(tls.to_string());
-            }
-        }
-        next = e.source();
-    }
-    None
 }
 
 #[cfg(test)]

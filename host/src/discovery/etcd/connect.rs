@@ -54,6 +54,12 @@ impl EtcdOptions {
 }
 
 impl EtcdSecurity {
+    /// Whether a connection to `endpoints` uses TLS (etcd-client's rule:
+    /// `https://`, or TLS options with an endpoint without a scheme).
+    pub(super) fn uses_tls(&self, endpoints: &[String]) -> bool {
+        self.tls.is_set() || endpoints.iter().any(|e| e.starts_with("https://"))
+    }
+
     /// Checks the endpoints against these settings and reads every file
     /// they name, so that a bad one fails `connect` or `register` before
     /// a thread starts: no user information in an endpoint (it would
@@ -98,7 +104,7 @@ impl EtcdSecurity {
         if let Some((user, password)) = &self.user {
             options = options.with_user(user.clone(), password.expose());
         }
-        if !self.tls.is_set() && !endpoints.iter().any(|e| e.starts_with("https://")) {
+        if !self.uses_tls(endpoints) {
             return Ok(options);
         }
         let pem = self.tls.load()?;
@@ -128,6 +134,8 @@ pub(super) enum FailureKind {
     Unavailable,
     Authentication,
     Tls,
+    /// etcd closed the connection under a request.
+    Closed,
 }
 
 impl Failure {
@@ -135,8 +143,10 @@ impl Failure {
     pub(super) fn etcd(what: impl std::fmt::Display, error: &etcd_client::Error) -> Failure {
         let kind = if refused(error) {
             FailureKind::Authentication
-        } else if tls_failure(error) {
+        } else if secure::tls_failure(inner(error)).is_some() {
             FailureKind::Tls
+        } else if closed(error) {
+            FailureKind::Closed
         } else {
             FailureKind::Unavailable
         };
@@ -146,13 +156,38 @@ impl Failure {
         }
     }
 
+    /// The public error for `endpoints` (comma-separated) when `connect`
+    /// or `register` fails, over TLS or not. etcd ends the TLS connection
+    /// of a client whose certificate it refuses (or that has none) right
+    /// after the handshake, and the client reads the alert saying so only
+    /// if it comes before its first request hits the closed connection:
+    /// with TLS, a connection closed under that first request is taken as
+    /// that refusal.
+    pub(super) fn into_start_error(self, endpoints: &str, tls: bool) -> DiscoveryError {
+        match self {
+            Failure::Etcd {
+                kind: FailureKind::Closed,
+                message,
+            } if tls => DiscoveryError::EtcdTls {
+                endpoints: endpoints.to_owned(),
+                message: format!(
+                    "{message} (etcd closed the TLS connection at the first request: it refused this client's \
+                     certificate, or its absence)"
+                ),
+            },
+            other => other.into_error(endpoints),
+        }
+    }
+
     /// The public error for `endpoints` (comma-separated).
     pub(super) fn into_error(self, endpoints: &str) -> DiscoveryError {
         let endpoints = endpoints.to_owned();
         match self {
             Failure::Credentials(e) => DiscoveryError::EtcdCredentials(e),
             Failure::Etcd { kind, message } => match kind {
-                FailureKind::Unavailable => DiscoveryError::EtcdUnavailable { endpoints, message },
+                FailureKind::Unavailable | FailureKind::Closed => {
+                    DiscoveryError::EtcdUnavailable { endpoints, message }
+                }
                 FailureKind::Authentication => DiscoveryError::EtcdAuthenticationFailed { endpoints, message },
                 FailureKind::Tls => DiscoveryError::EtcdTls { endpoints, message },
             },
@@ -200,27 +235,44 @@ fn refused(error: &etcd_client::Error) -> bool {
 /// gRPC status codes, as numbers (etcd-client does not re-export tonic's
 /// `Code`).
 mod tonic_code {
+    pub(super) const CANCELLED: i32 = 1;
     pub(super) const INVALID_ARGUMENT: i32 = 3;
     pub(super) const PERMISSION_DENIED: i32 = 7;
     pub(super) const UNAUTHENTICATED: i32 = 16;
 }
 
-/// Whether a TLS error lies somewhere in `error`'s sources.
-fn tls_failure(error: &(dyn std::error::Error + 'static)) -> bool {
-    let mut next = Some(error);
-    while let Some(e) = next {
-        if e.downcast_ref::<rustls::Error>().is_some() {
+/// Whether the connection was closed under the request: the request was
+/// canceled (this client never cancels one) or the socket broke.
+fn closed(error: &etcd_client::Error) -> bool {
+    if let etcd_client::Error::GRpcStatus(status) = error {
+        if i32::from(status.code()) == tonic_code::CANCELLED {
             return true;
         }
-        // An I/O error's `source` skips the error it wraps: look at it.
-        if let Some(inner) = e.downcast_ref::<std::io::Error>().and_then(std::io::Error::get_ref) {
-            if inner.downcast_ref::<rustls::Error>().is_some() {
+    }
+    let mut next = Some(inner(error));
+    while let Some(e) = next {
+        if let Some(io) = e.downcast_ref::<std::io::Error>() {
+            use std::io::ErrorKind::{BrokenPipe, ConnectionAborted, ConnectionReset, UnexpectedEof};
+            if matches!(
+                io.kind(),
+                BrokenPipe | ConnectionReset | ConnectionAborted | UnexpectedEof
+            ) {
                 return true;
             }
         }
         next = e.source();
     }
     false
+}
+
+/// The error etcd-client's `error` wraps (its own `source` is none).
+fn inner(error: &etcd_client::Error) -> &(dyn std::error::Error + 'static) {
+    match error {
+        etcd_client::Error::GRpcStatus(status) => status,
+        etcd_client::Error::TransportError(e) => e,
+        etcd_client::Error::IoError(e) => e,
+        other => other,
+    }
 }
 
 /// Connects a client with the options' timeouts, credentials and TLS

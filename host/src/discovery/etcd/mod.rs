@@ -257,6 +257,7 @@ impl EtcdDiscovery {
     ) -> Result<Self, DiscoveryError> {
         let endpoints: Vec<String> = endpoints.iter().map(|e| e.as_ref().to_owned()).collect();
         options.security.check(&endpoints)?;
+        let tls = options.security.uses_tls(&endpoints);
         let joined = endpoints.join(",");
         let prefix = prefix.into();
         let shared = Arc::new(Mutex::new(WatchState {
@@ -285,7 +286,7 @@ impl EtcdDiscovery {
             }),
             Ok(Err(failure)) => {
                 let _ = thread.join();
-                Err(failure.into_error(&joined))
+                Err(failure.into_start_error(&joined, tls))
             }
             Err(_) => {
                 let _ = thread.join();

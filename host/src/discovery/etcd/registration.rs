@@ -224,6 +224,7 @@ impl EtcdRegistration {
         record.validate()?;
         let endpoints: Vec<String> = endpoints.iter().map(|e| e.as_ref().to_owned()).collect();
         options.security.check(&endpoints)?;
+        let tls = options.security.uses_tls(&endpoints);
         let joined = endpoints.join(",");
         let unavailable = |message: String| DiscoveryError::EtcdUnavailable {
             endpoints: joined.clone(),
@@ -277,7 +278,7 @@ impl EtcdRegistration {
             }),
             Ok(Err(failure)) => {
                 let _ = thread.join();
-                Err(failure.into_error(&joined))
+                Err(failure.into_start_error(&joined, tls))
             }
             Err(_) => {
                 let _ = thread.join();
