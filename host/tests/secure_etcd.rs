@@ -95,7 +95,8 @@ fn a_user_and_password_register_and_discover_and_wrong_or_missing_ones_are_refus
     let test = "etcd_user_and_password";
     let Some(bin) = secured::etcd_binary(test) else { return };
     let dir = TestDir::new(test);
-    let (_server, endpoint) = secured::start_etcd(&bin, &dir, "http", &[]);
+    // Tokens expire after a second of disuse (etcd's default is 5 minutes).
+    let (_server, endpoint) = secured::start_etcd(&bin, &dir, "http", &["--auth-token-ttl", "1"]);
     let endpoints = vec![endpoint];
     // Auth on: root (etcd requires it), a `router` user that may read and
     // write the prefix, a `stranger` that may touch another prefix only.
@@ -121,7 +122,20 @@ fn a_user_and_password_register_and_discover_and_wrong_or_missing_ones_are_refus
         admin.auth_enable().await.unwrap();
     });
     let router = || options().with_user_and_password("router", "router-pw");
-    let (_reg, mut source) = register_and_discover(&endpoints, 1, router(), router());
+    let (reg, mut source) = register_and_discover(&endpoints, 1, router(), router());
+    // Once the token expired, the registration's next request gets a new
+    // one.
+    std::thread::sleep(Duration::from_millis(2500));
+    let draining = WorkerRecord::new(1).with_state(WorkerState::Draining);
+    reg.update(draining.clone())
+        .unwrap_or_else(|e| panic!("update after the token expired: {e}"));
+    servers::wait_until("the discovery sees the update", Duration::from_secs(10), || {
+        source
+            .poll()
+            .ok()
+            .flatten()
+            .is_some_and(|w| w == vec![draining.clone()])
+    });
 
     // A wrong password, no user, a user without permission on the prefix.
     for (what, options) in [

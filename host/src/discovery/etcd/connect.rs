@@ -102,7 +102,11 @@ impl EtcdSecurity {
         timeout: Duration,
     ) -> Result<ConnectOptions, CredentialError> {
         if let Some((user, password)) = &self.user {
-            options = options.with_user(user.clone(), password.expose());
+            // etcd's tokens expire (5 minutes unused by default): the
+            // client asks for a new one and retries the request.
+            options = options
+                .with_user(user.clone(), password.expose())
+                .with_auto_token_refresh(true);
         }
         if !self.uses_tls(endpoints) {
             return Ok(options);
