@@ -825,10 +825,10 @@ impl SyncError {
     }
 }
 
-/// A credential or TLS file named in [`ReplicaSyncOptions`](crate::ReplicaSyncOptions)
-/// or [`EtcdOptions`](crate::EtcdOptions) cannot be used (features `nats`,
-/// `etcd`). Found before connecting: the error names the option and the
-/// file, never the secret in it.
+/// A credential or TLS file named in `ReplicaSyncOptions` (feature `nats`)
+/// or `EtcdOptions` (feature `etcd`) cannot be used. Found before
+/// connecting: the error names the option and the file, never the secret
+/// in it.
 #[cfg(any(feature = "nats", feature = "etcd"))]
 #[derive(Debug, Error)]
 #[non_exhaustive]

@@ -42,7 +42,8 @@ enum NatsAuth {
     CredentialsFile(PathBuf),
 }
 
-/// Connecting to a secured server (see the [module docs](super#connecting-to-a-secured-server)).
+/// Connecting to a secured server: the credentials and TLS files a
+/// nats-server with authentication or TLS asks for.
 impl ReplicaSyncOptions {
     /// Authenticates with a user and password (the server's
     /// `authorization { user, password }` or `users` list). Replaces any

@@ -24,7 +24,8 @@ pub(super) struct EtcdSecurity {
     tls: TlsFiles,
 }
 
-/// Connecting to a secured etcd (see the [module docs](super#connecting-to-a-secured-etcd)).
+/// Connecting to a secured etcd: the user, password and TLS files an etcd
+/// with authentication or TLS asks for.
 impl EtcdOptions {
     /// Authenticates as this etcd user (etcd's `--auth` on, a user made
     /// with `etcdctl user add`): the client asks etcd for a token with

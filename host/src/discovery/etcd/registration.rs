@@ -213,7 +213,9 @@ impl EtcdRegistration {
         Self::register_with(endpoints, prefix, record, ttl, EtcdOptions::default())
     }
 
-    /// [`register`](Self::register) with the given timeouts.
+    /// [`register`](Self::register) with the given timeouts, credentials
+    /// and TLS files; fails as [`EtcdDiscovery::connect_with`](super::EtcdDiscovery::connect_with)
+    /// does for a file it cannot use or a refusal.
     pub fn register_with(
         endpoints: &[impl AsRef<str>],
         prefix: &str,
