@@ -260,21 +260,14 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let bad = dir.join("bad.nk");
         std::fs::write(&bad, "SUnot-a-seed\n").unwrap();
-        let e = ReplicaSyncOptions::default()
-            .with_nkey_seed_file(&bad)
-            .security
-            .check()
-            .unwrap_err();
+        let refused = |options: ReplicaSyncOptions| options.security.check().unwrap_err();
+        let e = refused(ReplicaSyncOptions::default().with_nkey_seed_file(&bad));
         assert!(
             matches!(&e, CredentialError::Invalid { option: "nkey_seed_file", path, .. } if *path == bad),
             "{e}"
         );
         assert!(!e.to_string().contains("SUnot"), "{e}");
-        let e = ReplicaSyncOptions::default()
-            .with_credentials_file(&bad)
-            .security
-            .check()
-            .unwrap_err();
+        let e = refused(ReplicaSyncOptions::default().with_credentials_file(&bad));
         assert!(
             matches!(
                 &e,
@@ -285,11 +278,7 @@ mod tests {
             ),
             "{e}"
         );
-        let e = ReplicaSyncOptions::default()
-            .with_credentials_file(dir.join("absent.creds"))
-            .security
-            .check()
-            .unwrap_err();
+        let e = refused(ReplicaSyncOptions::default().with_credentials_file(dir.join("absent.creds")));
         assert!(
             matches!(
                 &e,

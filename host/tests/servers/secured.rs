@@ -197,16 +197,22 @@ impl Drop for OwnServer {
     }
 }
 
-/// The `nats-server` binary, or `None` after printing why `test` is
-/// skipped.
-pub fn nats_binary(test: &str) -> Option<PathBuf> {
-    let bin = super::server_binary("SELKIE_NATS_BIN", "nats-server");
+/// The server binary in `var` or on the PATH as `name`, or `None` after
+/// printing why `test` is skipped.
+fn binary(var: &str, name: &str, test: &str, package: &str) -> Option<PathBuf> {
+    let bin = super::server_binary(var, name);
     if bin.is_none() {
         super::skip(&format!(
-            "{test}: needs a nats-server binary (SELKIE_NATS_BIN or `nats-server` on the PATH)"
+            "{test}: needs a {name} binary ({var} or `{name}` on the PATH; Debian: {package})"
         ));
     }
     bin
+}
+
+/// The `nats-server` binary, or `None` after printing why `test` is
+/// skipped.
+pub fn nats_binary(test: &str) -> Option<PathBuf> {
+    binary("SELKIE_NATS_BIN", "nats-server", test, "nats-server")
 }
 
 /// Starts `bin` with `config` (nats-server's configuration format, less
@@ -232,13 +238,7 @@ pub fn start_nats(bin: &Path, dir: &TestDir, config: &str) -> OwnServer {
 
 /// The `etcd` binary, or `None` after printing why `test` is skipped.
 pub fn etcd_binary(test: &str) -> Option<PathBuf> {
-    let bin = super::server_binary("SELKIE_ETCD_BIN", "etcd");
-    if bin.is_none() {
-        super::skip(&format!(
-            "{test}: needs an etcd binary (SELKIE_ETCD_BIN or `etcd` on the PATH; Debian: etcd-server)"
-        ));
-    }
-    bin
+    binary("SELKIE_ETCD_BIN", "etcd", test, "etcd-server")
 }
 
 /// Starts `bin` on free loopback ports, serving clients over `scheme`
