@@ -71,3 +71,6 @@ pub use types::{DpRank, RoutingPartitionRef, WorkerId, WorkerType, WorkerWithDpR
 
 #[cfg(feature = "sim")]
 pub mod sim;
+
+#[cfg(feature = "serve")]
+pub mod router;

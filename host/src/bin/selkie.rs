@@ -4,26 +4,52 @@
 //! best?": it replays an embedded scenario or a Mooncake-style trace against
 //! simulated inference workers, routes every request through selkie's real
 //! selection service under each policy, and prints a comparison table (and,
-//! with `--plots DIR`, SVG charts). Built only with the `sim` feature.
+//! with `--plots DIR`, SVG charts). Built with the `sim` feature.
+//!
+//! `selkie serve` runs an OpenAI-compatible HTTP router in front of
+//! inference engines, every decision made by the selection service
+//! (`selkie::router`). Built with the `serve` feature.
 
+#[cfg(feature = "sim")]
 use std::fs::File;
+#[cfg(feature = "sim")]
 use std::io::{BufReader, BufWriter, Write};
+#[cfg(feature = "sim")]
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+#[cfg(feature = "sim")]
 use std::time::{Duration, Instant};
 
-use clap::{Args, Parser, Subcommand};
+#[cfg(feature = "sim")]
+use clap::Args;
+use clap::{Parser, Subcommand};
+
+#[cfg(feature = "serve")]
+#[path = "selkie/serve.rs"]
+mod serve;
+#[cfg(feature = "sim")]
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+#[cfg(feature = "sim")]
 use selkie::sim::compare::{run_policy_within, PolicyChoice, PolicyRun};
+#[cfg(feature = "sim")]
 use selkie::sim::limits::{above_zero_option, MAX_RATE_PER_S};
+#[cfg(feature = "sim")]
 use selkie::sim::metrics::{render_table, HitBounds, PolicyReport};
+#[cfg(feature = "sim")]
 use selkie::sim::plot::{load_y_max, plot_load, plot_ttft};
+#[cfg(feature = "sim")]
 use selkie::sim::run::TYPICAL_WORKER_KV_TOKENS;
+#[cfg(feature = "sim")]
 use selkie::sim::scenario::{Scenario, ScenarioName};
+#[cfg(feature = "sim")]
 use selkie::sim::trace::{read_trace, write_trace};
+#[cfg(feature = "sim")]
 use selkie::sim::tune::{split_in_time, tune as search, KvWeights, TuneSpace};
+#[cfg(feature = "sim")]
 use selkie::sim::workload::Workload;
+#[cfg(feature = "sim")]
 use selkie::sim::SimError;
+#[cfg(feature = "sim")]
 use selkie::{AffinityMode, WorkerSelectionPolicyRegistry};
 
 #[derive(Parser, Debug)]
@@ -36,13 +62,20 @@ struct Cli {
 #[derive(Subcommand, Debug)]
 enum Command {
     /// Simulate a fleet under every policy and compare them.
+    #[cfg(feature = "sim")]
     Simulate(SimulateArgs),
     /// Search the KV policy's weights with the simulator (trained on the
     /// first half of the requests, tested on the second) and write the
     /// winner as a worker-selection config file.
+    #[cfg(feature = "sim")]
     Tune(TuneArgs),
+    /// Route OpenAI-compatible requests to inference engines (an HTTP
+    /// router whose every decision is selkie's).
+    #[cfg(feature = "serve")]
+    Serve(Box<serve::ServeArgs>),
 }
 
+#[cfg(feature = "sim")]
 #[derive(Args, Debug)]
 struct TuneArgs {
     #[command(flatten)]
@@ -56,6 +89,7 @@ struct TuneArgs {
     out: PathBuf,
 }
 
+#[cfg(feature = "sim")]
 /// The fleet and the workload: an embedded scenario, a scenario file or a
 /// trace, with overrides (shared by `simulate` and `tune`).
 #[derive(Args, Debug)]
@@ -121,6 +155,7 @@ struct WorkloadArgs {
     trace_block_size: Option<u32>,
 }
 
+#[cfg(feature = "sim")]
 #[derive(Args, Debug)]
 struct SimulateArgs {
     #[command(flatten)]
@@ -156,10 +191,22 @@ struct SimulateArgs {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
-    let result = match cli.command {
+    match Cli::parse().command {
+        #[cfg(feature = "serve")]
+        Command::Serve(args) => serve::main(*args),
+        #[cfg(feature = "sim")]
+        command => sim_main(command),
+    }
+}
+
+/// `simulate` and `tune`.
+#[cfg(feature = "sim")]
+fn sim_main(command: Command) -> ExitCode {
+    let result = match command {
         Command::Simulate(args) => simulate(args),
         Command::Tune(args) => tune(args),
+        #[cfg(feature = "serve")]
+        Command::Serve(_) => unreachable!("dispatched by main"),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -173,6 +220,7 @@ fn main() -> ExitCode {
     }
 }
 
+#[cfg(feature = "sim")]
 /// Standard output, as a [`SimError`] on failure (a closed pipe included).
 fn stdout_err(source: std::io::Error) -> SimError {
     SimError::Io {
@@ -181,6 +229,7 @@ fn stdout_err(source: std::io::Error) -> SimError {
     }
 }
 
+#[cfg(feature = "sim")]
 /// The command-line overrides, each checked under its option's name.
 fn check_options(args: &WorkloadArgs) -> Result<(), SimError> {
     let positive = |name: &str, v: Option<u64>| match v {
@@ -202,6 +251,7 @@ fn check_options(args: &WorkloadArgs) -> Result<(), SimError> {
     above_zero_option("--rate", args.rate, MAX_RATE_PER_S)
 }
 
+#[cfg(feature = "sim")]
 fn io_err(path: &Path) -> impl Fn(std::io::Error) -> SimError + '_ {
     move |source| SimError::Io {
         path: path.to_owned(),
@@ -209,6 +259,7 @@ fn io_err(path: &Path) -> impl Fn(std::io::Error) -> SimError + '_ {
     }
 }
 
+#[cfg(feature = "sim")]
 /// The scenario of `args`: the embedded or file scenario with the
 /// command line's overrides, checked.
 fn scenario_of(args: &WorkloadArgs) -> Result<Scenario, SimError> {
@@ -260,6 +311,7 @@ fn scenario_of(args: &WorkloadArgs) -> Result<Scenario, SimError> {
     Ok(scenario)
 }
 
+#[cfg(feature = "sim")]
 /// The requests of `args` (the trace's, else generated from `scenario`),
 /// where they come from, and a note on where the cache size comes from;
 /// sets `scenario`'s cache size for them.
@@ -314,6 +366,7 @@ fn workload_of(args: &WorkloadArgs, scenario: &mut Scenario) -> Result<(Workload
     Ok((workload, source, capacity_note))
 }
 
+#[cfg(feature = "sim")]
 fn simulate(args: SimulateArgs) -> Result<(), SimError> {
     let started = Instant::now();
     let mut scenario = scenario_of(&args.workload)?;
@@ -475,6 +528,7 @@ fn simulate(args: SimulateArgs) -> Result<(), SimError> {
     out.flush().map_err(stdout_err)
 }
 
+#[cfg(feature = "sim")]
 /// The first lines of a run's output: what runs on which fleet (and its
 /// worker classes).
 fn fleet_lines(
@@ -528,6 +582,7 @@ fn fleet_lines(
     text
 }
 
+#[cfg(feature = "sim")]
 /// A label for `weights` in a table.
 fn weights_label(w: &KvWeights) -> String {
     let mut label = format!(
@@ -545,6 +600,7 @@ fn weights_label(w: &KvWeights) -> String {
     label
 }
 
+#[cfg(feature = "sim")]
 fn tune(args: TuneArgs) -> Result<(), SimError> {
     let started = Instant::now();
     if args.trials == 0 {

@@ -1,0 +1,402 @@
+//! The router's Prometheus metrics: what the front doors and the request
+//! lifecycle count, rendered as text for `GET /metrics`.
+//!
+//! Counters the request path touches are created once at start (one atomic
+//! add per event, no lock, no label lookup); only the selections by branch
+//! and the per-worker gauges go through a label lookup. The booked load per
+//! worker rank is read from the selection service when `/metrics` is
+//! scraped, so it is exactly what the service holds at that moment.
+//!
+//! | metric | labels | what |
+//! |---|---|---|
+//! | `selkie_http_requests_total` | `endpoint`, `status` | requests answered (proxied: the worker's status) |
+//! | `selkie_selections_total` | `policy`, `branch` | selections, by the policy's branch |
+//! | `selkie_selection_seconds` | | time in `select` (histogram) |
+//! | `selkie_inflight_requests` | `worker`, `rank` | requests booked on a rank |
+//! | `selkie_booked_prefill_tokens` | `worker`, `rank` | prompt tokens booked, not yet prefilled |
+//! | `selkie_booked_decode_blocks` | `worker`, `rank` | KV blocks booked |
+//! | `selkie_refusals_total` | `reason` | requests refused or cut short by the router |
+//! | `selkie_upstream_errors_total` | `kind` | `connect`, `timeout`, `broken` (before the head), `body` (mid-body), `stall`, `status_5xx` |
+//! | `selkie_retries_total` | | requests sent to a second worker after a refused connection |
+//! | `selkie_unhashed_requests_total` | `reason` | requests routed by load, their prompt not hashed |
+//! | `selkie_request_bytes_total`, `selkie_response_bytes_total` | | body bytes proxied |
+//! | `selkie_open_responses` | | responses being streamed now |
+//! | `selkie_client_disconnects_total` | | responses the client left before their end |
+//! | `selkie_bound_hits_total` | `bound` | a bound of [`Limits`](super::Limits) was hit |
+//! | `selkie_limit` | `bound` | the configured bounds |
+//! | `selkie_workers` | | workers in the table |
+//! | `selkie_kv_index_blocks` | | blocks the prefix index holds (when the policy reads it) |
+
+use std::collections::HashMap;
+use std::sync::atomic::AtomicU64;
+
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+
+use super::error::Refusal;
+use super::prompt::Unhashed;
+use super::Limits;
+use crate::{Branch, WorkerSelectionService};
+
+type Labels = Vec<(&'static str, String)>;
+
+/// Why a worker's answer failed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum UpstreamErrorKind {
+    /// The connection was refused or timed out.
+    Connect,
+    /// No response head within `response_timeout`.
+    Timeout,
+    /// The connection broke before the response head.
+    Broken,
+    /// The connection broke in the middle of the body.
+    Body,
+    /// No body chunk within `stream_idle_timeout`.
+    Stall,
+    /// The worker answered with a 5xx status (passed through as it is).
+    Status5xx,
+}
+
+impl UpstreamErrorKind {
+    /// The label.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            UpstreamErrorKind::Connect => "connect",
+            UpstreamErrorKind::Timeout => "timeout",
+            UpstreamErrorKind::Broken => "broken",
+            UpstreamErrorKind::Body => "body",
+            UpstreamErrorKind::Stall => "stall",
+            UpstreamErrorKind::Status5xx => "status_5xx",
+        }
+    }
+
+    const ALL: [UpstreamErrorKind; 6] = [
+        UpstreamErrorKind::Connect,
+        UpstreamErrorKind::Timeout,
+        UpstreamErrorKind::Broken,
+        UpstreamErrorKind::Body,
+        UpstreamErrorKind::Stall,
+        UpstreamErrorKind::Status5xx,
+    ];
+}
+
+/// The bounds counted in `selkie_bound_hits_total{bound}`.
+pub const BOUNDS: [&str; 9] = [
+    "max_body_bytes",
+    "max_concurrent_requests",
+    "max_connections",
+    "max_prompt_tokens",
+    "max_tokenize_bytes",
+    "max_index_blocks",
+    "response_timeout",
+    "stream_idle_timeout",
+    "body_read_timeout",
+];
+
+/// The router's metrics.
+pub struct Metrics {
+    registry: Registry,
+    requests: Family<Labels, Counter>,
+    selections: Family<Labels, Counter>,
+    policy: &'static str,
+    select_seconds: Histogram,
+    inflight: Family<Labels, Gauge>,
+    booked_prefill: Family<Labels, Gauge>,
+    booked_decode: Family<Labels, Gauge>,
+    refusals: HashMap<Refusal, Counter>,
+    unhashed: HashMap<Unhashed, Counter>,
+    upstream: HashMap<UpstreamErrorKind, Counter>,
+    bounds: HashMap<&'static str, Counter>,
+    retries: Counter,
+    request_bytes: Counter,
+    response_bytes: Counter,
+    open_responses: Gauge,
+    disconnects: Counter,
+    workers: Gauge,
+    index_blocks: Gauge,
+}
+
+impl Metrics {
+    /// The metrics of a router running `policy` under `limits`.
+    pub fn new(policy: &'static str, limits: &Limits) -> Self {
+        let mut registry = Registry::default();
+        let requests = Family::<Labels, Counter>::default();
+        registry.register(
+            "selkie_http_requests",
+            "Requests answered, by endpoint and status",
+            requests.clone(),
+        );
+        let selections = Family::<Labels, Counter>::default();
+        registry.register(
+            "selkie_selections",
+            "Selections, by policy and branch",
+            selections.clone(),
+        );
+        let select_seconds = Histogram::new(exponential_buckets(1e-7, 2.0, 16));
+        registry.register(
+            "selkie_selection_seconds",
+            "Time in the selection service's select",
+            select_seconds.clone(),
+        );
+        let inflight = Family::<Labels, Gauge>::default();
+        registry.register(
+            "selkie_inflight_requests",
+            "Requests booked on a worker rank",
+            inflight.clone(),
+        );
+        let booked_prefill = Family::<Labels, Gauge>::default();
+        registry.register(
+            "selkie_booked_prefill_tokens",
+            "Prompt tokens booked on a worker rank, not yet prefilled",
+            booked_prefill.clone(),
+        );
+        let booked_decode = Family::<Labels, Gauge>::default();
+        registry.register(
+            "selkie_booked_decode_blocks",
+            "KV blocks booked on a worker rank",
+            booked_decode.clone(),
+        );
+        let refusal_family = Family::<Labels, Counter>::default();
+        registry.register(
+            "selkie_refusals",
+            "Requests refused or cut short by the router, by reason",
+            refusal_family.clone(),
+        );
+        let refusals = Refusal::ALL
+            .iter()
+            .map(|r| {
+                (
+                    *r,
+                    refusal_family.get_or_create_owned(&vec![("reason", r.as_str().to_owned())]),
+                )
+            })
+            .collect();
+        let unhashed_family = Family::<Labels, Counter>::default();
+        registry.register(
+            "selkie_unhashed_requests",
+            "Requests routed by load because their prompt could not be hashed, by reason",
+            unhashed_family.clone(),
+        );
+        let unhashed = Unhashed::ALL
+            .iter()
+            .map(|u| {
+                (
+                    *u,
+                    unhashed_family.get_or_create_owned(&vec![("reason", u.as_str().to_owned())]),
+                )
+            })
+            .collect();
+        let upstream_family = Family::<Labels, Counter>::default();
+        registry.register(
+            "selkie_upstream_errors",
+            "Worker failures, by kind",
+            upstream_family.clone(),
+        );
+        let upstream = UpstreamErrorKind::ALL
+            .iter()
+            .map(|k| {
+                (
+                    *k,
+                    upstream_family.get_or_create_owned(&vec![("kind", k.as_str().to_owned())]),
+                )
+            })
+            .collect();
+        let bound_family = Family::<Labels, Counter>::default();
+        registry.register(
+            "selkie_bound_hits",
+            "Times a configured bound was hit",
+            bound_family.clone(),
+        );
+        let bounds = BOUNDS
+            .iter()
+            .map(|b| (*b, bound_family.get_or_create_owned(&vec![("bound", (*b).to_owned())])))
+            .collect();
+        let limit_family = Family::<Labels, Gauge<f64, AtomicU64>>::default();
+        registry.register(
+            "selkie_limit",
+            "The configured bounds (durations in seconds)",
+            limit_family.clone(),
+        );
+        for (name, value) in limits.named() {
+            limit_family.get_or_create(&vec![("bound", name.to_owned())]).set(value);
+        }
+        let retries = Counter::default();
+        registry.register(
+            "selkie_retries",
+            "Requests sent to a second worker after a refused connection",
+            retries.clone(),
+        );
+        let request_bytes = Counter::default();
+        registry.register(
+            "selkie_request_bytes",
+            "Request body bytes sent to workers",
+            request_bytes.clone(),
+        );
+        let response_bytes = Counter::default();
+        registry.register(
+            "selkie_response_bytes",
+            "Response body bytes passed to clients",
+            response_bytes.clone(),
+        );
+        let open_responses = Gauge::default();
+        registry.register(
+            "selkie_open_responses",
+            "Responses being passed to clients now",
+            open_responses.clone(),
+        );
+        let disconnects = Counter::default();
+        registry.register(
+            "selkie_client_disconnects",
+            "Responses whose client went away before their end",
+            disconnects.clone(),
+        );
+        let workers = Gauge::default();
+        registry.register("selkie_workers", "Workers in the table", workers.clone());
+        let index_blocks = Gauge::default();
+        registry.register(
+            "selkie_kv_index_blocks",
+            "Blocks the prefix index holds",
+            index_blocks.clone(),
+        );
+        Metrics {
+            registry,
+            requests,
+            selections,
+            policy,
+            select_seconds,
+            inflight,
+            booked_prefill,
+            booked_decode,
+            refusals,
+            unhashed,
+            upstream,
+            bounds,
+            retries,
+            request_bytes,
+            response_bytes,
+            open_responses,
+            disconnects,
+            workers,
+            index_blocks,
+        }
+    }
+
+    /// A request answered with `status`.
+    pub fn answered(&self, endpoint: &'static str, status: u16) {
+        self.requests
+            .get_or_create(&vec![("endpoint", endpoint.to_owned()), ("status", status.to_string())])
+            .inc();
+    }
+
+    /// A selection took `seconds` and went to `branch`.
+    pub fn selected(&self, branch: Branch, seconds: f64) {
+        self.select_seconds.observe(seconds);
+        self.selections
+            .get_or_create(&vec![
+                ("policy", self.policy.to_owned()),
+                ("branch", branch.as_str().to_owned()),
+            ])
+            .inc();
+    }
+
+    /// A refusal.
+    pub fn refused(&self, reason: Refusal) {
+        if let Some(c) = self.refusals.get(&reason) {
+            c.inc();
+        }
+    }
+
+    /// A prompt routed by load.
+    pub fn unhashed(&self, reason: Unhashed) {
+        if let Some(c) = self.unhashed.get(&reason) {
+            c.inc();
+        }
+        if reason == Unhashed::PromptTooLong {
+            self.bound_hit("max_prompt_tokens");
+        }
+    }
+
+    /// A worker failure.
+    pub fn upstream_error(&self, kind: UpstreamErrorKind) {
+        if let Some(c) = self.upstream.get(&kind) {
+            c.inc();
+        }
+    }
+
+    /// A bound was hit (one of `BOUNDS`).
+    pub fn bound_hit(&self, bound: &'static str) {
+        if let Some(c) = self.bounds.get(bound) {
+            c.inc();
+        }
+    }
+
+    /// A retry on the next choice.
+    pub fn retried(&self) {
+        self.retries.inc();
+    }
+
+    /// Request body bytes sent.
+    pub fn request_bytes(&self, n: usize) {
+        self.request_bytes.inc_by(n as u64);
+    }
+
+    /// Response body bytes passed on.
+    pub fn response_bytes(&self, n: usize) {
+        self.response_bytes.inc_by(n as u64);
+    }
+
+    /// A response started (`+1`) or ended (`-1`).
+    pub fn open_response(&self, delta: i64) {
+        self.open_responses.inc_by(delta);
+    }
+
+    /// A client went away before its response ended.
+    pub fn client_disconnected(&self) {
+        self.disconnects.inc();
+    }
+
+    /// The prefix index holds `blocks`.
+    pub fn index_blocks(&self, blocks: usize) {
+        self.index_blocks.set(blocks as i64);
+    }
+
+    /// The Prometheus text, with the booked load per worker rank read from
+    /// `service` now (`url_of` names each worker).
+    pub fn render(&self, service: &WorkerSelectionService, url_of: impl Fn(u64) -> String) -> String {
+        self.inflight.clear();
+        self.booked_prefill.clear();
+        self.booked_decode.clear();
+        let workers = service.workers();
+        self.workers.set(workers.len() as i64);
+        for record in workers {
+            let Some(status) = service.worker_status(record.worker_id) else {
+                continue;
+            };
+            let url = record
+                .labels
+                .get(super::workers::URL_LABEL)
+                .cloned()
+                .unwrap_or_else(|| url_of(record.worker_id));
+            for rank in status.ranks {
+                let labels = vec![("worker", url.clone()), ("rank", rank.dp_rank.to_string())];
+                self.inflight
+                    .get_or_create(&labels)
+                    .set(i64::from(rank.active_requests));
+                self.booked_prefill
+                    .get_or_create(&labels)
+                    .set(i64::from(rank.active_prefill_tokens));
+                self.booked_decode
+                    .get_or_create(&labels)
+                    .set(i64::from(rank.active_decode_blocks));
+            }
+        }
+        let mut out = String::new();
+        // Writing into a String cannot fail.
+        let _ = encode(&mut out, &self.registry);
+        out
+    }
+}

@@ -1,0 +1,316 @@
+//! `selkie serve`: an OpenAI-compatible HTTP router whose every decision
+//! is the [`WorkerSelectionService`]'s (feature `serve`).
+//!
+//! ```text
+//! client ──► http (front door) ──► request ──► prompt ──► route ──► service.select
+//!               │                  (parse)    (tokens,    (SelectionRequest,
+//!               │                              blocks)     booking)
+//!               ◄── lifecycle ◄── upstream ◄──────────────────┘
+//!                   (prefill, output blocks, release)
+//! ```
+//!
+//! * [`request`](ParsedRequest): an OpenAI body → model, prompt, stream
+//!   flag (one parser for every front door);
+//! * [`prompt`](PromptHasher): prompt → token ids (as given, or with the
+//!   `tokenizers` crate and a minijinja chat template) → KV block hashes;
+//! * [`route`](RouterCore): the [`SelectionRequest`](crate::SelectionRequest) the policy needs, the
+//!   selection and booking, the retry on the next choice;
+//! * [`lifecycle`](Lifecycle): the booking follows the response;
+//! * `upstream`: pooled connections to the workers, timeouts;
+//! * [`metrics`](Metrics): what `/metrics` shows;
+//! * `http`: the HTTP door; [`workers`](WorkerTable): where the workers
+//!   are and what they serve.
+//!
+//! The library's default features compile none of this: a router that
+//! embeds selkie builds no tokio, hyper or tokenizer unless it asks for
+//! `serve`.
+//!
+//! Start it from code with [`Server::start`] (inside a tokio runtime), or
+//! as the process `selkie serve` does with [`run`]: it raises the
+//! open-files limit to the hard limit, checks every option, builds the
+//! router, serves until SIGTERM or SIGINT, then stops accepting, lets the
+//! open responses finish within
+//! [`shutdown_timeout`](Limits::shutdown_timeout) and returns `Ok` (exit
+//! status 0).
+
+mod config;
+mod error;
+mod http;
+mod lifecycle;
+mod metrics;
+mod prompt;
+mod request;
+mod route;
+mod upstream;
+mod workers;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+#[cfg(feature = "etcd")]
+pub use config::EtcdWorkers;
+pub use config::{Limits, PolicySpec, ServeConfig, MAX_BLOCK_SIZE, RESERVED_FDS};
+pub use error::{ApiError, Refusal, ServeError};
+pub use http::{DP_RANK_HEADER, WORKER_HEADER};
+pub use lifecycle::{Ending, Lifecycle, TokenScanner, MAX_COUNTED_OUTPUT_TOKENS};
+pub use metrics::{Metrics, UpstreamErrorKind};
+pub use prompt::{ChatTemplate, PromptBlocks, PromptHasher, Unhashed};
+pub use request::{Endpoint, ParsedRequest, PromptInput};
+pub use route::{Choice, PrefixIndex, RouterCore, INLINE_TOKENIZE_BYTES};
+pub use workers::{
+    parse_workers_file, FleetView, ModelList, ModelRoute, ServeSource, WorkerEntry, WorkerSpec, WorkerTable, WorkerUrl,
+    MAX_MODELS_PER_WORKER, MAX_WORKERS_FILE_BYTES, MODELS_LABEL, URL_LABEL,
+};
+
+use crate::{
+    DiscoveryPoller, KvRouterConfig, RoutingPartitionRef, ServiceConfig, WorkerSelectionConfig, WorkerSelectionPolicy,
+    WorkerSelectionPolicyRegistry, WorkerSelectionService, WorkerType,
+};
+
+/// The partition name policy factories are called with.
+const PARTITION: &str = "selkie-serve";
+
+/// How long a worker's `/v1/models` may take.
+const MODELS_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Builds the policy `spec` names, through the built-in registry.
+pub fn build_policy(spec: &PolicySpec) -> Result<WorkerSelectionPolicy, ServeError> {
+    let registry = WorkerSelectionPolicyRegistry::new();
+    let factory = match spec {
+        PolicySpec::Named { name, parameters } => registry.factory(name, parameters)?,
+        PolicySpec::ConfigFile(path) => {
+            WorkerSelectionConfig::from_path(path)?.resolve(&registry, WorkerType::Aggregated)?
+        }
+    };
+    Ok(factory(
+        &KvRouterConfig::default(),
+        WorkerType::Aggregated,
+        RoutingPartitionRef::model(PARTITION),
+    ))
+}
+
+/// The open-files limit (soft), if the platform says.
+pub fn open_files_limit() -> Option<u64> {
+    rlimit::getrlimit(rlimit::Resource::NOFILE).ok().map(|(soft, _)| soft)
+}
+
+/// A running router (see [`Server::start`]).
+pub struct Server {
+    addr: SocketAddr,
+    core: Arc<RouterCore>,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    serving: tokio::task::JoinHandle<()>,
+    models: tokio::task::JoinHandle<()>,
+    poller: Option<DiscoveryPoller>,
+}
+
+impl Server {
+    /// Checks `config`, builds the router (policy, tokenizer, template,
+    /// the first snapshot of the workers), binds its port and starts
+    /// serving. Must be called inside a multi-threaded tokio runtime.
+    pub async fn start(config: ServeConfig) -> Result<Server, ServeError> {
+        config.validate(open_files_limit())?;
+        let policy = build_policy(&config.policy)?;
+        let tokenizer = config
+            .tokenizer
+            .as_deref()
+            .map(PromptHasher::load_tokenizer)
+            .transpose()?;
+        let template = config
+            .chat_template
+            .as_deref()
+            .map(ChatTemplate::from_file)
+            .transpose()?;
+        let prompts = PromptHasher::new(
+            config.block_size,
+            tokenizer,
+            template,
+            config.limits.max_prompt_tokens,
+            config.limits.max_tokenize_bytes,
+        );
+        let service = Arc::new(WorkerSelectionService::new(
+            policy,
+            ServiceConfig {
+                block_size: config.block_size,
+                seed: config.seed,
+                ..ServiceConfig::default()
+            },
+        ));
+        let metrics = Arc::new(Metrics::new(service.policy().name(), &config.limits));
+        let table = Arc::new(WorkerTable::new());
+        #[allow(unused_mut)]
+        let mut source = ServeSource::new(
+            &config.workers,
+            config.workers_file.clone(),
+            config.max_active,
+            table.clone(),
+        )?;
+        #[cfg(feature = "etcd")]
+        if let Some(etcd) = &config.etcd {
+            let discovery =
+                crate::EtcdDiscovery::connect_with(&etcd.endpoints, etcd.prefix.clone(), etcd.options.clone())?;
+            source = source.with_etcd(discovery);
+        }
+        if config.workers.is_empty() && !source.is_dynamic() {
+            return Err(ServeError::NoWorkerSource);
+        }
+        service.refresh(&mut source)?;
+        let poller = if source.is_dynamic() {
+            Some(
+                DiscoveryPoller::spawn(service.clone(), Box::new(source), config.discovery_interval)
+                    .map_err(ServeError::Runtime)?,
+            )
+        } else {
+            None
+        };
+        let core = Arc::new(RouterCore::new(
+            service,
+            table,
+            prompts,
+            metrics,
+            config.index_ttl,
+            config.limits.max_index_blocks,
+        ));
+        let listener = tokio::net::TcpListener::bind(config.listen)
+            .await
+            .map_err(|source| ServeError::Bind {
+                addr: config.listen,
+                source,
+            })?;
+        let addr = listener.local_addr().map_err(|source| ServeError::Bind {
+            addr: config.listen,
+            source,
+        })?;
+        let upstream = upstream::Upstream::new(&config.limits);
+        let models = tokio::spawn(refresh_models(core.clone(), upstream.clone(), config.models_refresh));
+        let door = Arc::new(http::HttpDoor::new(
+            core.clone(),
+            upstream,
+            config.limits.clone(),
+            config.retry_after,
+        ));
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let serving = tokio::spawn(http::serve(door, listener, async move {
+            let _ = stopped.await;
+        }));
+        tracing::info!(%addr, policy = core.service.policy().name(), "selkie serve: listening");
+        Ok(Server {
+            addr,
+            core,
+            stop: Some(stop),
+            serving,
+            models,
+            poller,
+        })
+    }
+
+    /// The address it listens on.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// The routing core (its service, workers and metrics).
+    pub fn core(&self) -> &Arc<RouterCore> {
+        &self.core
+    }
+
+    /// Stops accepting, lets open responses finish within the shutdown
+    /// timeout, and returns.
+    pub async fn shutdown(mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        let _ = (&mut self.serving).await;
+        self.models.abort();
+        if let Some(p) = self.poller.take() {
+            p.stop();
+        }
+    }
+}
+
+/// Reads the models of the workers whose entries list none, at start, on
+/// every change of the workers, and every `period`.
+async fn refresh_models(core: Arc<RouterCore>, upstream: upstream::Upstream, period: std::time::Duration) {
+    loop {
+        let view = core.table.view();
+        let mut reads = Vec::new();
+        for worker in view.workers().iter().filter(|w| !w.listed_models) {
+            let (worker, upstream) = (worker.clone(), upstream.clone());
+            reads.push(tokio::spawn(async move {
+                match upstream.models(&worker, MODELS_TIMEOUT).await {
+                    Ok(list) => {
+                        let changed = worker.models().is_none_or(|old| old.ids != list.ids);
+                        worker.set_models(list);
+                        changed
+                    }
+                    Err(why) => {
+                        tracing::debug!(worker = worker.url.as_str(), %why, "cannot read the worker's models");
+                        false
+                    }
+                }
+            }));
+        }
+        let mut changed = false;
+        for r in reads {
+            changed |= r.await.unwrap_or(false);
+        }
+        if changed {
+            core.table.models_changed();
+        }
+        tokio::select! {
+            () = tokio::time::sleep(period) => {}
+            () = core.table.changed() => {}
+        }
+    }
+}
+
+/// Runs `selkie serve` as a process: raises the open-files limit, starts a
+/// runtime and the router, serves until SIGTERM or SIGINT, shuts down
+/// gracefully and returns `Ok`.
+pub fn run(config: ServeConfig) -> Result<(), ServeError> {
+    // The hard limit is as far as an unprivileged process may go.
+    let _ = rlimit::increase_nofile_limit(u64::MAX);
+    config.validate(open_files_limit())?;
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    builder.enable_all().thread_name("selkie-serve");
+    if let Some(n) = config.threads {
+        builder.worker_threads(n);
+    }
+    let runtime = builder.build().map_err(ServeError::Runtime)?;
+    let result = runtime.block_on(async {
+        let server = Server::start(config).await?;
+        eprintln!(
+            "selkie serve: listening on http://{} (policy {})",
+            server.local_addr(),
+            server.core().service.policy().name()
+        );
+        wait_for_signal().await;
+        eprintln!("selkie serve: stopping (finishing open responses)");
+        server.shutdown().await;
+        Ok(())
+    });
+    runtime.shutdown_timeout(std::time::Duration::from_secs(1));
+    result
+}
+
+async fn wait_for_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = term.recv() => {}
+                    _ = tokio::signal::ctrl_c() => {}
+                }
+            }
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}

@@ -1,0 +1,379 @@
+//! The routing step every front door shares: a parsed request → its
+//! prompt's blocks → a [`SelectionRequest`] → the selection service's
+//! choice and booking → a [`Choice`] (the worker and the booking's
+//! [`Lifecycle`]). Doors parse, forward and stream; they never hash, choose
+//! or book themselves.
+//!
+//! What the request carries depends on what the policy reads:
+//!
+//! * a policy that reads cache overlaps (`kv`, `device-aware-weighted`, a
+//!   composed policy with `cache-credit`) gets each worker rank's overlap
+//!   with the prompt from the router's [`PrefixIndex`]: without engine KV
+//!   events, the index learns from the router's own decisions (a chosen
+//!   rank is taken to hold the prompt's blocks for
+//!   [`index_ttl`](super::ServeConfig::index_ttl), as Dynamo's approximate
+//!   mode);
+//! * `prefix-hash` gets the prompt's block hashes (its key is the first
+//!   `prefix_blocks` of them);
+//! * the load policies get the prompt's length only.
+//!
+//! A prompt is hashed only when the policy reads it; one that cannot be
+//! (see [`Unhashed`]) is routed on load and counted. The prompt's length is
+//! then estimated (4 bytes a token) for the booking.
+
+use std::cell::RefCell;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use super::error::{ApiError, Refusal};
+use super::lifecycle::Lifecycle;
+use super::metrics::Metrics;
+use super::prompt::{PromptBlocks, PromptHasher, Unhashed};
+use super::request::{ParsedRequest, PromptInput};
+use super::workers::{ModelRoute, WorkerEntry, WorkerTable};
+use crate::kv_index::{ApproxKvIndex, KvOverlaps};
+use crate::{
+    RowOverlaps, SelectionError, SelectionRequest, WorkerId, WorkerInputs, WorkerSelectionService, WorkerWithDpRank,
+};
+
+/// Prompt text longer than this (bytes) is tokenized on the runtime's
+/// blocking pool, not on the thread serving connections.
+pub const INLINE_TOKENIZE_BYTES: usize = 4096;
+
+/// The router's own prefix index: which worker rank was sent which prompt
+/// blocks, and when (an [`ApproxKvIndex`] behind a lock, bounded by
+/// [`Limits::max_index_blocks`](super::Limits::max_index_blocks)).
+pub struct PrefixIndex {
+    index: Mutex<ApproxKvIndex>,
+    max_blocks: usize,
+}
+
+thread_local! {
+    /// A thread's overlap columns (the selection reads them in place).
+    static OVERLAPS: RefCell<KvOverlaps> = RefCell::new(KvOverlaps::new());
+}
+
+impl PrefixIndex {
+    /// An index of `block_size`-token blocks that forgets a record after
+    /// `ttl`, holding at most `max_blocks`.
+    pub fn new(block_size: u32, ttl: Duration, max_blocks: usize) -> Self {
+        PrefixIndex {
+            index: Mutex::new(ApproxKvIndex::new(block_size).with_ttl(ttl)),
+            max_blocks,
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, ApproxKvIndex> {
+        self.index.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Blocks held.
+    pub fn blocks(&self) -> usize {
+        self.lock().recorded_blocks()
+    }
+
+    /// Writes the overlaps of `sequence` hashes into `out`, on the
+    /// service's current rows.
+    fn overlaps<'o>(
+        &self,
+        service: &WorkerSelectionService,
+        sequence: &[u64],
+        out: &'o mut KvOverlaps,
+    ) -> Option<RowOverlaps<'o>> {
+        let mut index = self.lock();
+        index.sync_rows(service.row_layout(), |rank| service.row_of(rank));
+        index.overlaps(sequence, out, Instant::now()).ok()
+    }
+
+    /// Records that `rank` got a prompt of these local block hashes;
+    /// `false` when the index is full.
+    fn record(&self, rank: WorkerWithDpRank, local: &[u64]) -> (bool, usize) {
+        let mut index = self.lock();
+        let now = Instant::now();
+        index.expire(now);
+        if index.recorded_blocks().saturating_add(local.len()) > self.max_blocks {
+            return (false, index.recorded_blocks());
+        }
+        index.record(rank, local, now);
+        (true, index.recorded_blocks())
+    }
+}
+
+/// What the policy reads from a request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Reads {
+    overlaps: bool,
+    blocks: bool,
+}
+
+/// The routing state shared by every front door.
+pub struct RouterCore {
+    /// The selection service.
+    pub service: Arc<WorkerSelectionService>,
+    /// The workers.
+    pub table: Arc<WorkerTable>,
+    /// Prompts to blocks.
+    pub prompts: Arc<PromptHasher>,
+    /// The prefix index, when the policy reads overlaps.
+    pub index: Option<PrefixIndex>,
+    /// The metrics.
+    pub metrics: Arc<Metrics>,
+    reads: Reads,
+    block_size: u32,
+}
+
+/// A chosen worker and the booking that follows the response.
+pub struct Choice {
+    /// The worker.
+    pub worker: Arc<WorkerEntry>,
+    /// The booking.
+    pub lifecycle: Lifecycle,
+    /// The rank booked.
+    pub rank: WorkerWithDpRank,
+    retry: Retry,
+}
+
+/// What a retry on the next choice needs.
+struct Retry {
+    route: ModelRoute,
+    tried: Vec<WorkerId>,
+    tokens: usize,
+}
+
+impl RouterCore {
+    /// The core over `service`'s policy, its index sized by the arguments.
+    pub fn new(
+        service: Arc<WorkerSelectionService>,
+        table: Arc<WorkerTable>,
+        prompts: PromptHasher,
+        metrics: Arc<Metrics>,
+        index_ttl: Duration,
+        max_index_blocks: usize,
+    ) -> Self {
+        let policy = service.policy();
+        let reads = Reads {
+            overlaps: policy.required_worker_inputs().contains(WorkerInputs::CACHE),
+            blocks: policy.name() == "prefix-hash",
+        };
+        let block_size = service.config().block_size;
+        RouterCore {
+            index: reads
+                .overlaps
+                .then(|| PrefixIndex::new(block_size, index_ttl, max_index_blocks)),
+            service,
+            table,
+            prompts: Arc::new(prompts),
+            metrics,
+            reads,
+            block_size,
+        }
+    }
+
+    /// Whether the policy reads prompts (so they are tokenized and hashed).
+    pub fn reads_prompts(&self) -> bool {
+        self.reads.overlaps || self.reads.blocks
+    }
+
+    /// The worker a request names (`x-selkie-worker`: its URL), if known.
+    pub fn named_worker(&self, url: &str) -> Result<WorkerId, ApiError> {
+        let unknown = || {
+            ApiError::new(
+                Refusal::WorkerNotNamed,
+                format!("x-selkie-worker names {url:?}, which is not a worker of this router"),
+            )
+        };
+        let parsed = super::workers::WorkerUrl::parse(url).map_err(|_| unknown())?;
+        self.table
+            .view()
+            .workers()
+            .iter()
+            .find(|w| w.url == parsed)
+            .map(|w| w.id)
+            .ok_or_else(unknown)
+    }
+
+    /// The prompt's blocks, tokenizing long text off the runtime's threads.
+    async fn blocks(&self, prompt: &PromptInput<'_>) -> Result<PromptBlocks, Unhashed> {
+        if self.prompts.text_bytes(prompt) <= INLINE_TOKENIZE_BYTES {
+            return self.prompts.blocks(prompt);
+        }
+        let owned = match prompt {
+            PromptInput::Text(t) => Owned::Text(t.to_string()),
+            PromptInput::Chat(raw) => Owned::Chat((*raw).to_owned()),
+            other => return self.prompts.blocks(other),
+        };
+        let prompts = self.prompts.clone();
+        tokio::task::spawn_blocking(move || match &owned {
+            Owned::Text(t) => prompts.blocks(&PromptInput::Text(t.as_str().into())),
+            Owned::Chat(raw) => prompts.blocks(&PromptInput::Chat(raw)),
+        })
+        .await
+        .unwrap_or(Err(Unhashed::TokenizerFailed))
+    }
+
+    /// Chooses a worker for `request` (among those serving its model, or
+    /// the one it names) and books it.
+    pub async fn choose(&self, request: &ParsedRequest<'_>, named: Option<WorkerId>) -> Result<Choice, ApiError> {
+        let view = self.table.view();
+        let route = view.route(&request.model).clone();
+        if route == ModelRoute::Unknown {
+            return Err(ApiError::new(
+                Refusal::ModelNotFound,
+                format!("no worker serves the model {:?}", request.model),
+            ));
+        }
+        let blocks = if self.reads_prompts() {
+            match self.blocks(&request.prompt).await {
+                Ok(b) => Some(b),
+                Err(reason) => {
+                    self.metrics.unhashed(reason);
+                    if reason == Unhashed::PromptTooLong && self.prompts.text_bytes(&request.prompt) > 0 {
+                        self.metrics.bound_hit("max_tokenize_bytes");
+                    }
+                    None
+                }
+            }
+        } else {
+            None
+        };
+        let tokens = blocks
+            .as_ref()
+            .map_or_else(|| request.prompt.estimated_tokens(), |b| b.tokens);
+        let allowed: &[WorkerId] = match &route {
+            ModelRoute::Only(ids) => ids,
+            _ => &[],
+        };
+        let (booking, seconds) = self.select(tokens, allowed, named, blocks.as_ref())?;
+        let rank = booking.worker();
+        self.metrics.selected(booking.explanation().branch, seconds);
+        if let (Some(index), Some(b)) = (&self.index, &blocks) {
+            let (recorded, held) = index.record(rank, &b.local);
+            if !recorded {
+                self.metrics.bound_hit("max_index_blocks");
+            }
+            self.metrics.index_blocks(held);
+        }
+        let lifecycle = Lifecycle::new(
+            booking,
+            self.metrics.clone(),
+            self.block_size,
+            tokens,
+            request.max_tokens,
+            request.stream,
+        );
+        let mut rank = rank;
+        let mut lifecycle = lifecycle;
+        let mut retry = Retry {
+            route,
+            tried: Vec::new(),
+            tokens,
+        };
+        let worker = match self.table.get(rank.worker_id, &self.service) {
+            Some(w) => w,
+            // The worker left between the selection and now.
+            None => self.move_on(&mut lifecycle, &mut rank, &mut retry)?,
+        };
+        Ok(Choice {
+            worker,
+            lifecycle,
+            rank,
+            retry,
+        })
+    }
+
+    fn select(
+        &self,
+        tokens: usize,
+        allowed: &[WorkerId],
+        named: Option<WorkerId>,
+        blocks: Option<&PromptBlocks>,
+    ) -> Result<(crate::OwnedSelection, f64), ApiError> {
+        let mut req = SelectionRequest::new(tokens);
+        if !allowed.is_empty() {
+            req = req.with_allowed_workers(allowed);
+        }
+        if let Some(id) = named {
+            req = req.pinned_to_worker(id);
+        }
+        if let (true, Some(b)) = (self.reads.blocks, blocks) {
+            req = req.with_prompt_blocks(&b.sequence);
+        }
+        let started = Instant::now();
+        let result = match (&self.index, blocks) {
+            (Some(index), Some(b)) if !b.sequence.is_empty() => OVERLAPS.with(|cell| {
+                let mut out = cell.borrow_mut();
+                match index.overlaps(&self.service, &b.sequence, &mut out) {
+                    Some(overlaps) => {
+                        let first = self.service.select_owned(&req.with_row_overlaps(overlaps));
+                        match first {
+                            // A worker got or lost a row since the query:
+                            // the overlaps no longer fit the rows.
+                            Err(SelectionError::StaleRowLayout { .. }) => self.service.select_owned(&req),
+                            other => other,
+                        }
+                    }
+                    None => self.service.select_owned(&req),
+                }
+            }),
+            _ => self.service.select_owned(&req),
+        };
+        let seconds = started.elapsed().as_secs_f64();
+        result.map(|b| (b, seconds)).map_err(|e| ApiError::from_selection(&e))
+    }
+
+    /// The worker refused the connection: moves the booking to the next
+    /// choice among the workers not tried (once; the booking is moved, never
+    /// doubled). 502 when there is none.
+    pub fn next_choice(&self, choice: &mut Choice) -> Result<(), ApiError> {
+        choice.worker = self.move_on(&mut choice.lifecycle, &mut choice.rank, &mut choice.retry)?;
+        Ok(())
+    }
+
+    fn move_on(
+        &self,
+        lifecycle: &mut Lifecycle,
+        rank: &mut WorkerWithDpRank,
+        retry: &mut Retry,
+    ) -> Result<Arc<WorkerEntry>, ApiError> {
+        retry.tried.push(rank.worker_id);
+        let view = self.table.view();
+        let candidates: Vec<WorkerId> = match &retry.route {
+            ModelRoute::Only(ids) => ids.iter().copied().filter(|id| !retry.tried.contains(id)).collect(),
+            _ => view
+                .workers()
+                .iter()
+                .map(|w| w.id)
+                .filter(|id| !retry.tried.contains(id))
+                .collect(),
+        };
+        let unreachable = |why: String| {
+            ApiError::new(
+                Refusal::UpstreamUnreachable,
+                format!("the chosen worker refused the connection and {why}"),
+            )
+        };
+        if candidates.is_empty() {
+            return Err(unreachable("no other worker serves the model".into()));
+        }
+        let req = SelectionRequest::new(retry.tokens).with_allowed_workers(&candidates);
+        let next = self
+            .service
+            .peek(&req)
+            .map_err(|e| unreachable(format!("no other worker can take it ({e})")))?
+            .worker;
+        lifecycle
+            .retarget(next)
+            .map_err(|e| unreachable(format!("the next choice refused the booking ({e})")))?;
+        *rank = next;
+        self.metrics.retried();
+        self.table
+            .get(next.worker_id, &self.service)
+            .ok_or_else(|| unreachable("the next choice left the fleet".into()))
+    }
+}
+
+/// A prompt moved to the blocking pool.
+enum Owned {
+    Text(String),
+    Chat(Box<serde_json::value::RawValue>),
+}
