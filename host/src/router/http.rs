@@ -116,6 +116,8 @@ pub struct ProxyBody {
     idle: Duration,
     stall: Pin<Box<tokio::time::Sleep>>,
     done: bool,
+    /// The worker's error, passed on after one flush.
+    broken: Option<Box<dyn std::error::Error + Send + Sync>>,
     core: Arc<RouterCore>,
     _permit: OwnedSemaphorePermit,
 }
@@ -131,6 +133,9 @@ impl Body for ProxyBody {
 
     fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
         let this = &mut *self;
+        if let Some(e) = this.broken.take() {
+            return Poll::Ready(Some(Err(e)));
+        }
         if this.done {
             return Poll::Ready(None);
         }
@@ -145,7 +150,11 @@ impl Body for ProxyBody {
             }
             Poll::Ready(Some(Err(e))) => {
                 this.finish(Ending::Upstream(UpstreamErrorKind::Body));
-                Poll::Ready(Some(Err(Box::new(e))))
+                // Pending once, so the connection flushes the bytes passed
+                // on before the error cuts it; the error comes next poll.
+                this.broken = Some(Box::new(e));
+                cx.waker().wake_by_ref();
+                Poll::Pending
             }
             Poll::Ready(None) => {
                 this.finish(Ending::Complete);
@@ -328,12 +337,14 @@ impl HttpDoor {
         let response = loop {
             let request = match self.forward(&parts.headers, path_and_query, &choice, body.clone()) {
                 Ok(r) => r,
-                Err(e) => return self.refuse(label, e),
+                Err(e) => {
+                    choice.lifecycle.end(Ending::Refused);
+                    return self.refuse(label, e);
+                }
             };
             match self.upstream.send(request).await {
                 Ok(r) => break r,
                 Err(SendError::Connect(why)) => {
-                    self.core.metrics.upstream_error(UpstreamErrorKind::Connect);
                     tracing::debug!(worker = choice.worker.url.as_str(), %why, "connection refused");
                     if retried {
                         choice.lifecycle.end(Ending::Upstream(UpstreamErrorKind::Connect));
@@ -349,7 +360,9 @@ impl HttpDoor {
                         );
                     }
                     retried = true;
+                    self.core.metrics.upstream_error(UpstreamErrorKind::Connect);
                     if let Err(e) = self.core.next_choice(&mut choice) {
+                        choice.lifecycle.end(Ending::Refused);
                         return self.refuse(label, e);
                     }
                 }
@@ -398,6 +411,7 @@ impl HttpDoor {
             idle: self.limits.stream_idle_timeout,
             stall,
             done: false,
+            broken: None,
             core: self.core.clone(),
             _permit: permit,
         };

@@ -38,6 +38,9 @@ pub enum Ending {
     ClientGone,
     /// The worker failed (broken connection, stall).
     Upstream(UpstreamErrorKind),
+    /// The router refused the request after booking it (no next choice
+    /// after a refused connection, a worker it cannot address).
+    Refused,
 }
 
 /// One request's booking, following its response.
@@ -127,6 +130,7 @@ impl Lifecycle {
             }
             Ending::ClientGone => self.metrics.client_disconnected(),
             Ending::Upstream(kind) => self.metrics.upstream_error(kind),
+            Ending::Refused => {}
         }
         if let Some(b) = self.booking.take() {
             b.finish();

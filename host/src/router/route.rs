@@ -135,6 +135,8 @@ pub struct Choice {
 
 /// What a retry on the next choice needs.
 struct Retry {
+    /// The request named its worker: no other may serve it.
+    named: bool,
     route: ModelRoute,
     tried: Vec<WorkerId>,
     tokens: usize,
@@ -264,6 +266,7 @@ impl RouterCore {
         let mut rank = rank;
         let mut lifecycle = lifecycle;
         let mut retry = Retry {
+            named: named.is_some(),
             route,
             tried: Vec::new(),
             tokens,
@@ -271,7 +274,13 @@ impl RouterCore {
         let worker = match self.table.get(rank.worker_id, &self.service) {
             Some(w) => w,
             // The worker left between the selection and now.
-            None => self.move_on(&mut lifecycle, &mut rank, &mut retry)?,
+            None => match self.move_on(&mut lifecycle, &mut rank, &mut retry) {
+                Ok(w) => w,
+                Err(e) => {
+                    lifecycle.end(super::lifecycle::Ending::Refused);
+                    return Err(e);
+                }
+            },
         };
         Ok(Choice {
             worker,
@@ -352,6 +361,9 @@ impl RouterCore {
                 format!("the chosen worker refused the connection and {why}"),
             )
         };
+        if retry.named {
+            return Err(unreachable("the request names it (x-selkie-worker)".into()));
+        }
         if candidates.is_empty() {
             return Err(unreachable("no other worker serves the model".into()));
         }

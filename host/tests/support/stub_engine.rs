@@ -77,6 +77,7 @@ struct State {
     config: StubConfig,
     fault: Mutex<Fault>,
     requests: AtomicU64,
+    generations: AtomicU64,
     open: AtomicU64,
     completed: AtomicU64,
     release: watch::Sender<bool>,
@@ -262,6 +263,7 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Result<Response<Ch
         drop(tx);
         return Ok(respond(404, "text/plain", rx));
     }
+    state.generations.fetch_add(1, Ordering::SeqCst);
     let fault = *state.fault.lock().unwrap();
     if fault == Fault::Status500 {
         let _ = tx.try_send(Ok(Bytes::from_static(
@@ -283,6 +285,8 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Result<Response<Ch
         for (i, chunk) in a.chunks.into_iter().enumerate() {
             match fault {
                 Fault::DieAfter(k) if i == k => {
+                    // The events before have left the engine.
+                    tokio::time::sleep(delay.max(Duration::from_millis(10))).await;
                     let _ = tx.send(Err(std::io::Error::other("stub engine died"))).await;
                     return;
                 }
@@ -325,6 +329,7 @@ impl StubEngine {
             config,
             fault: Mutex::new(Fault::None),
             requests: AtomicU64::new(0),
+            generations: AtomicU64::new(0),
             open: AtomicU64::new(0),
             completed: AtomicU64::new(0),
             release,
@@ -387,6 +392,11 @@ impl StubEngine {
     /// Requests received (`/v1/models` included).
     pub fn requests(&self) -> u64 {
         self.state.requests.load(Ordering::SeqCst)
+    }
+
+    /// Completions and chat requests received.
+    pub fn generations(&self) -> u64 {
+        self.state.generations.load(Ordering::SeqCst)
     }
 
     /// Responses whose body is still open.
