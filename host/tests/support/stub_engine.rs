@@ -148,7 +148,10 @@ pub fn answer(config: &StubConfig, path: &str, body: &[u8]) -> Answer {
             None => 0,
         }
     };
-    let id = format!("{}-{:016x}", config.name, xxhash_rust::xxh3::xxh3_64(body));
+    // The id hashes the request's canonical JSON (keys sorted), so the same
+    // request written by another client gets the same answer.
+    let canonical = serde_json::to_vec(&v).unwrap_or_default();
+    let id = format!("{}-{:016x}", config.name, xxhash_rust::xxh3::xxh3_64(&canonical));
     let model = &config.model;
     let token = |i: usize| format!(" {}{}", config.name, i);
     let usage =
