@@ -12,6 +12,8 @@
 //!
 //! Each `--listen` starts one engine (named `e0`, `e1`, ...). It prints
 //! `stub engine eN on http://ADDR` per engine and serves until killed.
+//! `--hold-after N` holds every stream after N events (until the client
+//! leaves): open streams for memory measurements.
 //! `--write-tokenizer DIR` writes the tests' word-level `tokenizer.json` and
 //! chat template (`template.jinja`) into DIR and exits.
 
@@ -27,8 +29,9 @@ fn main() {
     let mut tokens = 8usize;
     let mut delay = Duration::ZERO;
     let mut threads = 2usize;
+    let mut hold_after = None;
     let mut args = std::env::args().skip(1);
-    let usage = "usage: stub_engine --listen ADDR [--listen ADDR ...] [--tokens N] [--chunk-delay-ms MS] [--threads N] | --write-tokenizer DIR";
+    let usage = "usage: stub_engine --listen ADDR [--listen ADDR ...] [--tokens N] [--chunk-delay-ms MS] [--threads N] [--hold-after N] | --write-tokenizer DIR";
     while let Some(a) = args.next() {
         let mut value = || args.next().unwrap_or_else(|| panic!("{a} needs a value\n{usage}"));
         match a.as_str() {
@@ -36,6 +39,7 @@ fn main() {
             "--tokens" => tokens = value().parse().expect("--tokens N"),
             "--chunk-delay-ms" => delay = Duration::from_millis(value().parse().expect("--chunk-delay-ms MS")),
             "--threads" => threads = value().parse().expect("--threads N"),
+            "--hold-after" => hold_after = Some(value().parse().expect("--hold-after N")),
             "--write-tokenizer" => {
                 let dir = std::path::PathBuf::from(value());
                 std::fs::create_dir_all(&dir).expect("create the directory");
@@ -60,6 +64,9 @@ fn main() {
             config.default_tokens = tokens;
             config.chunk_delay = delay;
             let e = StubEngine::start_on(addr, config).await;
+            if let Some(n) = hold_after {
+                e.set_fault(support::stub_engine::Fault::HoldAfter(n));
+            }
             println!("stub engine e{i} on {}", e.url());
             engines.push(e);
         }

@@ -252,6 +252,9 @@ impl HttpDoor {
             }
             (&Method::GET, "/metrics", _) => {
                 let core = &self.core;
+                if let Some(source) = &core.overlaps {
+                    core.metrics.index_blocks(source.blocks());
+                }
                 let text = core.metrics.render(&core.service, |id| {
                     core.table
                         .view()

@@ -19,7 +19,7 @@
 //! parse): a search for `data:` at line starts and for
 //! `"completion_tokens"`, carried over chunk boundaries.
 
-use std::sync::Arc;
+use std::sync::{Arc, LazyLock};
 
 use memchr::memmem;
 
@@ -201,6 +201,15 @@ struct Pending {
 const DATA: &[u8] = b"\ndata:";
 const DONE: &[u8] = b"data: [DONE]";
 const USAGE: &[u8] = b"\"completion_tokens\"";
+
+/// The needles' searchers, built once.
+static FINDERS: LazyLock<[memmem::Finder<'static>; 3]> = LazyLock::new(|| {
+    [
+        memmem::Finder::new(DATA),
+        memmem::Finder::new(DONE),
+        memmem::Finder::new(USAGE),
+    ]
+});
 /// The longest needle less one: what a chunk boundary can cut.
 const CARRY: usize = 19;
 
@@ -232,11 +241,12 @@ impl TokenScanner {
         // Needles that straddle the boundary: in carry + the chunk's head,
         // starting in the carry.
         let head = &chunk[..chunk.len().min(CARRY)];
-        let mut edge = Vec::with_capacity(self.carry.len() + head.len());
-        edge.extend_from_slice(&self.carry);
-        edge.extend_from_slice(head);
         let cut = self.carry.len();
-        self.count_in(&edge, |start, len| start < cut && start + len > cut, Some((cut, chunk)));
+        let mut edge = [0u8; 2 * CARRY];
+        edge[..cut].copy_from_slice(&self.carry);
+        edge[cut..cut + head.len()].copy_from_slice(head);
+        let edge = &edge[..cut + head.len()];
+        self.count_in(edge, |start, len| start < cut && start + len > cut, Some((cut, chunk)));
         self.count_in(chunk, |_, _| true, None);
         self.shift_carry(chunk);
     }
@@ -254,17 +264,18 @@ impl TokenScanner {
     /// Counts the needles in `bytes` that `keep` (start, length) takes; for the
     /// edge, `tail` is the cut and the chunk the number continues in.
     fn count_in(&mut self, bytes: &[u8], keep: impl Fn(usize, usize) -> bool, tail: Option<(usize, &[u8])>) {
-        for start in memmem::find_iter(bytes, DATA) {
+        let [data, done, usage] = &*FINDERS;
+        for start in data.find_iter(bytes) {
             if keep(start, DATA.len()) {
                 self.events += 1;
             }
         }
-        for start in memmem::find_iter(bytes, DONE) {
+        for start in done.find_iter(bytes) {
             if keep(start, DONE.len()) {
                 self.events = self.events.saturating_sub(1);
             }
         }
-        for start in memmem::find_iter(bytes, USAGE) {
+        for start in usage.find_iter(bytes) {
             if !keep(start, USAGE.len()) {
                 continue;
             }

@@ -31,6 +31,7 @@ use std::collections::HashMap;
 use std::sync::atomic::AtomicU64;
 
 use prometheus_client::encoding::text::encode;
+use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
@@ -43,6 +44,20 @@ use super::Limits;
 use crate::{Branch, WorkerSelectionService};
 
 type Labels = Vec<(&'static str, String)>;
+
+/// `selkie_http_requests_total`'s labels (no allocation per request).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RequestLabels {
+    endpoint: &'static str,
+    status: u16,
+}
+
+/// `selkie_selections_total`'s labels.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct SelectionLabels {
+    policy: &'static str,
+    branch: &'static str,
+}
 
 /// Why a worker's answer failed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -100,8 +115,8 @@ pub const BOUNDS: [&str; 9] = [
 /// The router's metrics.
 pub struct Metrics {
     registry: Registry,
-    requests: Family<Labels, Counter>,
-    selections: Family<Labels, Counter>,
+    requests: Family<RequestLabels, Counter>,
+    selections: Family<SelectionLabels, Counter>,
     policy: &'static str,
     select_seconds: Histogram,
     inflight: Family<Labels, Gauge>,
@@ -118,19 +133,21 @@ pub struct Metrics {
     disconnects: Counter,
     workers: Gauge,
     index_blocks: Gauge,
+    /// One scrape at a time (a scrape rebuilds the per-rank gauges).
+    scraping: std::sync::Mutex<()>,
 }
 
 impl Metrics {
     /// The metrics of a router running `policy` under `limits`.
     pub fn new(policy: &'static str, limits: &Limits) -> Self {
         let mut registry = Registry::default();
-        let requests = Family::<Labels, Counter>::default();
+        let requests = Family::<RequestLabels, Counter>::default();
         registry.register(
             "selkie_http_requests",
             "Requests answered, by endpoint and status",
             requests.clone(),
         );
-        let selections = Family::<Labels, Counter>::default();
+        let selections = Family::<SelectionLabels, Counter>::default();
         registry.register(
             "selkie_selections",
             "Selections, by policy and branch",
@@ -282,24 +299,23 @@ impl Metrics {
             disconnects,
             workers,
             index_blocks,
+            scraping: std::sync::Mutex::new(()),
         }
     }
 
     /// A request answered with `status`.
     pub fn answered(&self, endpoint: &'static str, status: u16) {
-        self.requests
-            .get_or_create(&vec![("endpoint", endpoint.to_owned()), ("status", status.to_string())])
-            .inc();
+        self.requests.get_or_create(&RequestLabels { endpoint, status }).inc();
     }
 
     /// A selection took `seconds` and went to `branch`.
     pub fn selected(&self, branch: Branch, seconds: f64) {
         self.select_seconds.observe(seconds);
         self.selections
-            .get_or_create(&vec![
-                ("policy", self.policy.to_owned()),
-                ("branch", branch.as_str().to_owned()),
-            ])
+            .get_or_create(&SelectionLabels {
+                policy: self.policy,
+                branch: branch.as_str(),
+            })
             .inc();
     }
 
@@ -367,6 +383,7 @@ impl Metrics {
     /// The Prometheus text, with the booked load per worker rank read from
     /// `service` now (`url_of` names each worker).
     pub fn render(&self, service: &WorkerSelectionService, url_of: impl Fn(u64) -> String) -> String {
+        let _one = self.scraping.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         self.inflight.clear();
         self.booked_prefill.clear();
         self.booked_decode.clear();

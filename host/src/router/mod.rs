@@ -15,6 +15,8 @@
 //!   `tokenizers` crate and a minijinja chat template) → KV block hashes;
 //! * [`route`](RouterCore): the [`SelectionRequest`](crate::SelectionRequest) the policy needs, the
 //!   selection and booking, the retry on the next choice;
+//! * [`overlaps`](OverlapSource): where cache overlaps come from (the
+//!   router's own decisions, [`LearnedOverlaps`]);
 //! * [`lifecycle`](Lifecycle): the booking follows the response;
 //! * `upstream`: pooled connections to the workers, timeouts;
 //! * [`metrics`](Metrics): what `/metrics` shows;
@@ -38,6 +40,7 @@ mod error;
 mod http;
 mod lifecycle;
 mod metrics;
+mod overlaps;
 mod prompt;
 mod request;
 mod route;
@@ -54,9 +57,10 @@ pub use error::{ApiError, Refusal, ServeError};
 pub use http::{DP_RANK_HEADER, WORKER_HEADER};
 pub use lifecycle::{Ending, Lifecycle, TokenScanner, MAX_COUNTED_OUTPUT_TOKENS};
 pub use metrics::{Metrics, UpstreamErrorKind};
+pub use overlaps::{LearnedOverlaps, OverlapSource, Recorded};
 pub use prompt::{ChatTemplate, PromptBlocks, PromptHasher, Unhashed};
 pub use request::{Endpoint, ParsedRequest, PromptInput};
-pub use route::{Choice, PrefixIndex, RouterCore, INLINE_TOKENIZE_BYTES};
+pub use route::{Choice, RouterCore, INLINE_TOKENIZE_BYTES};
 pub use workers::{
     parse_workers_file, FleetView, ModelList, ModelRoute, ServeSource, WorkerEntry, WorkerSpec, WorkerTable, WorkerUrl,
     MAX_MODELS_PER_WORKER, MAX_WORKERS_FILE_BYTES, MODELS_LABEL, URL_LABEL,

@@ -8,9 +8,9 @@
 //!
 //! * a policy that reads cache overlaps (`kv`, `device-aware-weighted`, a
 //!   composed policy with `cache-credit`) gets each worker rank's overlap
-//!   with the prompt from the router's [`PrefixIndex`]: without engine KV
-//!   events, the index learns from the router's own decisions (a chosen
-//!   rank is taken to hold the prompt's blocks for
+//!   with the prompt from an [`OverlapSource`]: without engine KV events,
+//!   [`LearnedOverlaps`], the router's own decisions (a chosen rank is
+//!   taken to hold the prompt's blocks for
 //!   [`index_ttl`](super::ServeConfig::index_ttl), as Dynamo's approximate
 //!   mode);
 //! * `prefix-hash` gets the prompt's block hashes (its key is the first
@@ -22,81 +22,26 @@
 //! then estimated (4 bytes a token) for the booking.
 
 use std::cell::RefCell;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::error::{ApiError, Refusal};
 use super::lifecycle::Lifecycle;
 use super::metrics::Metrics;
+use super::overlaps::{LearnedOverlaps, OverlapSource, Recorded};
 use super::prompt::{PromptBlocks, PromptHasher, Unhashed};
 use super::request::{ParsedRequest, PromptInput};
 use super::workers::{ModelRoute, WorkerEntry, WorkerTable};
-use crate::kv_index::{ApproxKvIndex, KvOverlaps};
-use crate::{
-    RowOverlaps, SelectionError, SelectionRequest, WorkerId, WorkerInputs, WorkerSelectionService, WorkerWithDpRank,
-};
+use crate::kv_index::KvOverlaps;
+use crate::{SelectionError, SelectionRequest, WorkerId, WorkerInputs, WorkerSelectionService, WorkerWithDpRank};
 
 /// Prompt text longer than this (bytes) is tokenized on the runtime's
 /// blocking pool, not on the thread serving connections.
 pub const INLINE_TOKENIZE_BYTES: usize = 4096;
 
-/// The router's own prefix index: which worker rank was sent which prompt
-/// blocks, and when (an [`ApproxKvIndex`] behind a lock, bounded by
-/// [`Limits::max_index_blocks`](super::Limits::max_index_blocks)).
-pub struct PrefixIndex {
-    index: Mutex<ApproxKvIndex>,
-    max_blocks: usize,
-}
-
 thread_local! {
     /// A thread's overlap columns (the selection reads them in place).
     static OVERLAPS: RefCell<KvOverlaps> = RefCell::new(KvOverlaps::new());
-}
-
-impl PrefixIndex {
-    /// An index of `block_size`-token blocks that forgets a record after
-    /// `ttl`, holding at most `max_blocks`.
-    pub fn new(block_size: u32, ttl: Duration, max_blocks: usize) -> Self {
-        PrefixIndex {
-            index: Mutex::new(ApproxKvIndex::new(block_size).with_ttl(ttl)),
-            max_blocks,
-        }
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, ApproxKvIndex> {
-        self.index.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
-    /// Blocks held.
-    pub fn blocks(&self) -> usize {
-        self.lock().recorded_blocks()
-    }
-
-    /// Writes the overlaps of `sequence` hashes into `out`, on the
-    /// service's current rows.
-    fn overlaps<'o>(
-        &self,
-        service: &WorkerSelectionService,
-        sequence: &[u64],
-        out: &'o mut KvOverlaps,
-    ) -> Option<RowOverlaps<'o>> {
-        let mut index = self.lock();
-        index.sync_rows(service.row_layout(), |rank| service.row_of(rank));
-        index.overlaps(sequence, out, Instant::now()).ok()
-    }
-
-    /// Records that `rank` got a prompt of these local block hashes;
-    /// `false` when the index is full.
-    fn record(&self, rank: WorkerWithDpRank, local: &[u64]) -> (bool, usize) {
-        let mut index = self.lock();
-        let now = Instant::now();
-        index.expire(now);
-        if index.recorded_blocks().saturating_add(local.len()) > self.max_blocks {
-            return (false, index.recorded_blocks());
-        }
-        index.record(rank, local, now);
-        (true, index.recorded_blocks())
-    }
 }
 
 /// What the policy reads from a request.
@@ -114,8 +59,8 @@ pub struct RouterCore {
     pub table: Arc<WorkerTable>,
     /// Prompts to blocks.
     pub prompts: Arc<PromptHasher>,
-    /// The prefix index, when the policy reads overlaps.
-    pub index: Option<PrefixIndex>,
+    /// Where cache overlaps come from, when the policy reads them.
+    pub overlaps: Option<Box<dyn OverlapSource>>,
     /// The metrics.
     pub metrics: Arc<Metrics>,
     reads: Reads,
@@ -159,9 +104,9 @@ impl RouterCore {
         };
         let block_size = service.config().block_size;
         RouterCore {
-            index: reads
-                .overlaps
-                .then(|| PrefixIndex::new(block_size, index_ttl, max_index_blocks)),
+            overlaps: reads.overlaps.then(|| {
+                Box::new(LearnedOverlaps::new(block_size, index_ttl, max_index_blocks)) as Box<dyn OverlapSource>
+            }),
             service,
             table,
             prompts: Arc::new(prompts),
@@ -245,15 +190,15 @@ impl RouterCore {
             ModelRoute::Only(ids) => ids,
             _ => &[],
         };
-        let (booking, seconds) = self.select(tokens, allowed, named, blocks.as_ref())?;
+        let (booking, seconds, held) = self.select(tokens, allowed, named, blocks.as_ref())?;
         let rank = booking.worker();
         self.metrics.selected(booking.explanation().branch, seconds);
-        if let (Some(index), Some(b)) = (&self.index, &blocks) {
-            let (recorded, held) = index.record(rank, &b.local);
-            if !recorded {
-                self.metrics.bound_hit("max_index_blocks");
+        if let (Some(source), Some(b)) = (&self.overlaps, &blocks) {
+            match source.chosen(rank, b, held) {
+                Recorded::Full => self.metrics.bound_hit("max_index_blocks"),
+                Recorded::Yes => self.metrics.index_blocks(source.blocks()),
+                Recorded::Unneeded => {}
             }
-            self.metrics.index_blocks(held);
         }
         let lifecycle = Lifecycle::new(
             booking,
@@ -290,13 +235,15 @@ impl RouterCore {
         })
     }
 
+    /// Selects and books; also returns the seconds it took and how many
+    /// of the prompt's blocks the chosen rank held.
     fn select(
         &self,
         tokens: usize,
         allowed: &[WorkerId],
         named: Option<WorkerId>,
         blocks: Option<&PromptBlocks>,
-    ) -> Result<(crate::OwnedSelection, f64), ApiError> {
+    ) -> Result<(crate::OwnedSelection, f64, usize), ApiError> {
         let mut req = SelectionRequest::new(tokens);
         if !allowed.is_empty() {
             req = req.with_allowed_workers(allowed);
@@ -308,26 +255,35 @@ impl RouterCore {
             req = req.with_prompt_blocks(&b.sequence);
         }
         let started = Instant::now();
-        let result = match (&self.index, blocks) {
-            (Some(index), Some(b)) if !b.sequence.is_empty() => OVERLAPS.with(|cell| {
+        let result = match (&self.overlaps, blocks) {
+            (Some(source), Some(b)) if !b.sequence.is_empty() => OVERLAPS.with(|cell| {
                 let mut out = cell.borrow_mut();
-                match index.overlaps(&self.service, &b.sequence, &mut out) {
-                    Some(overlaps) => {
-                        let first = self.service.select_owned(&req.with_row_overlaps(overlaps));
-                        match first {
-                            // A worker got or lost a row since the query:
-                            // the overlaps no longer fit the rows.
-                            Err(SelectionError::StaleRowLayout { .. }) => self.service.select_owned(&req),
-                            other => other,
-                        }
+                let Some(overlaps) = source.overlaps(&self.service, &b.sequence, &mut out) else {
+                    return self.service.select_owned(&req).map(|s| (s, 0));
+                };
+                let held_on = |s: &crate::OwnedSelection| {
+                    self.service
+                        .row_of(s.worker())
+                        .and_then(|row| overlaps.device_blocks.get(row))
+                        .map_or(0, |&v| v as usize)
+                };
+                match self.service.select_owned(&req.with_row_overlaps(overlaps)) {
+                    Ok(s) => {
+                        let held = held_on(&s);
+                        Ok((s, held))
                     }
-                    None => self.service.select_owned(&req),
+                    // A worker got or lost a row since the query: the
+                    // overlaps no longer fit the rows.
+                    Err(SelectionError::StaleRowLayout { .. }) => self.service.select_owned(&req).map(|s| (s, 0)),
+                    Err(e) => Err(e),
                 }
             }),
-            _ => self.service.select_owned(&req),
+            _ => self.service.select_owned(&req).map(|s| (s, 0)),
         };
         let seconds = started.elapsed().as_secs_f64();
-        result.map(|b| (b, seconds)).map_err(|e| ApiError::from_selection(&e))
+        result
+            .map(|(b, held)| (b, seconds, held))
+            .map_err(|e| ApiError::from_selection(&e))
     }
 
     /// The worker refused the connection: moves the booking to the next

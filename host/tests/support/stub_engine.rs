@@ -262,6 +262,10 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Result<Response<Ch
         drop(tx);
         return Ok(respond(200, "application/json", rx));
     }
+    if path == "/health" {
+        drop(tx);
+        return Ok(respond(200, "text/plain", rx));
+    }
     if path != "/v1/completions" && path != "/v1/chat/completions" {
         drop(tx);
         return Ok(respond(404, "text/plain", rx));

@@ -1,0 +1,325 @@
+#!/usr/bin/env python3
+"""selkie serve beside vllm-router and smg, in one run on one machine.
+
+One pair of stub engines (the project's, `--example stub_engine`), one load
+generator (`--example loadgen`: open loop, latency counted from when each
+request was due). For each target: direct to the engines, selkie serve,
+vllm-router and smg, each with round-robin and its cache-aware policies:
+
+1. latency p50 / p99 at a fixed rate (default 500 requests/s for 10 s,
+   three times, each next to a run straight to the engines); added
+   latency = the median of the router's runs minus the median of the
+   direct runs next to them; the router's CPU time per request;
+2. the highest rate (of a ladder, then bisected) whose p99 stays under
+   50 ms with no errors and at least 95% of the rate achieved (5 s each);
+3. resident memory (VmRSS) idle and with 10,000 streams open (HTTP/2 from
+   the load generator, the engines holding every stream after its first
+   event).
+
+Requests: non-streaming /v1/completions with a text prompt (smg 1.13
+refuses token ids): 64 shared prefixes of about 100 words plus a 16-word
+suffix each, max_tokens 8. selkie gets the word-level tokenizer the tests
+use, so its kv and prefix-hash policies hash every prompt.
+
+usage: benches/router/compare.py [--peers-venv DIR] [--rate 500] [--duration 10]
+                                 [--streams 10000] [--only NAME,...] [--json out.json]
+vllm-router and smg come from --peers-venv/bin (default: $SELKIE_PEERS_VENV,
+else the PATH); `python3 -m venv v && v/bin/pip install vllm-router==0.1.17 smg==1.13.0`.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+TARGET = os.environ.get("CARGO_TARGET_DIR", os.path.join(ROOT, "target"))
+RELEASE = os.path.join(TARGET, "release")
+P99_BOUND_MS = 50.0
+
+
+def free_ports(n):
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def wait_http(url, timeout=60):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            urllib.request.urlopen(url, timeout=1).read()
+            return True
+        except Exception:
+            time.sleep(0.2)
+    return False
+
+
+def rss_kib(pid):
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def cpu_ticks(pid):
+    """User + system CPU time of a process, in clock ticks."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def stop(p):
+    if p is None or p.poll() is not None:
+        return
+    p.send_signal(signal.SIGTERM)
+    try:
+        p.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
+
+
+def loadgen(urls, rate=None, duration=None, streams=None, hold=None):
+    cmd = [os.path.join(RELEASE, "examples", "loadgen")]
+    for u in urls:
+        cmd += ["--url", u]
+    if streams:
+        cmd += ["--streams", str(streams), "--hold", str(hold)]
+    else:
+        cmd += ["--rate", str(rate), "--duration", str(duration)]
+    return cmd
+
+
+def run_rate(urls, rate, duration):
+    out = subprocess.run(loadgen(urls, rate, duration), capture_output=True, text=True, timeout=duration * 6 + 60)
+    line = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else "{}"
+    r = json.loads(line)
+    r["load"] = os.getloadavg()[0]
+    return r
+
+
+def passes(r):
+    return r.get("errors", 1) == 0 and r.get("p99_ms", 1e9) < P99_BOUND_MS and r.get("achieved_rps", 0) >= 0.95 * r["rate"]
+
+
+def max_rate(urls, ladder, step_s):
+    best, first_fail, tried = 0, None, []
+    for rate in ladder:
+        r = run_rate(urls, rate, step_s)
+        tried.append(r)
+        if passes(r):
+            best = rate
+        else:
+            first_fail = rate
+            break
+    if first_fail and best:
+        # Two bisection steps between the last pass and the first fail.
+        lo, hi = best, first_fail
+        for _ in range(2):
+            mid = (lo + hi) // 2
+            r = run_rate(urls, mid, step_s)
+            tried.append(r)
+            if passes(r):
+                lo = mid
+            else:
+                hi = mid
+        best = lo
+    return best, tried
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--peers-venv", default=os.environ.get("SELKIE_PEERS_VENV"))
+    ap.add_argument("--rate", type=int, default=500)
+    ap.add_argument("--duration", type=int, default=10)
+    ap.add_argument("--repeat", type=int, default=3, help="fixed-rate runs per target (medians)")
+    ap.add_argument("--step", type=int, default=5, help="seconds per rate of the max-rate search")
+    ap.add_argument("--ladder", default="1000,2000,3000,4000,5000,6000,8000,10000,12000,16000")
+    ap.add_argument("--streams", type=int, default=10000)
+    ap.add_argument("--only", default="", help="comma-separated target names (default: all)")
+    ap.add_argument("--json", default="")
+    ap.add_argument("--no-build", action="store_true")
+    a = ap.parse_args()
+    ladder = [int(x) for x in a.ladder.split(",")]
+
+    def peer(name):
+        if a.peers_venv:
+            p = os.path.join(a.peers_venv, "bin", name)
+            return p if os.path.exists(p) else None
+        return shutil.which(name)
+
+    if not a.no_build:
+        subprocess.run(["cargo", "build", "--release", "-q", "-p", "selkie", "--features", "serve", "--bin", "selkie",
+                        "--example", "stub_engine", "--example", "loadgen"], cwd=ROOT, check=True)
+    work = tempfile.mkdtemp(prefix="selkie-bench-")
+    stub = os.path.join(RELEASE, "examples", "stub_engine")
+    subprocess.run([stub, "--write-tokenizer", work], check=True, capture_output=True)
+    e1, e2, h1, h2 = free_ports(4)
+    engines = [f"http://127.0.0.1:{e1}", f"http://127.0.0.1:{e2}"]
+    held = [f"http://127.0.0.1:{h1}", f"http://127.0.0.1:{h2}"]
+    procs = []
+    try:
+        stubs = subprocess.Popen([stub, "--listen", f"127.0.0.1:{e1}", "--listen", f"127.0.0.1:{e2}"], stdout=subprocess.DEVNULL)
+        hold_stubs = subprocess.Popen([stub, "--listen", f"127.0.0.1:{h1}", "--listen", f"127.0.0.1:{h2}", "--hold-after", "1"],
+                                      stdout=subprocess.DEVNULL)
+        procs += [stubs, hold_stubs]
+        for u in engines + held:
+            assert wait_http(u + "/v1/models"), f"stub engine {u} did not start"
+
+        selkie = os.path.join(RELEASE, "selkie")
+        tok = ["--tokenizer", os.path.join(work, "tokenizer.json")]
+        big = ["--max-concurrent-requests", "12000", "--max-connections", "1024"]
+
+        def selkie_cmd(policy, extra=()):
+            return lambda port, ws: [selkie, "serve", "--port", str(port), *sum((["--worker", w] for w in ws), []),
+                                     "--policy", policy, *extra, *big]
+
+        vr, smg = peer("vllm-router"), peer("smg")
+
+        def vr_cmd(policy):
+            return lambda port, ws: [vr, "--port", str(port), "--worker-urls", *ws, "--policy", policy, "--log-level", "error",
+                                     "--max-concurrent-requests", "20000", "--queue-size", "20000"]
+
+        def smg_cmd(policy):
+            def cmd(port, ws):
+                (mport,) = free_ports(1)
+                return [smg, "launch", "--port", str(port), "--worker-urls", *ws, "--policy", policy, "--log-level", "error",
+                        "--prometheus-port", str(mport), "--max-concurrent-requests", "20000", "--queue-size", "20000"]
+            return cmd
+
+        targets = [("direct", None, "")]
+        targets += [("selkie round-robin", selkie_cmd("round-robin"), "round-robin"),
+                    ("selkie kv", selkie_cmd("kv", tok), "cache-aware"),
+                    ("selkie prefix-hash", selkie_cmd("prefix-hash", tok), "cache-aware")]
+        if vr:
+            targets += [("vllm-router round_robin", vr_cmd("round_robin"), "round-robin"),
+                        ("vllm-router cache_aware", vr_cmd("cache_aware"), "cache-aware"),
+                        ("vllm-router consistent_hash", vr_cmd("consistent_hash"), "cache-aware")]
+        if smg:
+            targets += [("smg round_robin", smg_cmd("round_robin"), "round-robin"),
+                        ("smg cache_aware", smg_cmd("cache_aware"), "cache-aware"),
+                        ("smg prefix_hash", smg_cmd("prefix_hash"), "cache-aware")]
+        if a.only:
+            keep = {x.strip() for x in a.only.split(",")}
+            targets = [t for t in targets if t[0] in keep or t[0] == "direct"]
+
+        results = []
+        for name, cmd, kind in targets:
+            print(f"== {name}", file=sys.stderr, flush=True)
+            row = {"target": name, "kind": kind}
+            p = None
+            if cmd is None:
+                urls = engines
+            else:
+                (port,) = free_ports(1)
+                p = subprocess.Popen(cmd(port, engines), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                procs.append(p)
+                urls = [f"http://127.0.0.1:{port}"]
+                if not wait_http(urls[0] + "/v1/models", 90):
+                    row["error"] = "did not start"
+                    results.append(row)
+                    stop(p)
+                    continue
+                time.sleep(1)
+                row["rss_idle_kib"] = rss_kib(p.pid)
+            run_rate(urls, 200, 2)  # warm-up
+            # The fixed rate, `--repeat` times, each run of the router next
+            # to a run straight to the engines: added latency is the median
+            # of the router's runs less the median of those direct runs.
+            runs, direct_runs, used, answered = [], [], 0.0, 0
+            for _ in range(a.repeat):
+                if p:
+                    direct_runs.append(run_rate(engines, a.rate, a.duration))
+                ticks = cpu_ticks(p.pid) if p else None
+                r = run_rate(urls, a.rate, a.duration)
+                runs.append(r)
+                if ticks is not None:
+                    used += (cpu_ticks(p.pid) - ticks) / os.sysconf("SC_CLK_TCK")
+                    answered += r["ok"]
+            if p and answered:
+                row["cpu_us_per_request"] = used * 1e6 / answered
+            med = lambda rs, k: sorted(x[k] for x in rs)[len(rs) // 2]
+            fixed = runs[len(runs) // 2]
+            row.update(p50_ms=med(runs, "p50_ms"), p99_ms=med(runs, "p99_ms"), fixed=fixed, runs=runs)
+            base = direct_runs or runs
+            row.update(direct_p50_ms=med(base, "p50_ms"), direct_p99_ms=med(base, "p99_ms"), direct_runs=direct_runs)
+            best, tried = max_rate(urls, ladder, a.step)
+            row.update(max_rate=best, search=tried)
+            print(f"   p50 {row['p50_ms']:.3f} ms, p99 {row['p99_ms']:.3f} ms at {a.rate}/s (direct {row['direct_p50_ms']:.3f} / "
+                  f"{row['direct_p99_ms']:.3f}); max rate {best}/s",
+                  file=sys.stderr, flush=True)
+            stop(p)
+            if cmd is not None and a.streams:
+                (port,) = free_ports(1)
+                p = subprocess.Popen(cmd(port, held), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                procs.append(p)
+                url = f"http://127.0.0.1:{port}"
+                if wait_http(url + "/v1/models", 90):
+                    time.sleep(1)
+                    g = subprocess.Popen(loadgen([url], streams=a.streams, hold=3), stdout=subprocess.PIPE, text=True)
+                    line = g.stdout.readline()
+                    opened = json.loads(line) if line.strip() else {}
+                    row["streams_opened"] = opened.get("opened")
+                    row["rss_streams_kib"] = rss_kib(p.pid)
+                    g.wait(timeout=300)
+                stop(p)
+            results.append(row)
+            if a.json:
+                with open(a.json, "w") as f:
+                    json.dump({"load": os.getloadavg(), "results": results}, f, indent=1)
+
+        direct = next(r for r in results if r["target"] == "direct")
+        print(f"\nmachine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at the end; "
+              f"fixed rate {a.rate}/s for {a.duration} s, {a.repeat} runs each\n")
+        print("| target | p50 ms | p99 ms | added p50 ms | added p99 ms | router CPU µs/request | max rate (p99 < 50 ms) | RSS idle MiB | RSS with streams MiB | streams opened | load avg |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
+        for r in results:
+            if "error" in r:
+                print(f"| {r['target']} | {r['error']} |||||||||")
+                continue
+            add50 = r["p50_ms"] - r["direct_p50_ms"]
+            add99 = r["p99_ms"] - r["direct_p99_ms"]
+            mib = lambda k: f"{r[k] / 1024:.0f}" if r.get(k) else "-"
+            cpu = f"{r['cpu_us_per_request']:.0f}" if r.get("cpu_us_per_request") else "-"
+            print(f"| {r['target']} | {r['p50_ms']:.3f} | {r['p99_ms']:.3f} | {add50:.3f} | {add99:.3f} | {cpu} | {r['max_rate']} | "
+                  f"{mib('rss_idle_kib')} | {mib('rss_streams_kib')} | {r.get('streams_opened', '-')} | {r['fixed']['load']:.1f} |")
+        # The ratios the targets are stated in.
+        routers = [r for r in results if r["target"] != "direct" and "error" not in r]
+        ours = [r for r in routers if r["target"].startswith("selkie")]
+        peers = [r for r in routers if not r["target"].startswith("selkie")]
+        if ours and peers:
+            add99 = lambda r: max(r["p99_ms"] - r["direct_p99_ms"], 1e-3)
+            best_peer_p99 = min(peers, key=add99)
+            best_peer_rate = max(peers, key=lambda r: r["max_rate"])
+            for o in ours:
+                print(f"\n{o['target']}: added p99 {add99(o):.2f} ms = {add99(o) / add99(best_peer_p99):.2f}x the best peer's "
+                      f"({best_peer_p99['target']}, {add99(best_peer_p99):.2f} ms); max rate {o['max_rate']}/s = "
+                      f"{o['max_rate'] / max(best_peer_rate['max_rate'], 1):.2f}x the best peer's ({best_peer_rate['target']}, "
+                      f"{best_peer_rate['max_rate']}/s)")
+    finally:
+        for p in procs:
+            stop(p)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,183 @@
+//! Where a request's cache overlaps come from ([`OverlapSource`]) and the
+//! source `selkie serve` has without engine events: [`LearnedOverlaps`],
+//! the router's own decisions (Dynamo's approximate mode).
+//!
+//! A source is asked for every worker rank's overlap with a prompt's
+//! blocks before the selection, and told which rank was chosen after it. A
+//! source fed by the engines' KV events answers from what the engines
+//! hold and has nothing to learn from the choice.
+//!
+//! [`LearnedOverlaps`] takes a chosen rank to hold the prompt's blocks for
+//! a time to live. Its memory is bounded by
+//! [`Limits::max_index_blocks`](super::Limits::max_index_blocks) twice
+//! over: the blocks it holds, and the records waiting to expire (each
+//! record of a prompt queues every one of its blocks, held already or not).
+//! A decision that would pass either bound is not recorded (counted in
+//! `selkie_bound_hits_total{bound="max_index_blocks"}`); a decision whose
+//! rank already held every block of the prompt is not recorded again until
+//! the blocks expire, so a hot prompt costs one record per time to live.
+
+use std::collections::VecDeque;
+use std::sync::{Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use super::prompt::PromptBlocks;
+use crate::kv_index::{ApproxKvIndex, KvOverlaps};
+use crate::{RowOverlaps, WorkerSelectionService, WorkerWithDpRank};
+
+/// What became of a chosen rank's record.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Recorded {
+    /// Recorded.
+    Yes,
+    /// Not needed: the rank held every block already, or the source
+    /// learns nothing from choices.
+    Unneeded,
+    /// Not recorded: a memory bound.
+    Full,
+}
+
+/// A source of per-rank cache overlaps for the `kv` policy (and every
+/// policy that reads overlaps).
+pub trait OverlapSource: Send + Sync {
+    /// Writes every rank's overlap with the prompt whose blocks have these
+    /// sequence hashes into `out`, on `service`'s current rows.
+    fn overlaps<'o>(
+        &self,
+        service: &WorkerSelectionService,
+        sequence: &[u64],
+        out: &'o mut KvOverlaps,
+    ) -> Option<RowOverlaps<'o>>;
+
+    /// The request of `blocks` went to `rank`, which held `held` of them.
+    fn chosen(&self, rank: WorkerWithDpRank, blocks: &PromptBlocks, held: usize) -> Recorded;
+
+    /// Blocks the source holds (`selkie_kv_index_blocks`).
+    fn blocks(&self) -> usize;
+}
+
+/// The router's own decisions as cache overlaps: an [`ApproxKvIndex`]
+/// behind a lock, bounded (see the module docs).
+pub struct LearnedOverlaps {
+    inner: Mutex<Learned>,
+    ttl: Duration,
+    max_blocks: usize,
+}
+
+struct Learned {
+    index: ApproxKvIndex,
+    /// Blocks queued for expiry, per second of recording.
+    queued: VecDeque<(Instant, usize)>,
+    queued_total: usize,
+}
+
+impl LearnedOverlaps {
+    /// Blocks of `block_size` tokens, each record forgotten after `ttl`, at
+    /// most `max_blocks` held and `max_blocks` queued.
+    pub fn new(block_size: u32, ttl: Duration, max_blocks: usize) -> Self {
+        LearnedOverlaps {
+            inner: Mutex::new(Learned {
+                index: ApproxKvIndex::new(block_size).with_ttl(ttl),
+                queued: VecDeque::new(),
+                queued_total: 0,
+            }),
+            ttl,
+            max_blocks,
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Learned> {
+        self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+impl OverlapSource for LearnedOverlaps {
+    fn overlaps<'o>(
+        &self,
+        service: &WorkerSelectionService,
+        sequence: &[u64],
+        out: &'o mut KvOverlaps,
+    ) -> Option<RowOverlaps<'o>> {
+        let mut l = self.lock();
+        l.index.sync_rows(service.row_layout(), |rank| service.row_of(rank));
+        l.index.overlaps(sequence, out, Instant::now()).ok()
+    }
+
+    fn chosen(&self, rank: WorkerWithDpRank, blocks: &PromptBlocks, held: usize) -> Recorded {
+        if blocks.local.is_empty() || held >= blocks.local.len() {
+            return Recorded::Unneeded;
+        }
+        let now = Instant::now();
+        let mut l = self.lock();
+        l.index.expire(now);
+        while let Some(&(at, n)) = l.queued.front() {
+            if now.duration_since(at) < self.ttl {
+                break;
+            }
+            l.queued.pop_front();
+            l.queued_total -= n;
+        }
+        let n = blocks.local.len();
+        if l.index.recorded_blocks().saturating_add(n) > self.max_blocks
+            || l.queued_total.saturating_add(n) > self.max_blocks
+        {
+            return Recorded::Full;
+        }
+        l.index.record(rank, &blocks.local, now);
+        match l.queued.back_mut() {
+            Some((at, count)) if now.duration_since(*at) < Duration::from_secs(1) => *count += n,
+            _ => l.queued.push_back((now, n)),
+        }
+        l.queued_total += n;
+        Recorded::Yes
+    }
+
+    fn blocks(&self) -> usize {
+        self.lock().index.recorded_blocks()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{KvRouterConfig, ServiceConfig, WorkerRecord, WorkerSelectionPolicy, WorkerType};
+
+    fn blocks(n: usize) -> PromptBlocks {
+        let local: Vec<u64> = (1..=n as u64).collect();
+        let mut sequence = Vec::new();
+        crate::kv_index::sequence_hashes_of(&local, &mut sequence);
+        PromptBlocks {
+            tokens: n * 16,
+            local,
+            sequence,
+        }
+    }
+
+    #[test]
+    fn learns_holds_and_stays_bounded() {
+        let service = WorkerSelectionService::new(
+            WorkerSelectionPolicy::kv(KvRouterConfig::default(), WorkerType::Aggregated),
+            ServiceConfig::default(),
+        );
+        service.add_worker(WorkerRecord::new(1)).unwrap();
+        let rank = WorkerWithDpRank::new(1, 0);
+        let source = LearnedOverlaps::new(16, Duration::from_secs(60), 10);
+        let b = blocks(4);
+        assert_eq!(source.chosen(rank, &b, 0), Recorded::Yes);
+        let mut out = KvOverlaps::new();
+        let o = source.overlaps(&service, &b.sequence, &mut out).unwrap();
+        assert_eq!(o.device_blocks[service.row_of(rank).unwrap()], 4.0);
+        assert_eq!(
+            source.chosen(rank, &b, 4),
+            Recorded::Unneeded,
+            "held whole: not queued again"
+        );
+        // A longer prompt sharing the prefix is recorded; the queue counts
+        // its 6 blocks (4 + 6 = 10, the bound).
+        assert_eq!(source.chosen(rank, &blocks(6), 4), Recorded::Yes);
+        assert_eq!(source.blocks(), 6);
+        // The queue is at the bound though the index holds 6: refused.
+        assert_eq!(source.chosen(rank, &blocks(7), 6), Recorded::Full);
+        assert_eq!(source.blocks(), 6);
+    }
+}
