@@ -6,15 +6,18 @@ generator (`--example loadgen`: open loop, latency counted from when each
 request was due). For each target: direct to the engines, selkie serve,
 vllm-router and smg, each with round-robin and its cache-aware policies:
 
-1. latency p50 / p99 at a fixed rate (default 500 requests/s for 10 s,
-   three times, each next to a run straight to the engines); added
-   latency = the median of the router's runs minus the median of the
-   direct runs next to them; the router's CPU time per request;
-2. the highest rate (of a ladder, then bisected) whose p99 stays under
-   50 ms with no errors and at least 95% of the rate achieved (5 s each);
+1. latency p50 / p99 at a fixed rate (default 500 requests/s for 10 s):
+   every router runs at once, idle but for the one measured, and each of
+   five rounds measures every target back to back (direct included), so
+   a change in the machine's load falls on all alike; the medians over the
+   rounds, added latency = a router's median minus the direct median; the
+   router's CPU time per request over those runs;
+2. the highest rate (a ladder of rates, 5 s each, every target still
+   passing in turn) whose p99 stays under 50 ms with no errors and at least
+   95% of the rate achieved (a failed step is tried once more);
 3. resident memory (VmRSS) idle and with 10,000 streams open (HTTP/2 from
    the load generator, the engines holding every stream after its first
-   event).
+   event), one router at a time.
 
 Requests: non-streaming /v1/completions with a text prompt (smg 1.13
 refuses token ids): 64 shared prefixes of about 100 words plus a 16-word
@@ -121,39 +124,14 @@ def passes(r):
     return r.get("errors", 1) == 0 and r.get("p99_ms", 1e9) < P99_BOUND_MS and r.get("achieved_rps", 0) >= 0.95 * r["rate"]
 
 
-def max_rate(urls, ladder, step_s):
-    best, first_fail, tried = 0, None, []
-    for rate in ladder:
-        r = run_rate(urls, rate, step_s)
-        tried.append(r)
-        if passes(r):
-            best = rate
-        else:
-            first_fail = rate
-            break
-    if first_fail and best:
-        # Two bisection steps between the last pass and the first fail.
-        lo, hi = best, first_fail
-        for _ in range(2):
-            mid = (lo + hi) // 2
-            r = run_rate(urls, mid, step_s)
-            tried.append(r)
-            if passes(r):
-                lo = mid
-            else:
-                hi = mid
-        best = lo
-    return best, tried
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--peers-venv", default=os.environ.get("SELKIE_PEERS_VENV"))
     ap.add_argument("--rate", type=int, default=500)
     ap.add_argument("--duration", type=int, default=10)
-    ap.add_argument("--repeat", type=int, default=3, help="fixed-rate runs per target (medians)")
+    ap.add_argument("--repeat", type=int, default=5, help="rounds of fixed-rate runs over every target (medians)")
     ap.add_argument("--step", type=int, default=5, help="seconds per rate of the max-rate search")
-    ap.add_argument("--ladder", default="1000,2000,3000,4000,5000,6000,8000,10000,12000,16000")
+    ap.add_argument("--ladder", default="1000,1500,2000,2500,3000,3500,4000,5000,6000,7000,8000,9000,10000,12000,14000,16000")
     ap.add_argument("--streams", type=int, default=10000)
     ap.add_argument("--only", default="", help="comma-separated target names (default: all)")
     ap.add_argument("--json", default="")
@@ -222,99 +200,121 @@ def main():
             keep = {x.strip() for x in a.only.split(",")}
             targets = [t for t in targets if t[0] in keep or t[0] == "direct"]
 
-        results = []
+        # Every router runs at once, idle but for the one measured: each
+        # round measures every target back to back, so a change in the
+        # machine's load falls on all of them alike.
+        rows = {}
+        running = {}
         for name, cmd, kind in targets:
-            print(f"== {name}", file=sys.stderr, flush=True)
-            row = {"target": name, "kind": kind}
-            p = None
+            row = rows[name] = {"target": name, "kind": kind, "runs": [], "cpu_s": 0.0, "answered": 0}
             if cmd is None:
-                urls = engines
-            else:
-                (port,) = free_ports(1)
-                p = subprocess.Popen(cmd(port, engines), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                procs.append(p)
-                urls = [f"http://127.0.0.1:{port}"]
-                if not wait_http(urls[0] + "/v1/models", 90):
-                    row["error"] = "did not start"
-                    results.append(row)
-                    stop(p)
-                    continue
-                time.sleep(1)
-                row["rss_idle_kib"] = rss_kib(p.pid)
+                running[name] = (None, engines)
+                continue
+            (port,) = free_ports(1)
+            p = subprocess.Popen(cmd(port, engines), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            procs.append(p)
+            url = f"http://127.0.0.1:{port}"
+            if not wait_http(url + "/v1/models", 90):
+                row["error"] = "did not start"
+                stop(p)
+                continue
+            running[name] = (p, [url])
+        time.sleep(2)
+        for name, (p, urls) in running.items():
+            if p:
+                rows[name]["rss_idle_kib"] = rss_kib(p.pid)
             run_rate(urls, 200, 2)  # warm-up
-            # The fixed rate, `--repeat` times, each run of the router next
-            # to a run straight to the engines: added latency is the median
-            # of the router's runs less the median of those direct runs.
-            runs, direct_runs, used, answered = [], [], 0.0, 0
-            for _ in range(a.repeat):
-                if p:
-                    direct_runs.append(run_rate(engines, a.rate, a.duration))
+        for rnd in range(a.repeat):
+            print(f"== latency round {rnd + 1}/{a.repeat} at {a.rate}/s", file=sys.stderr, flush=True)
+            for name, (p, urls) in running.items():
                 ticks = cpu_ticks(p.pid) if p else None
                 r = run_rate(urls, a.rate, a.duration)
-                runs.append(r)
+                rows[name]["runs"].append(r)
                 if ticks is not None:
-                    used += (cpu_ticks(p.pid) - ticks) / os.sysconf("SC_CLK_TCK")
-                    answered += r["ok"]
-            if p and answered:
-                row["cpu_us_per_request"] = used * 1e6 / answered
-            med = lambda rs, k: sorted(x[k] for x in rs)[len(rs) // 2]
-            fixed = runs[len(runs) // 2]
-            row.update(p50_ms=med(runs, "p50_ms"), p99_ms=med(runs, "p99_ms"), fixed=fixed, runs=runs)
-            base = direct_runs or runs
-            row.update(direct_p50_ms=med(base, "p50_ms"), direct_p99_ms=med(base, "p99_ms"), direct_runs=direct_runs)
-            best, tried = max_rate(urls, ladder, a.step)
-            row.update(max_rate=best, search=tried)
-            print(f"   p50 {row['p50_ms']:.3f} ms, p99 {row['p99_ms']:.3f} ms at {a.rate}/s (direct {row['direct_p50_ms']:.3f} / "
-                  f"{row['direct_p99_ms']:.3f}); max rate {best}/s",
-                  file=sys.stderr, flush=True)
+                    rows[name]["cpu_s"] += (cpu_ticks(p.pid) - ticks) / os.sysconf("SC_CLK_TCK")
+                    rows[name]["answered"] += r["ok"]
+                print(f"   {name}: p50 {r['p50_ms']:.3f} p99 {r['p99_ms']:.3f} ms (load {r['load']:.1f})",
+                      file=sys.stderr, flush=True)
+        med = lambda rs, k: sorted(x[k] for x in rs)[len(rs) // 2]
+        for row in rows.values():
+            if row["runs"]:
+                row.update(p50_ms=med(row["runs"], "p50_ms"), p99_ms=med(row["runs"], "p99_ms"),
+                           load=med(row["runs"], "load"))
+                if row["answered"]:
+                    row["cpu_us_per_request"] = row["cpu_s"] * 1e6 / row["answered"]
+        # The highest rate: each step of the ladder for every target still
+        # passing, in turn; a target that fails a step gets one more try at
+        # it, and keeps the last step it passed.
+        active = list(running)
+        for rate in ladder:
+            print(f"== {rate}/s: {', '.join(active)}", file=sys.stderr, flush=True)
+            for name in list(active):
+                urls = running[name][1]
+                r = run_rate(urls, rate, a.step)
+                if not passes(r):
+                    r = run_rate(urls, rate, a.step)
+                rows[name].setdefault("search", []).append(r)
+                if passes(r):
+                    rows[name]["max_rate"] = rate
+                else:
+                    active.remove(name)
+            if not active:
+                break
+        for name, (p, _) in running.items():
             stop(p)
-            if cmd is not None and a.streams:
-                (port,) = free_ports(1)
-                p = subprocess.Popen(cmd(port, held), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                procs.append(p)
-                url = f"http://127.0.0.1:{port}"
-                if wait_http(url + "/v1/models", 90):
-                    time.sleep(1)
-                    g = subprocess.Popen(loadgen([url], streams=a.streams, hold=3), stdout=subprocess.PIPE, text=True)
-                    line = g.stdout.readline()
-                    opened = json.loads(line) if line.strip() else {}
-                    row["streams_opened"] = opened.get("opened")
-                    row["rss_streams_kib"] = rss_kib(p.pid)
-                    g.wait(timeout=300)
-                stop(p)
-            results.append(row)
-            if a.json:
-                with open(a.json, "w") as f:
-                    json.dump({"load": os.getloadavg(), "results": results}, f, indent=1)
+        # Memory with many open streams, one router at a time.
+        for name, cmd, kind in targets:
+            if cmd is None or not a.streams or "error" in rows[name]:
+                continue
+            (port,) = free_ports(1)
+            p = subprocess.Popen(cmd(port, held), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            procs.append(p)
+            url = f"http://127.0.0.1:{port}"
+            if wait_http(url + "/v1/models", 90):
+                time.sleep(1)
+                g = subprocess.Popen(loadgen([url], streams=a.streams, hold=3), stdout=subprocess.PIPE, text=True)
+                line = g.stdout.readline()
+                opened = json.loads(line) if line.strip() else {}
+                rows[name]["streams_opened"] = opened.get("opened")
+                rows[name]["rss_streams_kib"] = rss_kib(p.pid)
+                g.wait(timeout=300)
+                print(f"== {name}: {opened.get('opened')} streams, RSS {rows[name]['rss_streams_kib']} KiB",
+                      file=sys.stderr, flush=True)
+            stop(p)
+        results = list(rows.values())
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump({"load": os.getloadavg(), "results": results}, f, indent=1)
 
-        direct = next(r for r in results if r["target"] == "direct")
+        direct = rows["direct"]
         print(f"\nmachine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at the end; "
-              f"fixed rate {a.rate}/s for {a.duration} s, {a.repeat} runs each\n")
+              f"fixed rate {a.rate}/s for {a.duration} s, {a.repeat} rounds over every target\n")
         print("| target | p50 ms | p99 ms | added p50 ms | added p99 ms | router CPU µs/request | max rate (p99 < 50 ms) | RSS idle MiB | RSS with streams MiB | streams opened | load avg |")
         print("|---|---|---|---|---|---|---|---|---|---|---|")
         for r in results:
             if "error" in r:
                 print(f"| {r['target']} | {r['error']} |||||||||")
                 continue
-            add50 = r["p50_ms"] - r["direct_p50_ms"]
-            add99 = r["p99_ms"] - r["direct_p99_ms"]
+            add50 = r["p50_ms"] - direct["p50_ms"]
+            add99 = r["p99_ms"] - direct["p99_ms"]
             mib = lambda k: f"{r[k] / 1024:.0f}" if r.get(k) else "-"
             cpu = f"{r['cpu_us_per_request']:.0f}" if r.get("cpu_us_per_request") else "-"
-            print(f"| {r['target']} | {r['p50_ms']:.3f} | {r['p99_ms']:.3f} | {add50:.3f} | {add99:.3f} | {cpu} | {r['max_rate']} | "
-                  f"{mib('rss_idle_kib')} | {mib('rss_streams_kib')} | {r.get('streams_opened', '-')} | {r['fixed']['load']:.1f} |")
+            print(f"| {r['target']} | {r['p50_ms']:.3f} | {r['p99_ms']:.3f} | {add50:.3f} | {add99:.3f} | {cpu} | "
+                  f"{r.get('max_rate', 0)} | {mib('rss_idle_kib')} | {mib('rss_streams_kib')} | "
+                  f"{r.get('streams_opened', '-')} | {r['load']:.1f} |")
         # The ratios the targets are stated in.
         routers = [r for r in results if r["target"] != "direct" and "error" not in r]
         ours = [r for r in routers if r["target"].startswith("selkie")]
         peers = [r for r in routers if not r["target"].startswith("selkie")]
         if ours and peers:
-            add99 = lambda r: max(r["p99_ms"] - r["direct_p99_ms"], 1e-3)
+            add99 = lambda r: max(r["p99_ms"] - direct["p99_ms"], 1e-3)
             best_peer_p99 = min(peers, key=add99)
-            best_peer_rate = max(peers, key=lambda r: r["max_rate"])
+            best_peer_rate = max(peers, key=lambda r: r.get("max_rate", 0))
             for o in ours:
-                print(f"\n{o['target']}: added p99 {add99(o):.2f} ms = {add99(o) / add99(best_peer_p99):.2f}x the best peer's "
-                      f"({best_peer_p99['target']}, {add99(best_peer_p99):.2f} ms); max rate {o['max_rate']}/s = "
-                      f"{o['max_rate'] / max(best_peer_rate['max_rate'], 1):.2f}x the best peer's ({best_peer_rate['target']}, "
-                      f"{best_peer_rate['max_rate']}/s)")
+                print(f"\n{o['target']}: added p99 {add99(o):.3f} ms = {add99(o) / add99(best_peer_p99):.2f}x the best peer's "
+                      f"({best_peer_p99['target']}, {add99(best_peer_p99):.3f} ms); max rate {o.get('max_rate', 0)}/s = "
+                      f"{o.get('max_rate', 0) / max(best_peer_rate.get('max_rate', 0), 1):.2f}x the best peer's "
+                      f"({best_peer_rate['target']}, {best_peer_rate.get('max_rate', 0)}/s)")
     finally:
         for p in procs:
             stop(p)

@@ -31,29 +31,20 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 
-const WORDS: [&str; 11] = [
-    "hello",
-    "world",
-    "the",
-    "cat",
-    "sat",
-    "on",
-    "mat",
-    "again",
-    "<user>",
-    "<system>",
-    "<assistant>",
-];
+#[path = "../tests/support/mod.rs"]
+mod support;
 
-/// A deterministic word sequence from `seed`.
+/// A deterministic sequence of `n` words the tests' tokenizer knows (no
+/// `[UNK]`), from `seed`.
 fn words(seed: u64, n: usize) -> String {
+    let known = &support::VOCAB[1..];
     let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
     let mut out = Vec::with_capacity(n);
     for _ in 0..n {
         x ^= x << 13;
         x ^= x >> 7;
         x ^= x << 17;
-        out.push(WORDS[(x % WORDS.len() as u64) as usize]);
+        out.push(known[(x % known.len() as u64) as usize]);
     }
     out.join(" ")
 }

@@ -8,27 +8,9 @@ mod support;
 use std::io::{Read, Write};
 use std::time::Duration;
 
-use selkie::router::{PolicySpec, ServeConfig, Server};
+use selkie::router::PolicySpec;
 use support::stub_engine::{answer, Fault, StubConfig, StubEngine};
-use support::{dead_url, eventually, post, scrape, wait_unbooked, Reply};
-
-async fn router(workers: &[String], tweak: impl FnOnce(&mut ServeConfig)) -> Server {
-    let mut c = ServeConfig {
-        listen: "127.0.0.1:0".parse().unwrap(),
-        workers: workers.to_vec(),
-        models_refresh: Duration::from_millis(200),
-        seed: Some(3),
-        ..ServeConfig::default()
-    };
-    c.limits.max_connections = 256;
-    c.limits.max_concurrent_requests = 256;
-    tweak(&mut c);
-    Server::start(c).await.expect("the router starts")
-}
-
-fn url(s: &Server) -> String {
-    format!("http://{}", s.local_addr())
-}
+use support::{dead_url, eventually, post, router, scrape, url, wait_unbooked, Reply};
 
 const STREAM: &str = r#"{"model":"tiny","prompt":[1,2,3,4,5,6],"max_tokens":8,"stream":true}"#;
 const PLAIN: &str = r#"{"model":"tiny","prompt":[1,2,3,4,5,6],"max_tokens":8}"#;

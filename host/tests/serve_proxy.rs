@@ -9,27 +9,7 @@ use std::time::Duration;
 
 use selkie::router::{PolicySpec, ServeConfig, Server};
 use support::stub_engine::{answer, Fault, StubConfig, StubEngine};
-use support::{eventually, get, post, scrape, wait_unbooked};
-
-/// A router on a free port in front of `workers`, with small bounds (the
-/// test process's open-files limit may be low) and `tweak` applied.
-async fn router(workers: &[String], tweak: impl FnOnce(&mut ServeConfig)) -> Server {
-    let mut c = ServeConfig {
-        listen: "127.0.0.1:0".parse().unwrap(),
-        workers: workers.to_vec(),
-        models_refresh: Duration::from_millis(200),
-        seed: Some(7),
-        ..ServeConfig::default()
-    };
-    c.limits.max_connections = 256;
-    c.limits.max_concurrent_requests = 256;
-    tweak(&mut c);
-    Server::start(c).await.expect("the router starts")
-}
-
-fn url(s: &Server) -> String {
-    format!("http://{}", s.local_addr())
-}
+use support::{eventually, get, post, router, scrape, url, wait_unbooked};
 
 /// Every request shape the router proxies: (path, body).
 fn requests() -> Vec<(&'static str, String)> {
@@ -401,6 +381,17 @@ async fn the_workers_file_is_reloaded() {
     let a = StubEngine::start(StubConfig::new("a")).await;
     let b = StubEngine::start(StubConfig::new("b")).await;
     let file = dir.join("workers.yaml");
+    // A file that does not parse stops the start, naming it.
+    std::fs::write(&file, "workers: [").unwrap();
+    let mut c = ServeConfig {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        workers_file: Some(file.clone()),
+        ..ServeConfig::default()
+    };
+    c.limits.max_connections = 64;
+    c.limits.max_concurrent_requests = 64;
+    let err = Server::start(c).await.err().expect("refused").to_string();
+    assert!(err.contains("workers.yaml"), "{err}");
     std::fs::write(&file, format!("workers:\n  - {}\n", a.url())).unwrap();
     let server = router(&[], |c| {
         c.workers_file = Some(file.clone());

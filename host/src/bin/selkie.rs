@@ -10,47 +10,33 @@
 //! inference engines, every decision made by the selection service
 //! (`selkie::router`). Built with the `serve` feature.
 
-#[cfg(feature = "sim")]
-use std::fs::File;
-#[cfg(feature = "sim")]
-use std::io::{BufReader, BufWriter, Write};
-#[cfg(feature = "sim")]
-use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-#[cfg(feature = "sim")]
-use std::time::{Duration, Instant};
 
-#[cfg(feature = "sim")]
-use clap::Args;
 use clap::{Parser, Subcommand};
+#[cfg(feature = "sim")]
+use {
+    clap::Args,
+    indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle},
+    selkie::sim::compare::{run_policy_within, PolicyChoice, PolicyRun},
+    selkie::sim::limits::{above_zero_option, MAX_RATE_PER_S},
+    selkie::sim::metrics::{render_table, HitBounds, PolicyReport},
+    selkie::sim::plot::{load_y_max, plot_load, plot_ttft},
+    selkie::sim::run::TYPICAL_WORKER_KV_TOKENS,
+    selkie::sim::scenario::{Scenario, ScenarioName},
+    selkie::sim::trace::{read_trace, write_trace},
+    selkie::sim::tune::{split_in_time, tune as search, KvWeights, TuneSpace},
+    selkie::sim::workload::Workload,
+    selkie::sim::SimError,
+    selkie::{AffinityMode, WorkerSelectionPolicyRegistry},
+    std::fs::File,
+    std::io::{BufReader, BufWriter, Write},
+    std::path::{Path, PathBuf},
+    std::time::{Duration, Instant},
+};
 
 #[cfg(feature = "serve")]
 #[path = "selkie/serve.rs"]
 mod serve;
-#[cfg(feature = "sim")]
-use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
-#[cfg(feature = "sim")]
-use selkie::sim::compare::{run_policy_within, PolicyChoice, PolicyRun};
-#[cfg(feature = "sim")]
-use selkie::sim::limits::{above_zero_option, MAX_RATE_PER_S};
-#[cfg(feature = "sim")]
-use selkie::sim::metrics::{render_table, HitBounds, PolicyReport};
-#[cfg(feature = "sim")]
-use selkie::sim::plot::{load_y_max, plot_load, plot_ttft};
-#[cfg(feature = "sim")]
-use selkie::sim::run::TYPICAL_WORKER_KV_TOKENS;
-#[cfg(feature = "sim")]
-use selkie::sim::scenario::{Scenario, ScenarioName};
-#[cfg(feature = "sim")]
-use selkie::sim::trace::{read_trace, write_trace};
-#[cfg(feature = "sim")]
-use selkie::sim::tune::{split_in_time, tune as search, KvWeights, TuneSpace};
-#[cfg(feature = "sim")]
-use selkie::sim::workload::Workload;
-#[cfg(feature = "sim")]
-use selkie::sim::SimError;
-#[cfg(feature = "sim")]
-use selkie::{AffinityMode, WorkerSelectionPolicyRegistry};
 
 #[derive(Parser, Debug)]
 #[command(name = "selkie", version, about = "Worker selection for LLM request routers")]

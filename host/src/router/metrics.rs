@@ -28,6 +28,7 @@
 //! | `selkie_kv_index_blocks` | | blocks the prefix index holds (when the policy reads it) |
 
 use std::collections::HashMap;
+use std::hash::Hash;
 use std::sync::atomic::AtomicU64;
 
 use prometheus_client::encoding::text::encode;
@@ -36,7 +37,7 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
-use prometheus_client::registry::Registry;
+use prometheus_client::registry::{Metric, Registry};
 
 use super::error::Refusal;
 use super::prompt::Unhashed;
@@ -89,7 +90,8 @@ impl UpstreamErrorKind {
         }
     }
 
-    const ALL: [UpstreamErrorKind; 6] = [
+    /// Every kind, for metrics registered up front.
+    pub const ALL: [UpstreamErrorKind; 6] = [
         UpstreamErrorKind::Connect,
         UpstreamErrorKind::Timeout,
         UpstreamErrorKind::Broken,
@@ -140,166 +142,91 @@ pub struct Metrics {
 impl Metrics {
     /// The metrics of a router running `policy` under `limits`.
     pub fn new(policy: &'static str, limits: &Limits) -> Self {
-        let mut registry = Registry::default();
-        let requests = Family::<RequestLabels, Counter>::default();
-        registry.register(
-            "selkie_http_requests",
-            "Requests answered, by endpoint and status",
-            requests.clone(),
-        );
-        let selections = Family::<SelectionLabels, Counter>::default();
-        registry.register(
-            "selkie_selections",
-            "Selections, by policy and branch",
-            selections.clone(),
-        );
-        let select_seconds = Histogram::new(exponential_buckets(1e-7, 2.0, 16));
-        registry.register(
-            "selkie_selection_seconds",
-            "Time in the selection service's select",
-            select_seconds.clone(),
-        );
-        let inflight = Family::<Labels, Gauge>::default();
-        registry.register(
-            "selkie_inflight_requests",
-            "Requests booked on a worker rank",
-            inflight.clone(),
-        );
-        let booked_prefill = Family::<Labels, Gauge>::default();
-        registry.register(
-            "selkie_booked_prefill_tokens",
-            "Prompt tokens booked on a worker rank, not yet prefilled",
-            booked_prefill.clone(),
-        );
-        let booked_decode = Family::<Labels, Gauge>::default();
-        registry.register(
-            "selkie_booked_decode_blocks",
-            "KV blocks booked on a worker rank",
-            booked_decode.clone(),
-        );
-        let refusal_family = Family::<Labels, Counter>::default();
-        registry.register(
-            "selkie_refusals",
-            "Requests refused or cut short by the router, by reason",
-            refusal_family.clone(),
-        );
-        let refusals = Refusal::ALL
-            .iter()
-            .map(|r| {
-                (
-                    *r,
-                    refusal_family.get_or_create_owned(&vec![("reason", r.as_str().to_owned())]),
-                )
-            })
-            .collect();
-        let unhashed_family = Family::<Labels, Counter>::default();
-        registry.register(
-            "selkie_unhashed_requests",
-            "Requests routed by load because their prompt could not be hashed, by reason",
-            unhashed_family.clone(),
-        );
-        let unhashed = Unhashed::ALL
-            .iter()
-            .map(|u| {
-                (
-                    *u,
-                    unhashed_family.get_or_create_owned(&vec![("reason", u.as_str().to_owned())]),
-                )
-            })
-            .collect();
-        let upstream_family = Family::<Labels, Counter>::default();
-        registry.register(
-            "selkie_upstream_errors",
-            "Worker failures, by kind",
-            upstream_family.clone(),
-        );
-        let upstream = UpstreamErrorKind::ALL
-            .iter()
-            .map(|k| {
-                (
-                    *k,
-                    upstream_family.get_or_create_owned(&vec![("kind", k.as_str().to_owned())]),
-                )
-            })
-            .collect();
-        let bound_family = Family::<Labels, Counter>::default();
-        registry.register(
-            "selkie_bound_hits",
-            "Times a configured bound was hit",
-            bound_family.clone(),
-        );
-        let bounds = BOUNDS
-            .iter()
-            .map(|b| (*b, bound_family.get_or_create_owned(&vec![("bound", (*b).to_owned())])))
-            .collect();
+        let mut r = Registry::default();
         let limit_family = Family::<Labels, Gauge<f64, AtomicU64>>::default();
-        registry.register(
-            "selkie_limit",
-            "The configured bounds (durations in seconds)",
-            limit_family.clone(),
-        );
         for (name, value) in limits.named() {
             limit_family.get_or_create(&vec![("bound", name.to_owned())]).set(value);
         }
-        let retries = Counter::default();
-        registry.register(
-            "selkie_retries",
-            "Requests sent to a second worker after a refused connection",
-            retries.clone(),
-        );
-        let request_bytes = Counter::default();
-        registry.register(
-            "selkie_request_bytes",
-            "Request body bytes sent to workers",
-            request_bytes.clone(),
-        );
-        let response_bytes = Counter::default();
-        registry.register(
-            "selkie_response_bytes",
-            "Response body bytes passed to clients",
-            response_bytes.clone(),
-        );
-        let open_responses = Gauge::default();
-        registry.register(
-            "selkie_open_responses",
-            "Responses being passed to clients now",
-            open_responses.clone(),
-        );
-        let disconnects = Counter::default();
-        registry.register(
-            "selkie_client_disconnects",
-            "Responses whose client went away before their end",
-            disconnects.clone(),
-        );
-        let workers = Gauge::default();
-        registry.register("selkie_workers", "Workers in the table", workers.clone());
-        let index_blocks = Gauge::default();
-        registry.register(
-            "selkie_kv_index_blocks",
-            "Blocks the prefix index holds",
-            index_blocks.clone(),
+        r.register(
+            "selkie_limit",
+            "The configured bounds (durations in seconds)",
+            limit_family,
         );
         Metrics {
-            registry,
-            requests,
-            selections,
+            requests: registered(
+                &mut r,
+                "selkie_http_requests",
+                "Requests answered, by endpoint and status",
+            ),
+            selections: registered(&mut r, "selkie_selections", "Selections, by policy and branch"),
             policy,
-            select_seconds,
-            inflight,
-            booked_prefill,
-            booked_decode,
-            refusals,
-            unhashed,
-            upstream,
-            bounds,
-            retries,
-            request_bytes,
-            response_bytes,
-            open_responses,
-            disconnects,
-            workers,
-            index_blocks,
+            select_seconds: {
+                let h = Histogram::new(exponential_buckets(1e-7, 2.0, 16));
+                r.register(
+                    "selkie_selection_seconds",
+                    "Time in the selection service's select",
+                    h.clone(),
+                );
+                h
+            },
+            inflight: registered(&mut r, "selkie_inflight_requests", "Requests booked on a worker rank"),
+            booked_prefill: registered(
+                &mut r,
+                "selkie_booked_prefill_tokens",
+                "Prompt tokens booked on a worker rank, not yet prefilled",
+            ),
+            booked_decode: registered(
+                &mut r,
+                "selkie_booked_decode_blocks",
+                "KV blocks booked on a worker rank",
+            ),
+            refusals: counters(
+                &mut r,
+                (
+                    "selkie_refusals",
+                    "Requests refused or cut short by the router, by reason",
+                ),
+                "reason",
+                Refusal::ALL.map(|x| (x, x.as_str())),
+            ),
+            unhashed: counters(
+                &mut r,
+                (
+                    "selkie_unhashed_requests",
+                    "Requests routed by load because their prompt could not be hashed, by reason",
+                ),
+                "reason",
+                Unhashed::ALL.map(|x| (x, x.as_str())),
+            ),
+            upstream: counters(
+                &mut r,
+                ("selkie_upstream_errors", "Worker failures, by kind"),
+                "kind",
+                UpstreamErrorKind::ALL.map(|x| (x, x.as_str())),
+            ),
+            bounds: counters(
+                &mut r,
+                ("selkie_bound_hits", "Times a configured bound was hit"),
+                "bound",
+                BOUNDS.map(|b| (b, b)),
+            ),
+            retries: registered(
+                &mut r,
+                "selkie_retries",
+                "Requests sent to a second worker after a refused connection",
+            ),
+            request_bytes: registered(&mut r, "selkie_request_bytes", "Request body bytes sent to workers"),
+            response_bytes: registered(&mut r, "selkie_response_bytes", "Response body bytes passed to clients"),
+            open_responses: registered(&mut r, "selkie_open_responses", "Responses being passed to clients now"),
+            disconnects: registered(
+                &mut r,
+                "selkie_client_disconnects",
+                "Responses whose client went away before their end",
+            ),
+            workers: registered(&mut r, "selkie_workers", "Workers in the table"),
+            index_blocks: registered(&mut r, "selkie_kv_index_blocks", "Blocks the prefix index holds"),
             scraping: std::sync::Mutex::new(()),
+            registry: r,
         }
     }
 
@@ -416,4 +343,27 @@ impl Metrics {
         let _ = encode(&mut out, &self.registry);
         out
     }
+}
+
+/// A metric of its type's default, registered under `name`.
+fn registered<M: Metric + Clone + Default>(registry: &mut Registry, name: &str, help: &str) -> M {
+    let m = M::default();
+    registry.register(name, help, m.clone());
+    m
+}
+
+/// A counter family registered as `(name, help)`, with the counter of
+/// each item (labelled `label="<its name>"`) created up front, so counting
+/// takes no lookup.
+fn counters<K: Eq + Hash, const N: usize>(
+    registry: &mut Registry,
+    (name, help): (&str, &str),
+    label: &'static str,
+    items: [(K, &'static str); N],
+) -> HashMap<K, Counter> {
+    let family = registered::<Family<Labels, Counter>>(registry, name, help);
+    items
+        .into_iter()
+        .map(|(k, v)| (k, family.get_or_create_owned(&vec![(label, v.to_owned())])))
+        .collect()
 }

@@ -664,7 +664,10 @@ impl Discovery for ServeSource {
             }
         }
         match (changed, failure) {
+            // Nothing changed, or the first snapshot is incomplete (the
+            // router must not start without a source's workers).
             (false, Some(e)) => Err(e),
+            (true, Some(e)) if !self.delivered => Err(e),
             (false, None) => Ok(None),
             (true, failure) => {
                 if let Some(e) = failure {

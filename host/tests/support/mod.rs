@@ -15,6 +15,29 @@ use hyper::{Request, StatusCode};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
+use selkie::router::{ServeConfig, Server};
+
+/// A router on a free loopback port in front of `workers`, with small
+/// connection bounds (the test process's open-files limit may be low), a
+/// fast models refresh, a fixed seed, and `tweak` applied.
+pub async fn router(workers: &[String], tweak: impl FnOnce(&mut ServeConfig)) -> Server {
+    let mut c = ServeConfig {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        workers: workers.to_vec(),
+        models_refresh: Duration::from_millis(200),
+        seed: Some(7),
+        ..ServeConfig::default()
+    };
+    c.limits.max_connections = 256;
+    c.limits.max_concurrent_requests = 256;
+    tweak(&mut c);
+    Server::start(c).await.expect("the router starts")
+}
+
+/// `http://ADDR` of a router.
+pub fn url(s: &Server) -> String {
+    format!("http://{}", s.local_addr())
+}
 
 /// A plain HTTP/1.1 client.
 pub fn client() -> Client<HttpConnector, Full<Bytes>> {
