@@ -174,8 +174,11 @@ def main():
         vr, smg = peer("vllm-router"), peer("smg")
 
         def vr_cmd(policy):
-            return lambda port, ws: [vr, "--port", str(port), "--worker-urls", *ws, "--policy", policy, "--log-level", "error",
-                                     "--max-concurrent-requests", "20000", "--queue-size", "20000"]
+            def cmd(port, ws):
+                (mport,) = free_ports(1)
+                return [vr, "--port", str(port), "--worker-urls", *ws, "--policy", policy, "--log-level", "error",
+                        "--prometheus-port", str(mport), "--max-concurrent-requests", "20000", "--queue-size", "20000"]
+            return cmd
 
         def smg_cmd(policy):
             def cmd(port, ws):
@@ -211,12 +214,15 @@ def main():
                 running[name] = (None, engines)
                 continue
             (port,) = free_ports(1)
-            p = subprocess.Popen(cmd(port, engines), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            log = open(os.path.join(work, f"{name.replace(' ', '_')}.log"), "w")
+            p = subprocess.Popen(cmd(port, engines), stdout=subprocess.DEVNULL, stderr=log)
             procs.append(p)
             url = f"http://127.0.0.1:{port}"
             if not wait_http(url + "/v1/models", 90):
                 row["error"] = "did not start"
                 stop(p)
+                with open(log.name) as f:
+                    print(f"{name} did not start:\n{f.read()[-2000:]}", file=sys.stderr, flush=True)
                 continue
             running[name] = (p, [url])
         time.sleep(2)
