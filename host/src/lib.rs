@@ -49,7 +49,7 @@ pub use policy::{
     BUILTIN_PICKERS, BUILTIN_POLICIES, BUILTIN_SCORERS,
 };
 #[cfg(feature = "nats")]
-pub use replica::{RemoteLoad, ReplicaSync, ReplicaSyncOptions, ReplicaSyncStats};
+pub use replica::{RefusedMessages, RemoteLoad, ReplicaSync, ReplicaSyncOptions, ReplicaSyncStats, SyncHealth};
 pub use request::{
     AddedBlocks, AffinityMode, KvCostOverrides, KvRankInputs, Pin, RowLayout, RowOverlaps, SelectionRequest,
     SessionAffinity, WorkerOverlap,

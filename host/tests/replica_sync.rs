@@ -84,6 +84,82 @@ fn an_unreachable_server_is_a_typed_error_naming_it() {
     );
 }
 
+/// Options out of range are refused by `connect` before anything starts,
+/// naming the option and its bound: none of them may reach the thread
+/// (a zero batch interval panicked it), the queue (a capacity that rounds
+/// to nothing dropped every delta) or an allocation (a batch capacity of
+/// `usize::MAX` panicked `connect`).
+#[test]
+fn out_of_range_options_are_refused_naming_the_option_and_its_bound() {
+    // Nobody listens there: an option that passed validation would be
+    // refused as `Unavailable` instead.
+    let url = format!("nats://127.0.0.1:{}", servers::free_port());
+    let base = || ReplicaSyncOptions::default().with_connect_timeout(Duration::from_millis(200));
+    let cases: Vec<(&str, ReplicaSyncOptions, &str)> = vec![
+        (
+            "batch_interval",
+            base().with_batch_interval(Duration::ZERO),
+            "at least 100µs",
+        ),
+        (
+            "batch_interval",
+            base().with_batch_interval(Duration::MAX),
+            "at most 10s",
+        ),
+        (
+            "batch_max_events",
+            base().with_batch_max_events(usize::MAX),
+            "at most 8192",
+        ),
+        ("batch_max_events", base().with_batch_max_events(0), "at least 1"),
+        (
+            "queue_capacity",
+            base().with_queue_capacity(usize::MAX),
+            "at most 1048576",
+        ),
+        ("queue_capacity", base().with_queue_capacity(0), "at least 1"),
+        (
+            "heartbeat_interval",
+            base().with_heartbeat_interval(Duration::MAX),
+            "at most 3600s",
+        ),
+        (
+            "peer_timeout",
+            base()
+                .with_heartbeat_interval(Duration::from_secs(1))
+                .with_peer_timeout(Duration::MAX),
+            "at most 3600s",
+        ),
+        (
+            "connect_timeout",
+            base().with_connect_timeout(Duration::ZERO),
+            "more than zero",
+        ),
+        (
+            "max_reconnect_delay",
+            base().with_max_reconnect_delay(Duration::MAX),
+            "at most 3600s",
+        ),
+    ];
+    let mut wrong = Vec::new();
+    for (option, options, bound) in cases {
+        let got = std::panic::catch_unwind(|| ReplicaSync::connect(&url, options.clone()).map(drop));
+        match got {
+            Ok(Err(SyncError::InvalidOption {
+                option: named,
+                requirement,
+                value,
+            })) if named == option && requirement.contains(bound) => {
+                assert!(!value.is_empty(), "{option}: the value is named");
+            }
+            Ok(Err(err)) => wrong.push(format!("{option} ({bound}): refused as: {err}")),
+            Ok(Ok(())) => wrong.push(format!("{option} ({bound}): accepted")),
+            Err(_) => wrong.push(format!("{option} ({bound}): connect panicked")),
+        }
+    }
+    assert!(wrong.is_empty(), "{}", wrong.join("\n"));
+}
+
 #[test]
 fn a_booking_appears_at_the_peer_and_leaves_on_release() {
     let Some(url) = servers::nats_url("a_booking_appears_at_the_peer_and_leaves_on_release") else {

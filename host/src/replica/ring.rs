@@ -1,32 +1,31 @@
-//! Per-thread delta rings: how `record_*` hands a delta to the sync thread
-//! without writing anything another thread writes.
+//! Per-thread delta queues: how `record_*` hands a delta to the sync
+//! thread without contending with another recording thread.
 //!
 //! Each thread that records for a [`ReplicaSync`](super::ReplicaSync) owns
-//! one ring for it (a single-producer, single-consumer queue of
-//! `queue_capacity` deltas, rounded up to a power of two), found through a thread-local list and
-//! registered with the sync's [`Rings`] on first use (the only allocation).
-//! A record is a few plain stores and one `Release` store of the ring's
-//! tail: no read-modify-write, no fence, no lock, no wake-up. The sync
-//! thread drains every ring on its batch timer. A full ring drops the delta
-//! and counts it.
+//! one queue for it (crossbeam's bounded [`ArrayQueue`] of
+//! `queue_capacity` deltas), found through a thread-local list and
+//! registered with the sync's [`Rings`] on first use (the only
+//! allocation). Only that thread pushes into it, so a record's
+//! compare-and-swap never contends with another producer's; no lock, no
+//! wake-up. The sync thread drains every queue on its batch timer. A full
+//! queue drops the delta and counts it.
 //!
-//! Rings are drained one after another, so two deltas of one booking
+//! Queues are drained one after another, so two deltas of one booking
 //! recorded on two threads (a booking moved to another task before it is
 //! released) may be drained in the opposite order. But a delta seen in one
 //! drain had its earlier deltas pushed before it, so the next drain sees
 //! them: the caller holds back a prefill completion or release of a booking
 //! it does not know for one drain (see `task`).
 //!
-//! What it must not do: block the recording thread, or let two threads
-//! write one ring's slots or tail, or two drain one ring.
+//! What it must not do: block the recording thread, or allocate after a
+//! thread's first record.
 
-use std::cell::{RefCell, UnsafeCell};
+use std::cell::RefCell;
 use std::marker::PhantomData;
-use std::mem::MaybeUninit;
-use std::sync::atomic::{fence, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{fence, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
-use crossbeam_utils::CachePadded;
+use crossbeam_queue::ArrayQueue;
 
 use super::wire::Delta;
 
@@ -38,55 +37,30 @@ const RINGS_PER_THREAD: usize = 16;
 
 /// One thread's queue of deltas for one sync.
 struct Ring {
-    /// A power of two of slots.
-    slots: Box<[UnsafeCell<MaybeUninit<Delta>>]>,
-    /// `slots.len() - 1`.
-    mask: usize,
-    /// Written by the producer only: the next slot it writes.
-    tail: CachePadded<AtomicUsize>,
-    /// Written by the consumer only: the next slot it reads.
-    head: CachePadded<AtomicUsize>,
+    queue: ArrayQueue<Delta>,
     /// Deltas the producer dropped (written by the producer only).
     dropped: AtomicU64,
 }
 
-// SAFETY: a slot is written only by the ring's one producer (a `Producer`
-// is neither `Send` nor shared, and only it calls `push`) while it is not
-// between `head` and `tail`, and read only by the one consumer (`drain`
-// runs under the `Rings` lock) while it is; `tail`'s Release store and
-// Acquire load order the producer's write before the consumer's read, and
-// `head`'s order the consumer's read before the producer's next write of
-// that slot. `Delta` is `Copy` and `Send`.
-unsafe impl Sync for Ring {}
-
 impl Ring {
-    /// A ring of `capacity` slots (a power of two).
     fn new(capacity: usize) -> Ring {
-        debug_assert!(capacity.is_power_of_two());
         Ring {
-            slots: (0..capacity).map(|_| UnsafeCell::new(MaybeUninit::uninit())).collect(),
-            mask: capacity - 1,
-            tail: CachePadded::new(AtomicUsize::new(0)),
-            head: CachePadded::new(AtomicUsize::new(0)),
+            queue: ArrayQueue::new(capacity),
             dropped: AtomicU64::new(0),
         }
     }
 
-    /// Hands every delta pushed so far to `f`, oldest first. Only under
-    /// the `Rings` lock (one consumer).
+    /// Hands the deltas pushed so far to `f`, oldest first (not those
+    /// pushed while it drains: a producer never keeps it going).
     fn drain(&self, f: &mut impl FnMut(Delta)) -> usize {
-        let head = self.head.load(Ordering::Relaxed);
-        let tail = self.tail.load(Ordering::Acquire);
-        let n = tail.wrapping_sub(head);
-        for i in 0..n {
-            let slot = &self.slots[head.wrapping_add(i) & self.mask];
-            // SAFETY: the slot is between head and tail: the producer wrote
-            // it before its Release store of `tail` (loaded Acquire above)
-            // and does not write it again before `head` passes it; this is
-            // the one consumer (see `Sync for Ring`).
-            f(unsafe { (*slot.get()).assume_init_read() });
+        let mut n = 0;
+        for _ in 0..self.queue.len() {
+            match self.queue.pop() {
+                Some(delta) => f(delta),
+                None => break,
+            }
+            n += 1;
         }
-        self.head.store(tail, Ordering::Release);
         n
     }
 }
@@ -97,7 +71,7 @@ pub(super) struct Rings {
     capacity: usize,
     rings: Mutex<RingList>,
     /// Deltas recorded by threads whose rings were already gone (at
-    /// thread exit).
+    /// thread exit), or after the sync thread stopped.
     late: AtomicU64,
 }
 
@@ -109,11 +83,11 @@ struct RingList {
 }
 
 impl Rings {
-    /// Rings of `capacity` deltas each, rounded up to a power of two.
+    /// Rings of `capacity` deltas each (at least 1).
     pub(super) fn new(capacity: usize) -> Rings {
         Rings {
             key: RING_SETS.fetch_add(1, Ordering::Relaxed),
-            capacity: capacity.max(1).next_power_of_two(),
+            capacity: capacity.max(1),
             rings: Mutex::new(RingList::default()),
             late: AtomicU64::new(0),
         }
@@ -146,7 +120,7 @@ impl Rings {
         n
     }
 
-    /// Deltas dropped so far because a ring was full.
+    /// Deltas dropped so far: a ring was full, or there was none.
     pub(super) fn dropped(&self) -> u64 {
         let list = self.rings.lock().unwrap_or_else(PoisonError::into_inner);
         let live: u64 = list.live.iter().map(|r| r.dropped.load(Ordering::Relaxed)).sum();
@@ -201,6 +175,11 @@ impl Rings {
         &mut list[0]
     }
 
+    /// Counts a delta refused without a ring (the sync thread stopped).
+    pub(super) fn count_late(&self) {
+        self.late.fetch_add(1, Ordering::Relaxed);
+    }
+
     /// A new ring for the calling thread, registered for draining.
     #[cold]
     fn register(&self) -> Producer {
@@ -231,24 +210,13 @@ impl Producer {
     #[inline]
     fn push(&mut self, delta: Delta) -> bool {
         let ring = &*self.ring;
-        let tail = ring.tail.load(Ordering::Relaxed);
-        let head = ring.head.load(Ordering::Acquire);
-        if tail.wrapping_sub(head) >= ring.slots.len() {
-            // Only this producer writes `dropped`: no read-modify-write.
-            let dropped = ring.dropped.load(Ordering::Relaxed);
-            ring.dropped.store(dropped + 1, Ordering::Relaxed);
-            return false;
+        if ring.queue.push(delta).is_ok() {
+            return true;
         }
-        // SAFETY: `mask` is `slots.len() - 1` and the length a power
-        // of two, so `tail & mask` is in bounds.
-        let slot = unsafe { ring.slots.get_unchecked(tail & ring.mask) };
-        // SAFETY: this is the ring's one producer, and the slot is not
-        // between head and tail (the ring is not full), so the consumer is
-        // done with it (its Release store of `head`, loaded Acquire above)
-        // and will not read it before the store of `tail` below.
-        unsafe { (*slot.get()).write(delta) };
-        ring.tail.store(tail.wrapping_add(1), Ordering::Release);
-        true
+        // Only this producer writes `dropped`: no read-modify-write.
+        let dropped = ring.dropped.load(Ordering::Relaxed);
+        ring.dropped.store(dropped + 1, Ordering::Relaxed);
+        false
     }
 }
 
