@@ -404,15 +404,16 @@ impl Aggregate<'_> {
                     false
                 }
             },
-            Delta::Load(Loaded { worker, load }) => {
-                let load = capped(load, self.max_load);
+            Delta::Load(Loaded { worker, load: reported }) => {
+                let load = capped(reported, self.max_load);
                 let known = held.loads.contains_key(&worker);
                 if !known && load != zero && held.len() >= max_rows {
                     applied.rows_refused += 1;
                     false
                 } else {
                     let old = set_load(&mut held.loads, worker, load);
-                    old != load && self.shift(held, worker, load, old)
+                    let over = old != load && self.shift(held, worker, load, old);
+                    over || load != reported
                 }
             }
         };

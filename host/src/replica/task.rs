@@ -500,8 +500,10 @@ impl SyncLoop {
         }
     }
 
-    /// A message in this replica's name: its own (ignored), another
-    /// replica given the same id (counted), or one it never sent in its
+    /// A message in this replica's name: its own (ignored), a signed one
+    /// sent before this replica started (a predecessor's, replayed:
+    /// refused), another replica given the same id (counted), or one it
+    /// never sent in its
     /// own incarnation (a forgery, or a copy of this replica): counted, and
     /// this replica takes a new incarnation, so that its peers drop
     /// whatever the message made them believe and rebuild its table from
@@ -525,6 +527,10 @@ impl SyncLoop {
             );
             self.heartbeat(link).await;
             self.answer_snapshot_request(link).await;
+        } else if self.options.is_signed() && message.sent < self.started_ms {
+            // Signed before this replica started: a predecessor's message
+            // (this replica restarted with its id), replayed.
+            c.refuse(Refused::Replayed, 1);
         } else if Some(message.incarnation) != self.old_incarnation {
             bump(&c.id_conflicts, 1);
             tracing::warn!(replica = self.replica, subject = %link.subject, "another replica uses this replica's id; its messages are ignored");
