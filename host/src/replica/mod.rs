@@ -1146,3 +1146,137 @@ fn random_u64() -> u64 {
     h.write_u32(std::process::id());
     h.finish()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A sync whose thread does `work` (a stand-in for the NATS loop).
+    fn started(
+        work: impl FnOnce(tokio::sync::watch::Receiver<()>, mpsc::Sender<Result<(), String>>) -> Option<String>
+            + Send
+            + 'static,
+    ) -> ReplicaSync {
+        let options = ReplicaSyncOptions::default();
+        let shared = Arc::new(Shared::new(&options));
+        ReplicaSync::start("nats://test", options.subject.clone(), 1, shared, work).unwrap()
+    }
+
+    fn wait_stopped(sync: &ReplicaSync) -> String {
+        let start = std::time::Instant::now();
+        loop {
+            if let SyncHealth::Stopped { reason } = sync.health() {
+                return reason;
+            }
+            assert!(start.elapsed() < Duration::from_secs(10), "never stopped");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    #[test]
+    fn a_thread_that_panics_is_reported_and_recording_stops_claiming_success() {
+        let (go, wait) = mpsc::channel::<()>();
+        let sync = started(move |_stop, ready| {
+            ready.send(Ok(())).unwrap();
+            wait.recv().unwrap();
+            panic!("period must be non-zero");
+        });
+        let w = WorkerWithDpRank::new(1, 0);
+        // A peer's load the thread applied before it died.
+        {
+            let mut tables = sync.shared.tables();
+            let batch = wire::Envelope {
+                replica: 2,
+                incarnation: 1,
+                seq: 1,
+                sent: 0,
+                body: wire::Body::Deltas(vec![Delta::Book(
+                    1,
+                    Booked {
+                        worker: w,
+                        prefill_tokens: 1,
+                        decode_blocks: 1,
+                    },
+                )]),
+            };
+            tables.apply(batch, std::time::Instant::now(), 0, Duration::from_secs(1));
+        }
+        assert_eq!(sync.remote_load(w).requests, 1);
+        assert_eq!(sync.health(), SyncHealth::Running);
+        assert!(sync.record_book(1, w, 1, 1));
+        let version = sync.version();
+        go.send(()).unwrap();
+        let reason = wait_stopped(&sync);
+        assert!(reason.contains("panicked: period must be non-zero"), "{reason}");
+        assert!(!sync.record_book(2, w, 1, 1), "nothing would publish it");
+        assert!(!sync.record_release(2));
+        assert_eq!(sync.stats().dropped, 2);
+        assert!(sync.remote_loads().is_empty(), "the peers' load is not kept frozen");
+        assert!(sync.version() > version, "a reader sees the change");
+    }
+
+    #[test]
+    fn a_thread_that_ends_says_why() {
+        let sync = started(|_stop, ready| {
+            ready.send(Ok(())).unwrap();
+            Some("the subscription to selkie.bookings ended".into())
+        });
+        assert_eq!(wait_stopped(&sync), "the subscription to selkie.bookings ended");
+        assert!(!sync.record_prefill_complete(1));
+    }
+
+    #[test]
+    fn each_bound_named_in_an_invalid_option_is_the_constant() {
+        let o = ReplicaSyncOptions::default;
+        let requirement = |options: ReplicaSyncOptions| match options.validate() {
+            Err(SyncError::InvalidOption { requirement, .. }) => requirement,
+            other => panic!("{other:?}"),
+        };
+        type O = ReplicaSyncOptions;
+        let max = format!("{:?}", O::MAX_DURATION);
+        for (options, bound) in [
+            (
+                o().with_batch_interval(Duration::ZERO),
+                format!("{:?}", O::MIN_BATCH_INTERVAL),
+            ),
+            (
+                o().with_batch_interval(Duration::MAX),
+                format!("{:?}", O::MAX_BATCH_INTERVAL),
+            ),
+            (o().with_batch_max_events(usize::MAX), O::MAX_BATCH_EVENTS.to_string()),
+            (o().with_queue_capacity(usize::MAX), O::MAX_QUEUE_CAPACITY.to_string()),
+            (o().with_heartbeat_interval(Duration::MAX), max.clone()),
+            (o().with_connect_timeout(Duration::MAX), max.clone()),
+            (o().with_peer_timeout(Duration::MAX), max.clone()),
+            (o().with_max_reconnect_delay(Duration::MAX), max.clone()),
+            (o().with_min_snapshot_interval(Duration::MAX), max),
+            (
+                o().with_signing_key([1; 3]),
+                format!("{} bytes", O::MIN_SIGNING_KEY_BYTES),
+            ),
+            (o().with_max_peers(usize::MAX), O::MAX_PEERS.to_string()),
+            (o().with_max_peer_rows(usize::MAX), O::MAX_PEER_ROWS.to_string()),
+            (
+                o().with_max_peer_load(RemoteLoad {
+                    requests: u64::MAX,
+                    ..o().max_peer_load()
+                }),
+                O::MAX_PEER_LOAD_FIELD.to_string(),
+            ),
+        ] {
+            let said = requirement(options);
+            assert!(said.contains(&bound), "{said:?} does not name {bound}");
+        }
+        assert!(o().validate().is_ok());
+        // The sums stay exact: every peer at the cap on one worker rank.
+        assert!((O::MAX_PEERS as u64).checked_mul(O::MAX_PEER_LOAD_FIELD).unwrap() < 1 << 60);
+        assert!((O::MAX_PEER_ROWS as u64).checked_mul(u64::from(u32::MAX)).unwrap() < 1 << 60);
+    }
+
+    #[test]
+    fn the_signing_key_is_not_shown() {
+        let options = ReplicaSyncOptions::default().with_signing_key("a secret of twenty bytes");
+        assert!(options.is_signed());
+        assert!(!format!("{options:?}").contains("secret"), "{options:?}");
+    }
+}

@@ -656,6 +656,49 @@ impl PeerTables {
     pub(crate) fn version(&self) -> u64 {
         self.version
     }
+
+    /// Recomputes everything derived from the peers' bookings and reports
+    /// and checks it, and the bounds: `Err` says what is off.
+    #[cfg(test)]
+    fn check(&self) -> Result<(), String> {
+        let l = self.limits;
+        if self.peers.len() > l.max_peers {
+            return Err(format!("{} peers", self.peers.len()));
+        }
+        let mut sum: BTreeMap<WorkerWithDpRank, RemoteLoad> = BTreeMap::new();
+        for (id, p) in &self.peers {
+            if p.held.len() > l.max_rows || p.staging.as_ref().is_some_and(|s| s.rows() > l.max_rows) {
+                return Err(format!("peer {id} holds {} rows", p.held.len()));
+            }
+            let mut exact: FxHashMap<WorkerWithDpRank, RemoteLoad> = FxHashMap::default();
+            for b in p.held.bookings.values() {
+                let e = exact.entry(b.worker).or_default();
+                *e = plus(*e, load_of(*b));
+            }
+            for (w, r) in &p.held.loads {
+                if *r == RemoteLoad::default() || capped(*r, l.max_load) != *r {
+                    return Err(format!("peer {id} keeps report {r:?}"));
+                }
+                let e = exact.entry(*w).or_default();
+                *e = plus(*e, *r);
+            }
+            if exact != p.held.per_worker {
+                return Err(format!(
+                    "peer {id}: per worker {:?}, recomputed {exact:?}",
+                    p.held.per_worker
+                ));
+            }
+            for (w, e) in exact {
+                let s = sum.entry(w).or_default();
+                *s = plus(*s, capped(e, l.max_load));
+            }
+        }
+        sum.retain(|_, v| *v != RemoteLoad::default());
+        if sum != self.aggregate {
+            return Err(format!("sum {:?}, recomputed {sum:?}", self.aggregate));
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]
@@ -945,8 +988,8 @@ mod tests {
             },
             Report {
                 worker: u8,
-                requests: u8,
-                prefill: u16,
+                requests: u64,
+                prefill: u64,
             },
             /// The batch open now is lost on its way.
             Lose,
@@ -958,13 +1001,27 @@ mod tests {
             Restart,
         }
 
+        /// A reported value: mostly in `small`, sometimes far past any
+        /// cap, `u64::MAX` included.
+        fn huge(small: std::ops::Range<u64>) -> impl Strategy<Value = u64> {
+            prop_oneof![6 => small, 1 => Just(u64::MAX), 1 => (1u64 << 20)..(1u64 << 62)]
+        }
+
+        /// What one peer's load on a worker rank counts for, at most, in
+        /// the model: small, so that bookings and reports pass it.
+        const CAP: RemoteLoad = RemoteLoad {
+            requests: 6,
+            prefill_tokens: 900,
+            decode_blocks: 20,
+        };
+
         fn op() -> impl Strategy<Value = Op> {
             prop_oneof![
                 4 => (0..12u8, 0..4u8, 0..500u16, 0..8u8)
                     .prop_map(|(id, worker, prefill, decode)| Op::Book { id, worker, prefill, decode }),
                 2 => (0..12u8).prop_map(|id| Op::Prefill { id }),
                 3 => (0..12u8).prop_map(|id| Op::Release { id }),
-                4 => (4..8u8, 0..4u8, 0..300u16).prop_map(|(worker, requests, prefill)| Op::Report {
+                4 => (4..8u8, huge(0..4), huge(0..300)).prop_map(|(worker, requests, prefill)| Op::Report {
                     worker,
                     requests,
                     prefill
@@ -996,10 +1053,12 @@ mod tests {
                 }
             }
 
-            /// What this peer holds, per worker rank.
+            /// What this peer holds, per worker rank, as it counts in a
+            /// peer's sum: its report capped, then its whole load there.
             fn holds(&self, sum: &mut BTreeMap<WorkerWithDpRank, RemoteLoad>) {
+                let mut mine: BTreeMap<WorkerWithDpRank, RemoteLoad> = BTreeMap::new();
                 let mut add = |w: WorkerWithDpRank, l: RemoteLoad| {
-                    let e = sum.entry(w).or_default();
+                    let e = mine.entry(w).or_default();
                     e.requests += l.requests;
                     e.prefill_tokens += l.prefill_tokens;
                     e.decode_blocks += l.decode_blocks;
@@ -1008,7 +1067,14 @@ mod tests {
                     add(b.worker, load_of(b));
                 }
                 for l in self.own.loads() {
-                    add(l.worker, l.load);
+                    add(l.worker, capped(l.load, CAP));
+                }
+                for (w, l) in mine {
+                    let l = capped(l, CAP);
+                    let e = sum.entry(w).or_default();
+                    e.requests += l.requests;
+                    e.prefill_tokens += l.prefill_tokens;
+                    e.decode_blocks += l.decode_blocks;
                 }
             }
         }
@@ -1018,7 +1084,7 @@ mod tests {
             #[test]
             fn the_tables_sum_what_each_peer_holds(ops in proptest::collection::vec((0..2usize, op()), 1..120)) {
                 let now = Instant::now();
-                let mut t = tables();
+                let mut t = PeerTables::new(Limits { max_load: CAP, ..Limits::default() });
                 let mut peers: Vec<Sender> = (0..2)
                     .map(|i| Sender { replica: i as u64 + 1, incarnation: 1, seq: 0, own: OwnBookings::default(), behind: false })
                     .collect();
@@ -1034,7 +1100,7 @@ mod tests {
                         Op::Release { id } => Some(Delta::Release(u64::from(id))),
                         Op::Report { worker, requests, prefill } => Some(Delta::Load(Loaded {
                             worker: w(worker),
-                            load: RemoteLoad { requests: u64::from(requests), prefill_tokens: u64::from(prefill), decode_blocks: u64::from(requests) * 2 },
+                            load: RemoteLoad { requests, prefill_tokens: prefill, decode_blocks: requests.saturating_mul(2) },
                         })),
                         Op::Lose => {
                             // A batch is published (its number used up) but never arrives.
@@ -1085,6 +1151,107 @@ mod tests {
                         prop_assert_eq!(got, want);
                     }
                 }
+            }
+        }
+    }
+
+    /// Whatever the messages (any replica, incarnation, sequence number,
+    /// snapshot part, load, however many), the tables stay within their
+    /// bounds and their sums stay exact: each peer's per-worker load is
+    /// its bookings plus its report, and the sum per worker rank is every
+    /// peer's, capped.
+    mod any_stream {
+        use super::*;
+        use proptest::prelude::*;
+
+        fn value() -> impl Strategy<Value = u64> {
+            prop_oneof![4 => 0..5u64, 1 => Just(u64::MAX), 1 => any::<u64>()]
+        }
+
+        fn delta() -> impl Strategy<Value = Delta> {
+            let worker = (0..3u64).prop_map(|w| WorkerWithDpRank::new(w, 0));
+            prop_oneof![
+                (0..8u64, worker.clone(), any::<u32>(), any::<u32>()).prop_map(|(id, worker, p, d)| Delta::Book(
+                    id,
+                    Booked {
+                        worker,
+                        prefill_tokens: p,
+                        decode_blocks: d
+                    }
+                )),
+                (0..8u64).prop_map(Delta::PrefillComplete),
+                (0..8u64).prop_map(Delta::Release),
+                (worker, value(), value(), value()).prop_map(|(worker, r, p, d)| Delta::Load(Loaded {
+                    worker,
+                    load: load(r, p, d)
+                })),
+            ]
+        }
+
+        fn body() -> impl Strategy<Value = Body> {
+            prop_oneof![
+                3 => proptest::collection::vec(delta(), 0..6).prop_map(Body::Deltas),
+                1 => Just(Body::Heartbeat),
+                1 => Just(Body::SnapshotRequest(None)),
+                2 => (0..3u32, any::<bool>(), proptest::collection::vec(delta(), 0..5)).prop_map(|(part, last, rows)| {
+                    let mut bookings = Vec::new();
+                    let mut loads = Vec::new();
+                    for d in rows {
+                        match d {
+                            Delta::Book(id, b) => bookings.push((id, b)),
+                            Delta::Load(l) => loads.push(l),
+                            _ => {}
+                        }
+                    }
+                    Body::Snapshot { part, last, bookings, loads }
+                }),
+            ]
+        }
+
+        fn message() -> impl Strategy<Value = (Envelope, u64)> {
+            let seq = prop_oneof![3 => 0..6u64, 1 => Just(u64::MAX), 1 => any::<u64>()];
+            (0..6u64, 1..3u64, seq, body(), 0..3000u64).prop_map(|(replica, incarnation, seq, body, later)| {
+                (
+                    Envelope {
+                        replica,
+                        incarnation,
+                        seq,
+                        sent: 0,
+                        body,
+                    },
+                    later,
+                )
+            })
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(256))]
+            #[test]
+            fn the_bounds_and_exact_sums_hold_for_any_stream(messages in proptest::collection::vec(message(), 1..150)) {
+                let limits = Limits {
+                    max_peers: 3,
+                    max_rows: 4,
+                    max_load: load(3, 100, 7),
+                    timeout: Duration::from_millis(1000),
+                    check_times: false,
+                };
+                let mut t = PeerTables::new(limits);
+                let start = Instant::now();
+                for (m, at) in messages {
+                    let now = start + Duration::from_millis(at);
+                    t.apply(m, now, 0, ASK);
+                    if let Err(e) = t.check() {
+                        prop_assert!(false, "after a message: {}", e);
+                    }
+                    if at % 7 == 0 {
+                        t.expire(now);
+                        if let Err(e) = t.check() {
+                            prop_assert!(false, "after expiry: {}", e);
+                        }
+                    }
+                }
+                t.expire(start + Duration::from_secs(10));
+                prop_assert!(t.loads().is_empty() && t.peers() == 0 && t.rows() == 0);
             }
         }
     }
