@@ -471,3 +471,122 @@ fn routing_survives_a_server_outage_and_a_dead_replicas_load_expires() {
     );
     drop(held_b);
 }
+
+const KEY: &[u8; 32] = b"selkie test partition key, 32 B!";
+
+/// What a publisher without the key sends while the routers decide: the
+/// fault probe's forged messages (a load of 100,000 requests on every
+/// worker, a load on workers 2 to 4 only, heartbeats of made-up replicas,
+/// a batch in the real peer's name far ahead, snapshot requests).
+fn forge(url: &str, subject: &str, peer: u64, until: Instant) {
+    let mut forger = servers::RawNats::connect(url);
+    let mut seq = 1u64;
+    while Instant::now() < until {
+        let loads = |ids: std::ops::RangeInclusive<u64>, requests: u64| {
+            let each: Vec<String> = ids.map(|id| format!(r#"{{"L":[{id},0,[{requests},0,0]]}}"#)).collect();
+            format!(r#"{{"d":[{}]}}"#, each.join(","))
+        };
+        let all = format!(r#"{{"r":777,"i":1,"s":{seq},"m":{}}}"#, loads(1..=4, 100_000));
+        forger.publish(subject, all.as_bytes());
+        let steer = format!(r#"{{"r":778,"i":1,"s":{seq},"m":{}}}"#, loads(2..=4, 50));
+        forger.publish(subject, steer.as_bytes());
+        let beat = format!(r#"{{"r":{},"i":1,"s":0,"m":"h"}}"#, 1000 + seq % 50);
+        forger.publish(subject, beat.as_bytes());
+        let freeze = format!(r#"{{"r":{peer},"i":1,"s":{},"m":{{"d":[{{"R":1}}]}}}}"#, u64::MAX);
+        forger.publish(subject, freeze.as_bytes());
+        forger.publish(subject, br#"{"r":9,"i":1,"s":0,"m":{"q":null}}"#);
+        forger.flush();
+        seq += 1;
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+/// A router replica wired to a signed sync with one real peer holding 3
+/// requests on worker 1; returns the workers its 600 selections chose
+/// (up to 8 held at once) and how many were refused, while `forging`
+/// publishes on its subject, or nothing does.
+fn decisions(url: &str, signed: bool, forging: bool) -> (Vec<u64>, usize, ReplicaSyncStats) {
+    let subject = servers::unique_subject("decide");
+    let options = || {
+        let o = fast(&subject);
+        if signed {
+            o.with_signing_key(KEY)
+        } else {
+            o
+        }
+    };
+    let s = service(WorkerSelectionPolicy::least_loaded(), 4, 64, 11);
+    let sync = Arc::new(ReplicaSync::connect(url, options()).unwrap());
+    s.set_replica_sync(Arc::clone(&sync)).unwrap();
+    let _thread = s.spawn_replica_sync_thread(Duration::from_millis(1)).unwrap();
+    let peer = ReplicaSync::connect(url, options()).unwrap();
+    for id in 0..3 {
+        assert!(peer.record_book(id, w(1), 32, 2));
+    }
+    servers::wait_until("the real peer's load is applied", Duration::from_secs(5), || {
+        active(&s, 1) == 3
+    });
+    let forger = forging.then(|| {
+        let (url, subject, id) = (url.to_owned(), subject.clone(), peer.replica_id());
+        let until = Instant::now() + Duration::from_millis(600);
+        let t = std::thread::spawn(move || forge(&url, &subject, id, until));
+        // Let the first forged messages land before deciding.
+        std::thread::sleep(Duration::from_millis(100));
+        t
+    });
+    let mut chosen = Vec::new();
+    let mut refused = 0;
+    let mut held = std::collections::VecDeque::new();
+    for _ in 0..600 {
+        match s.select(&SelectionRequest::new(32)) {
+            Ok(sel) => {
+                chosen.push(sel.worker().worker_id);
+                held.push_back(sel);
+                if held.len() > 8 {
+                    drop(held.pop_front());
+                }
+            }
+            Err(_) => refused += 1,
+        }
+        std::thread::sleep(Duration::from_micros(500));
+    }
+    if let Some(t) = forger {
+        t.join().unwrap();
+    }
+    (chosen, refused, sync.stats())
+}
+
+/// With a signing key, a publisher without it changes no decision: a
+/// router's selections during a flood of forged messages are those of
+/// the same router without them, its real peer's load still counts, and
+/// every forged message is refused and counted. Without a key the same
+/// flood makes the router refuse every request (what the key is for).
+#[test]
+fn a_forger_without_the_key_changes_no_decision() {
+    let Some(url) = servers::nats_url("a_forger_without_the_key_changes_no_decision") else {
+        return;
+    };
+    let (quiet, quiet_refused, _) = decisions(&url, true, false);
+    let (forged, forged_refused, stats) = decisions(&url, true, true);
+    assert_eq!((quiet_refused, forged_refused), (0, 0));
+    assert!(
+        !quiet.contains(&1) || quiet.iter().filter(|&&x| x == 1).count() < quiet.len() / 4,
+        "worker 1 holds the peer's 3 requests"
+    );
+    assert_eq!(forged, quiet, "the same decisions with and without the forger");
+    let r = stats.refused;
+    assert!(r.unsigned >= 1_000, "{stats:?}");
+    assert_eq!(r.total(), r.unsigned, "{stats:?}");
+    assert_eq!((stats.peers, stats.applied, stats.id_conflicts), (1, 3, 0), "{stats:?}");
+    let (_, open_refused, _) = decisions(&url, false, true);
+    let _ = writeln!(
+        std::io::stderr(),
+        "\nforger on the subject: signed: 600 of 600 selections as without it, {} forged messages refused; \
+         open: {open_refused} of 600 refused",
+        r.unsigned
+    );
+    assert!(
+        open_refused > 300,
+        "without a key the forged load refuses requests: {open_refused}"
+    );
+}

@@ -71,9 +71,12 @@
 //! | a silent peer | `peer_timeout` | 10 s | its load and tables are removed and their memory freed |
 //!
 //! A peer's load on a worker rank is summed exactly, each peer's capped on
-//! its own, so one peer cannot erase or inflate another's. Held memory is
-//! about 100 bytes a row, so at most about `max_peers x max_peer_rows x
-//! 100` bytes (about 210 MB with the defaults). A peer cannot touch this
+//! its own, so one peer cannot erase or inflate another's. A row held
+//! takes about 50 bytes (46 measured for 50,000 bookings; up to about 80
+//! just after a table grows), and a snapshot being received as many again
+//! at most, so peers hold at most about `max_peers x max_peer_rows x 80`
+//! bytes (about 170 MB with the defaults), all freed when they expire. A
+//! peer cannot touch this
 //! replica's own bookings. A replica that sees a message in its own name
 //! and incarnation that it did not send (a sequence number or send time
 //! ahead of its own) counts an id conflict and starts a new incarnation,
