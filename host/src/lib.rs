@@ -57,12 +57,12 @@ pub use request::{
 /// The KV cost model's field check, whose error
 /// [`WorkerSelectionPolicyProviderError::KvWeight`] carries.
 pub use selkie_kernel::kernels::kv_cost::{KvConfigError, KvConfigField, KvConfigProblem};
-#[cfg(feature = "nats")]
-pub use service::ReplicaSyncThread;
 pub use service::{
     Booked, DiscoveryHealth, DiscoveryPoller, FleetHandle, OwnedSelection, Preview, RankStatus, Selection,
     ServiceConfig, WorkerSelectionService, WorkerStatus,
 };
+#[cfg(feature = "nats")]
+pub use service::{OverAdmission, ReplicaSyncThread};
 pub use types::{DpRank, RoutingPartitionRef, WorkerId, WorkerType, WorkerWithDpRank};
 
 #[cfg(feature = "sim")]

@@ -590,3 +590,139 @@ fn a_forger_without_the_key_changes_no_decision() {
         "without a key the forged load refuses requests: {open_refused}"
     );
 }
+
+/// How one over-admission run went.
+struct Starved {
+    /// The combined count held, every 200 µs after the first 100 ms...
+    samples: Vec<u32>,
+    /// ...and the most in those first 100 ms (both replicas start with no
+    /// view of the other: each admits up to the limit at once).
+    start_most: u32,
+    over: [OverAdmission; 2],
+    selections: u64,
+}
+
+/// Two replicas, one worker with admission limit `LIMIT_2`, eight
+/// selecting threads per replica holding each request for 50 to 500 µs,
+/// spinning through the hold (`spin`: the host's cores stay busy and the
+/// sync threads wait for one) or sleeping; a sampler reads the combined
+/// count held every 200 µs for `run`.
+fn starve(url: &str, spin: bool, run: Duration) -> Starved {
+    use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
+    const LIMIT_2: u32 = 8;
+    let subject = servers::unique_subject("starved");
+    let services: Vec<_> = (0..2)
+        .map(|i| service(WorkerSelectionPolicy::least_loaded(), 1, LIMIT_2, 21 + i))
+        .collect();
+    let _syncs: Vec<_> = services.iter().map(|s| synced(url, &subject, s)).collect();
+    let _threads: Vec<_> = services
+        .iter()
+        .map(|s| s.spawn_replica_sync_thread(Duration::from_millis(1)).unwrap())
+        .collect();
+    let held = AtomicI64::new(0);
+    let selections = AtomicU64::new(0);
+    let done = AtomicBool::new(false);
+    let mut samples = Vec::new();
+    let mut start_most = 0;
+    std::thread::scope(|scope| {
+        for t in 0..16u64 {
+            let (s, held, selections, done) = (&services[(t % 2) as usize], &held, &selections, &done);
+            scope.spawn(move || {
+                let mut x = 0x9E37_79B9_7F4A_7C15u64 ^ t;
+                while !done.load(Ordering::Relaxed) {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    let hold = Duration::from_micros(50 + x % 450);
+                    match s.select(&SelectionRequest::new(16)) {
+                        Ok(sel) => {
+                            held.fetch_add(1, Ordering::SeqCst);
+                            selections.fetch_add(1, Ordering::Relaxed);
+                            let start = Instant::now();
+                            if spin {
+                                while start.elapsed() < hold {
+                                    std::hint::spin_loop();
+                                }
+                            } else {
+                                std::thread::sleep(hold);
+                            }
+                            held.fetch_sub(1, Ordering::SeqCst);
+                            drop(sel);
+                        }
+                        Err(_) => std::thread::yield_now(),
+                    }
+                }
+            });
+        }
+        let start = Instant::now();
+        while start.elapsed() < run {
+            let now = held.load(Ordering::SeqCst).max(0) as u32;
+            if start.elapsed() < Duration::from_millis(100) {
+                start_most = start_most.max(now);
+            } else {
+                samples.push(now);
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        done.store(true, Ordering::Relaxed);
+    });
+    Starved {
+        samples,
+        start_most,
+        over: [
+            services[0].replica_over_admission(),
+            services[1].replica_over_admission(),
+        ],
+        selections: selections.load(std::sync::atomic::Ordering::Relaxed),
+    }
+}
+
+/// Over-admission of two synced replicas under load, measured: the
+/// combined count held on a worker with limit 8, sampled, with the
+/// selecting threads spinning (two cores busy: the sync threads starve)
+/// and sleeping. The count never passes `replicas x L` (each replica's own
+/// bookings stay within `L`); how far it passes `L` depends on how long
+/// the sync takes to run, which starvation stretches, and the service
+/// counts what it sees of it (`replica_over_admission`).
+#[test]
+fn over_admission_under_cpu_starvation_stays_within_replicas_times_the_limit() {
+    let Some(url) = servers::nats_url("over_admission_under_cpu_starvation_stays_within_replicas_times_the_limit")
+    else {
+        return;
+    };
+    for spin in [true, false] {
+        let run = starve(&url, spin, Duration::from_secs(2));
+        let n = run.samples.len();
+        let mut histogram = BTreeMap::new();
+        for &c in &run.samples {
+            *histogram.entry(c).or_insert(0u64) += 1;
+        }
+        let over = run.samples.iter().filter(|&&c| c > 8).count();
+        let most = run.samples.iter().copied().max().unwrap_or(0);
+        let _ = writeln!(
+            std::io::stderr(),
+            "\nover-admission, 2 replicas, limit 8, 16 threads {} on {} cores: {} selections, {n} samples, \
+             over the limit in {over} ({:.2}%), most {most}; held count: samples {histogram:?}; \
+             most in the first 100 ms (not sampled above) {}; seen by the services: {:?} / {:?}",
+            if spin { "spinning" } else { "sleeping" },
+            std::thread::available_parallelism().map_or(0, |p| p.get()),
+            run.selections,
+            100.0 * over as f64 / n.max(1) as f64,
+            run.start_most,
+            run.over[0],
+            run.over[1],
+        );
+        assert!(n > 100, "{n} samples");
+        assert!(
+            most.max(run.start_most) <= 2 * 8,
+            "two replicas held {most} > replicas x L = 16"
+        );
+        for o in run.over {
+            assert!(
+                o.most <= 8,
+                "a replica saw {} over a limit of 8: more than the other's L",
+                o.most
+            );
+        }
+    }
+}
