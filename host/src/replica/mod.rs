@@ -323,7 +323,10 @@ impl ReplicaSyncOptions {
     /// The most bookings plus reported worker ranks one peer can hold here,
     /// and the most rows of one snapshot (1 to
     /// [`MAX_PEER_ROWS`](Self::MAX_PEER_ROWS)); a booking or report past
-    /// it is refused and counted, a larger snapshot dropped.
+    /// it is refused and counted, a larger snapshot dropped. Give every
+    /// replica of a partition room for the most bookings (or worker ranks
+    /// reported) any one of them holds: a replica holding more is not
+    /// fully counted by its peers.
     pub fn with_max_peer_rows(mut self, rows: usize) -> Self {
         self.max_peer_rows = rows;
         self
@@ -810,6 +813,7 @@ impl Shared {
             .unwrap_or_else(PoisonError::into_inner)
             .get_or_insert(reason);
         self.running.store(false, Ordering::Release);
+        self.rings.close();
         let mut tables = self.tables();
         tables.clear();
         self.version.store(tables.version(), Ordering::Release);
@@ -1012,11 +1016,7 @@ impl ReplicaSync {
 
     #[inline]
     fn record(&self, delta: Delta) -> bool {
-        if !self.shared.running.load(Ordering::Relaxed) {
-            // Nothing would publish it.
-            self.shared.rings.count_late();
-            return false;
-        }
+        // Closed (and so `false`) once the thread stopped.
         self.shared.rings.push(delta)
     }
 

@@ -27,6 +27,7 @@
 //!     heartbeat tick            -> drain, publish a heartbeat, expire silent peers
 //!                                  and stale snapshots, log refusals since the last
 //!     connection back           -> snapshot request (every peer), heartbeat
+//!     subscription ended        -> end, saying why (`ReplicaSync::health`)
 //! ```
 //!
 //! Every message carries its send time: this replica's clock when it
