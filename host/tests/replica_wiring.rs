@@ -575,7 +575,7 @@ fn a_forger_without_the_key_changes_no_decision() {
     );
     assert_eq!(forged, quiet, "the same decisions with and without the forger");
     let r = stats.refused;
-    assert!(r.unsigned >= 1_000, "{stats:?}");
+    assert!(r.unsigned >= 100, "{stats:?}");
     assert_eq!(r.total(), r.unsigned, "{stats:?}");
     assert_eq!((stats.peers, stats.applied, stats.id_conflicts), (1, 3, 0), "{stats:?}");
     let (_, open_refused, _) = decisions(&url, false, true);

@@ -870,7 +870,32 @@ impl Drop for StopOnExit {
 ///   that peer for a snapshot instead of drifting.
 ///
 /// Nothing here changes the local fleet: the local bookings remain the
-/// truth for this replica. Dropping it stops the thread.
+/// truth for this replica. Dropping it stops the thread; if it stops by
+/// itself, [`health`](Self::health) says why, the peers' load is removed
+/// and `record_*` returns `false`.
+///
+/// # Who may publish
+///
+/// Every message on the subject counts: whoever can publish there is a
+/// peer and can add load to any worker rank. Keep the subject to the
+/// replicas (the NATS server's permissions), and set a signing key
+/// ([`ReplicaSyncOptions::with_signing_key`]): every message is then
+/// signed (HMAC-SHA256 over subject and message, with its send time), and
+/// messages without the key's signature, sent more than `peer_timeout`
+/// from this replica's clock, or replayed (sent before the sender's
+/// latest, or by an incarnation older than the one known) are refused and
+/// counted ([`ReplicaSyncStats::refused`]). The key is the partition's:
+/// its holders are trusted to speak for themselves only. Key or not, what
+/// one peer can make this replica hold is bounded, and each bound is an
+/// option: `max_peers` (32), `max_peer_rows` bookings and reported worker
+/// ranks (65,536), `max_peer_load` per worker rank (65,536 requests, 2^30
+/// prefill tokens, 2^24 decode blocks), one snapshot sent per
+/// `min_snapshot_interval` (100 ms) whoever asks, a batch more than 1,024
+/// ahead of the last applied is not believed, and a silent peer's tables
+/// go after `peer_timeout`. Each peer's load counts exactly and capped on
+/// its own: no peer can erase another's. A replica that sees a message in
+/// its own name that it did not send takes a new incarnation, so that its
+/// peers rebuild its table.
 ///
 /// ```no_run
 /// # // no_run: needs a running nats-server.
