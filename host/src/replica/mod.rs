@@ -130,7 +130,7 @@ use crate::error::SyncError;
 use crate::types::WorkerWithDpRank;
 use auth::SigningKey;
 use ring::Rings;
-use tables::{Limits, PeerTables};
+use tables::{Limits, PeerTables, Refusal};
 use wire::{Booked, Delta};
 
 /// How [`ReplicaSync`] batches, heartbeats, expires, signs and bounds what
@@ -682,7 +682,7 @@ struct Counters {
     unknown: AtomicU64,
     refused_rows: AtomicU64,
     capped: AtomicU64,
-    refused: [AtomicU64; REFUSALS],
+    refused: [AtomicU64; Refusal::COUNT],
     peers: AtomicU64,
     peer_rows: AtomicU64,
     peers_expired: AtomicU64,
@@ -696,70 +696,23 @@ struct Counters {
     reincarnations: AtomicU64,
 }
 
-/// Why a peer's message was refused whole: the fields of
-/// [`RefusedMessages`], as indices into `Counters::refused`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Refused {
-    Unsigned,
-    BadSignature,
-    Stale,
-    Replayed,
-    SeqJump,
-    PeersFull,
-    SnapshotTooLarge,
-    SnapshotMalformed,
-    SnapshotExpired,
-}
-
-const REFUSALS: usize = 9;
-
-impl Refused {
-    /// A short lowercase label, for logs.
-    fn as_str(self) -> &'static str {
-        match self {
-            Refused::Unsigned => "unsigned",
-            Refused::BadSignature => "bad_signature",
-            Refused::Stale => "stale",
-            Refused::Replayed => "replayed",
-            Refused::SeqJump => "seq_jump",
-            Refused::PeersFull => "peers_full",
-            Refused::SnapshotTooLarge => "snapshot_too_large",
-            Refused::SnapshotMalformed => "snapshot_malformed",
-            Refused::SnapshotExpired => "snapshot_expired",
-        }
-    }
-}
-
-impl From<tables::Refusal> for Refused {
-    fn from(r: tables::Refusal) -> Refused {
-        match r {
-            tables::Refusal::Stale => Refused::Stale,
-            tables::Refusal::Replayed => Refused::Replayed,
-            tables::Refusal::SeqJump => Refused::SeqJump,
-            tables::Refusal::PeersFull => Refused::PeersFull,
-            tables::Refusal::SnapshotTooLarge => Refused::SnapshotTooLarge,
-            tables::Refusal::SnapshotMalformed => Refused::SnapshotMalformed,
-        }
-    }
-}
-
 impl Counters {
-    fn refuse(&self, why: Refused, by: u64) {
+    fn refuse(&self, why: Refusal, by: u64) {
         bump(&self.refused[why as usize], by);
     }
 
     fn refused(&self) -> RefusedMessages {
-        let get = |why: Refused| self.refused[why as usize].load(Ordering::Relaxed);
+        let get = |why: Refusal| self.refused[why as usize].load(Ordering::Relaxed);
         RefusedMessages {
-            unsigned: get(Refused::Unsigned),
-            bad_signature: get(Refused::BadSignature),
-            stale: get(Refused::Stale),
-            replayed: get(Refused::Replayed),
-            seq_jump: get(Refused::SeqJump),
-            peers_full: get(Refused::PeersFull),
-            snapshot_too_large: get(Refused::SnapshotTooLarge),
-            snapshot_malformed: get(Refused::SnapshotMalformed),
-            snapshot_expired: get(Refused::SnapshotExpired),
+            unsigned: get(Refusal::Unsigned),
+            bad_signature: get(Refusal::BadSignature),
+            stale: get(Refusal::Stale),
+            replayed: get(Refusal::Replayed),
+            seq_jump: get(Refusal::SeqJump),
+            peers_full: get(Refusal::PeersFull),
+            snapshot_too_large: get(Refusal::SnapshotTooLarge),
+            snapshot_malformed: get(Refusal::SnapshotMalformed),
+            snapshot_expired: get(Refusal::SnapshotExpired),
         }
     }
 }

@@ -80,9 +80,14 @@ impl Default for Limits {
     }
 }
 
-/// Why a peer's message was refused as a whole.
+/// Why a peer's message was refused as a whole: the fields of
+/// [`RefusedMessages`](super::RefusedMessages).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Refusal {
+    /// Without a signature, in a signed partition (checked by the caller).
+    Unsigned,
+    /// With a signature that is not the key's (checked by the caller).
+    BadSignature,
     /// Its send time is further from this replica's clock than the peer
     /// timeout.
     Stale,
@@ -97,6 +102,28 @@ pub(crate) enum Refusal {
     SnapshotTooLarge,
     /// A snapshot part that holds nothing (only a lone part 0 may).
     SnapshotMalformed,
+    /// A snapshot unfinished after the timeout (dropped by `expire`).
+    SnapshotExpired,
+}
+
+impl Refusal {
+    /// How many there are.
+    pub(crate) const COUNT: usize = 9;
+
+    /// A short lowercase label, for logs.
+    pub(crate) fn as_str(self) -> &'static str {
+        match self {
+            Refusal::Unsigned => "unsigned",
+            Refusal::BadSignature => "bad_signature",
+            Refusal::Stale => "stale",
+            Refusal::Replayed => "replayed",
+            Refusal::SeqJump => "seq_jump",
+            Refusal::PeersFull => "peers_full",
+            Refusal::SnapshotTooLarge => "snapshot_too_large",
+            Refusal::SnapshotMalformed => "snapshot_malformed",
+            Refusal::SnapshotExpired => "snapshot_expired",
+        }
+    }
 }
 
 /// This replica's outstanding bookings and reported loads, as the deltas

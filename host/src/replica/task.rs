@@ -54,8 +54,9 @@ use rustc_hash::FxHashMap;
 
 use super::auth::{BadSignature, SIGNATURE_HEADER};
 use super::tables::OwnBookings;
+use super::tables::Refusal;
 use super::wire::{Body, Delta, Envelope, Loaded, ENVELOPE_BYTES, SNAPSHOT_ROW_BYTES};
-use super::{bump, random_u64, Refused, RemoteLoad, ReplicaSyncOptions, Shared};
+use super::{bump, random_u64, RemoteLoad, ReplicaSyncOptions, Shared};
 use crate::types::WorkerWithDpRank;
 
 /// The server's payload limit when it has not said (NATS' default).
@@ -439,8 +440,8 @@ impl SyncLoop {
                 .map(|v| v.as_str());
             if let Err(bad) = key.verify(link.subject.as_str(), payload, signature) {
                 let why = match bad {
-                    BadSignature::Missing => Refused::Unsigned,
-                    BadSignature::Wrong => Refused::BadSignature,
+                    BadSignature::Missing => Refusal::Unsigned,
+                    BadSignature::Wrong => Refusal::BadSignature,
                 };
                 c.refuse(why, 1);
                 tracing::debug!(subject = %link.subject, reason = why.as_str(), "replica sync message refused");
@@ -475,7 +476,7 @@ impl SyncLoop {
             bump(&c.capped, applied.capped);
             bump(&c.snapshots_received, u64::from(applied.snapshot));
             if let Some(refusal) = applied.refused {
-                c.refuse(refusal.into(), 1);
+                c.refuse(refusal, 1);
             }
             applied
         };
@@ -483,7 +484,7 @@ impl SyncLoop {
             tracing::debug!(
                 replica = self.replica,
                 peer,
-                reason = Refused::from(refusal).as_str(),
+                reason = refusal.as_str(),
                 "replica sync message refused"
             );
             if !applied.ask_snapshot {
@@ -531,7 +532,7 @@ impl SyncLoop {
         } else if self.options.is_signed() && message.sent < self.started_ms {
             // Signed before this replica started: a predecessor's message
             // (this replica restarted with its id), replayed.
-            c.refuse(Refused::Replayed, 1);
+            c.refuse(Refusal::Replayed, 1);
         } else if Some(message.incarnation) != self.old_incarnation {
             bump(&c.id_conflicts, 1);
             tracing::warn!(replica = self.replica, subject = %link.subject, "another replica uses this replica's id; its messages are ignored");
@@ -559,7 +560,7 @@ impl SyncLoop {
         let mut tables = self.shared.tables();
         let expired = tables.expire(Instant::now());
         let c = &self.shared.counters;
-        c.refuse(Refused::SnapshotExpired, expired.snapshots);
+        c.refuse(Refusal::SnapshotExpired, expired.snapshots);
         c.peer_rows.store(tables.rows() as u64, Ordering::Relaxed);
         if expired.peers.is_empty() {
             return;
