@@ -817,8 +817,8 @@ fn replayed_signed_messages_change_nothing() {
 }
 
 #[test]
-fn a_stopped_sync_thread_is_reported_and_record_says_so() {
-    let Some(url) = servers::nats_url("a_stopped_sync_thread_is_reported_and_record_says_so") else {
+fn a_connected_sync_reports_itself_running() {
+    let Some(url) = servers::nats_url("a_connected_sync_reports_itself_running") else {
         return;
     };
     let subject = servers::unique_subject("health");

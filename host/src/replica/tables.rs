@@ -887,6 +887,54 @@ mod tests {
         assert_eq!(t.peers(), 1);
     }
 
+    #[test]
+    fn signed_send_times_refuse_stale_and_replayed_messages() {
+        let mut t = PeerTables::new(Limits {
+            check_times: true,
+            ..tables().limits
+        });
+        let now = Instant::now();
+        let at = |incarnation, seq, sent, body| Envelope {
+            incarnation,
+            sent,
+            ..msg(1, seq, body)
+        };
+        let book = |id| Body::Deltas(vec![Delta::Book(id, booked(1, 1))]);
+        // One second either side of this clock (10,000 ms) is fresh.
+        assert_eq!(
+            t.apply(at(1, 1, 8_999, book(1)), now, 10_000, ASK).refused,
+            Some(Refusal::Stale)
+        );
+        assert_eq!(
+            t.apply(at(1, 1, 11_001, book(1)), now, 10_000, ASK).refused,
+            Some(Refusal::Stale)
+        );
+        assert!(t.apply(at(1, 1, 10_000, book(1)), now, 10_000, ASK).new_peer);
+        assert_eq!(
+            t.apply(at(1, 2, 9_999, book(2)), now, 10_000, ASK).refused,
+            Some(Refusal::Replayed)
+        );
+        // The same send time: applied, but it keeps nothing alive.
+        let a = t.apply(at(1, 2, 10_000, book(2)), now + ASK * 9, 10_000, ASK);
+        assert_eq!((a.refused, a.deltas), (None, 1));
+        assert_eq!(
+            t.expire(now + Duration::from_millis(1_001)).peers,
+            [(1, 2)],
+            "heard at 10,000 only"
+        );
+        // A new incarnation replaces the old only if it spoke later.
+        t.apply(at(1, 1, 10_500, book(1)), now, 10_500, ASK);
+        assert!(t.apply(at(2, 1, 10_600, book(7)), now, 10_600, ASK).new_peer);
+        assert_eq!(t.load(W), load(1, 1, 1));
+        let replayed = t.apply(at(1, 2, 10_550, book(3)), now, 10_600, ASK);
+        assert_eq!(
+            replayed.refused,
+            Some(Refusal::Replayed),
+            "the old incarnation's message"
+        );
+        assert_eq!(t.load(W), load(1, 1, 1), "the live incarnation's table stays");
+    }
+
     fn report(worker: WorkerWithDpRank, requests: u64, prefill_tokens: u64, decode_blocks: u64) -> Delta {
         Delta::Load(Loaded {
             worker,
@@ -1237,13 +1285,15 @@ mod tests {
 
         fn message() -> impl Strategy<Value = (Envelope, u64)> {
             let seq = prop_oneof![3 => 0..6u64, 1 => Just(u64::MAX), 1 => any::<u64>()];
-            (0..6u64, 1..3u64, seq, body(), 0..3000u64).prop_map(|(replica, incarnation, seq, body, later)| {
+            let sent = prop_oneof![4 => 0..3000u64, 1 => Just(u64::MAX)];
+            let who = (0..6u64, 1..3u64);
+            (who, seq, sent, body(), 0..3000u64).prop_map(|((replica, incarnation), seq, sent, body, later)| {
                 (
                     Envelope {
                         replica,
                         incarnation,
                         seq,
-                        sent: 0,
+                        sent,
                         body,
                     },
                     later,
@@ -1254,19 +1304,23 @@ mod tests {
         proptest! {
             #![proptest_config(ProptestConfig::with_cases(256))]
             #[test]
-            fn the_bounds_and_exact_sums_hold_for_any_stream(messages in proptest::collection::vec(message(), 1..150)) {
+            fn the_bounds_and_exact_sums_hold_for_any_stream(
+                messages in proptest::collection::vec(message(), 1..150),
+                check_times in any::<bool>(),
+            ) {
                 let limits = Limits {
                     max_peers: 3,
                     max_rows: 4,
                     max_load: load(3, 100, 7),
                     timeout: Duration::from_millis(1000),
-                    check_times: false,
+                    check_times,
                 };
                 let mut t = PeerTables::new(limits);
                 let start = Instant::now();
                 for (m, at) in messages {
                     let now = start + Duration::from_millis(at);
-                    t.apply(m, now, 0, ASK);
+                    // Send times are milliseconds of this clock, 0 to 3 s.
+                    t.apply(m, now, at, ASK);
                     if let Err(e) = t.check() {
                         prop_assert!(false, "after a message: {}", e);
                     }

@@ -199,7 +199,7 @@ impl Envelope {
 pub(crate) const SNAPSHOT_ROW_BYTES: usize = 1 + 20 + 1 + 10 + 2 + 20 + 1 + 20 + 1 + 20 + 3;
 /// An upper bound on a snapshot part's bytes besides its rows: the
 /// envelope's fields and the signature header.
-pub(crate) const ENVELOPE_BYTES: usize = 256;
+pub(crate) const ENVELOPE_BYTES: usize = 512;
 
 #[cfg(test)]
 mod tests {
