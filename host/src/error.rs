@@ -14,6 +14,8 @@
 //!   names, config files).
 //! * `SyncError` (feature `nats`): replica sync could not start (an option
 //!   out of range, a NATS server that cannot be reached).
+//! * `CredentialError` (features `nats`, `etcd`): a credential or TLS file
+//!   named in the connection options cannot be used.
 //!
 //! Errors name the worker, row, scorer or limit involved. This module must not
 //! contain logic beyond formatting, and it sits at the bottom of the host's
@@ -415,6 +417,32 @@ pub enum DiscoveryError {
         /// What failed.
         message: String,
     },
+    /// A credential or TLS file in the [`EtcdOptions`](crate::EtcdOptions)
+    /// cannot be used, or the options do not fit the endpoints.
+    #[cfg(feature = "etcd")]
+    #[error("etcd: {0}")]
+    EtcdCredentials(#[from] CredentialError),
+    /// etcd refused this client: a wrong user or password, none where etcd
+    /// requires one, or a user without permission on the prefix.
+    #[cfg(feature = "etcd")]
+    #[error("etcd at {endpoints} refused the client: authentication/authorization failed: {message}")]
+    EtcdAuthenticationFailed {
+        /// The endpoints, comma-separated.
+        endpoints: String,
+        /// etcd's answer.
+        message: String,
+    },
+    /// The TLS handshake with etcd failed: its certificate is not signed by
+    /// a trusted CA (or does not name the endpoint's host), or it refused
+    /// this client's certificate (or its absence).
+    #[cfg(feature = "etcd")]
+    #[error("etcd at {endpoints}: TLS failed: {message}")]
+    EtcdTls {
+        /// The endpoints, comma-separated.
+        endpoints: String,
+        /// What the TLS layer said.
+        message: String,
+    },
 }
 
 impl DiscoveryError {
@@ -439,6 +467,12 @@ impl DiscoveryError {
             Self::EtcdKeyMismatch { .. } => "etcd_key_mismatch",
             #[cfg(feature = "etcd")]
             Self::EtcdUnavailable { .. } => "etcd_unavailable",
+            #[cfg(feature = "etcd")]
+            Self::EtcdCredentials(e) => e.reason(),
+            #[cfg(feature = "etcd")]
+            Self::EtcdAuthenticationFailed { .. } => "etcd_authentication_failed",
+            #[cfg(feature = "etcd")]
+            Self::EtcdTls { .. } => "etcd_tls",
         }
     }
 }
@@ -747,9 +781,32 @@ pub enum SyncError {
     /// The NATS server could not be reached, or refused the subscription.
     #[error("NATS server {server}: {message}")]
     Unavailable {
-        /// The server's URL, as given.
+        /// The server's URL, as given (without credentials).
         server: String,
         /// What failed.
+        message: String,
+    },
+    /// A credential or TLS file in the options cannot be used, or the
+    /// options' credentials conflict with the URL's.
+    #[error("replica sync: {0}")]
+    Credentials(#[from] CredentialError),
+    /// The server refused this client: a wrong or missing user and
+    /// password, token, NKey or `.creds` file.
+    #[error("NATS server {server} refused the client: authentication/authorization failed: {message}")]
+    AuthenticationFailed {
+        /// The server's URL, as given (without credentials).
+        server: String,
+        /// The client's account of the refusal.
+        message: String,
+    },
+    /// The TLS handshake with the server failed: its certificate is not
+    /// signed by a trusted CA (or does not name the URL's host), or it
+    /// refused this client's certificate (or its absence).
+    #[error("NATS server {server}: TLS failed: {message}")]
+    Tls {
+        /// The server's URL, as given (without credentials).
+        server: String,
+        /// What the TLS layer said.
         message: String,
     },
 }
@@ -761,6 +818,62 @@ impl SyncError {
         match self {
             Self::InvalidOption { .. } => "invalid_option",
             Self::Unavailable { .. } => "unavailable",
+            Self::Credentials(e) => e.reason(),
+            Self::AuthenticationFailed { .. } => "authentication_failed",
+            Self::Tls { .. } => "tls",
+        }
+    }
+}
+
+/// A credential or TLS file named in `ReplicaSyncOptions` (feature `nats`)
+/// or `EtcdOptions` (feature `etcd`) cannot be used. Found before
+/// connecting: the error names the option and the file, never the secret
+/// in it.
+#[cfg(any(feature = "nats", feature = "etcd"))]
+#[derive(Debug, Error)]
+#[non_exhaustive]
+pub enum CredentialError {
+    /// The file cannot be read.
+    #[error("`{option}` file {path}: cannot read it: {source}")]
+    Unreadable {
+        /// The option naming the file (its builder method without `with_`).
+        option: &'static str,
+        /// The file.
+        path: PathBuf,
+        /// The I/O error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The file does not hold what the option needs (PEM certificates, a
+    /// PEM private key, an NKey seed, a `.creds` file's JWT and seed).
+    #[error("`{option}` file {path}: {problem}")]
+    Invalid {
+        /// The option naming the file (its builder method without `with_`).
+        option: &'static str,
+        /// The file.
+        path: PathBuf,
+        /// What is wrong with it.
+        problem: String,
+    },
+    /// A setting that cannot work where it is: credentials both in a URL
+    /// and in the options, a TLS file with a plain `http://` endpoint.
+    #[error("`{option}`: {problem}")]
+    Misplaced {
+        /// The option or argument involved.
+        option: &'static str,
+        /// What is wrong, and what to do instead.
+        problem: String,
+    },
+}
+
+#[cfg(any(feature = "nats", feature = "etcd"))]
+impl CredentialError {
+    /// A short lowercase label for metrics and logs.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            Self::Unreadable { .. } => "credential_unreadable",
+            Self::Invalid { .. } => "credential_invalid",
+            Self::Misplaced { .. } => "credential_misplaced",
         }
     }
 }

@@ -14,6 +14,8 @@ mod policy;
 #[cfg(feature = "nats")]
 mod replica;
 mod request;
+#[cfg(any(feature = "nats", feature = "etcd"))]
+mod secure;
 mod service;
 mod types;
 
@@ -25,6 +27,8 @@ pub use discovery::{
 };
 #[cfg(feature = "etcd")]
 pub use discovery::{EtcdDiscovery, EtcdOptions, EtcdRegistration, EtcdWatchStatus};
+#[cfg(any(feature = "nats", feature = "etcd"))]
+pub use error::CredentialError;
 #[cfg(feature = "nats")]
 pub use error::SyncError;
 pub use error::{

@@ -34,8 +34,9 @@
 //! worker rank (within the bounds below), and so steer least-loaded
 //! routing or make the admission limit refuse requests. Keep that subject
 //! to the router replicas: the server's own permissions (per-user publish
-//! and subscribe permissions, accounts, TLS) decide who connects and
-//! publishes, and a signing key decides which messages count.
+//! and subscribe permissions, accounts, TLS; see "Connecting to a secured
+//! server" below) decide who connects and publishes, and a signing key
+//! decides which messages count.
 //!
 //! With a signing key ([`ReplicaSyncOptions::with_signing_key`], the same
 //! key on every replica of the partition), every message is signed (an
@@ -76,8 +77,8 @@
 //! just after a table grows), and a snapshot being received as many again
 //! at most, so peers hold at most about `max_peers x max_peer_rows x 80`
 //! bytes (about 170 MB with the defaults), all freed when they expire. A
-//! peer cannot touch this
-//! replica's own bookings. A replica that sees a message in its own name
+//! peer cannot touch this replica's own bookings. A replica that sees a
+//! message in its own name
 //! and incarnation that it did not send (a sequence number or send time
 //! ahead of its own) counts an id conflict and starts a new incarnation,
 //! with a snapshot, so that its peers rebuild its table from that.
@@ -110,8 +111,69 @@
 //! `apply_remote_load`, in `service::replica`): it reports the load its
 //! fleet's counters hold here, and sets [`ReplicaSync::remote_loads`] as
 //! its rows' remote load when [`ReplicaSync::version`] moved.
+//!
+//! # Connecting to a secured server
+//!
+//! Every replica of a partition, and anything else that can publish on
+//! its subject, is a peer: what it publishes there is counted. Run the
+//! server with authentication, and let only the routers of a partition
+//! publish and subscribe on its subject (nats-server's `permissions`, or
+//! an account of their own); use TLS where the network between routers
+//! and server is not trusted. [`ReplicaSyncOptions`] takes what the server
+//! asks for, one way to authenticate (the last one set wins) plus TLS:
+//!
+//! | option | server side | what it does |
+//! |---|---|---|
+//! | `with_user_and_password(user, password)` | `authorization { user, password }` or `users = [...]` | sends them on connecting; credentials in the URL (`nats://user:password@host`) do the same |
+//! | `with_token(token)` | `authorization { token }` | sends it on connecting; so does `nats://token@host` |
+//! | `with_nkey_seed_file(path)` | `users = [{ nkey: U... }]` | signs the server's nonce with the user NKey seed (`SU...`) in the file |
+//! | `with_credentials_file(path)` | operator mode (`operator`, `resolver`) | sends the user JWT of the `.creds` file and signs the nonce with its seed |
+//! | `with_tls_ca_file(path)` | `tls { cert_file, key_file }` | trusts the CAs in the PEM file (not the system's) for the server's certificate; requires TLS |
+//! | `with_client_certificate(cert, key)` | `tls { verify: true, ca_file }` | presents the PEM certificate chain and key; requires TLS |
+//! | `with_tls_required(true)` | `tls { ... }` | refuses a server that offers no TLS (the system's CAs check its certificate unless a CA file is set) |
+//!
+//! Without them, TLS is used when the server requires it (checked against
+//! the system's CAs) or the URL's scheme is `tls://`. [`ReplicaSync::connect`]
+//! reads and checks every file first: one that cannot be read, or does not
+//! hold what its option needs (PEM certificates, a PEM private key, a user
+//! NKey seed, a `.creds` file), is a [`SyncError::Credentials`] naming the
+//! option and the file. A server that refuses the credentials (wrong, or
+//! none where it wants some) fails `connect` at once with
+//! [`SyncError::AuthenticationFailed`]; a failed TLS handshake (a server
+//! certificate no trusted CA signed, a client certificate refused or
+//! missing) with [`SyncError::Tls`]; neither waits for the connect
+//! timeout. After `connect`, a server that refuses a reconnection is
+//! retried like a lost one. The user needs permission to publish and
+//! subscribe on the subject: a refused subscription or publication is
+//! not an error of `connect` (the server reports it later, as a
+//! connection event). Certificates and keys are read
+//! again on each connection, so replaced files take effect at the next
+//! reconnection; the seed and `.creds` files are read once.
+//!
+//! Passwords, tokens, seeds and keys never appear in `Debug` output, logs
+//! or errors: the options print `"***"` for them, and a URL's user
+//! information is taken out of it before the URL is stored, logged or put
+//! in an error ([`ReplicaSync::server`]).
+//!
+//! ```no_run
+//! # // no_run: needs a nats-server with TLS and users.
+//! use selkie::*;
+//! let options = ReplicaSyncOptions::default()
+//!     .with_subject("selkie.bookings.llama-70b")
+//!     .with_credentials_file("/etc/selkie/router.creds")
+//!     .with_tls_ca_file("/etc/selkie/nats-ca.pem")
+//!     .with_client_certificate("/etc/selkie/router.pem", "/etc/selkie/router-key.pem");
+//! match ReplicaSync::connect("tls://nats.internal:4222", options) {
+//!     Ok(sync) => println!("connected to {}", sync.server()),
+//!     Err(e @ SyncError::AuthenticationFailed { .. }) => eprintln!("check the credentials: {e}"),
+//!     Err(e) => eprintln!("{e}"),
+//! }
+//! ```
+//!
+//! The options and the refusals are in `connect`.
 
 mod auth;
+mod connect;
 mod ring;
 mod tables;
 mod task;
@@ -134,7 +196,7 @@ use tables::{Limits, PeerTables, Refusal};
 use wire::{Booked, Delta};
 
 /// How [`ReplicaSync`] batches, heartbeats, expires, signs and bounds what
-/// peers send (feature `nats`).
+/// peers send, and how it authenticates to the server (feature `nats`).
 ///
 /// Every option has a range; [`ReplicaSync::connect`] refuses a value
 /// outside it with [`SyncError::InvalidOption`] naming the option and its
@@ -149,6 +211,21 @@ use wire::{Booked, Delta};
 ///     .with_signing_key(*b"the partition's 32-byte secret!!");
 /// assert_eq!(options.batch_max_events(), 256);
 /// assert!(options.is_signed());
+/// ```
+///
+/// For a secured server: one of [`with_user_and_password`](Self::with_user_and_password),
+/// [`with_token`](Self::with_token), [`with_nkey_seed_file`](Self::with_nkey_seed_file)
+/// or [`with_credentials_file`](Self::with_credentials_file), and for TLS
+/// [`with_tls_ca_file`](Self::with_tls_ca_file),
+/// [`with_client_certificate`](Self::with_client_certificate) or
+/// [`with_tls_required`](Self::with_tls_required). No secret shows in
+/// `Debug`:
+///
+/// ```
+/// let options = selkie::ReplicaSyncOptions::default()
+///     .with_user_and_password("router", "hunter2")
+///     .with_tls_ca_file("/etc/selkie/nats-ca.pem");
+/// assert!(!format!("{options:?}").contains("hunter2"));
 /// ```
 #[derive(Clone, Debug)]
 pub struct ReplicaSyncOptions {
@@ -167,6 +244,8 @@ pub struct ReplicaSyncOptions {
     max_peer_rows: usize,
     max_peer_load: RemoteLoad,
     min_snapshot_interval: Duration,
+    /// Credentials and TLS (`connect`).
+    security: connect::NatsSecurity,
 }
 
 impl Default for ReplicaSyncOptions {
@@ -197,6 +276,7 @@ impl Default for ReplicaSyncOptions {
                 decode_blocks: 1 << 24,
             },
             min_snapshot_interval: Duration::from_millis(100),
+            security: connect::NatsSecurity::default(),
         }
     }
 }
@@ -883,16 +963,24 @@ pub struct ReplicaSync {
 impl ReplicaSync {
     /// Connects to the NATS server at `url`, subscribes to the options'
     /// subject and asks the peers for snapshots; returns once subscribed.
-    /// Fails if an option is out of range or the server cannot be reached
-    /// within the connect timeout. After that, a lost server is retried for
-    /// as long as this lives.
-    pub fn connect(url: &str, options: ReplicaSyncOptions) -> Result<ReplicaSync, SyncError> {
+    /// Fails if an option is out of range, a credential or TLS file cannot
+    /// be used ([`SyncError::Credentials`]), the server refuses the
+    /// credentials ([`SyncError::AuthenticationFailed`]), the TLS handshake
+    /// fails ([`SyncError::Tls`]), or the server cannot be reached within
+    /// the connect timeout. After that, a lost server is retried for as
+    /// long as this lives. Credentials in `url` (`nats://user:password@host`
+    /// or `nats://token@host`) are taken out of it and used as if given
+    /// with [`ReplicaSyncOptions::with_user_and_password`] or
+    /// [`with_token`](ReplicaSyncOptions::with_token).
+    pub fn connect(url: &str, mut options: ReplicaSyncOptions) -> Result<ReplicaSync, SyncError> {
         options.validate()?;
+        let server = options.security.take_url_credentials(url)?;
+        options.security.check()?;
         let replica_id = options.replica_id.unwrap_or_else(random_u64);
         let shared = Arc::new(Shared::new(&options));
         let subject = options.subject.clone();
-        let sync_loop = task::SyncLoop::new(url.to_owned(), replica_id, random_u64(), options, shared.clone());
-        ReplicaSync::start(url, subject, replica_id, shared, move |stop, ready| {
+        let sync_loop = task::SyncLoop::new(server.clone(), replica_id, random_u64(), options, shared.clone());
+        ReplicaSync::start(&server, subject, replica_id, shared, move |stop, ready| {
             sync_loop.run(stop, ready)
         })
     }
@@ -905,7 +993,7 @@ impl ReplicaSync {
         subject: String,
         replica_id: u64,
         shared: Arc<Shared>,
-        work: impl FnOnce(tokio::sync::watch::Receiver<()>, mpsc::Sender<Result<(), String>>) -> Option<String>
+        work: impl FnOnce(tokio::sync::watch::Receiver<()>, mpsc::Sender<Result<(), SyncError>>) -> Option<String>
             + Send
             + 'static,
     ) -> Result<ReplicaSync, SyncError> {
@@ -948,9 +1036,9 @@ impl ReplicaSync {
                 stop: Some(stop),
                 thread: Some(thread),
             }),
-            Ok(Err(message)) => {
+            Ok(Err(e)) => {
                 let _ = thread.join();
-                Err(unavailable(message))
+                Err(e)
             }
             Err(_) => {
                 let _ = thread.join();
@@ -1040,7 +1128,8 @@ impl ReplicaSync {
         self.replica_id
     }
 
-    /// The server's URL, as given to [`connect`](Self::connect).
+    /// The server's URL, as given to [`connect`](Self::connect) less any
+    /// credentials in it.
     pub fn server(&self) -> &str {
         &self.server
     }
@@ -1134,7 +1223,7 @@ mod tests {
 
     /// A sync whose thread does `work` (a stand-in for the NATS loop).
     fn started(
-        work: impl FnOnce(tokio::sync::watch::Receiver<()>, mpsc::Sender<Result<(), String>>) -> Option<String>
+        work: impl FnOnce(tokio::sync::watch::Receiver<()>, mpsc::Sender<Result<(), SyncError>>) -> Option<String>
             + Send
             + 'static,
     ) -> ReplicaSync {

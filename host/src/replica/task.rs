@@ -53,10 +53,12 @@ use tokio::sync::mpsc as async_mpsc;
 use rustc_hash::FxHashMap;
 
 use super::auth::{BadSignature, SIGNATURE_HEADER};
+use super::connect;
 use super::tables::OwnBookings;
 use super::tables::Refusal;
 use super::wire::{Body, Delta, Envelope, Loaded, ENVELOPE_BYTES, SNAPSHOT_ROW_BYTES};
 use super::{bump, random_u64, RemoteLoad, ReplicaSyncOptions, Shared};
+use crate::error::SyncError;
 use crate::types::WorkerWithDpRank;
 
 /// The server's payload limit when it has not said (NATS' default).
@@ -141,12 +143,12 @@ impl SyncLoop {
     pub(super) fn run(
         self,
         stop: tokio::sync::watch::Receiver<()>,
-        ready: std::sync::mpsc::Sender<Result<(), String>>,
+        ready: std::sync::mpsc::Sender<Result<(), SyncError>>,
     ) -> Option<String> {
         let rt = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
             Ok(rt) => rt,
             Err(e) => {
-                let _ = ready.send(Err(format!("cannot start a tokio runtime: {e}")));
+                let _ = ready.send(Err(self.unavailable(format!("cannot start a tokio runtime: {e}"))));
                 return None;
             }
         };
@@ -165,10 +167,10 @@ impl SyncLoop {
         })
     }
 
-    async fn connect(&self, events: async_mpsc::UnboundedSender<Event>) -> Result<(Link, Subscriber), String> {
+    async fn connect(&self, events: async_mpsc::UnboundedSender<Event>) -> Result<(Link, Subscriber), SyncError> {
         let max_delay = self.options.max_reconnect_delay;
         let timeout = self.options.connect_timeout;
-        let connecting = ConnectOptions::new()
+        let connecting = (self.options.security.apply(ConnectOptions::new())?)
             .name(format!("selkie-replica-{}", self.replica))
             .connection_timeout(timeout)
             .max_reconnects(None)
@@ -189,22 +191,29 @@ impl SyncLoop {
             .connect(self.server.as_str());
         let client = match tokio::time::timeout(timeout, connecting).await {
             Ok(Ok(client)) => client,
-            Ok(Err(e)) => return Err(format!("cannot connect: {e}")),
-            Err(_) => return Err(format!("cannot connect within {timeout:?}")),
+            Ok(Err(e)) => return Err(connect::connect_failed(&self.server, &e)),
+            Err(_) => return Err(self.unavailable(format!("cannot connect within {timeout:?}"))),
         };
         let subject = Subject::from(self.options.subject.as_str());
         let subscriber = client
             .subscribe(subject.clone())
             .await
-            .map_err(|e| format!("cannot subscribe to {subject}: {e}"))?;
+            .map_err(|e| self.unavailable(format!("cannot subscribe to {subject}: {e}")))?;
         // The subscription is on the server before anyone is asked for a
         // snapshot.
         match tokio::time::timeout(timeout, client.flush()).await {
             Ok(Ok(())) => {}
-            Ok(Err(e)) => return Err(format!("cannot subscribe to {subject}: {e}")),
-            Err(_) => return Err(format!("no answer to subscribing to {subject} within {timeout:?}")),
+            Ok(Err(e)) => return Err(self.unavailable(format!("cannot subscribe to {subject}: {e}"))),
+            Err(_) => return Err(self.unavailable(format!("no answer to subscribing to {subject} within {timeout:?}"))),
         }
         Ok((Link { client, subject }, subscriber))
+    }
+
+    fn unavailable(&self, message: String) -> SyncError {
+        SyncError::Unavailable {
+            server: self.server.clone(),
+            message,
+        }
     }
 
     async fn serve(

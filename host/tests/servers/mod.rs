@@ -1,8 +1,14 @@
 //! What the tests against real servers (etcd, nats-server) share: a free
 //! loopback port and the server binary to start.
 //!
-//! Each test crate that includes it uses a part of it.
+//! Each test crate that includes it uses a part of it. `secured` starts
+//! servers with authentication and TLS.
+//!
+//! With `SELKIE_REQUIRE_SERVERS=1` (as `.ci/run` sets it, where the
+//! servers exist) a test that would be skipped fails instead.
 #![allow(dead_code)]
+
+pub mod secured;
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -12,6 +18,9 @@ use std::time::{Duration, Instant};
 /// Says why a test is skipped, straight to stderr (the harness captures
 /// `eprintln!` of passing tests).
 pub fn skip(why: &str) {
+    if std::env::var("SELKIE_REQUIRE_SERVERS").is_ok_and(|v| v == "1") {
+        panic!("SELKIE_REQUIRE_SERVERS=1 but the test would be skipped: {why}");
+    }
     let _ = writeln!(std::io::stderr(), "\nSKIPPED: {why}");
 }
 

@@ -19,7 +19,67 @@
 //! What it must not do: touch the fleet (snapshots go through
 //! [`crate::WorkerSelectionService::refresh`] like every source's), or
 //! block `poll` on the network (`poll` only reads the map).
+//!
+//! # Connecting to a secured etcd
+//!
+//! Whoever can write under the prefix decides which workers are in the
+//! fleet. Run etcd with authentication, give the routers a user that may
+//! read the prefix and each worker one that may write it (etcd's roles
+//! grant permissions per key range), and use TLS where the network is not
+//! trusted. [`EtcdOptions`] takes what etcd asks for, for
+//! [`EtcdDiscovery::connect_with`] and [`EtcdRegistration::register_with`]
+//! alike:
+//!
+//! | option | etcd side | what it does |
+//! |---|---|---|
+//! | `with_user_and_password(user, password)` | `etcdctl user add`, `auth enable` | gets a token with them on connecting, and a new one when it expires |
+//! | `with_tls_ca_file(path)` | `--cert-file`, `--key-file` | trusts the CAs in the PEM file (not the system's) for etcd's certificate |
+//! | `with_client_certificate(cert, key)` | `--client-cert-auth`, `--trusted-ca-file` | presents the PEM certificate chain and key |
+//!
+//! TLS is used for `https://` endpoints (checked against the system's CAs
+//! unless a CA file is set); a TLS file with an `http://` endpoint, or a
+//! user and password inside an endpoint, is refused. `connect_with` and
+//! `register_with` read and check every file first: one that cannot be
+//! read, or does not hold PEM certificates or a PEM private key, is a
+//! [`DiscoveryError::EtcdCredentials`] naming the option and the file.
+//! etcd refusing the client (a wrong user or password, none while auth is
+//! on, a user without permission on the prefix or the worker's key) fails
+//! them at once with [`DiscoveryError::EtcdAuthenticationFailed`]; a
+//! failed TLS handshake (etcd's certificate signed by no trusted CA, a
+//! client certificate refused or missing) with [`DiscoveryError::EtcdTls`].
+//! etcd ends the TLS connection of a client whose certificate it refuses
+//! right after the handshake, and whether the client reads why before its
+//! first request meets the closed connection is a race: with TLS, a
+//! connection closed under that first request is reported as `EtcdTls`
+//! too. After connecting, a refusal is an outage like a lost etcd (`poll`
+//! reports it, the watch retries). Certificates and keys are read again on
+//! each connection, so replaced files take effect at the next
+//! reconnection.
+//!
+//! The password never appears in `Debug` output, logs or errors (the
+//! options print `"***"` for it).
+//!
+//! ```no_run
+//! # // no_run: needs an etcd with TLS and auth.
+//! use selkie::*;
+//! let options = EtcdOptions::default()
+//!     .with_user_and_password("router", "router-password")
+//!     .with_tls_ca_file("/etc/selkie/etcd-ca.pem")
+//!     .with_client_certificate("/etc/selkie/router.pem", "/etc/selkie/router-key.pem");
+//! let source = EtcdDiscovery::connect_with(&["https://etcd.internal:2379"], "/selkie/workers/", options.clone())?;
+//! let registration = EtcdRegistration::register_with(
+//!     &["https://etcd.internal:2379"],
+//!     "/selkie/workers/",
+//!     WorkerRecord::new(7),
+//!     std::time::Duration::from_secs(10),
+//!     options,
+//! )?;
+//! # Ok::<(), DiscoveryError>(())
+//! ```
+//!
+//! The options and the refusals are in `connect`.
 
+mod connect;
 mod registration;
 mod watch;
 
@@ -35,8 +95,8 @@ use super::source::Discovery;
 use crate::error::DiscoveryError;
 use crate::types::WorkerId;
 
-/// Timeouts and reconnection pacing for [`EtcdDiscovery`] and
-/// [`EtcdRegistration`].
+/// Timeouts, reconnection pacing, credentials and TLS for
+/// [`EtcdDiscovery`] and [`EtcdRegistration`].
 ///
 /// ```
 /// use std::time::Duration;
@@ -45,10 +105,22 @@ use crate::types::WorkerId;
 ///     .with_max_backoff(Duration::from_secs(1));
 /// assert_eq!(options.timeout(), Duration::from_secs(2));
 /// ```
+///
+/// For a secured etcd: [`with_user_and_password`](Self::with_user_and_password),
+/// [`with_tls_ca_file`](Self::with_tls_ca_file) and
+/// [`with_client_certificate`](Self::with_client_certificate), with
+/// `https://` endpoints for TLS. The password does not show in `Debug`:
+///
+/// ```
+/// let options = selkie::EtcdOptions::default().with_user_and_password("router", "hunter2");
+/// assert!(!format!("{options:?}").contains("hunter2"));
+/// ```
 #[derive(Clone, Debug)]
 pub struct EtcdOptions {
     timeout: Duration,
     max_backoff: Duration,
+    /// User, password and TLS (`connect`).
+    security: connect::EtcdSecurity,
 }
 
 impl Default for EtcdOptions {
@@ -57,6 +129,7 @@ impl Default for EtcdOptions {
         EtcdOptions {
             timeout: Duration::from_secs(5),
             max_backoff: Duration::from_secs(2),
+            security: connect::EtcdSecurity::default(),
         }
     }
 }
@@ -245,13 +318,19 @@ impl EtcdDiscovery {
         Self::connect_with(endpoints, prefix, EtcdOptions::default())
     }
 
-    /// [`connect`](Self::connect) with the given timeouts and backoff.
+    /// [`connect`](Self::connect) with the given timeouts, backoff,
+    /// credentials and TLS files. Fails, before it connects, with
+    /// [`DiscoveryError::EtcdCredentials`] for a file it cannot use, and
+    /// with [`DiscoveryError::EtcdAuthenticationFailed`] or
+    /// [`DiscoveryError::EtcdTls`] when etcd refuses the client.
     pub fn connect_with(
         endpoints: &[impl AsRef<str>],
         prefix: impl Into<String>,
         options: EtcdOptions,
     ) -> Result<Self, DiscoveryError> {
         let endpoints: Vec<String> = endpoints.iter().map(|e| e.as_ref().to_owned()).collect();
+        options.security.check(&endpoints)?;
+        let tls = options.security.uses_tls(&endpoints);
         let joined = endpoints.join(",");
         let prefix = prefix.into();
         let shared = Arc::new(Mutex::new(WatchState {
@@ -278,9 +357,9 @@ impl EtcdDiscovery {
                 stop: Some(stop),
                 thread: Some(thread),
             }),
-            Ok(Err(message)) => {
+            Ok(Err(failure)) => {
                 let _ = thread.join();
-                Err(unavailable(&joined, message))
+                Err(failure.into_start_error(&joined, tls))
             }
             Err(_) => {
                 let _ = thread.join();

@@ -12,7 +12,8 @@ use std::time::Duration;
 use etcd_client::{Client, LeaseKeepAliveStream, LeaseKeeper, PutOptions};
 use tokio::sync::mpsc as async_mpsc;
 
-use super::watch::{connect, runtime};
+use super::connect::{connect, Failure};
+use super::watch::runtime;
 use super::{record_key, EtcdOptions};
 use crate::discovery::record::WorkerRecord;
 use crate::error::DiscoveryError;
@@ -20,9 +21,9 @@ use crate::error::DiscoveryError;
 /// What the owner asks of the lease thread.
 enum Command {
     /// Put a new record (same worker id) under the lease.
-    Update(WorkerRecord, mpsc::Sender<Result<(), String>>),
+    Update(WorkerRecord, mpsc::Sender<Result<(), Failure>>),
     /// Revoke the lease (deleting the key) and stop.
-    Revoke(mpsc::Sender<Result<(), String>>),
+    Revoke(mpsc::Sender<Result<(), Failure>>),
     /// Stop renewing the lease and leave the key to expire.
     Abandon,
 }
@@ -72,15 +73,15 @@ struct LeaseHolder {
 }
 
 impl LeaseHolder {
-    async fn timed<T, E: std::fmt::Display>(
+    async fn timed<T>(
         &self,
         what: &str,
-        f: impl std::future::Future<Output = Result<T, E>>,
-    ) -> Result<T, String> {
+        f: impl std::future::Future<Output = Result<T, etcd_client::Error>>,
+    ) -> Result<T, Failure> {
         match tokio::time::timeout(self.timeout, f).await {
             Ok(Ok(v)) => Ok(v),
-            Ok(Err(e)) => Err(format!("{what}: {e}")),
-            Err(_) => Err(format!("{what}: no answer within {:?}", self.timeout)),
+            Ok(Err(e)) => Err(Failure::etcd(what, &e)),
+            Err(_) => Err(format!("{what}: no answer within {:?}", self.timeout).into()),
         }
     }
 
@@ -89,7 +90,7 @@ impl LeaseHolder {
     }
 
     /// Grants a lease, puts the record under it and opens its keep-alive.
-    async fn acquire(&mut self) -> Result<(), String> {
+    async fn acquire(&mut self) -> Result<(), Failure> {
         let mut client = self.client.clone();
         let grant = self
             .timed("cannot grant a lease", client.lease_grant(self.ttl, None))
@@ -138,11 +139,15 @@ impl LeaseHolder {
         }
     }
 
-    async fn update(&mut self, record: WorkerRecord) -> Result<(), String> {
+    async fn update(&mut self, record: WorkerRecord) -> Result<(), Failure> {
         self.record = record;
         let Some((keeper, _)) = &self.lease else {
             // Put by the next successful renewal, under a new lease.
-            return Err("no lease is held now (etcd unreachable?); the record is put once one is".into());
+            return Err(
+                "no lease is held now (etcd unreachable?); the record is put once one is"
+                    .to_owned()
+                    .into(),
+            );
         };
         let options = PutOptions::new().with_lease(keeper.id());
         let (mut client, value) = (self.client.clone(), self.value());
@@ -154,7 +159,7 @@ impl LeaseHolder {
         .map(drop)
     }
 
-    async fn revoke(&mut self) -> Result<(), String> {
+    async fn revoke(&mut self) -> Result<(), Failure> {
         let Some((keeper, _)) = self.lease.take() else {
             return Ok(());
         };
@@ -208,7 +213,9 @@ impl EtcdRegistration {
         Self::register_with(endpoints, prefix, record, ttl, EtcdOptions::default())
     }
 
-    /// [`register`](Self::register) with the given timeouts.
+    /// [`register`](Self::register) with the given timeouts, credentials
+    /// and TLS files; fails as [`EtcdDiscovery::connect_with`](super::EtcdDiscovery::connect_with)
+    /// does for a file it cannot use or a refusal.
     pub fn register_with(
         endpoints: &[impl AsRef<str>],
         prefix: &str,
@@ -218,6 +225,8 @@ impl EtcdRegistration {
     ) -> Result<Self, DiscoveryError> {
         record.validate()?;
         let endpoints: Vec<String> = endpoints.iter().map(|e| e.as_ref().to_owned()).collect();
+        options.security.check(&endpoints)?;
+        let tls = options.security.uses_tls(&endpoints);
         let joined = endpoints.join(",");
         let unavailable = |message: String| DiscoveryError::EtcdUnavailable {
             endpoints: joined.clone(),
@@ -228,14 +237,14 @@ impl EtcdRegistration {
         let ttl_secs = i64::try_from(ttl.as_secs().max(1)).unwrap_or(i64::MAX);
         let timeout = options.timeout;
         let (commands, receiver) = async_mpsc::unbounded_channel();
-        let (ready_tx, ready_rx) = mpsc::channel::<Result<(), String>>();
+        let (ready_tx, ready_rx) = mpsc::channel::<Result<(), Failure>>();
         let thread_key = key.clone();
         let thread = std::thread::Builder::new()
             .name("selkie-etcd-lease".into())
             .spawn(move || {
                 let rt = match runtime() {
                     Ok(rt) => rt,
-                    Err(e) => return drop(ready_tx.send(Err(e))),
+                    Err(e) => return drop(ready_tx.send(Err(e.into()))),
                 };
                 rt.block_on(async move {
                     let client = match connect(&endpoints, &options).await {
@@ -269,9 +278,9 @@ impl EtcdRegistration {
                 commands,
                 thread: Some(thread),
             }),
-            Ok(Err(e)) => {
+            Ok(Err(failure)) => {
                 let _ = thread.join();
-                Err(unavailable(e))
+                Err(failure.into_start_error(&joined, tls))
             }
             Err(_) => {
                 let _ = thread.join();
@@ -319,15 +328,12 @@ impl EtcdRegistration {
         self.commands.send(command).map_err(|_| self.stopped())
     }
 
-    fn answer(&self, answer: mpsc::Receiver<Result<(), String>>) -> Result<(), DiscoveryError> {
+    fn answer(&self, answer: mpsc::Receiver<Result<(), Failure>>) -> Result<(), DiscoveryError> {
         // The thread bounds each request by the timeout; the extra second
         // covers its own scheduling.
         match answer.recv_timeout(self.timeout + Duration::from_secs(1)) {
             Ok(Ok(())) => Ok(()),
-            Ok(Err(message)) => Err(DiscoveryError::EtcdUnavailable {
-                endpoints: self.endpoints.clone(),
-                message,
-            }),
+            Ok(Err(failure)) => Err(failure.into_error(&self.endpoints)),
             Err(_) => Err(self.stopped()),
         }
     }

@@ -24,8 +24,9 @@
 use std::sync::{mpsc, Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use etcd_client::{Client, ConnectOptions, EventType, GetOptions, WatchOptions};
+use etcd_client::{Client, EventType, GetOptions, WatchOptions};
 
+use super::connect::{connect, Failure};
 use super::{EtcdOptions, WatchState};
 
 /// The first wait before reconnecting; it doubles up to the options' maximum.
@@ -43,21 +44,7 @@ enum WatchEnd {
     /// The revision to resume from is gone: list again.
     Relist,
     /// The connection or the stream failed.
-    Broken(String),
-}
-
-/// Connects a client with the options' timeouts and HTTP/2 keep-alive (so
-/// a silent server is noticed, not waited on).
-pub(super) async fn connect(endpoints: &[String], options: &EtcdOptions) -> Result<Client, String> {
-    let connect_options = ConnectOptions::new()
-        .with_connect_timeout(options.timeout)
-        .with_timeout(options.timeout)
-        .with_keep_alive(options.timeout, options.timeout);
-    match tokio::time::timeout(options.timeout, Client::connect(endpoints, Some(connect_options))).await {
-        Ok(Ok(client)) => Ok(client),
-        Ok(Err(e)) => Err(format!("cannot connect: {e}")),
-        Err(_) => Err(format!("cannot connect within {:?}", options.timeout)),
-    }
+    Broken(Failure),
 }
 
 /// The current-thread runtime the background threads run on.
@@ -80,11 +67,11 @@ impl Watcher {
 
     /// The thread's body: reports the first listing's outcome on `ready`,
     /// then watches until `stop` is dropped.
-    pub(super) fn run(self, stop: tokio::sync::watch::Receiver<()>, ready: mpsc::Sender<Result<(), String>>) {
+    pub(super) fn run(self, stop: tokio::sync::watch::Receiver<()>, ready: mpsc::Sender<Result<(), Failure>>) {
         let rt = match runtime() {
             Ok(rt) => rt,
             Err(e) => {
-                let _ = ready.send(Err(e));
+                let _ = ready.send(Err(e.into()));
                 return;
             }
         };
@@ -96,11 +83,11 @@ impl Watcher {
         });
     }
 
-    async fn watch_forever(&self, ready: mpsc::Sender<Result<(), String>>) {
+    async fn watch_forever(&self, ready: mpsc::Sender<Result<(), Failure>>) {
         let first = async {
             let mut client = connect(&self.endpoints, &self.options).await?;
             self.list(&mut client).await?;
-            Ok::<_, String>(client)
+            Ok::<_, Failure>(client)
         };
         let mut client = match first.await {
             Ok(client) => client,
@@ -133,11 +120,11 @@ impl Watcher {
         }
     }
 
-    fn outage(&self, message: String) {
-        tracing::warn!(error = %message, "etcd watch broken; reconnecting");
+    fn outage(&self, failure: Failure) {
+        tracing::warn!(error = %failure, "etcd watch broken; reconnecting");
         let mut s = self.state();
         s.status.connected = false;
-        s.outage = Some(message);
+        s.outage = Some(failure.to_string());
     }
 
     /// Waits `backoff` (then doubles it) and connects again, until it does.
@@ -147,23 +134,18 @@ impl Watcher {
             *backoff = (*backoff * 2).min(self.options.max_backoff.max(FIRST_BACKOFF));
             match connect(&self.endpoints, &self.options).await {
                 Ok(client) => return client,
-                Err(e) => self.state().outage = Some(e),
+                Err(e) => self.state().outage = Some(e.to_string()),
             }
         }
     }
 
     /// Lists the prefix and replaces the map with it.
-    async fn list(&self, client: &mut Client) -> Result<(), String> {
+    async fn list(&self, client: &mut Client) -> Result<(), Failure> {
         let get = client.get(self.prefix.as_str(), Some(GetOptions::new().with_prefix()));
         let response = match tokio::time::timeout(self.options.timeout, get).await {
             Ok(Ok(r)) => r,
-            Ok(Err(e)) => return Err(format!("cannot list {:?}: {e}", self.prefix)),
-            Err(_) => {
-                return Err(format!(
-                    "cannot list {:?} within {:?}",
-                    self.prefix, self.options.timeout
-                ))
-            }
+            Ok(Err(e)) => return Err(Failure::etcd(format_args!("cannot list {:?}", self.prefix), &e)),
+            Err(_) => return Err(format!("cannot list {:?} within {:?}", self.prefix, self.options.timeout).into()),
         };
         let revision = response.header().map_or(0, |h| h.revision());
         let kvs = response
@@ -182,7 +164,7 @@ impl Watcher {
         &self,
         client: &mut Client,
         backoff: &mut Duration,
-        ready: &mut Option<mpsc::Sender<Result<(), String>>>,
+        ready: &mut Option<mpsc::Sender<Result<(), Failure>>>,
     ) -> WatchEnd {
         let from = self.state().status.revision;
         let options = WatchOptions::new()
@@ -192,19 +174,20 @@ impl Watcher {
         let mut stream =
             match tokio::time::timeout(self.options.timeout, client.watch(self.prefix.as_str(), Some(options))).await {
                 Ok(Ok(stream)) => stream,
-                Ok(Err(e)) => return WatchEnd::Broken(format!("cannot watch {:?}: {e}", self.prefix)),
+                Ok(Err(e)) => {
+                    return WatchEnd::Broken(Failure::etcd(format_args!("cannot watch {:?}", self.prefix), &e))
+                }
                 Err(_) => {
-                    return WatchEnd::Broken(format!(
-                        "cannot watch {:?} within {:?}",
-                        self.prefix, self.options.timeout
-                    ))
+                    return WatchEnd::Broken(
+                        format!("cannot watch {:?} within {:?}", self.prefix, self.options.timeout).into(),
+                    )
                 }
             };
         loop {
             let response = match stream.message().await {
                 Ok(Some(r)) => r,
-                Ok(None) => return WatchEnd::Broken("the watch stream ended".into()),
-                Err(e) => return WatchEnd::Broken(format!("the watch stream failed: {e}")),
+                Ok(None) => return WatchEnd::Broken("the watch stream ended".to_owned().into()),
+                Err(e) => return WatchEnd::Broken(Failure::etcd("the watch stream failed", &e)),
             };
             if response.canceled() {
                 if response.compact_revision() > 0 {
@@ -215,7 +198,7 @@ impl Watcher {
                     );
                     return WatchEnd::Relist;
                 }
-                return WatchEnd::Broken(format!("the watch was canceled: {}", response.cancel_reason()));
+                return WatchEnd::Broken(format!("the watch was canceled: {}", response.cancel_reason()).into());
             }
             let header_revision = response.header().map_or(0, |h| h.revision());
             let mut s = self.state();
