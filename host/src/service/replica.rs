@@ -33,7 +33,7 @@
 //! replicas, a limit of 8, one worker and sixteen selecting threads on two
 //! cores (holding each request 50 to 500 µs, spinning or sleeping; a
 //! sample of the combined count every 200 µs for 2 s, after the first
-//! 100 ms; five runs of each): the count passed the limit in 1.3 to 3.9%
+//! 100 ms; three runs of each): the count passed the limit in 1.3 to 3.9%
 //! of samples, by one in nearly all, and after a stall reached 14, and in
 //! one run `R x L` = 16; in the first 100 ms, before the replicas had
 //! heard from each other, it reached 16 in most runs.
