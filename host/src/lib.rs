@@ -53,7 +53,7 @@ pub use policy::{
     BUILTIN_PICKERS, BUILTIN_POLICIES, BUILTIN_SCORERS,
 };
 #[cfg(feature = "nats")]
-pub use replica::{RemoteLoad, ReplicaSync, ReplicaSyncOptions, ReplicaSyncStats};
+pub use replica::{RefusedMessages, RemoteLoad, ReplicaSync, ReplicaSyncOptions, ReplicaSyncStats, SyncHealth};
 pub use request::{
     AddedBlocks, AffinityMode, KvCostOverrides, KvRankInputs, Pin, RowLayout, RowOverlaps, SelectionRequest,
     SessionAffinity, WorkerOverlap,
@@ -61,12 +61,12 @@ pub use request::{
 /// The KV cost model's field check, whose error
 /// [`WorkerSelectionPolicyProviderError::KvWeight`] carries.
 pub use selkie_kernel::kernels::kv_cost::{KvConfigError, KvConfigField, KvConfigProblem};
-#[cfg(feature = "nats")]
-pub use service::ReplicaSyncThread;
 pub use service::{
     Booked, DiscoveryHealth, DiscoveryPoller, FleetHandle, OwnedSelection, Preview, RankStatus, Selection,
     ServiceConfig, WorkerSelectionService, WorkerStatus,
 };
+#[cfg(feature = "nats")]
+pub use service::{OverAdmission, ReplicaSyncThread};
 pub use types::{DpRank, RoutingPartitionRef, WorkerId, WorkerType, WorkerWithDpRank};
 
 #[cfg(feature = "sim")]

@@ -57,7 +57,7 @@ use session::SessionTable;
 
 pub use poller::{DiscoveryHealth, DiscoveryPoller};
 #[cfg(feature = "nats")]
-pub use replica::ReplicaSyncThread;
+pub use replica::{OverAdmission, ReplicaSyncThread};
 
 use crate::explain::Explanation;
 
