@@ -5,18 +5,9 @@
 //! updated and removed ([`crate::WorkerSelectionService::sync`]). Sources never touch
 //! the fleet themselves.
 //!
-//! # One bad record refuses only itself
-//!
-//! A source that reads many records from one place (a file, an etcd prefix)
-//! refuses a bad record on its own: the snapshot it delivers holds every
-//! good record, plus, for the worker of each refused record, the last good
-//! record the source delivered for it (or nothing, if it had none), and the
-//! refusal is handed out separately ([`Discovery::take_refused`]), naming
-//! the record's key or file and worker. So a bad record, however often it
-//! is rewritten and however many there are, never holds back a change to
-//! another worker. A snapshot still applies whole or not at all: what the
-//! service refuses is a snapshot that does not fit the fleet, which no
-//! single record decides.
+//! One bad record refuses only itself (see [`Discovery`]): a source leaves
+//! it out of its snapshot and reports it beside it, so that no record,
+//! however often rewritten, holds back a change to another worker.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -36,14 +27,25 @@ use crate::types::WorkerId;
 /// first call always returns a snapshot. A source that fails keeps its last
 /// good state, so a later `poll` can succeed.
 ///
-/// A source that refuses single records (see the module docs) leaves them
-/// out of the snapshot and hands each refusal out once through
-/// [`take_refused`](Discovery::take_refused), which
-/// [`crate::WorkerSelectionService::refresh`] calls after every `poll` it
-/// applies; a refused record never makes `poll` fail.
+/// # One bad record refuses only itself
 ///
-/// A snapshot the service refuses (an invalid record, a fleet too small for
-/// it) changes nothing. [`crate::WorkerSelectionService::refresh`] keeps it
+/// A source that reads many records from one place (a file, an etcd
+/// prefix) refuses a bad record on its own: the snapshot it delivers holds
+/// every good record, plus, for the worker of each refused record, the last
+/// good record the source delivered for it (or nothing, if it had none),
+/// and the refusal is handed out once through
+/// [`take_refused`](Discovery::take_refused), naming the record's key or
+/// file and worker; [`crate::WorkerSelectionService::refresh`] takes them
+/// after every `poll` it applies. A refused record never makes `poll`
+/// fail, so a bad record, however often it is rewritten and however many
+/// there are, never holds back a change to another worker. A snapshot
+/// still applies whole or not at all: what the service refuses is a
+/// snapshot that does not fit the fleet, which no single record decides.
+///
+/// # Refused snapshots
+///
+/// A snapshot the service refuses (an invalid record from a source that
+/// does not check its records, a fleet too small for it) changes nothing. [`crate::WorkerSelectionService::refresh`] keeps it
 /// and tries it again whenever a later `poll` reports no change, until it
 /// applies (once bookings that held rows have ended, say) or the source
 /// delivers a newer snapshot; so a source never has to deliver a snapshot
@@ -305,8 +307,8 @@ struct Seen {
 /// which the next poll delivers again. Write the file atomically (write a
 /// temporary file, then rename) so a poll never sees half a file.
 ///
-/// A single bad record is refused on its own (see the [module
-/// docs](self)): one that does not parse as a worker record
+/// A single bad record is refused on its own (see [`Discovery`]): one
+/// that does not parse as a worker record
 /// ([`DiscoveryError::FileRecordParse`]), has a field
 /// [`WorkerRecord::validate`] refuses, or shares its `worker_id` with
 /// another record ([`DiscoveryError::FileRecordInvalid`]). The file's other
