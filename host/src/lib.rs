@@ -23,7 +23,8 @@ pub use config::{
     WorkerSelectionConfig, WorkerSelectionInstance, MAX_CONFIG_BYTES, MAX_CONFIG_COLLECTIONS, MAX_CONFIG_DEPTH,
 };
 pub use discovery::{
-    BusyThresholds, DeviceKind, Discovery, FileDiscovery, InMemoryDiscovery, SyncReport, WorkerRecord, WorkerState,
+    BusyThresholds, DeviceKind, Discovery, FileDiscovery, InMemoryDiscovery, RefreshReport, SyncReport, WorkerRecord,
+    WorkerState,
 };
 #[cfg(feature = "etcd")]
 pub use discovery::{EtcdDiscovery, EtcdOptions, EtcdRegistration, EtcdWatchStatus};

@@ -18,6 +18,8 @@
 //!   ([`rng`]: it (wyrand), SplitMix64 for streams that must not change
 //!   with it, and SplitMix64's mixer for seeds).
 //! * [`lanes`]: the lane width and column access.
+//! * [`worker`]: a worker rank's identity and a request's cache overlap
+//!   keyed by it (the entries of the keyed-overlap scatter).
 //! * [`simd`]: the SIMD backends (AVX2, and `wide`'s portable lanes) and the
 //!   one place the kernel chooses between them, at run time where `std`
 //!   allows; [`simd_backend`] names the choice. The `std` feature (default)
@@ -49,6 +51,7 @@ pub mod simd;
 mod sync;
 #[cfg(all(feature = "alloc", any(selkie_loom, target_has_atomic = "64")))]
 pub mod two_copies;
+pub mod worker;
 
 pub use fleet::{
     BookError, BookLoad, Booking, Fleet, FleetError, SelectError, SlotId, SlotState, WorkerSpec, WorkerState,
@@ -57,3 +60,4 @@ pub use kernels::KernelError;
 pub use mask::RowMask;
 pub use rng::Rng;
 pub use simd::simd_backend;
+pub use worker::{WorkerOverlap, WorkerWithDpRank};

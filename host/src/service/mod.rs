@@ -43,7 +43,7 @@ use std::time::{Duration, Instant};
 use metrics::Counter;
 use selkie_kernel::lanes::U32Source;
 
-use crate::discovery::registry::{SyncReport, WorkerRegistry};
+use crate::discovery::registry::{RefreshReport, SyncReport, WorkerRegistry};
 use crate::discovery::{BusyThresholds, Discovery, WorkerRecord, WorkerState};
 use crate::error::{DiscoveryError, SelectionError};
 use crate::filter::{eligible_rows, is_busy, Rejections};
@@ -266,7 +266,14 @@ impl WorkerSelectionService {
         self.change(|reg, fleet| reg.sync(fleet, snapshot))
     }
 
-    /// Polls `source` once and applies its snapshot if it changed.
+    /// Polls `source` once and applies its snapshot if it changed; takes the
+    /// records the source refused ([`Discovery::take_refused`]).
+    ///
+    /// Refused records never fail a refresh: the snapshot holds the other
+    /// records and applies as usual, and the refusals come back in the
+    /// [`RefreshReport`] (a [`DiscoveryPoller`] logs and counts them). They
+    /// are taken only when the refresh succeeds, so a refresh that fails
+    /// leaves them with the source for the next one.
     ///
     /// A snapshot that [`sync`](Self::sync) refuses changes nothing; the
     /// service keeps it and tries it again on every later refresh whose
@@ -275,7 +282,7 @@ impl WorkerSelectionService {
     /// or the workers are changed some other way (then it is dropped). The
     /// source is told when a snapshot it delivered is refused
     /// ([`Discovery::snapshot_refused`]).
-    pub fn refresh(&self, source: &mut dyn Discovery) -> Result<Option<SyncReport>, DiscoveryError> {
+    pub fn refresh(&self, source: &mut dyn Discovery) -> Result<RefreshReport, DiscoveryError> {
         let refused = || self.refused.lock().unwrap_or_else(PoisonError::into_inner);
         let (snapshot, fresh) = match source.poll()? {
             Some(snapshot) => (snapshot, true),
@@ -283,14 +290,22 @@ impl WorkerSelectionService {
             // was refused (a direct change, or a newer snapshot, wins).
             None => match refused().take() {
                 Some((version, kept)) if version == self.version.load(Ordering::Acquire) => (kept, false),
-                _ => return Ok(None),
+                _ => {
+                    return Ok(RefreshReport {
+                        applied: None,
+                        refused: source.take_refused(),
+                    })
+                }
             },
         };
         let kept = snapshot.clone();
         match self.sync(snapshot) {
             Ok(report) => {
                 *refused() = None;
-                Ok(Some(report))
+                Ok(RefreshReport {
+                    applied: Some(report),
+                    refused: source.take_refused(),
+                })
             }
             Err(e) => {
                 *refused() = Some((self.version.load(Ordering::Acquire), kept));
