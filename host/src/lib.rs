@@ -63,7 +63,7 @@ pub use service::{
     Booked, DiscoveryHealth, DiscoveryPoller, FleetHandle, OwnedSelection, Preview, RankStatus, Selection,
     ServiceConfig, WorkerSelectionService, WorkerStatus,
 };
-pub use types::{DpRank, RoutingPartitionRef, WorkerId, WorkerType, WorkerWithDpRank};
+pub use types::{DpRank, RankRow, RoutingPartitionRef, WorkerId, WorkerType, WorkerWithDpRank};
 
 #[cfg(feature = "sim")]
 pub mod sim;

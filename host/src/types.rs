@@ -1,5 +1,5 @@
 //! Identities shared by every part of the host: worker ids, data-parallel
-//! ranks, worker roles and routing partitions.
+//! ranks, a rank's row, worker roles and routing partitions.
 //!
 //! The names are Dynamo's (`WorkerWithDpRank`, `WorkerType`,
 //! `RoutingPartitionRef`) so a router that used Dynamo's custom worker
@@ -43,6 +43,19 @@ impl fmt::Display for WorkerWithDpRank {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}/dp{}", self.worker_id, self.dp_rank)
     }
+}
+
+/// A worker rank's row in the selection service's current layout and its
+/// tenure there (what
+/// [`WorkerSelectionService::rank_row`](crate::WorkerSelectionService::rank_row)
+/// answers).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct RankRow {
+    /// The row: the index of the rank's value in a per-row column.
+    pub row: usize,
+    /// The layout epoch from which the rank holds its row: a rank removed
+    /// from the fleet and added again gets a new one, even on the same row.
+    pub tenure: u64,
 }
 
 /// The role of the worker pool a policy selects from.

@@ -33,10 +33,11 @@ impl Router {
         router
     }
 
-    /// What a router does before each query.
+    /// What a router does before each query (with the ranks' tenures, so
+    /// that the index sees a worker that left and came back).
     fn sync(&mut self) {
         let service = &self.service;
-        self.index.sync_rows(service.row_layout(), |r| service.row_of(r));
+        self.index.sync_rows(service.row_layout(), |r| service.rank_row(r));
     }
 
     fn store(
@@ -61,7 +62,13 @@ impl Router {
         self.index.apply(&KvEvent::new(rank, id, data).in_tier(tier))
     }
 
-    fn remove(&mut self, rank: WorkerWithDpRank, id: u64, tier: StorageTier, hashes: &[u64]) -> Result<(), KvEventError> {
+    fn remove(
+        &mut self,
+        rank: WorkerWithDpRank,
+        id: u64,
+        tier: StorageTier,
+        hashes: &[u64],
+    ) -> Result<(), KvEventError> {
         self.index
             .apply(&KvEvent::new(rank, id, KvEventData::Removed { blocks: hashes }).in_tier(tier))
     }
@@ -129,6 +136,7 @@ fn a_late_event_of_a_removed_worker_is_not_credited_when_it_returns() {
     for id in 0..20 {
         r.store(W1, id, Device, None, &[(100 + id, 7 + id)]).unwrap();
     }
+    assert_eq!(r.overlap(W1, &[7]), (1, 0, 0));
     r.service.remove_worker(1).unwrap();
     r.sync();
     // Late: event 20 of the dead engine.
