@@ -202,7 +202,7 @@ impl KvIndex {
 
     /// Ends the rank's incarnation: its blocks are dropped (the caller
     /// counts them off `held`) and its event ids forgotten.
-    pub(super) fn restart(&mut self, rank: WorkerWithDpRank) {
+    pub(super) fn restart(&mut self, rank: WorkerWithDpRank, report: bool) {
         self.clear_rank(rank, 0b111);
         let syncs = self.syncs;
         if let Some(state) = self.ranks.get_mut(&rank) {
@@ -211,6 +211,9 @@ impl KvIndex {
             state.began = syncs;
         }
         self.stats.restarts += 1;
+        if report {
+            self.counters.restart.increment(1);
+        }
     }
 
     /// Takes the rank's blocks off its row (the rank keeps them).
@@ -234,7 +237,7 @@ impl KvIndex {
     /// since the last sync) starts a new incarnation, unless its current
     /// one began since the last sync (the new engine's first events may
     /// arrive before the sync that sees it back).
-    pub(super) fn unplace(&mut self, rank: WorkerWithDpRank, back: Option<Option<u64>>) {
+    pub(super) fn unplace(&mut self, rank: WorkerWithDpRank, back: Option<Option<u64>>, report: bool) {
         let Some(state) = self.ranks.get(&rank) else { return };
         let came_back = back.flatten().zip(state.tenure).is_some_and(|(new, old)| new != old);
         let began_before_last_sync = state.began + 1 < self.syncs;
@@ -251,13 +254,13 @@ impl KvIndex {
                 let state = self.ranks.get_mut(&rank).expect("seen above");
                 state.tenure = None;
                 if state.awaiting == 0 {
-                    self.await_row(rank, true);
+                    self.await_row(rank, report);
                 }
             }
             Some(_) if came_back => {
                 self.stats.ranks_removed += 1;
                 if began_before_last_sync {
-                    self.restart(rank);
+                    self.restart(rank, report);
                 }
             }
             Some(_) => {}
@@ -269,7 +272,7 @@ impl KvIndex {
     /// Puts a rank without a row on `row` (under `tenure`, if known). A
     /// rank marked departed starts a new incarnation first: what it
     /// reported since its worker left was its old engine's.
-    pub(super) fn place(&mut self, rank: WorkerWithDpRank, row: u32, tenure: Option<u64>) {
+    pub(super) fn place(&mut self, rank: WorkerWithDpRank, row: u32, tenure: Option<u64>, report: bool) {
         let rows = self.layout.map_or(0, |l| l.rows);
         let Some(state) = self.ranks.get_mut(&rank) else { return };
         debug_assert!(state.row.is_none(), "placing a placed rank");
@@ -279,7 +282,7 @@ impl KvIndex {
         }
         if state.departed {
             let held = state.blocks.len();
-            self.restart(rank);
+            self.restart(rank, report);
             self.held -= held;
         }
         let state = self.ranks.get_mut(&rank).expect("seen above");

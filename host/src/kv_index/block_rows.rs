@@ -19,7 +19,7 @@
 //! apart, which only costs a missed skip.
 
 use super::rows::RowSet;
-use super::table::U64Table;
+use super::table::{Spread, U64Table};
 
 /// The id of "no row holds the block" (such blocks are not in the table).
 pub(crate) const NONE: u32 = u32::MAX;
@@ -55,7 +55,7 @@ const REMEMBERED: usize = 32;
 #[derive(Debug, Default)]
 pub(crate) struct BlockRows {
     /// Sequence hash -> the id of its set.
-    blocks: U64Table<u32>,
+    blocks: U64Table<u32, Spread>,
     sets: Sets,
 }
 

@@ -38,7 +38,7 @@
 //! // Per request: bring the index to the service's rows (cheap when they
 //! // did not change), query, select.
 //! let mut overlaps = KvOverlaps::new();
-//! index.sync_rows(service.row_layout(), |rank| service.row_of(rank));
+//! index.sync_rows(service.row_layout(), |rank| service.rank_row(rank));
 //! let columns = index.overlaps_for_tokens(&hasher, &prompt, &mut overlaps)?;
 //! let row = service.row_of(WorkerWithDpRank::new(2, 0)).unwrap();
 //! assert_eq!(columns.device_blocks[row], 4.0);
@@ -54,55 +54,143 @@
 //!   so a request's hashes computed by the router meet the blocks engines
 //!   report. Two prefixes whose 64-bit sequence hashes collide are
 //!   indistinguishable (odds about `n² / 2⁶⁵` for `n` distinct blocks).
-//! * Every worker rank is independent. A store under a parent the rank does
-//!   not hold (in the device tier for a device store, in any tier for a
-//!   host or disk store) is refused whole ([`KvEventError::UnknownParent`]);
-//!   storing a block the rank holds changes nothing; a removal with some
-//!   unknown blocks removes the others and reports the rest
-//!   ([`KvEventError::UnknownBlocks`]); [`KvEventData::Cleared`] clears only
-//!   its own rank and tier. In the device tier these are the answers of
-//!   Dynamo's `RadixTree`. Dynamo's lower-tier indexers accept a host or
-//!   disk store under a parent the rank does not hold; this index refuses
-//!   it, since without the parent the block's place in the sequence is
-//!   unknown.
+//! * Events name blocks by the engine's hash. Every worker rank is
+//!   independent. A store under a parent the rank does not hold in any tier
+//!   is refused whole ([`KvEventError::UnknownParent`]); a removal with
+//!   some unknown blocks removes the others and reports the rest
+//!   ([`KvEventError::UnknownBlocks`]); [`KvEventData::Cleared`] clears
+//!   only its own rank and tier.
+//! * References are counted as engines make them. A block stored again
+//!   while the rank holds it in that tier is one copy more (vLLM does not
+//!   de-duplicate its cache: two requests that compute the same block hold
+//!   two copies, each stored and each removed with its own event): it is
+//!   held until removed as many times as stored, and a removal naming a
+//!   hash three times removes three copies. Two engine hashes may name one
+//!   sequence hash (an engine that keys blocks by more than the router
+//!   hashes): the rank holds the block while either does. An engine hash
+//!   stored under another sequence hash than before names a new block: the
+//!   old one is gone, every copy.
 //! * A rank's overlap is exact per block: the number of leading request
 //!   blocks it holds on device, then the blocks after those it holds in
-//!   host memory, then the blocks after those on disk. A first-block miss
-//!   scores nothing. Deliberately unlike Dynamo's `RadixTree`, removing a
-//!   block in the middle of a stored run does not forget the rank's later
-//!   blocks of that run: they stop counting while the removed block is
-//!   missing and count again once it is stored again, as the engine still
-//!   holds them (the `RadixTree` under-credits them until they are stored
-//!   again; without middle removals the two agree on every query).
-//! * Event ids are per rank and consecutive. A gap (an event lost, or
-//!   events reordered) drops every block of the rank, since the index can
-//!   no longer know them, reports [`KvEventError::EventGap`] and applies the
-//!   event to the empty rank; an id at or below the last one applied is
-//!   ignored ([`KvEventError::StaleEvent`]). A rank's first event may have
-//!   any id. Both are counted in [`KvIndexStats`] and in the
-//!   `selkie_kv_events_total` counter (label `outcome`).
+//!   host memory, then the blocks after those on disk; a block held in
+//!   several tiers counts in the first of them the walk is in. A
+//!   first-block miss scores nothing. Deliberately unlike Dynamo's
+//!   `RadixTree`, removing a block in the middle of a stored run does not
+//!   forget the rank's later blocks of that run: they stop counting while
+//!   the removed block is missing and count again once it is stored again,
+//!   as the engine still holds them (the `RadixTree` under-credits them
+//!   until they are stored again; without middle removals the two agree on
+//!   every query).
 //!
-//! # Rows
+//! ## Storage tiers
+//!
+//! Engines offload blocks to host memory or disk and load them back
+//! (vLLM's `medium` is `"GPU"` or `"CPU"`), and the events of two tiers are
+//! not ordered against each other: a device block's parent may be reported
+//! in host memory only, for a while or for good. So a store chains under
+//! a parent held in *any* tier, whatever its own tier; refusing it would
+//! lose the block, and every later store chained on it, for good.
+//!
+//! The credit is the walk above: the service weighs each device block by
+//! [`KvRouterConfig::overlap_score_credit`](crate::KvRouterConfig), each
+//! host block by `host_cache_hit_weight` and each disk block by
+//! `disk_cache_hit_weight` (1.0, 0.75 and 0.25 by default, the credits
+//! Dynamo 1.7 gives its three tiers). Where selkie differs from Dynamo:
+//! Dynamo 1.6 keeps one tree for every tier (a host block credits as a
+//! device block); Dynamo's lower-tier indexers accept a host or disk store
+//! under a parent the rank does not hold, where selkie refuses a store
+//! whose parent the rank holds in no tier (without the parent, the block's
+//! place in the sequence, so its sequence hash, is unknown); and a device
+//! block after a host-only block of the request does not continue the
+//! host run here, since the engine would not use it there: vLLM matches
+//! its GPU cache from the first block and looks its offloaded blocks up
+//! after the GPU match, loading them to new GPU blocks.
+//!
+//! ## Event ids and engine incarnations
+//!
+//! Event ids are per rank and consecutive within an *incarnation* (one run
+//! of an engine: vLLM numbers its events from 0 each time it starts). A
+//! rank's first event may have any id. Then, for an event's id:
+//!
+//! * the last id plus one: applied;
+//! * further ahead, by at most [`MAX_EVENT_ID_JUMP`]: events were lost, so
+//!   the rank's blocks (every tier) are dropped, since the index can no
+//!   longer know them; the event is applied to the empty rank and reported
+//!   ([`KvEventError::EventGap`]);
+//! * further ahead than that: not believed (no engine loses 2³² events;
+//!   a corrupted or forged id would otherwise make the rank's real events
+//!   stale for good): ignored, the rank keeps its blocks and its last id
+//!   ([`KvEventError::EventIdJump`]);
+//! * 0, or more than [`MAX_EVENT_ID_JUMP`] below the last: a new
+//!   incarnation (the engine restarted): the rank's blocks are dropped and
+//!   the event applied to the empty rank (counted in
+//!   [`KvIndexStats::restarts`]);
+//! * otherwise at or below the last: a duplicate or a late event, ignored
+//!   ([`KvEventError::StaleEvent`]).
+//!
+//! Each outcome is counted in [`KvIndexStats`] and in the
+//! `selkie_kv_events_total` counter (label `outcome`).
+//!
+//! # Rows and the fleet
 //!
 //! Blocks are kept per row of the service, not per worker, so a query
 //! writes columns without looking a worker up. [`KvIndex::sync_rows`] takes
-//! the service's [`RowLayout`] and its `row_of`: when the layout's epoch
-//! changed, every rank is placed again; a rank that had a row and has none
-//! any more (its worker left the fleet) is dropped with its blocks, so a
-//! row given to another worker never inherits them. Ranks whose events
-//! arrive before their worker joins the fleet are kept aside and placed
-//! once they get a row; a rank's blocks count from the first
-//! [`KvIndex::sync_rows`] after its first event, so a router syncs before
-//! every query (when the layout did not change, a sync only places the
-//! ranks first seen since the last one).
-//! [`KvIndex::remove_worker`] drops a worker's ranks at once.
+//! the service's [`RowLayout`] and its
+//! [`rank_row`](crate::WorkerSelectionService::rank_row) (each rank's row
+//! and *tenure*, the layout epoch from which it holds that row): when the
+//! layout's epoch changed, every rank is placed again; when it did not,
+//! only the ranks first seen since the last sync. A router syncs before
+//! every query; a rank's blocks count from the first sync after its first
+//! event.
+//!
+//! A worker that leaves the fleet ends its ranks' incarnations:
+//!
+//! * a rank that lost its row, or whose worker [`KvIndex::remove_worker`]
+//!   names, drops its blocks at once; what its engine reports after that
+//!   (late events of the old engine) is held aside and dropped when the
+//!   worker returns, unless a new incarnation began since (event id 0);
+//! * a rank whose tenure changed (the worker was removed and added again
+//!   between two syncs, even onto the same row) starts a new incarnation:
+//!   its blocks and event ids are forgotten, unless its current
+//!   incarnation began since the last sync (the restarted engine's first
+//!   events may arrive before the sync that sees it back). `row_of`
+//!   answers without tenures
+//!   ([`row_of`](crate::WorkerSelectionService::row_of) works too) cannot
+//!   show this case.
+//!
+//! So a row given to another worker never inherits blocks, and an engine
+//! that restarts is credited with what it reports, not with what its
+//! previous run held. An engine whose worker merely flaps out of the fleet
+//! and back loses its blocks in the index until it stores them again.
+//!
+//! Ranks whose events arrive before their worker has a row (the router's
+//! discovery lags the engine), and ranks whose worker left, are kept
+//! aside, *awaiting* a row: at most [`DEFAULT_MAX_AWAITING_RANKS`] (4,096)
+//! of them (past it the one waiting longest is dropped, with its blocks;
+//! [`KvIndex::with_max_awaiting_ranks`]), for at most
+//! [`DEFAULT_AWAITING_RANK_TTL`] (60 s) from the first sync that found it
+//! without a row ([`KvIndex::with_awaiting_rank_ttl`]); both drops are
+//! counted in [`KvIndexStats::awaiting_ranks_dropped`] and in the
+//! `selkie_kv_awaiting_ranks_dropped_total` counter. A dropped rank's next
+//! event is its first again.
 //!
 //! # Memory
 //!
-//! Unbounded by default; [`KvIndex::with_max_blocks`] bounds the blocks
-//! held (summed over ranks), evicting the blocks stored longest ago first
-//! and counting them in [`KvIndexStats::evicted_blocks`] and in the
-//! `selkie_kv_evicted_blocks_total` counter.
+//! What the index holds is bounded for any event stream once
+//! [`KvIndex::with_max_blocks`] bounds the blocks held (summed over ranks;
+//! unbounded by default): past the bound, the blocks stored longest ago
+//! are evicted, counted in [`KvIndexStats::evicted_blocks`] and in the
+//! `selkie_kv_evicted_blocks_total` counter; a store of more blocks than
+//! the bound is refused whole ([`KvEventError::TooManyBlocks`]). The ranks
+//! with a row are the service's; those without are bounded as above. A
+//! block costs its entry in its rank's table (24 bytes and a control byte
+//! a slot, tables up to 7/8 full) and, for a rank with a row, its share of
+//! the block table's entry (12 bytes and a control byte); copies and
+//! aliases add a small count each, only where they occur. Memory is given
+//! back: a table holding less than an eighth of its room shrinks (a rank's
+//! table keeps the room of its first run, the block table the room
+//! [`KvIndex::with_block_capacity`] reserved), and an empty one is freed.
+//!
 //! [`KvIndex::with_block_capacity`] reserves the block table for the
 //! distinct blocks a fleet caches, so that ingestion never stops to grow
 //! it ([`ApproxKvIndex::with_block_capacity`] likewise); [`shared_with`]
@@ -506,16 +594,18 @@ impl KvIndex {
     /// ([`with_awaiting_rank_ttl`](Self::with_awaiting_rank_ttl)) are
     /// dropped.
     pub fn sync_rows<A: RowAnswer>(&mut self, layout: RowLayout, mut row_of: impl FnMut(WorkerWithDpRank) -> A) {
-        self.sync_rows_at(layout, |rank| row_of(rank).row_and_tenure(), Instant::now());
+        self.sync_rows_at(layout, |rank| row_of(rank).row_and_tenure(), Instant::now(), true);
     }
 
-    /// [`sync_rows`](Self::sync_rows) at `now` (a shared index's second
-    /// copy replays a sync at the first one's time).
+    /// [`sync_rows`](Self::sync_rows) at `now`, reporting through
+    /// `metrics` only if `report` (a shared index's second copy replays a
+    /// sync at the first one's time, reporting nothing).
     fn sync_rows_at(
         &mut self,
         layout: RowLayout,
         mut row_of: impl FnMut(WorkerWithDpRank) -> Option<(usize, Option<u64>)>,
         now: Instant,
+        report: bool,
     ) {
         self.syncs += 1;
         let mut answer = |rank| {
@@ -528,7 +618,7 @@ impl KvIndex {
             // one: the rest found none in this layout already.
             for rank in self.awaiting_since_last_sync() {
                 if let Some((row, tenure)) = answer(rank) {
-                    self.place(rank, row, tenure);
+                    self.place(rank, row, tenure, report);
                 }
             }
         } else {
@@ -552,16 +642,16 @@ impl KvIndex {
             // one: a row may pass from one rank to another in the same
             // change.
             for &(rank, new) in &moves {
-                self.unplace(rank, new.map(|(_, tenure)| tenure));
+                self.unplace(rank, new.map(|(_, tenure)| tenure), report);
             }
             for (rank, new) in moves {
                 if let Some((row, tenure)) = new {
-                    self.place(rank, row, tenure);
+                    self.place(rank, row, tenure, report);
                 }
             }
         }
         self.stamp_awaiting(now);
-        self.expire_awaiting(now, true);
+        self.expire_awaiting(now, report);
         self.blocks.shrink(self.block_capacity);
     }
 
@@ -571,6 +661,12 @@ impl KvIndex {
     /// once the worker is back in the fleet. Returns how many ranks lost
     /// their blocks.
     pub fn remove_worker(&mut self, worker_id: WorkerId) -> usize {
+        self.remove_worker_reporting(worker_id, true)
+    }
+
+    /// [`remove_worker`](Self::remove_worker), reporting through `metrics`
+    /// only if `report`.
+    fn remove_worker_reporting(&mut self, worker_id: WorkerId, report: bool) -> usize {
         let ranks: Vec<WorkerWithDpRank> = self
             .ranks
             .iter()
@@ -578,7 +674,7 @@ impl KvIndex {
             .map(|(&r, _)| r)
             .collect();
         for &rank in &ranks {
-            self.unplace(rank, None);
+            self.unplace(rank, None, report);
         }
         self.shrink_ranks();
         ranks.len()
@@ -647,10 +743,7 @@ impl KvIndex {
                 }
             }
             EventOrder::Restart => {
-                self.restart(rank);
-                if report {
-                    self.counters.restart.increment(1);
-                }
+                self.restart(rank, report);
             }
         }
         let state = self.ranks.get_mut(&rank).expect("an event keeps its rank");

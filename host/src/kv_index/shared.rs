@@ -195,6 +195,7 @@ impl KvIndexWriter {
                     row
                 },
                 now,
+                true,
             )
         });
         self.log.push(Op::SyncRows {
@@ -298,10 +299,10 @@ fn replay(
             now,
         } => {
             let answers: HashMap<WorkerWithDpRank, RowAndTenure> = rows[range.clone()].iter().copied().collect();
-            index.sync_rows_at(*layout, |rank| answers.get(&rank).copied().flatten(), *now);
+            index.sync_rows_at(*layout, |rank| answers.get(&rank).copied().flatten(), *now, false);
         }
         Op::RemoveWorker(worker_id) => {
-            index.remove_worker(*worker_id);
+            index.remove_worker_reporting(*worker_id, false);
         }
     }
 }

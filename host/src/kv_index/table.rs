@@ -1,14 +1,16 @@
 //! 64-bit key -> small value: the index's tables (block table, per-rank
-//! tables), `hashbrown`'s [`HashTable`] keyed by a folded multiply.
+//! tables), `hashbrown`'s [`HashTable`].
 //!
-//! The keys are sequence hashes (XXH3 outputs) and engine block hashes
-//! (whatever the engines use: often hashes, sometimes small counters or
-//! values with many trailing zeros). A folded multiply (the 128-bit
-//! product of the key and an odd constant, its halves XORed) spreads both
-//! over every bit of the hash in one multiply: `hashbrown` takes the
-//! bucket from the low bits and the control byte from the top seven. Keys
-//! come from the fleet's engines and from the router's own hashing, not
-//! chosen by clients one by one, so the constant is fixed.
+//! `hashbrown` takes a key's bucket from the low bits of its hash and its
+//! control byte from the top seven. The block table's keys are sequence
+//! hashes, XXH3 outputs already spread over all 64 bits, so they are
+//! their own hash ([`Spread`]: no work on a query's lookups). The ranks'
+//! tables are keyed by engine block hashes, whatever the engines use
+//! (often hashes, sometimes small counters or values with many trailing
+//! zeros): a folded multiply ([`Folded`]: the 128-bit product of the key
+//! and an odd constant, its halves XORed) spreads those over every bit in
+//! one multiply. Keys come from the fleet's engines and from the router's
+//! own hashing, not chosen by clients one by one, so nothing is seeded.
 //!
 //! Every table gives memory back: [`U64Table::shrink`] resizes a table
 //! that holds less than an eighth of its capacity, so a table that once
@@ -25,33 +27,52 @@ const MULTIPLIER: u64 = 0x9e37_79b9_7f4a_7c15;
 /// A table this small is never shrunk (a few cache lines).
 const MIN_SHRINK_CAPACITY: usize = 64;
 
-/// The hash of `key`.
-#[inline(always)]
-fn hash(key: u64) -> u64 {
-    let product = u128::from(key) * u128::from(MULTIPLIER);
-    product as u64 ^ (product >> 64) as u64
+/// How a table hashes its keys.
+pub(crate) trait KeyHash {
+    /// The hash of `key`.
+    fn hash(key: u64) -> u64;
 }
 
-#[inline(always)]
-fn hash_entry<V>(entry: &(u64, V)) -> u64 {
-    hash(entry.0)
+/// Keys that are uniform 64-bit hashes already: their own hash.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Spread;
+
+impl KeyHash for Spread {
+    #[inline(always)]
+    fn hash(key: u64) -> u64 {
+        key
+    }
 }
 
-/// A table of `u64` keys and `Copy` values.
+/// Keys of any pattern: a folded multiply.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Folded;
+
+impl KeyHash for Folded {
+    #[inline(always)]
+    fn hash(key: u64) -> u64 {
+        let product = u128::from(key) * u128::from(MULTIPLIER);
+        product as u64 ^ (product >> 64) as u64
+    }
+}
+
+/// A table of `u64` keys and `Copy` values, its keys hashed by `H`.
 #[derive(Clone, Debug)]
-pub(crate) struct U64Table<V> {
+pub(crate) struct U64Table<V, H = Folded> {
     table: HashTable<(u64, V)>,
+    hash: std::marker::PhantomData<H>,
 }
 
-impl<V> Default for U64Table<V> {
+impl<V, H> Default for U64Table<V, H> {
     fn default() -> Self {
         U64Table {
             table: HashTable::new(),
+            hash: std::marker::PhantomData,
         }
     }
 }
 
-impl<V: Copy> U64Table<V> {
+impl<V: Copy, H: KeyHash> U64Table<V, H> {
     /// Keys in the table.
     #[inline]
     pub(crate) fn len(&self) -> usize {
@@ -71,19 +92,19 @@ impl<V: Copy> U64Table<V> {
 
     #[inline]
     pub(crate) fn get(&self, key: u64) -> Option<V> {
-        self.table.find(hash(key), |e| e.0 == key).map(|e| e.1)
+        self.table.find(H::hash(key), |e| e.0 == key).map(|e| e.1)
     }
 
     #[inline]
     pub(crate) fn get_mut(&mut self, key: u64) -> Option<&mut V> {
-        self.table.find_mut(hash(key), |e| e.0 == key).map(|e| &mut e.1)
+        self.table.find_mut(H::hash(key), |e| e.0 == key).map(|e| &mut e.1)
     }
 
     /// `key`'s value, inserting `value` first if the key is absent; and
     /// whether it was inserted.
     #[inline]
     pub(crate) fn get_or_insert(&mut self, key: u64, value: V) -> (&mut V, bool) {
-        match self.table.entry(hash(key), |e| e.0 == key, hash_entry) {
+        match self.table.entry(H::hash(key), |e| e.0 == key, |e| H::hash(e.0)) {
             Entry::Occupied(e) => (&mut e.into_mut().1, false),
             Entry::Vacant(e) => (&mut e.insert((key, value)).into_mut().1, true),
         }
@@ -98,7 +119,7 @@ impl<V: Copy> U64Table<V> {
 
     /// Removes `key`; returns its value.
     pub(crate) fn remove(&mut self, key: u64) -> Option<V> {
-        match self.table.find_entry(hash(key), |e| e.0 == key) {
+        match self.table.find_entry(H::hash(key), |e| e.0 == key) {
             Ok(e) => Some(e.remove().0 .1),
             Err(_) => None,
         }
@@ -109,7 +130,7 @@ impl<V: Copy> U64Table<V> {
     ///
     /// Panics ("capacity overflow") if no table could hold that many keys.
     pub(crate) fn reserve(&mut self, additional: usize) {
-        self.table.reserve(additional, hash_entry);
+        self.table.reserve(additional, |e| H::hash(e.0));
     }
 
     /// Keeps the entries `keep` returns `true` for (it may change them).
@@ -141,7 +162,7 @@ impl<V: Copy> U64Table<V> {
         if target == 0 {
             self.clear();
         } else {
-            self.table.shrink_to(target, hash_entry);
+            self.table.shrink_to(target, |e| H::hash(e.0));
         }
         true
     }
@@ -154,9 +175,16 @@ mod tests {
 
     /// Random inserts, overwrites, removals, reserves, retains and shrinks
     /// against a `HashMap`, with keys drawn from small pools (sequential
-    /// keys, keys with 40 trailing zeros, random keys, and 0).
+    /// keys, keys with 40 trailing zeros, random keys, and 0), under both
+    /// hashes (keys that are not hashes already only cost probes under
+    /// [`Spread`]).
     #[test]
     fn random_operations_match_a_hash_map() {
+        random_operations::<Folded>();
+        random_operations::<Spread>();
+    }
+
+    fn random_operations<H: KeyHash>() {
         let mut x = 0x1234_5678_9abc_def1u64;
         let mut next = move || {
             x ^= x << 13;
@@ -172,7 +200,7 @@ mod tests {
                     _ => next(),
                 })
                 .collect();
-            let mut table = U64Table::<u32>::default();
+            let mut table = U64Table::<u32, H>::default();
             let mut model: HashMap<u64, u32> = HashMap::new();
             for step in 0..20_000u32 {
                 let key = pool[(next() % pool_size as u64) as usize];
@@ -258,7 +286,7 @@ mod tests {
         for shift in [0u32, 20, 40, 52] {
             let mut buckets = HashMap::new();
             for k in 0..4_096u64 {
-                *buckets.entry(hash(k << shift) & 8_191).or_insert(0u32) += 1;
+                *buckets.entry(Folded::hash(k << shift) & 8_191).or_insert(0u32) += 1;
             }
             let worst = buckets.values().copied().max().unwrap();
             assert!(worst <= 6, "keys << {shift}: {worst} keys in one bucket");
