@@ -889,7 +889,7 @@ fn random_events_match_the_model() {
             let tier = [Device, Device, Host, Disk][rng.below(4) as usize];
             let p = rng.below(4);
             let (from, len) = (rng.below(12), 1 + rng.below(4));
-            let alias = rng.below(5) == 0;
+            let alias = rng.below(2) == 0;
             let pairs: Vec<(u64, u64)> = (from..(from + len).min(12))
                 .map(|j| (ext(p, j, alias), local(p, j)))
                 .collect();
