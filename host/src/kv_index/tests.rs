@@ -875,6 +875,7 @@ fn random_events_match_the_model() {
         let mut epoch = 1;
         let mut model = Model::default();
         let mut ids: HashMap<WorkerWithDpRank, u64> = HashMap::new();
+        let mut aliased_removals = 0;
         // A few shared prompts of 12 blocks; local hash of block j of prompt p.
         let local = |p: u64, j: u64| p * 100 + j;
         let ext = |p: u64, j: u64, alias: bool| (p * 100 + j) * 7 + 3 + if alias { 1 << 40 } else { 0 };
@@ -899,12 +900,38 @@ fn random_events_match_the_model() {
                     let expected = model.store(rank, tier, parent, &pairs);
                     let got = store(&mut index, rank, *id, tier, parent, &pairs);
                     assert_eq!(got.is_ok(), expected, "seed {seed} step {step}: {got:?}");
+                    if expected && rng.below(2) == 0 {
+                        // The same blocks under their other engine hashes.
+                        *id += 1;
+                        let other: Vec<(u64, u64)> = (from..(from + len).min(12))
+                            .map(|j| (ext(p, j, !alias), local(p, j)))
+                            .collect();
+                        let expected = model.store(rank, tier, parent, &other);
+                        let got = store(&mut index, rank, *id, tier, parent, &other);
+                        assert_eq!(got.is_ok(), expected, "seed {seed} step {step}: {got:?}");
+                    }
                 }
                 6..=8 => {
+                    let k = tier_index(tier);
+                    let held = model.ranks.entry(rank).or_default();
                     let mut hashes: Vec<u64> = pairs.iter().map(|b| b.0).collect();
+                    let mut in_tier: Vec<u64> = held.iter().filter(|e| e.1 .1[k] > 0).map(|e| *e.0).collect();
+                    if !in_tier.is_empty() && rng.below(2) == 0 {
+                        // Blocks the rank holds in the tier, as engines evict.
+                        in_tier.sort_unstable();
+                        hashes = (0..1 + rng.below(2))
+                            .map(|_| in_tier[rng.below(in_tier.len() as u64) as usize])
+                            .collect();
+                    }
                     if rng.below(4) == 0 {
                         hashes.push(hashes[0]);
                     }
+                    let aliased = hashes.iter().any(|h| {
+                        held.get(h).is_some_and(|&(seq, c)| {
+                            c[k] > 0 && held.iter().any(|(o, &(s, oc))| o != h && s == seq && oc[k] > 0)
+                        })
+                    });
+                    aliased_removals += usize::from(aliased);
                     let expected = model.remove(rank, tier, &hashes);
                     let got = remove(&mut index, rank, *id, tier, &hashes);
                     assert_eq!(got.is_ok(), expected, "seed {seed} step {step}: {got:?}");
@@ -941,6 +968,7 @@ fn random_events_match_the_model() {
         }
         let dense = index.blocks.values().filter(|s| s.is_dense()).count();
         assert!(dense > 0, "seed {seed}: no block turned dense");
+        assert!(aliased_removals > 20, "seed {seed}: {aliased_removals} removals of an aliased block");
         index.blocks.check();
     }
 }
