@@ -119,7 +119,7 @@ fn kv_index_model_reproducer() {
 /// block stored twice and removed twice in one event, a device store
 /// under a parent held in host memory, an event id too far ahead, a new
 /// incarnation (event id 0), and a worker leaving and coming back between
-/// two syncs.
+/// two syncs, its new engine's first event before the sync or after it.
 #[test]
 fn kv_index_model_engine_reproducer() {
     use kv_index_model::*;
@@ -176,6 +176,9 @@ fn kv_index_model_engine_reproducer() {
             Op::Rejoin { worker: 1 },
             query,
             store(1, 0, 143, 0, 3, false),
+            query,
+            Op::Rejoin { worker: 2 },
+            store(2, 0, 143, 0, 2, false),
             query,
         ],
     };

@@ -108,14 +108,16 @@ fn a_worker_removed_and_added_again_between_two_syncs_starts_clean() {
     assert_eq!(r.overlap(W1, &[7]), (0, 0, 0));
 }
 
-/// The new engine's first event arrives before the router syncs: it is
-/// applied, and the old engine's blocks are dropped with it.
+/// The new engine's first events arrive before the router syncs: they are
+/// applied, the old engine's blocks are dropped with the first, and the
+/// sync that sees the worker back keeps them.
 #[test]
 fn a_restarted_engines_event_0_starts_a_new_incarnation() {
     let mut r = Router::new(&[1, 2]);
     for id in 0..5 {
         r.store(W1, id, Device, None, &[(100 + id, 7 + id)]).unwrap();
     }
+    assert_eq!(r.overlap(W1, &[7]), (1, 0, 0));
     r.service.remove_worker(1).unwrap();
     r.service.add_worker(WorkerRecord::new(1)).unwrap();
     r.store(W1, 0, Device, None, &[(500, 70)])
