@@ -968,7 +968,10 @@ fn random_events_match_the_model() {
         }
         let dense = index.blocks.values().filter(|s| s.is_dense()).count();
         assert!(dense > 0, "seed {seed}: no block turned dense");
-        assert!(aliased_removals > 20, "seed {seed}: {aliased_removals} removals of an aliased block");
+        assert!(
+            aliased_removals > 20,
+            "seed {seed}: {aliased_removals} removals of an aliased block"
+        );
         index.blocks.check();
     }
 }
@@ -1248,4 +1251,56 @@ fn rows_leaving_in_bulk_keep_their_own_depths() {
             "row {row}"
         );
     }
+}
+
+/// Ranks without a row: at most the bound (the one waiting longest goes
+/// first, with its blocks), and dropped once they waited the time to live
+/// from the first sync that found them without a row. A dropped rank's
+/// next event is its first again.
+#[test]
+fn ranks_awaiting_a_row_are_bounded_in_number_and_age() {
+    use std::time::{Duration, Instant};
+    let ttl = Duration::from_secs(60);
+    let mut index = KvIndex::new(16).with_max_awaiting_ranks(3).with_awaiting_rank_ttl(ttl);
+    let layout = layout(1, 1);
+    let none = |_| None;
+    let t0 = Instant::now();
+    index.sync_rows_at(layout, none, t0, true);
+    let r = |w| WorkerWithDpRank::new(w, 0);
+    for w in 1..=4 {
+        store(&mut index, r(w), 5, Device, None, &[(w, w)]).unwrap();
+    }
+    // Rank 1 waited longest: dropped with its block for rank 4.
+    assert_eq!((index.awaiting_rank_count(), index.held_blocks()), (3, 3));
+    assert_eq!(index.rank_blocks(r(1), Device), 0);
+    assert_eq!(index.stats().awaiting_ranks_dropped, 1);
+    index.sync_rows_at(layout, none, t0 + Duration::from_secs(10), true);
+    store(&mut index, r(5), 5, Device, None, &[(5, 5)]).unwrap();
+    // Ranks 2..=4 were first found without a row at 10 s, rank 5 at 30 s.
+    index.sync_rows_at(layout, none, t0 + Duration::from_secs(30), true);
+    assert_eq!(index.awaiting_rank_count(), 3, "rank 2 dropped for rank 5");
+    index.sync_rows_at(layout, none, t0 + Duration::from_secs(69), true);
+    assert_eq!(index.awaiting_rank_count(), 3);
+    index.sync_rows_at(layout, none, t0 + Duration::from_secs(70), true);
+    assert_eq!(
+        (index.awaiting_rank_count(), index.held_blocks()),
+        (1, 1),
+        "ranks 3 and 4 waited 60 s"
+    );
+    index.sync_rows_at(layout, none, t0 + Duration::from_secs(90), true);
+    assert_eq!(
+        (index.awaiting_rank_count(), index.rank_count(), index.held_blocks()),
+        (0, 0, 0)
+    );
+    assert_eq!(index.stats().awaiting_ranks_dropped, 5);
+    // Rank 5's next event is a first one: any id.
+    store(&mut index, r(5), 2, Device, None, &[(5, 5)]).unwrap();
+    // A rank that gets a row in time keeps its blocks, whatever it waited.
+    index.sync_rows_at(
+        layout,
+        |rank| (rank == r(5)).then_some((0, None)),
+        t0 + Duration::from_secs(200),
+        true,
+    );
+    assert_eq!((index.awaiting_rank_count(), index.held_blocks()), (0, 1));
 }
