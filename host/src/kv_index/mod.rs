@@ -272,6 +272,9 @@ pub const DEFAULT_MAX_AWAITING_RANKS: usize = 4_096;
 /// it (see [`KvIndex::with_awaiting_rank_ttl`]).
 pub const DEFAULT_AWAITING_RANK_TTL: Duration = Duration::from_secs(60);
 
+/// A rank's row in a synced layout and, if known, its tenure there.
+type Placement = (u32, Option<u64>);
+
 /// A map keyed by worker ranks, with rustc's Fx hash (one multiply per key
 /// word): worker ids come from the fleet's own engines, not from clients.
 type RankMap<V> = rustc_hash::FxHashMap<WorkerWithDpRank, V>;
@@ -623,7 +626,7 @@ impl KvIndex {
             }
         } else {
             self.layout = Some(layout);
-            let moves: Vec<(WorkerWithDpRank, Option<(u32, Option<u64>)>)> = self
+            let moves: Vec<(WorkerWithDpRank, Option<Placement>)> = self
                 .ranks
                 .iter()
                 .filter_map(|(&rank, state)| {
