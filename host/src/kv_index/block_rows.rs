@@ -19,7 +19,7 @@
 //! apart, which only costs a missed skip.
 
 use super::rows::RowSet;
-use super::table::{Spread, U64Table};
+use selkie_kernel::table::HashIndex;
 
 /// The id of "no row holds the block" (such blocks are not in the table).
 pub(crate) const NONE: u32 = u32::MAX;
@@ -55,7 +55,7 @@ const REMEMBERED: usize = 32;
 #[derive(Debug, Default)]
 pub(crate) struct BlockRows {
     /// Sequence hash -> the id of its set.
-    blocks: U64Table<u32, Spread>,
+    blocks: HashIndex<u32>,
     sets: Sets,
 }
 
@@ -228,7 +228,7 @@ impl BlockRows {
     }
 
     /// Gives memory back once most blocks are gone (see
-    /// [`U64Table::shrink`]), keeping room for `keep` blocks.
+    /// [`HashIndex::shrink`]), keeping room for `keep` blocks.
     pub(crate) fn shrink(&mut self, keep: usize) {
         self.blocks.shrink(keep);
         if self.blocks.len() == 0 {

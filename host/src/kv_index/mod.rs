@@ -226,7 +226,6 @@ mod query;
 mod ranks;
 mod rows;
 mod shared;
-mod table;
 #[cfg(test)]
 mod tests;
 

@@ -8,7 +8,7 @@
 use rustc_hash::FxHashMap;
 
 use super::block_rows::BlockRows;
-use super::table::U64Table;
+use selkie_kernel::table::HashIndex;
 
 /// The largest step between two consecutive event ids of a rank that the
 /// index believes (2³²: more events than an engine could lose). An id
@@ -108,8 +108,9 @@ pub(super) struct RankBlocks {
     /// While the rank has no row: its ticket in the index's queue of ranks
     /// awaiting one (0: none).
     pub(super) awaiting: u64,
-    /// Engine hash -> block.
-    pub(super) blocks: U64Table<HeldBlock>,
+    /// Engine hash -> block: a dense table (grown past 7/8 full), as only
+    /// events read it.
+    pub(super) blocks: HashIndex<HeldBlock, true>,
     pub(super) extra: Option<Box<Extra>>,
 }
 
