@@ -285,10 +285,20 @@ impl KvIndex {
             self.restart(rank, report);
             self.held -= held;
         }
+        let (held, placed, max_blocks) = (self.held, self.placed, self.max_blocks);
         let state = self.ranks.get_mut(&rank).expect("seen above");
         state.row = Some(row);
         state.tenure = tenure;
         self.placed += 1;
+        // A rank that stored blocks while it awaited its row makes the room
+        // a placed rank's first run makes (see `RANK_FIRST_ROOM`) now.
+        let own = state.blocks.len();
+        if own > 0 {
+            let room = RANK_FIRST_ROOM.max((held - own) / placed.max(1)).min(max_blocks);
+            if state.blocks.capacity() < room {
+                state.blocks.reserve(room - own);
+            }
+        }
         // Device blocks a stride at a time, the lower tiers block by block;
         // a block another engine hash of the rank already put on the row
         // is counted as an alias.

@@ -185,8 +185,9 @@
 //! with a row are the service's; those without are bounded as above. A
 //! block costs its entry in its rank's table (24 bytes and a control byte
 //! a slot, tables up to 7/8 full) and, for a rank with a row, its share of
-//! the block table's entry (12 bytes and a control byte); copies and
-//! aliases add a small count each, only where they occur. Memory is given
+//! the block table's entry (16 bytes and a control byte a slot, up to 4/5
+//! full) and of its row set; copies and aliases add a small count each,
+//! only where they occur. Memory is given
 //! back: a table holding less than an eighth of its room shrinks (a rank's
 //! table keeps the room of its first run, the block table the room
 //! [`KvIndex::with_block_capacity`] reserved), and an empty one is freed.
@@ -501,10 +502,10 @@ impl KvIndex {
     /// cold in cache, inside the event that filled it; a router that knows
     /// how many blocks its fleet caches (the engines' KV capacity summed
     /// over ranks bounds the distinct blocks) reserves them here. The
-    /// memory is taken now: 13 bytes a slot (an entry and its control
-    /// byte), the smallest power of two of slots that holds `blocks` at
-    /// 7/8 full. The table shrinks again only once it holds less than an
-    /// eighth of that.
+    /// memory is taken now: 17 bytes a slot (a 16-byte entry and its
+    /// control byte), the smallest power of two of slots that holds
+    /// `blocks` at 4/5 full (what the table grown to that size would
+    /// take). It never shrinks below that.
     ///
     /// # Panics
     /// "capacity overflow" where no table could hold `blocks` (as
@@ -515,7 +516,7 @@ impl KvIndex {
     /// use selkie::kv_index::KvIndex;
     ///
     /// let index = KvIndex::new(16).with_block_capacity(100_000);
-    /// assert!(index.heap_bytes() >= 100_000 * 12);
+    /// assert!(index.heap_bytes() >= 100_000 * 16);
     /// assert_eq!(index.block_count(), 0);
     /// ```
     pub fn with_block_capacity(mut self, blocks: usize) -> Self {
