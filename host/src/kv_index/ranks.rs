@@ -209,9 +209,11 @@ impl RankBlocks {
         }
     }
 
-    /// One more copy of `hash` in `tier` (held there already).
+    /// One more copy of `hash` in `tier` (held there already). The count
+    /// saturates (at 2³² copies, more than any engine's cache holds).
     pub(super) fn add_copy(&mut self, hash: u64, tier: u8) {
-        *self.extra().copies.entry((hash, tier)).or_insert(0) += 1;
+        let copies = self.extra().copies.entry((hash, tier)).or_insert(0);
+        *copies = copies.saturating_add(1);
     }
 
     /// Takes one extra copy of `hash` in `tier`; `false` if it had none
