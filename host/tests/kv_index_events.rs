@@ -86,18 +86,30 @@ impl Router {
 
 use StorageTier::{Device, Host};
 
+/// A router of workers 1 and 2 whose worker 1's engine stored `events`
+/// one-block runs (engine hashes 100.., local hashes 7..), synced.
+fn engine_ran(events: u64) -> Router {
+    let mut r = Router::new(&[1, 2]);
+    for id in 0..events {
+        r.store(W1, id, Device, None, &[(100 + id, 7 + id)]).unwrap();
+    }
+    assert_eq!(r.overlap(W1, &[7]), (1, 0, 0));
+    r
+}
+
+/// Worker `w` leaves the service and joins it again.
+fn rejoin(r: &Router, w: u64) {
+    r.service.remove_worker(w).unwrap();
+    r.service.add_worker(WorkerRecord::new(w)).unwrap();
+}
+
 /// A worker removed and added again between two syncs (its engine
 /// restarted): the old engine's blocks stop counting, and the new engine's
 /// events, numbered from 0 again, are applied.
 #[test]
 fn a_worker_removed_and_added_again_between_two_syncs_starts_clean() {
-    let mut r = Router::new(&[1, 2]);
-    for id in 0..5 {
-        r.store(W1, id, Device, None, &[(100 + id, 7 + id)]).unwrap();
-    }
-    assert_eq!(r.overlap(W1, &[7]), (1, 0, 0));
-    r.service.remove_worker(1).unwrap();
-    r.service.add_worker(WorkerRecord::new(1)).unwrap();
+    let mut r = engine_ran(5);
+    rejoin(&r, 1);
     assert_eq!(r.overlap(W1, &[7]), (0, 0, 0), "the old engine's block still counts");
     // The new engine numbers its events from 0.
     for id in 0..3 {
@@ -113,13 +125,8 @@ fn a_worker_removed_and_added_again_between_two_syncs_starts_clean() {
 /// sync that sees the worker back keeps them.
 #[test]
 fn a_restarted_engines_event_0_starts_a_new_incarnation() {
-    let mut r = Router::new(&[1, 2]);
-    for id in 0..5 {
-        r.store(W1, id, Device, None, &[(100 + id, 7 + id)]).unwrap();
-    }
-    assert_eq!(r.overlap(W1, &[7]), (1, 0, 0));
-    r.service.remove_worker(1).unwrap();
-    r.service.add_worker(WorkerRecord::new(1)).unwrap();
+    let mut r = engine_ran(5);
+    rejoin(&r, 1);
     r.store(W1, 0, Device, None, &[(500, 70)])
         .unwrap_or_else(|e| panic!("the new engine's event 0: {e}"));
     r.store(W1, 1, Device, Some(500), &[(501, 71)])
@@ -134,11 +141,7 @@ fn a_restarted_engines_event_0_starts_a_new_incarnation() {
 /// (numbered from 0) are applied.
 #[test]
 fn a_late_event_of_a_removed_worker_is_not_credited_when_it_returns() {
-    let mut r = Router::new(&[1, 2]);
-    for id in 0..20 {
-        r.store(W1, id, Device, None, &[(100 + id, 7 + id)]).unwrap();
-    }
-    assert_eq!(r.overlap(W1, &[7]), (1, 0, 0));
+    let mut r = engine_ran(20);
     r.service.remove_worker(1).unwrap();
     r.sync();
     // Late: event 20 of the dead engine.
