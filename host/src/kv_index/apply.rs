@@ -80,61 +80,71 @@ impl KvIndex {
             0
         };
         state.blocks.reserve(blocks.len().max(first_run));
-        // The blocks this rank now holds in `tier`, put on its row a stride
-        // at a time (in order, before any removal that follows them).
+        // The run in strides: first every block's sequence hash, with its
+        // slots in the rank's table and the block table asked into cache,
+        // then the blocks applied, so that the tables' cache misses overlap
+        // instead of coming one after another. The blocks this rank now
+        // holds in `tier` go onto its row a stride at a time (in order,
+        // before any removal that follows them).
+        let mut sequences = [0u64; STRIDE];
         let (mut fresh, mut fresh_len) = ([0u64; STRIDE], 0);
-        for block in blocks {
-            let sequence = chain.map_or(block.tokens_hash, |p| next_sequence_hash(p, block.tokens_hash));
-            chain = Some(sequence);
-            let (held, new) = state
-                .blocks
-                .get_or_insert(block.block_hash, HeldBlock::new(sequence, tier, 0));
-            if bounded {
-                held.set_stored_at(self.stores);
-                self.coldest.push_back((self.stores, rank, block.block_hash));
-                self.stores += 1;
+        for stride in blocks.chunks(STRIDE) {
+            for (block, slot) in stride.iter().zip(&mut sequences) {
+                let sequence = chain.map_or(block.tokens_hash, |p| next_sequence_hash(p, block.tokens_hash));
+                chain = Some(sequence);
+                *slot = sequence;
+                state.blocks.prefetch(block.block_hash);
+                if state.row.is_some() {
+                    self.blocks.prefetch(sequence);
+                }
             }
-            if !new {
-                if held.sequence != sequence {
-                    // The engine reused a hash for another block: the old
-                    // one is gone, every copy of it in every tier.
-                    let old = *held;
-                    *held = HeldBlock::new(sequence, tier, old.stored_at());
-                    if old.has_copies() {
-                        state.drop_copies(block.block_hash);
-                    }
-                    if let Some(row) = state.row {
-                        let fresh_now = &fresh[..fresh_len];
-                        self.blocks
-                            .insert_all(fresh_now, row, tier, rows, |s| add_alias(&mut state.extra, s, tier));
-                        fresh_len = 0;
-                        for t in TIER_BITS.into_iter().filter(|&t| old.tiers() & t != 0) {
-                            unref(&mut state.extra, &mut self.blocks, old.sequence, row, t);
+            for (block, &sequence) in stride.iter().zip(&sequences) {
+                let (held, new) = state
+                    .blocks
+                    .get_or_insert(block.block_hash, HeldBlock::new(sequence, tier, 0));
+                if bounded {
+                    held.set_stored_at(self.stores);
+                    self.coldest.push_back((self.stores, rank, block.block_hash));
+                    self.stores += 1;
+                }
+                if !new {
+                    if held.sequence != sequence {
+                        // The engine reused a hash for another block: the old
+                        // one is gone, every copy of it in every tier.
+                        let old = *held;
+                        *held = HeldBlock::new(sequence, tier, old.stored_at());
+                        if old.has_copies() {
+                            state.drop_copies(block.block_hash);
                         }
+                        if let Some(row) = state.row {
+                            let fresh_now = &fresh[..fresh_len];
+                            self.blocks
+                                .insert_all(fresh_now, row, tier, rows, |s| add_alias(&mut state.extra, s, tier));
+                            fresh_len = 0;
+                            for t in TIER_BITS.into_iter().filter(|&t| old.tiers() & t != 0) {
+                                unref(&mut state.extra, &mut self.blocks, old.sequence, row, t);
+                            }
+                        }
+                    } else if held.tiers() & tier == 0 {
+                        held.set_tiers(held.tiers() | tier);
+                    } else {
+                        // A copy more of a block the rank holds in the tier.
+                        held.set_has_copies(true);
+                        state.add_copy(block.block_hash, tier);
+                        continue;
                     }
-                } else if held.tiers() & tier == 0 {
-                    held.set_tiers(held.tiers() | tier);
-                } else {
-                    // A copy more of a block the rank holds in the tier.
-                    held.set_has_copies(true);
-                    state.add_copy(block.block_hash, tier);
-                    continue;
+                }
+                if state.row.is_some() {
+                    fresh[fresh_len] = sequence;
+                    fresh_len += 1;
                 }
             }
             if let Some(row) = state.row {
-                fresh[fresh_len] = sequence;
-                fresh_len += 1;
-                if fresh_len == STRIDE {
-                    self.blocks
-                        .insert_all(&fresh, row, tier, rows, |s| add_alias(&mut state.extra, s, tier));
-                    fresh_len = 0;
-                }
+                let fresh_now = &fresh[..fresh_len];
+                self.blocks
+                    .insert_all(fresh_now, row, tier, rows, |s| add_alias(&mut state.extra, s, tier));
+                fresh_len = 0;
             }
-        }
-        if let Some(row) = state.row {
-            self.blocks.insert_all(&fresh[..fresh_len], row, tier, rows, |s| {
-                add_alias(&mut state.extra, s, tier)
-            });
         }
         Ok(())
     }

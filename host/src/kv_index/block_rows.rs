@@ -207,6 +207,13 @@ impl BlockRows {
         self.sets.settle(from, to, moved);
     }
 
+    /// Starts loading block `sequence`'s table entry into cache (see
+    /// [`HashIndex::prefetch`]).
+    #[inline]
+    pub(crate) fn prefetch(&self, sequence: u64) {
+        self.blocks.prefetch(sequence);
+    }
+
     /// Takes `tier` of `row` off block `sequence`, dropping the block once
     /// no row holds it.
     pub(crate) fn remove(&mut self, sequence: u64, row: u32, tier: u8) {
