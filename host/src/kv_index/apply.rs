@@ -13,7 +13,7 @@ use super::event::{KvEvent, KvEventError, StoredBlock};
 use super::hash::next_sequence_hash;
 use super::ranks::{add_alias, unref, HeldBlock};
 use super::rows::{DEVICE, DISK, HOST};
-use super::{Awaiting, KvIndex, RANK_FIRST_ROOM, STRIDE};
+use super::{Awaiting, KvIndex, FIRST_ROOM_AWAITING, RANK_FIRST_ROOM, STRIDE};
 use crate::types::WorkerWithDpRank;
 
 /// The three tier bits.
@@ -49,9 +49,9 @@ impl KvIndex {
             }
         }
         let rows = self.layout.map_or(0, |l| l.rows);
-        // What the other placed ranks hold, and how many they are (read
-        // only while this one holds nothing, so counts nothing in `held`).
-        let (peers_hold, peers) = (self.held, self.placed.saturating_sub(1));
+        // What the placed ranks hold, and how many they are (read only
+        // while this one holds nothing, so counts nothing in `held`).
+        let (peers_hold, placed, few_awaiting) = (self.held, self.placed, self.awaiting_count <= FIRST_ROOM_AWAITING);
         let bounded = self.max_blocks != usize::MAX;
         let state = self.ranks.get_mut(&rank).expect("the rank was created by apply");
         // A parent held in any tier: engines move blocks between tiers and
@@ -71,10 +71,13 @@ impl KvIndex {
                 }
             },
         };
-        // One growth of the rank's table for the whole run, if any; on a
-        // placed rank's first, room for a few runs at once, or for what its
-        // peers hold.
-        let first_run = if state.row.is_some() && state.blocks.len() == 0 && !blocks.is_empty() {
+        // One growth of the rank's table for the whole run, if any; on the
+        // rank's first, room for a few runs at once, or for what its peers
+        // hold (a rank without a row only while few await one: a flood of
+        // ranks that never get one takes only what it stores).
+        let placed_here = state.row.is_some();
+        let first_run = if state.blocks.len() == 0 && !blocks.is_empty() && (placed_here || few_awaiting) {
+            let peers = placed - usize::from(placed_here);
             RANK_FIRST_ROOM.max(peers_hold / peers.max(1)).min(self.max_blocks)
         } else {
             0

@@ -260,9 +260,16 @@ const STRIDE: usize = 16;
 /// rank's first run makes room for that average instead: engines of one
 /// fleet have caches of one size, and a rank that reports its first
 /// blocks after its peers (a new worker, a restarted one) soon holds what
-/// they hold. Never more than the index's bound; ranks without a row make
-/// room for their runs only.
+/// they hold. Never more than the index's bound; see
+/// [`FIRST_ROOM_AWAITING`] for ranks without a row.
 const RANK_FIRST_ROOM: usize = 200;
+
+/// A rank without a row makes the room of [`RANK_FIRST_ROOM`] at its first
+/// run only while at most this many ranks await a row (ranks joining one
+/// by one, as a fleet grows); past it (a fleet starting at once, a flood of
+/// ranks that never get a row) it makes room for what it stores, and for
+/// the rest once it gets a row.
+const FIRST_ROOM_AWAITING: usize = 64;
 
 /// The most ranks without a row the index keeps by default (see
 /// [`KvIndex::with_max_awaiting_ranks`]).
