@@ -260,19 +260,20 @@ impl<V: Copy + Default, const DENSE: bool> HashIndex<V, DENSE> {
     }
 
     /// The entry holding `key`, inserted with `value` first if the key is
-    /// absent: one probe either way.
+    /// absent (and whether it was): one probe either way.
     #[inline(always)]
-    fn index_or_insert(&mut self, key: u64, value: V) -> usize {
+    fn index_or_insert(&mut self, key: u64, value: V) -> (usize, bool) {
         if self.len >= self.room {
             self.grow();
         }
         let slots = self.slots();
         if key == EMPTY {
-            if !self.has_zero {
+            let inserted = !self.has_zero;
+            if inserted {
                 self.has_zero = true;
                 self.entries[slots].1 = value;
             }
-            return slots;
+            return (slots, inserted);
         }
         let mask = slots - 1;
         let tag = Self::tag(key);
@@ -295,7 +296,7 @@ impl<V: Copy + Default, const DENSE: bool> HashIndex<V, DENSE> {
                 // SAFETY: `j` is masked by `slots - 1`; `entries` holds
                 // `slots + 1`.
                 if unsafe { self.entries.get_unchecked(j) }.0 == key {
-                    return j;
+                    return (j, false);
                 }
                 matches &= matches - 1;
             }
@@ -308,7 +309,7 @@ impl<V: Copy + Default, const DENSE: bool> HashIndex<V, DENSE> {
                     self.set_ctrl_unchecked(j, tag);
                 }
                 self.len += 1;
-                return j;
+                return (j, true);
             }
             i = (i + GROUP) & mask;
         }
@@ -341,9 +342,7 @@ impl<V: Copy + Default, const DENSE: bool> HashIndex<V, DENSE> {
     /// whether it was inserted: one probe either way.
     #[inline]
     pub fn get_or_insert(&mut self, key: u64, value: V) -> (&mut V, bool) {
-        let had = self.len();
-        let i = self.index_or_insert(key, value);
-        let inserted = self.len() > had;
+        let (i, inserted) = self.index_or_insert(key, value);
         debug_assert!(i < self.entries.len());
         // SAFETY: `index_or_insert` returns a probed entry (below `slots`)
         // or key 0's (`slots`), and `entries` holds `slots + 1`.
