@@ -1,5 +1,6 @@
 #![doc = include_str!("../README.md")]
 #![deny(missing_docs)]
+#![forbid(unsafe_code)]
 
 mod config;
 mod contain;
@@ -68,7 +69,7 @@ pub use service::{
 };
 #[cfg(feature = "nats")]
 pub use service::{OverAdmission, ReplicaSyncThread};
-pub use types::{DpRank, RoutingPartitionRef, WorkerId, WorkerType, WorkerWithDpRank};
+pub use types::{DpRank, RankRow, RoutingPartitionRef, WorkerId, WorkerType, WorkerWithDpRank};
 
 #[cfg(feature = "sim")]
 pub mod sim;

@@ -1,5 +1,5 @@
 //! Identities shared by every part of the host: worker ids, data-parallel
-//! ranks, worker roles and routing partitions.
+//! ranks, a rank's row, worker roles and routing partitions.
 //!
 //! The names are Dynamo's (`WorkerWithDpRank`, `WorkerType`,
 //! `RoutingPartitionRef`) so a router that used Dynamo's custom worker
@@ -18,6 +18,19 @@ pub type DpRank = u32;
 /// One routable row: a worker and one of its data-parallel ranks (the
 /// kernel's type, with its `Display` as `id/dpRANK`).
 pub use selkie_kernel::worker::WorkerWithDpRank;
+
+/// A worker rank's row in the selection service's current layout and its
+/// tenure there (what
+/// [`WorkerSelectionService::rank_row`](crate::WorkerSelectionService::rank_row)
+/// answers).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct RankRow {
+    /// The row: the index of the rank's value in a per-row column.
+    pub row: usize,
+    /// The layout epoch from which the rank holds its row: a rank removed
+    /// from the fleet and added again gets a new one, even on the same row.
+    pub tenure: u64,
+}
 
 /// The role of the worker pool a policy selects from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]

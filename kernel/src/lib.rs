@@ -1,7 +1,8 @@
 //! # selkie-kernel
 //!
-//! The no_std, allocation-free, lock-free core of selkie (its one
-//! allocation is the optional [`Fleet::boxed`] constructor): the fleet stored as
+//! The no_std, allocation-free, lock-free core of selkie (with the `alloc`
+//! feature: the optional [`Fleet::boxed`] constructor, and the host's KV
+//! index's building blocks, `table` and `two_copies`): the fleet stored as
 //! a structure of arrays (one column per signal, one row per worker slot,
 //! padded to whole SIMD lane groups), the SIMD selection kernels with their
 //! scalar references, and the atomic booking protocol.
@@ -49,6 +50,8 @@ pub mod mask;
 pub mod rng;
 pub mod simd;
 mod sync;
+#[cfg(feature = "alloc")]
+pub mod table;
 #[cfg(all(feature = "alloc", any(selkie_loom, target_has_atomic = "64")))]
 pub mod two_copies;
 pub mod worker;

@@ -52,7 +52,7 @@ use crate::plugin::WorkerSelectionContext;
 use crate::policy::scratch::{with_scratch, Scratch};
 use crate::policy::{Env, ReadyRows, WorkerSelectionPolicy};
 use crate::request::{RowLayout, SelectionRequest};
-use crate::types::{WorkerId, WorkerWithDpRank};
+use crate::types::{RankRow, WorkerId, WorkerWithDpRank};
 use session::SessionTable;
 
 pub use poller::{DiscoveryHealth, DiscoveryPoller};
@@ -408,6 +408,36 @@ impl WorkerSelectionService {
     /// rank has no row.
     pub fn row_of(&self, worker: WorkerWithDpRank) -> Option<usize> {
         self.with_snapshot(|reg| reg.row_of(worker))
+    }
+
+    /// [`row_of`](Self::row_of) with the rank's tenure: the layout epoch
+    /// from which it holds its row. A rank removed and added again gets a
+    /// new tenure, even on the same row, so a reader that kept per-rank
+    /// state across two reads (the KV index's
+    /// [`sync_rows`](crate::kv_index::KvIndex::sync_rows)) can tell a
+    /// worker that left and came back between them.
+    ///
+    /// ```
+    /// use selkie::*;
+    /// let service = WorkerSelectionService::new(WorkerSelectionPolicy::random(), ServiceConfig::default());
+    /// service.add_worker(WorkerRecord::new(7))?;
+    /// let rank = WorkerWithDpRank::new(7, 0);
+    /// let before = service.rank_row(rank).unwrap();
+    /// service.remove_worker(7)?;
+    /// service.add_worker(WorkerRecord::new(7))?;
+    /// let after = service.rank_row(rank).unwrap();
+    /// assert_ne!(before.tenure, after.tenure, "it left and came back");
+    /// assert_eq!(Some(after.row), service.row_of(rank));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn rank_row(&self, worker: WorkerWithDpRank) -> Option<RankRow> {
+        self.with_snapshot(|reg| {
+            let row = reg.row_of(worker)?;
+            Some(RankRow {
+                row,
+                tenure: reg.tenure_of(worker).unwrap_or(0),
+            })
+        })
     }
 
     // ---- sessions ----------------------------------------------------
