@@ -76,7 +76,7 @@ impl KvIndex {
         // hold (a rank without a row only while few await one: a flood of
         // ranks that never get one takes only what it stores).
         let placed_here = state.row.is_some();
-        let first_run = if state.blocks.len() == 0 && !blocks.is_empty() && (placed_here || few_awaiting) {
+        let first_run = if state.blocks.is_empty() && !blocks.is_empty() && (placed_here || few_awaiting) {
             let peers = placed - usize::from(placed_here);
             RANK_FIRST_ROOM.max(peers_hold / peers.max(1)).min(self.max_blocks)
         } else {

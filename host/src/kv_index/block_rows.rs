@@ -238,7 +238,7 @@ impl BlockRows {
     /// [`HashIndex::shrink`]), keeping room for `keep` blocks.
     pub(crate) fn shrink(&mut self, keep: usize) {
         self.blocks.shrink(keep);
-        if self.blocks.len() == 0 {
+        if self.blocks.is_empty() {
             self.sets = Sets::default();
         }
     }
