@@ -1,6 +1,7 @@
 //! What replica sync costs the selection path: select + release with sync
-//! on against off, in one run, on one service, and the messages sync
-//! publishes at 100,000 selections per second.
+//! on against off, in one run, on one service; the messages sync
+//! publishes at 100,000 selections per second; and what one `record_*`
+//! call costs (a booking and its release, the queue never full).
 //!
 //! ```sh
 //! SELKIE_NATS_URL=nats://127.0.0.1:4222 cargo bench -p selkie-benches --features nats --bench replica_sync
@@ -130,6 +131,42 @@ fn on_vs_off(url: &str, name: &str, policy: fn() -> WorkerSelectionPolicy, worke
     );
 }
 
+/// ns per `record_*` call: rounds of 2,048 `record_book` +
+/// `record_release` pairs (half the default queue of 8,192, so none is
+/// dropped), timed, each followed by an untimed wait for the sync thread
+/// to drain them; the median of 40 batches of 25 rounds.
+fn record_cost(url: &str) {
+    let options = ReplicaSyncOptions::default().with_subject(subject("record").as_str());
+    let sync = ReplicaSync::connect(url, options).expect("nats-server reachable");
+    let w = WorkerWithDpRank::new(1, 0);
+    let mut id = 0u64;
+    let mut batch = || {
+        let mut took = Duration::ZERO;
+        for _ in 0..25 {
+            let start = Instant::now();
+            for _ in 0..2_048 {
+                black_box(sync.record_book(id, w, 100, 2));
+                black_box(sync.record_release(id));
+                id += 1;
+            }
+            took += start.elapsed();
+            // The sync thread drains the queue every millisecond.
+            std::thread::sleep(Duration::from_millis(3));
+        }
+        took.as_nanos() as f64 / (25.0 * 4_096.0)
+    };
+    for _ in 0..3 {
+        batch();
+    }
+    let mut ns: Vec<f64> = (0..40).map(|_| batch()).collect();
+    ns.sort_by(f64::total_cmp);
+    println!(
+        "record_book + record_release: {:.1} ns per call (median of 40 batches of 102,400 calls; {} dropped)",
+        ns[20],
+        sync.stats().dropped
+    );
+}
+
 /// Messages published while selecting at `rate` per second for a second,
 /// each request held for 10 ms (`rate / 100` in flight).
 fn messages_at(url: &str, rate: f64) {
@@ -185,6 +222,11 @@ fn main() {
         return;
     };
     let url = url.trim();
+    if std::env::args().any(|a| a == "record") {
+        // `cargo bench ... -- record`: the record_* cost alone.
+        record_cost(url);
+        return;
+    }
     println!("replica sync: selection time with sync on against off, one run");
     for workers in [1_024, 10_000] {
         on_vs_off(url, "least-loaded", WorkerSelectionPolicy::least_loaded, workers);
@@ -192,4 +234,6 @@ fn main() {
     }
     println!("replica sync: messages published");
     messages_at(url, 100_000.0);
+    println!("replica sync: record_* cost");
+    record_cost(url);
 }

@@ -5,14 +5,26 @@
 //! without data-parallel ranks.
 //!
 //! * Streams without middle removals (only blocks without a held child
-//!   are evicted, as engines evict): every device-tier event's accept /
+//!   are evicted, as engines evict), whose device stores chain under
+//!   device blocks (mostly: see below): every device-tier event's accept /
 //!   reject outcome and every query's per-rank device overlap equal
 //!   `RadixTree::apply_event` and `RadixTree::find_matches`.
-//! * Streams with middle removals: every query's overlap equals the exact
-//!   per-block answer and is never below the `RadixTree`'s (which forgets a
-//!   rank's later blocks of a run when one in the middle is removed).
+//! * Streams with middle removals, whose device stores also chain under
+//!   blocks held only in host memory or on disk: every query's overlap
+//!   equals the exact per-block answer and is never below the
+//!   `RadixTree`'s (which forgets a rank's later blocks of a run when one
+//!   in the middle is removed, and, fed the device events only, refuses a
+//!   device store under a lower-tier parent, where selkie takes a parent
+//!   in any tier). A rank that got such a store in the first kind of
+//!   stream (a store under a random parent may find one) is held to the
+//!   second kind's checks from then on.
 //! * Always: host and disk overlaps (which `RadixTree` does not see) and
 //!   every event's outcome equal a plain per-block model.
+//!
+//! A run stores blocks the rank does not hold yet in its tier (it stops at
+//! the first one it holds), as an engine stores a block once per copy: a
+//! second copy would be held until removed twice, where the `RadixTree`
+//! forgets it at the first removal.
 //!
 //! ```text
 //! cargo test -p selkie-benches --features dynamo --test kv_index_parity -- --nocapture
@@ -123,6 +135,8 @@ impl Model {
 struct Stream {
     workers: u64,
     dp: u32,
+    /// Middle removals, and device stores chained under lower-tier
+    /// parents on purpose.
     middle_removals: bool,
     events: usize,
     queries: usize,
@@ -137,6 +151,8 @@ struct Tally {
     nonzero: usize,
     above_radix_tree: usize,
     host_or_disk: usize,
+    /// Device stores under a parent held in a lower tier only.
+    lower_tier_parents: usize,
 }
 
 fn run(stream: &Stream, seed: u64, off_by_one: bool) -> Result<Tally, String> {
@@ -169,6 +185,9 @@ fn run(stream: &Stream, seed: u64, off_by_one: bool) -> Result<Tally, String> {
     let mut out = KvOverlaps::new();
     let mut next_id: HashMap<WorkerWithDpRank, u64> = HashMap::new();
     let mut tally = Tally::default();
+    // Ranks whose device blocks the RadixTree refused (stores under a
+    // lower-tier parent): their overlap may exceed the RadixTree's.
+    let mut diverged: HashSet<WorkerWithDpRank> = HashSet::new();
     let hot = ranks.len().min(32);
     let query_every = stream.events / stream.queries;
     for step in 0..stream.events {
@@ -194,20 +213,29 @@ fn run(stream: &Stream, seed: u64, off_by_one: bool) -> Result<Tally, String> {
         // The event, as (selkie data, dynamo data, the model's expected outcome).
         let stored_blocks: Vec<StoredBlock>;
         let removed: Vec<u64>;
+        let mut lower_parent = false;
         let (data, expected): (KvEventData<'_>, bool);
         let dynamo_data;
         if roll < 60 {
-            // Store a run: usually under a parent the rank holds in the
-            // tier, sometimes under one it does not.
+            // Store a run: usually under a parent the rank holds (in any
+            // tier), sometimes under one it does not; never a block the
+            // rank holds in the tier already.
+            let fresh = |i: usize| !model.holds(rank, seqs[i], bit(tier));
+            let parent_tiers = if tier == StorageTier::Device && !stream.middle_removals {
+                1
+            } else {
+                7
+            };
             let held_starts: Vec<usize> = (0..seqs.len())
-                .filter(|&i| i == 0 || model.holds(rank, seqs[i - 1], if tier == StorageTier::Device { 1 } else { 7 }))
+                .filter(|&i| fresh(i) && (i == 0 || model.holds(rank, seqs[i - 1], parent_tiers)))
                 .collect();
-            let start = if roll < 55 {
+            let start = if roll < 55 && !held_starts.is_empty() {
                 held_starts[rng.below(held_starts.len() as u64) as usize]
             } else {
                 rng.below(seqs.len() as u64) as usize
             };
             let end = (start + 1 + rng.below(8) as usize).min(seqs.len());
+            let end = (start..end).find(|&i| !fresh(i)).unwrap_or(end);
             let parent = (start > 0).then(|| engine_hash(seqs[start - 1]));
             let mut blocks: Vec<StoredBlock> = (start..end)
                 .map(|i| StoredBlock {
@@ -224,8 +252,11 @@ fn run(stream: &Stream, seed: u64, off_by_one: bool) -> Result<Tally, String> {
                 }
             }
             let self_parent = parent.is_some_and(|p| blocks.iter().any(|b| b.block_hash == p));
-            let need = if tier == StorageTier::Device { 1 } else { 7 };
-            expected = !self_parent && (start == 0 || model.holds(rank, seqs[start - 1], need));
+            expected = !self_parent && (start == 0 || model.holds(rank, seqs[start - 1], 7));
+            if expected && tier == StorageTier::Device && start > 0 && !model.holds(rank, seqs[start - 1], 1) {
+                // The RadixTree (device events only) refuses it.
+                lower_parent = true;
+            }
             if expected {
                 for &seq in &seqs[start..end] {
                     *model.held.entry(rank).or_default().entry(seq).or_insert(0) |= bit(tier);
@@ -312,7 +343,15 @@ fn run(stream: &Stream, seed: u64, off_by_one: bool) -> Result<Tally, String> {
                     dp_rank: rank.dp_rank,
                 },
             ));
-            if !stream.middle_removals && dynamo.is_ok() != got.is_ok() {
+            if lower_parent {
+                tally.lower_tier_parents += 1;
+                if dynamo.is_ok() {
+                    return Err(format!(
+                        "step {step}: rank {rank} event {id}: the RadixTree took a store under a host parent"
+                    ));
+                }
+                diverged.insert(rank);
+            } else if !stream.middle_removals && !diverged.contains(&rank) && dynamo.is_ok() != got.is_ok() {
                 return Err(format!(
                     "step {step}: rank {rank} event {id}: selkie {got:?}, Dynamo {dynamo:?}"
                 ));
@@ -353,7 +392,7 @@ fn run(stream: &Stream, seed: u64, off_by_one: bool) -> Result<Tally, String> {
                         (device, host, disk)
                     ));
                 }
-                if stream.middle_removals {
+                if stream.middle_removals || diverged.contains(&rank) {
                     if device < radix {
                         return Err(format!(
                             "step {step}: rank {rank}: selkie {device} below the RadixTree's {radix}"
@@ -400,7 +439,7 @@ fn without_middle_removals_every_outcome_and_overlap_equals_the_radix_tree() {
 
 #[test]
 fn with_middle_removals_every_overlap_is_exact_and_never_below_the_radix_tree() {
-    let mut above = 0;
+    let (mut above, mut lower_tier_parents) = (0, 0);
     for (i, stream) in streams(true).iter().enumerate() {
         let tally = run(stream, 0x2d_0000 + i as u64, false)
             .unwrap_or_else(|e| panic!("{} workers x {} ranks: {e}", stream.workers, stream.dp));
@@ -409,8 +448,10 @@ fn with_middle_removals_every_overlap_is_exact_and_never_below_the_radix_tree() 
             stream.workers, stream.dp
         );
         above += tally.above_radix_tree;
+        lower_tier_parents += tally.lower_tier_parents;
     }
     assert!(above > 0, "no stream showed the RadixTree forgetting blocks");
+    assert!(lower_tier_parents > 0, "no device store under a lower-tier parent");
 }
 
 /// The check is not vacuous: an overlap one block short fails it.

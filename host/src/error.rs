@@ -376,6 +376,35 @@ pub enum DiscoveryError {
         /// The most bytes a discovery file may have.
         limit: u64,
     },
+    /// A record in a discovery file does not parse as a worker record (an
+    /// unknown field, a value of the wrong type). It is refused on its own:
+    /// the file's other records apply, and its worker keeps the record it
+    /// had (or stays absent).
+    #[error("discovery file {path}: cannot parse the record of worker {worker_id} (line {line}): {message}")]
+    FileRecordParse {
+        /// The file.
+        path: PathBuf,
+        /// The worker the record names.
+        worker_id: WorkerId,
+        /// The line the record starts on.
+        line: usize,
+        /// The parser's message.
+        message: String,
+    },
+    /// A record in a discovery file parsed but cannot be taken: a field is
+    /// out of range ([`WorkerRecord::validate`](crate::WorkerRecord::validate)),
+    /// or its worker id appears more than once in the file. Refused on its
+    /// own, as [`FileRecordParse`](Self::FileRecordParse).
+    #[error("discovery file {path}: {source}")]
+    FileRecordInvalid {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong with it ([`InvalidWorker`](Self::InvalidWorker),
+        /// [`TooManyRanks`](Self::TooManyRanks) or
+        /// [`DuplicateInSnapshot`](Self::DuplicateInSnapshot)).
+        #[source]
+        source: Box<DiscoveryError>,
+    },
     /// A worker record in etcd is not JSON a [`WorkerRecord`](crate::WorkerRecord)
     /// parses from (or its key or value is not UTF-8). The key is refused;
     /// the other workers are served as before.
@@ -459,6 +488,8 @@ impl DiscoveryError {
             Self::Parse { .. } => "parse",
             Self::EmptyFile { .. } => "empty_file",
             Self::FileTooLarge { .. } => "file_too_large",
+            Self::FileRecordParse { .. } => "file_record_parse",
+            Self::FileRecordInvalid { .. } => "file_record_invalid",
             #[cfg(feature = "etcd")]
             Self::EtcdRecordParse { .. } => "etcd_record_parse",
             #[cfg(feature = "etcd")]

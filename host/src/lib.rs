@@ -1,5 +1,6 @@
 #![doc = include_str!("../README.md")]
 #![deny(missing_docs)]
+#![forbid(unsafe_code)]
 
 mod config;
 mod contain;
@@ -23,7 +24,8 @@ pub use config::{
     WorkerSelectionConfig, WorkerSelectionInstance, MAX_CONFIG_BYTES, MAX_CONFIG_COLLECTIONS, MAX_CONFIG_DEPTH,
 };
 pub use discovery::{
-    BusyThresholds, DeviceKind, Discovery, FileDiscovery, InMemoryDiscovery, SyncReport, WorkerRecord, WorkerState,
+    BusyThresholds, DeviceKind, Discovery, FileDiscovery, InMemoryDiscovery, RefreshReport, SyncReport, WorkerRecord,
+    WorkerState,
 };
 #[cfg(feature = "etcd")]
 pub use discovery::{EtcdDiscovery, EtcdOptions, EtcdRegistration, EtcdWatchStatus};
@@ -53,7 +55,7 @@ pub use policy::{
     BUILTIN_PICKERS, BUILTIN_POLICIES, BUILTIN_SCORERS,
 };
 #[cfg(feature = "nats")]
-pub use replica::{RemoteLoad, ReplicaSync, ReplicaSyncOptions, ReplicaSyncStats};
+pub use replica::{RefusedMessages, RemoteLoad, ReplicaSync, ReplicaSyncOptions, ReplicaSyncStats, SyncHealth};
 pub use request::{
     AddedBlocks, AffinityMode, KvCostOverrides, KvRankInputs, Pin, RowLayout, RowOverlaps, SelectionRequest,
     SessionAffinity, WorkerOverlap,
@@ -61,13 +63,13 @@ pub use request::{
 /// The KV cost model's field check, whose error
 /// [`WorkerSelectionPolicyProviderError::KvWeight`] carries.
 pub use selkie_kernel::kernels::kv_cost::{KvConfigError, KvConfigField, KvConfigProblem};
-#[cfg(feature = "nats")]
-pub use service::ReplicaSyncThread;
 pub use service::{
     Booked, DiscoveryHealth, DiscoveryPoller, FleetHandle, OwnedSelection, Preview, RankStatus, Selection,
     ServiceConfig, WorkerSelectionService, WorkerStatus,
 };
-pub use types::{DpRank, RoutingPartitionRef, WorkerId, WorkerType, WorkerWithDpRank};
+#[cfg(feature = "nats")]
+pub use service::{OverAdmission, ReplicaSyncThread};
+pub use types::{DpRank, RankRow, RoutingPartitionRef, WorkerId, WorkerType, WorkerWithDpRank};
 
 #[cfg(feature = "sim")]
 pub mod sim;

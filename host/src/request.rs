@@ -5,94 +5,20 @@
 //!
 //! Everything is borrowed, so building a request allocates nothing.
 
-use std::mem::offset_of;
 use std::ops::Range;
-
-use selkie_kernel::kernels::keyed::KeyedOverlap;
 
 use crate::types::{WorkerId, WorkerWithDpRank};
 
-/// Cache overlap between the request's prompt and one worker rank.
+/// Cache overlap between the request's prompt and one worker rank (the
+/// kernel's type: the kernel reads its fields where they lie, see
+/// [`selkie_kernel::worker`]).
 ///
-/// Rows without an entry have no overlap.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub struct WorkerOverlap {
-    /// The worker rank.
-    pub worker: WorkerWithDpRank,
-    /// Prompt blocks resident on the device (or the effective overlap
-    /// estimate when the request carries no per-tier overlaps).
-    pub device_blocks: u32,
-    /// Prompt blocks in the host (CPU-pinned) tier.
-    pub host_blocks: u32,
-    /// Prompt blocks in the disk tier.
-    pub disk_blocks: u32,
-    /// Shared-cache blocks beyond the device overlap.
-    pub shared_blocks: u32,
-    /// Estimated prompt tokens already cached on this worker.
-    pub cached_tokens: u32,
-}
-
-impl WorkerOverlap {
-    /// `device_blocks` of overlap on `worker`, `cached_tokens = blocks *
-    /// block_size`.
-    ///
-    /// `block_size` must be the service's
-    /// ([`ServiceConfig::block_size`](crate::ServiceConfig::block_size),
-    /// 16 by default), the one the request's prompt is divided by: a
-    /// selection takes the overlap as given, so 96 blocks at 32 tokens
-    /// credit a 2,048-token prompt with 3,072 cached tokens.
-    /// [`check_request`](crate::WorkerSelectionService::check_request)
-    /// finds such overlaps.
-    pub fn device(worker: WorkerWithDpRank, device_blocks: u32, block_size: u32) -> Self {
-        WorkerOverlap {
-            worker,
-            device_blocks,
-            cached_tokens: device_blocks.saturating_mul(block_size),
-            ..Default::default()
-        }
-    }
-}
-
-// SAFETY: each offset is that of the field its accessor returns (the worker
-// id's is the `worker` field's plus the id's within it), the id a `u64` and
-// the rest `u32`s, all plain integers.
-unsafe impl KeyedOverlap for WorkerOverlap {
-    const WORKER_ID_AT: usize = offset_of!(WorkerOverlap, worker) + offset_of!(WorkerWithDpRank, worker_id);
-    const DP_RANK_AT: usize = offset_of!(WorkerOverlap, worker) + offset_of!(WorkerWithDpRank, dp_rank);
-    const DEVICE_BLOCKS_AT: usize = offset_of!(WorkerOverlap, device_blocks);
-    const HOST_BLOCKS_AT: usize = offset_of!(WorkerOverlap, host_blocks);
-    const DISK_BLOCKS_AT: usize = offset_of!(WorkerOverlap, disk_blocks);
-    const SHARED_BLOCKS_AT: usize = offset_of!(WorkerOverlap, shared_blocks);
-    const CACHED_TOKENS_AT: usize = offset_of!(WorkerOverlap, cached_tokens);
-    #[inline(always)]
-    fn worker_id(&self) -> u64 {
-        self.worker.worker_id
-    }
-    #[inline(always)]
-    fn dp_rank(&self) -> u32 {
-        self.worker.dp_rank
-    }
-    #[inline(always)]
-    fn device_blocks(&self) -> u32 {
-        self.device_blocks
-    }
-    #[inline(always)]
-    fn host_blocks(&self) -> u32 {
-        self.host_blocks
-    }
-    #[inline(always)]
-    fn disk_blocks(&self) -> u32 {
-        self.disk_blocks
-    }
-    #[inline(always)]
-    fn shared_blocks(&self) -> u32 {
-        self.shared_blocks
-    }
-    #[inline(always)]
-    fn cached_tokens(&self) -> u32 {
-        self.cached_tokens
-    }
-}
+/// Build one with [`WorkerOverlap::device`] or field by field; the
+/// `block_size` it is counted in must be the service's
+/// ([`ServiceConfig::block_size`](crate::ServiceConfig::block_size), 16 by
+/// default): [`check_request`](crate::WorkerSelectionService::check_request)
+/// finds overlaps counted in another.
+pub use selkie_kernel::worker::WorkerOverlap;
 
 /// The service's row layout at one moment: which epoch of the row
 /// assignment (worker rank -> row) it is, and how many rows a per-row

@@ -1,5 +1,5 @@
 //! Identities shared by every part of the host: worker ids, data-parallel
-//! ranks, worker roles and routing partitions.
+//! ranks, a rank's row, worker roles and routing partitions.
 //!
 //! The names are Dynamo's (`WorkerWithDpRank`, `WorkerType`,
 //! `RoutingPartitionRef`) so a router that used Dynamo's custom worker
@@ -15,34 +15,21 @@ pub type WorkerId = u64;
 /// A data-parallel rank inside one worker.
 pub type DpRank = u32;
 
-/// One routable row: a worker and one of its data-parallel ranks.
-///
-/// Each rank of a worker is a separate row of the fleet and can be chosen on
-/// its own.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-pub struct WorkerWithDpRank {
-    /// The worker.
-    pub worker_id: WorkerId,
-    /// The data-parallel rank within it.
-    pub dp_rank: DpRank,
-}
+/// One routable row: a worker and one of its data-parallel ranks (the
+/// kernel's type, with its `Display` as `id/dpRANK`).
+pub use selkie_kernel::worker::WorkerWithDpRank;
 
-impl WorkerWithDpRank {
-    /// A worker and rank.
-    pub const fn new(worker_id: WorkerId, dp_rank: DpRank) -> Self {
-        WorkerWithDpRank { worker_id, dp_rank }
-    }
-
-    /// Rank 0 of `worker_id` (workers without data parallelism).
-    pub const fn from_worker_id(worker_id: WorkerId) -> Self {
-        WorkerWithDpRank { worker_id, dp_rank: 0 }
-    }
-}
-
-impl fmt::Display for WorkerWithDpRank {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}/dp{}", self.worker_id, self.dp_rank)
-    }
+/// A worker rank's row in the selection service's current layout and its
+/// tenure there (what
+/// [`WorkerSelectionService::rank_row`](crate::WorkerSelectionService::rank_row)
+/// answers).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct RankRow {
+    /// The row: the index of the rank's value in a per-row column.
+    pub row: usize,
+    /// The layout epoch from which the rank holds its row: a rank removed
+    /// from the fleet and added again gets a new one, even on the same row.
+    pub tenure: u64,
 }
 
 /// The role of the worker pool a policy selects from.

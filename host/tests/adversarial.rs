@@ -200,11 +200,11 @@ proptest! {
     }
 
     /// A discovery file built from records whose validity is known, in JSON
-    /// or TOML, is applied or refused exactly as its records say (the first
-    /// bad record in file order names the error), and through the
+    /// or TOML, delivers exactly its good records and refuses exactly its
+    /// bad ones, each by worker (a repeated id once), and through the
     /// `discovery_file` fuzz harness keeps its rules.
     #[test]
-    fn discovery_files_are_applied_or_refused_as_their_records_say(
+    fn discovery_files_apply_the_records_their_parts_allow(
         records in prop::collection::vec((0u64..5, 0u32..3, prop::sample::select(vec![1.0f32, 2.5, 0.0]), prop::sample::select(vec!["live", "draining", "cordoned", "paused"])), 0..6),
         toml in any::<bool>(),
     ) {
@@ -222,38 +222,50 @@ proptest! {
             if toml { "toml" } else { "json" }
         ).replace(['(', ')'], ""));
         std::fs::write(&path, &text).unwrap();
-        let polled = FileDiscovery::new(&path).poll();
+        let mut source = FileDiscovery::new(&path);
+        let polled = source.poll();
         let _ = std::fs::remove_file(&path);
         let service = WorkerSelectionService::new(WorkerSelectionPolicy::least_loaded(), ServiceConfig::default());
-        if records.iter().any(|r| r.3 == "paused") {
-            prop_assert!(matches!(polled, Err(DiscoveryError::Parse { .. })), "{text}: {polled:?}");
-        } else {
-            let parsed = polled.unwrap().unwrap();
-            prop_assert_eq!(parsed.len(), records.len());
-            let mut seen = std::collections::BTreeSet::new();
-            let first_bad = records.iter().find_map(|&(id, dp, w, _)| {
-                if dp == 0 || w == 0.0 {
-                    Some(("invalid", id))
-                } else if !seen.insert(id) {
-                    Some(("duplicate", id))
-                } else {
-                    None
+        // What each record's parts say: a repeated id refuses every record
+        // of that id (once, at its first), an unknown state refuses the
+        // record as unparsable, a zero rank count or weight as invalid; the
+        // rest is the snapshot, in the file's order.
+        let times = |id| records.iter().filter(|r| r.0 == id).count();
+        let mut want_refused = Vec::new();
+        let mut want = Vec::new();
+        for (i, &(id, dp, w, st)) in records.iter().enumerate() {
+            if times(id) > 1 {
+                if records.iter().position(|r| r.0 == id) == Some(i) {
+                    want_refused.push(("duplicate", id));
                 }
-            });
-            match (service.sync(parsed.clone()), first_bad) {
-                (Ok(_), None) => {
-                    let mut want = parsed;
-                    want.sort_by_key(|r| r.worker_id);
-                    prop_assert_eq!(service.workers(), want);
-                }
-                (Err(DiscoveryError::InvalidWorker { worker_id, .. }), Some(("invalid", id)))
-                | (Err(DiscoveryError::DuplicateInSnapshot { worker_id }), Some(("duplicate", id))) => {
-                    prop_assert_eq!(worker_id, id);
-                    prop_assert!(service.workers().is_empty(), "a refused snapshot changes nothing");
-                }
-                (got, want) => return Err(TestCaseError::fail(format!("{text}: got {got:?}, expected {want:?}"))),
+            } else if st == "paused" {
+                want_refused.push(("parse", id));
+            } else if dp == 0 || w == 0.0 {
+                want_refused.push(("invalid", id));
+            } else {
+                want.push(id);
             }
         }
+        let parsed = polled.unwrap().unwrap();
+        prop_assert_eq!(parsed.iter().map(|r| r.worker_id).collect::<Vec<_>>(), want, "{}", text);
+        let refused: Vec<_> = source
+            .take_refused()
+            .into_iter()
+            .map(|e| match e {
+                DiscoveryError::FileRecordParse { worker_id, .. } => ("parse", worker_id),
+                DiscoveryError::FileRecordInvalid { source, .. } => match *source {
+                    DiscoveryError::InvalidWorker { worker_id, .. } => ("invalid", worker_id),
+                    DiscoveryError::DuplicateInSnapshot { worker_id } => ("duplicate", worker_id),
+                    other => ("other", other.reason().len() as u64),
+                },
+                _ => ("other", 0),
+            })
+            .collect();
+        prop_assert_eq!(refused, want_refused, "{}", text);
+        service.sync(parsed.clone()).unwrap();
+        let mut want = parsed;
+        want.sort_by_key(|r| r.worker_id);
+        prop_assert_eq!(service.workers(), want);
         discovery_file::check(&discovery_file::Input { toml, bytes: text.into_bytes() });
     }
 }

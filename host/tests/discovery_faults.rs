@@ -71,8 +71,17 @@ fn a_record_larger_than_the_fleet_is_refused_before_allocating() {
         r#"{"workers": [{"worker_id": 9, "data_parallel_size": 4294967295}]}"#,
     )
     .unwrap();
-    too_many(s.refresh(&mut FileDiscovery::new(&path)).unwrap_err());
-    assert_eq!(ids(&s), vec![9]);
+    // The file's source refuses that record on its own; worker 9 keeps the
+    // record the source last delivered for it: none, so it leaves.
+    let mut source = FileDiscovery::new(&path);
+    let mut report = s.refresh(&mut source).unwrap();
+    assert_eq!(report.applied.unwrap().removed, [9]);
+    match report.refused.pop() {
+        Some(DiscoveryError::FileRecordInvalid { path: p, source }) if p == path => too_many(*source),
+        other => panic!("{other:?}"),
+    }
+    assert!(report.refused.is_empty());
+    assert_eq!(ids(&s), Vec::<WorkerId>::new());
     let _ = std::fs::remove_dir_all(dir);
 }
 
@@ -170,7 +179,7 @@ fn a_refused_snapshot_is_delivered_again() {
     let again = s.refresh(&mut source);
     assert!(again.is_err(), "the refused snapshot is polled again: {again:?}");
     drop(held);
-    let report = s.refresh(&mut source).unwrap().expect("delivered again");
+    let report = s.refresh(&mut source).unwrap().applied.expect("delivered again");
     assert_eq!((report.added, report.removed), (vec![2], vec![1]));
     assert_eq!(ids(&s), vec![2]);
 }
@@ -197,9 +206,17 @@ fn the_service_retries_a_refused_snapshot_of_any_source() {
     assert!(s.refresh(&mut source).is_err(), "retried, still no room");
     assert_eq!(ids(&s), vec![1]);
     drop(held);
-    let report = s.refresh(&mut source).unwrap().expect("the kept snapshot applies");
+    let report = s
+        .refresh(&mut source)
+        .unwrap()
+        .applied
+        .expect("the kept snapshot applies");
     assert_eq!((report.added, report.removed), (vec![2], vec![1]));
-    assert_eq!(s.refresh(&mut source).unwrap(), None, "applied: nothing left to retry");
+    assert_eq!(
+        s.refresh(&mut source).unwrap().applied,
+        None,
+        "applied: nothing left to retry"
+    );
 }
 
 #[test]
@@ -217,8 +234,116 @@ fn a_refused_file_is_read_again() {
     let mut source = FileDiscovery::new(&path);
     assert!(s.refresh(&mut source).is_err());
     drop(held);
-    let report = s.refresh(&mut source).unwrap().expect("the file is read again");
+    let report = s.refresh(&mut source).unwrap().applied.expect("the file is read again");
     assert_eq!(report.added, vec![2]);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+// ---- one bad record in a file holds back no other change ------------------
+
+#[test]
+fn a_bad_record_in_a_discovery_file_holds_back_no_other_change() {
+    let dir = temp_dir("bad-record");
+    for (name, before, after) in [
+        (
+            "workers.json",
+            r#"{"workers": [{"worker_id": 1}, {"worker_id": 3, "taints": ["old"]}]}"#,
+            "{\"workers\": [\n  {\"worker_id\": 2},\n  {\"worker_id\": 3, \"colour\": \"blue\"},\n  \
+             {\"worker_id\": 4, \"capacity_weight\": 0.0}\n]}",
+        ),
+        (
+            "workers.toml",
+            "[[workers]]\nworker_id = 1\n[[workers]]\nworker_id = 3\ntaints = [\"old\"]\n",
+            "[[workers]]\nworker_id = 2\n[[workers]]\nworker_id = 3\ncolour = \"blue\"\n\
+             [[workers]]\nworker_id = 4\ncapacity_weight = 0.0\n",
+        ),
+    ] {
+        let path = dir.join(name);
+        let s = service();
+        let mut source = FileDiscovery::new(&path);
+        std::fs::write(&path, before).unwrap();
+        s.refresh(&mut source).unwrap();
+        assert_eq!(ids(&s), [1, 3], "{name}");
+        // Worker 1 leaves and worker 2 joins; worker 3's record does not
+        // parse and worker 4's is out of range: those two are refused, the
+        // rest applies, and worker 3 keeps its last good record.
+        std::fs::write(&path, after).unwrap();
+        let outcome = s.refresh(&mut source);
+        assert_eq!(ids(&s), [2, 3], "{name}: the refresh returned {outcome:?}");
+        assert!(s.workers()[1].taints.contains("old"), "{name}");
+        // Each refusal names the file, the worker and (for a parse) the
+        // line its record starts on; each is reported once.
+        let report = outcome.unwrap();
+        assert_eq!(
+            report.applied.unwrap(),
+            SyncReport {
+                added: vec![2],
+                updated: vec![],
+                removed: vec![1]
+            }
+        );
+        match &report.refused[..] {
+            [DiscoveryError::FileRecordParse {
+                path: p,
+                worker_id: 3,
+                line,
+                message,
+            }, DiscoveryError::FileRecordInvalid { path: q, source }] => {
+                assert_eq!((p, q), (&path, &path));
+                assert!(message.contains("colour"), "{message}");
+                assert_eq!(*line, 3);
+                assert!(
+                    matches!(**source, DiscoveryError::InvalidWorker { worker_id: 4, .. }),
+                    "{source:?}"
+                );
+            }
+            other => panic!("{name}: {other:?}"),
+        }
+        let again = s.refresh(&mut source).unwrap();
+        assert!(again.applied.is_none() && again.refused.is_empty(), "{name}: {again:?}");
+        // A repeated id is refused once, by id, and keeps its last record.
+        let twice = if name.ends_with("json") {
+            r#"[{"worker_id": 2}, {"worker_id": 3}, {"worker_id": 2, "taints": ["b"]}]"#
+        } else {
+            "[[workers]]\nworker_id = 2\n[[workers]]\nworker_id = 3\n[[workers]]\nworker_id = 2\ntaints = [\"b\"]\n"
+        };
+        std::fs::write(&path, twice).unwrap();
+        let report = s.refresh(&mut source).unwrap();
+        assert!(
+            matches!(&report.refused[..], [DiscoveryError::FileRecordInvalid { source, .. }]
+                if matches!(**source, DiscoveryError::DuplicateInSnapshot { worker_id: 2 })),
+            "{name}: {report:?}"
+        );
+        assert_eq!(report.applied.unwrap().updated, [3], "{name}");
+        assert_eq!(s.workers(), [WorkerRecord::new(2), WorkerRecord::new(3)], "{name}");
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn a_poller_counts_refused_records_and_stays_healthy() {
+    let dir = temp_dir("poller-refused");
+    let path = dir.join("workers.json");
+    std::fs::write(
+        &path,
+        r#"[{"worker_id": 1}, {"worker_id": 2, "capacity_weight": -1.0}]"#,
+    )
+    .unwrap();
+    let s = Arc::new(service());
+    let poller =
+        DiscoveryPoller::spawn(s.clone(), Box::new(FileDiscovery::new(&path)), Duration::from_millis(2)).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while ids(&s) != [1] || poller.health().polls < 3 {
+        assert!(Instant::now() < deadline, "worker 1 did not apply");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let health = poller.health();
+    // Reported once (the file is unchanged since), and no poll failed.
+    assert_eq!(health.records_refused, 1, "{health:?}");
+    let last = health.last_refused.as_deref().unwrap();
+    assert!(last.contains("workers.json") && last.contains("worker 2"), "{last}");
+    assert!(health.is_healthy() && health.last_error.is_none(), "{health:?}");
+    poller.stop();
     let _ = std::fs::remove_dir_all(dir);
 }
 
@@ -374,16 +499,49 @@ fn a_bare_list_with_a_bad_record_names_the_field() {
         "[\n  {\"worker_id\": 1},\n  {\"worker_id\": 2, \"colour\": 3}\n]",
     )
     .unwrap();
-    let e = FileDiscovery::new(&path).poll().unwrap_err().to_string();
-    assert!(e.contains("colour") && e.contains("line 3"), "{e}");
+    // The record is refused on its own, by worker, field and line (and
+    // column, counted in the file).
+    let refused = |path: &std::path::Path| {
+        let mut source = FileDiscovery::new(path);
+        assert_eq!(source.poll().unwrap(), Some(vec![WorkerRecord::new(1)]));
+        let refused = source.take_refused();
+        assert_eq!(refused.len(), 1, "{refused:?}");
+        assert!(
+            matches!(
+                refused[0],
+                DiscoveryError::FileRecordParse {
+                    worker_id: 2,
+                    line: 3,
+                    ..
+                }
+            ),
+            "{refused:?}"
+        );
+        refused[0].to_string()
+    };
+    let e = refused(&path);
+    assert!(
+        e.contains("worker 2") && e.contains("colour") && e.contains("at line 3 column 27"),
+        "{e}"
+    );
     // The wrapped form names it the same way.
     std::fs::write(
         &path,
         "{\"workers\": [\n  {\"worker_id\": 1},\n  {\"worker_id\": 2, \"colour\": 3}\n]}",
     )
     .unwrap();
-    let e = FileDiscovery::new(&path).poll().unwrap_err().to_string();
-    assert!(e.contains("colour") && e.contains("line 3"), "{e}");
+    let e = refused(&path);
+    assert!(
+        e.contains("worker 2") && e.contains("colour") && e.contains("at line 3 column 27"),
+        "{e}"
+    );
+    // A record that names no worker refuses the whole file, by line.
+    std::fs::write(&path, "[\n  {\"worker_id\": 1},\n  {\"id\": 2}\n]").unwrap();
+    let e = FileDiscovery::new(&path).poll().unwrap_err();
+    assert!(
+        matches!(&e, DiscoveryError::Parse { message, .. } if message.contains("line 3") && message.contains("names no worker")),
+        "{e}"
+    );
     let _ = std::fs::remove_dir_all(dir);
 }
 

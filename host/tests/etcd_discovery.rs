@@ -114,7 +114,7 @@ impl Raw {
 }
 
 /// Refreshes `service` from `source` until `done` holds, collecting the
-/// errors the refreshes returned.
+/// errors the refreshes returned and the refused records they reported.
 fn refresh_until(
     service: &WorkerSelectionService,
     source: &mut EtcdDiscovery,
@@ -123,8 +123,9 @@ fn refresh_until(
 ) -> Vec<DiscoveryError> {
     let mut errors = Vec::new();
     wait_until(what, Duration::from_secs(30), || {
-        if let Err(e) = service.refresh(source) {
-            errors.push(e);
+        match service.refresh(source) {
+            Ok(report) => errors.extend(report.refused),
+            Err(e) => errors.push(e),
         }
         done(service, &errors)
     });
@@ -271,16 +272,18 @@ fn a_bad_record_is_refused_by_key_and_the_fleet_is_unchanged() {
     raw.put(&format!("{prefix}9"), "{not json");
     let service = service();
     let mut source = EtcdDiscovery::connect(&endpoints, prefix.as_str()).unwrap();
-    let first = service.refresh(&mut source);
+    // The first refresh applies the good records and reports the bad one.
+    let first = service.refresh(&mut source).unwrap();
     assert!(
-        matches!(&first, Err(DiscoveryError::EtcdRecordParse { key, .. }) if *key == format!("{prefix}9")),
+        matches!(&first.refused[..], [DiscoveryError::EtcdRecordParse { key, .. }] if *key == format!("{prefix}9")),
         "{first:?}"
     );
-    service.refresh(&mut source).unwrap();
+    assert_eq!(first.applied.unwrap().added, [1, 2]);
     assert_eq!(service.workers(), [one.clone(), two.clone()]);
+    let again = service.refresh(&mut source).unwrap();
     assert!(
-        service.refresh(&mut source).unwrap().is_none(),
-        "a refusal is reported once"
+        again.applied.is_none() && again.refused.is_empty(),
+        "a refusal is reported once: {again:?}"
     );
 
     // Not JSON, at a new key, next to a good change: the key is refused by
@@ -293,7 +296,7 @@ fn a_bad_record_is_refused_by_key_and_the_fleet_is_unchanged() {
         s.workers().get(1) == Some(&two_tainted)
     });
     let errors = if errors.is_empty() {
-        vec![service.refresh(&mut source).unwrap_err()]
+        service.refresh(&mut source).unwrap().refused
     } else {
         errors
     };
@@ -341,7 +344,8 @@ fn a_bad_record_is_refused_by_key_and_the_fleet_is_unchanged() {
         "{errors:?}"
     );
     assert_eq!(service.workers(), [one.clone(), two_tainted.clone()]);
-    assert!(service.refresh(&mut source).unwrap().is_none());
+    let quiet = service.refresh(&mut source).unwrap();
+    assert!(quiet.applied.is_none() && quiet.refused.is_empty(), "{quiet:?}");
 
     // Good values at the refused keys take effect as usual.
     let three = WorkerRecord::new(3).with_taint("gpu=h200");
@@ -351,6 +355,118 @@ fn a_bad_record_is_refused_by_key_and_the_fleet_is_unchanged() {
     refresh_until(&service, &mut source, "the fixed records apply", |s, _| {
         s.workers() == [WorkerRecord::new(1), two_tainted.clone(), three.clone()]
     });
+}
+
+#[test]
+fn a_key_rewritten_with_bad_values_does_not_hold_back_good_changes() {
+    let Some(endpoints) = endpoints("a_key_rewritten_with_bad_values_does_not_hold_back_good_changes") else {
+        return;
+    };
+    let prefix = unique_prefix("bad-writer");
+    let mut raw = Raw::connect(&endpoints);
+    raw.put_record(&prefix, &WorkerRecord::new(1));
+    let service = service();
+    let source = EtcdDiscovery::connect(&endpoints, prefix.as_str()).unwrap();
+    let poller = DiscoveryPoller::spawn(service.clone(), Box::new(source), Duration::from_millis(200)).unwrap();
+    wait_until("worker 1 is in the fleet", Duration::from_secs(10), || {
+        ids(&service) == [1]
+    });
+
+    // A writer puts a bad value at one key every 50 ms, four per poll.
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let writer = {
+        let (endpoints, bad_key, stop) = (endpoints.clone(), format!("{prefix}9"), stop.clone());
+        std::thread::spawn(move || {
+            let mut raw = Raw::connect(&endpoints);
+            let mut n = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                raw.put(&bad_key, format!("{{\"worker_id\": 9, \"n\": {n}"));
+                n += 1;
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            n
+        })
+    };
+    std::thread::sleep(Duration::from_millis(500));
+    raw.put_record(&prefix, &WorkerRecord::new(2));
+    raw.delete(&format!("{prefix}1"));
+    let changed = Instant::now();
+    let applied = (|| {
+        while changed.elapsed() < Duration::from_secs(5) {
+            if ids(&service) == [2] {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        false
+    })();
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let writes = writer.join().unwrap();
+    let health = poller.health();
+    poller.stop();
+    assert!(
+        applied,
+        "adding worker 2 and removing worker 1 did not apply within 5 s while {prefix}9 was rewritten \
+         with bad values ({writes} writes); fleet {:?}, {health:?}",
+        ids(&service)
+    );
+    // Applied within a poll or two; the bad key was reported by name, and
+    // no poll failed for it.
+    assert!(
+        changed.elapsed() < Duration::from_secs(2),
+        "applied after {:?}",
+        changed.elapsed()
+    );
+    assert!(health.records_refused >= 2, "{health:?}");
+    assert!(
+        health
+            .last_refused
+            .as_deref()
+            .is_some_and(|e| e.contains(&format!("{prefix}9"))),
+        "{health:?}"
+    );
+    assert_eq!((health.consecutive_failures, health.last_error), (0, None));
+}
+
+#[test]
+fn a_thousand_bad_keys_do_not_delay_a_good_change() {
+    let Some(endpoints) = endpoints("a_thousand_bad_keys_do_not_delay_a_good_change") else {
+        return;
+    };
+    let prefix = unique_prefix("bad-keys");
+    let mut raw = Raw::connect(&endpoints);
+    raw.put_record(&prefix, &WorkerRecord::new(1));
+    let service = service();
+    let mut source = EtcdDiscovery::connect(&endpoints, prefix.as_str()).unwrap();
+    service.refresh(&mut source).unwrap();
+    assert_eq!(ids(&service), [1]);
+    for k in 0..1_000 {
+        raw.put(&format!("{prefix}{}", 1_000 + k), "{not json");
+    }
+    let last = raw.put_record(&prefix, &WorkerRecord::new(2));
+    wait_until("the watch has seen every put", Duration::from_secs(10), || {
+        source.status().revision >= last
+    });
+    // One refresh applies the good change, whatever the bad keys, and
+    // reports every bad key by name, once.
+    let outcome = service.refresh(&mut source);
+    assert_eq!(ids(&service), [1, 2], "the first refresh returned {outcome:?}");
+    let report = outcome.unwrap();
+    assert_eq!(report.applied.unwrap().added, [2]);
+    let mut refused: Vec<String> = report
+        .refused
+        .iter()
+        .map(|e| match e {
+            DiscoveryError::EtcdRecordParse { key, .. } => key.clone(),
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    refused.sort();
+    let mut want: Vec<String> = (0..1_000).map(|k| format!("{prefix}{}", 1_000 + k)).collect();
+    want.sort();
+    assert_eq!(refused, want);
+    let again = service.refresh(&mut source).unwrap();
+    assert!(again.applied.is_none() && again.refused.is_empty(), "{again:?}");
 }
 
 /// An `etcd` process of the test's own, on loopback ports chosen now, with
@@ -490,7 +606,7 @@ fn the_watch_resumes_after_a_restart_without_losing_or_doubling_changes() {
     assert!(status.reconnects >= 1, "{status:?}");
     assert_eq!((status.relists, status.revision), (0, last), "{status:?}");
     assert!(
-        service.refresh(&mut source).unwrap().is_none(),
+        service.refresh(&mut source).unwrap().applied.is_none(),
         "nothing left to deliver"
     );
 

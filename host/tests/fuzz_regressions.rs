@@ -62,6 +62,7 @@ fn kv_index_model_reproducer() {
         len,
         parent: None,
         self_parent: false,
+        alias: false,
     };
     let query = Op::Query {
         prompt: 1,
@@ -88,6 +89,8 @@ fn kv_index_model_reproducer() {
                 from: 2,
                 len: 0,
                 unknown: true,
+                alias: false,
+                repeat: 0,
             },
             Op::Clear {
                 worker: 2,
@@ -105,6 +108,77 @@ fn kv_index_model_reproducer() {
                 len: 5,
                 change: Some(1),
             },
+            query,
+        ],
+    };
+    check(&input);
+}
+
+/// A hand-written `kv_index_model` input of engine behaviours: a block
+/// under two engine hashes (one removed, the other still holding it), a
+/// block stored twice and removed twice in one event, a device store
+/// under a parent held in host memory, an event id too far ahead, a new
+/// incarnation (event id 0), and a worker leaving and coming back between
+/// two syncs, its new engine's first event before the sync or after it.
+#[test]
+fn kv_index_model_engine_reproducer() {
+    use kv_index_model::*;
+    let store = |worker, tier, id_step, from, len, alias| Op::Store {
+        worker,
+        rank: 0,
+        tier,
+        id_step,
+        prompt: 2,
+        from,
+        len,
+        parent: None,
+        self_parent: false,
+        alias,
+    };
+    let remove = |worker, id_step, from, len, alias, repeat| Op::Remove {
+        worker,
+        rank: 0,
+        tier: 0,
+        id_step,
+        prompt: 2,
+        from,
+        len,
+        unknown: false,
+        alias,
+        repeat,
+    };
+    let query = Op::Query {
+        prompt: 2,
+        len: 16,
+        change: None,
+    };
+    let input = Input {
+        ops: vec![
+            Op::Join { worker: 1 },
+            Op::Join { worker: 2 },
+            store(1, 0, 2, 0, 2, false),
+            store(1, 0, 2, 0, 0, true),
+            query,
+            remove(1, 2, 0, 0, false, 0),
+            query,
+            store(1, 0, 2, 0, 0, true),
+            remove(1, 2, 0, 0, true, 1),
+            query,
+            store(2, 1, 2, 0, 3, false),
+            store(2, 0, 2, 4, 2, false),
+            query,
+            store(1, 0, 142, 5, 1, false),
+            store(1, 0, 143, 0, 1, false),
+            query,
+            Op::Rejoin { worker: 2 },
+            store(2, 0, 2, 0, 1, false),
+            query,
+            Op::Rejoin { worker: 1 },
+            query,
+            store(1, 0, 143, 0, 3, false),
+            query,
+            Op::Rejoin { worker: 2 },
+            store(2, 0, 143, 0, 2, false),
             query,
         ],
     };

@@ -17,6 +17,9 @@ fn layer(module: &str) -> Option<u8> {
     Some(match module {
         "types" | "error" | "request" | "explain" | "contain" => 0,
         "fleet" | "kv_index" => 1,
+        // Credentials and TLS files for the connections of discovery and
+        // replica sync: the plain types and the error only.
+        "secure" => 1,
         // Replica sync sits beside discovery: plain types and its error only.
         "discovery" | "replica" => 2,
         "filter" | "plugin" => 3,

@@ -3,10 +3,23 @@
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
+use std::sync::atomic::{AtomicIsize, Ordering};
+use std::sync::Mutex;
 
 use selkie::*;
 
 struct Counting;
+
+/// Bytes allocated and not yet freed, by every thread of this process.
+static LIVE: AtomicIsize = AtomicIsize::new(0);
+
+/// The tests of this binary run one at a time: one of them measures the
+/// whole process's heap.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
 
 thread_local! {
     static WATCH: Cell<bool> = const { Cell::new(false) };
@@ -19,10 +32,12 @@ unsafe impl GlobalAlloc for Counting {
         if WATCH.with(Cell::get) {
             COUNT.with(|c| c.set(c.get() + 1));
         }
+        LIVE.fetch_add(layout.size() as isize, Ordering::Relaxed);
         // SAFETY: same contract as ours.
         unsafe { System.alloc(layout) }
     }
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        LIVE.fetch_sub(layout.size() as isize, Ordering::Relaxed);
         // SAFETY: same contract as ours.
         unsafe { System.dealloc(ptr, layout) }
     }
@@ -41,6 +56,7 @@ fn allocations(f: impl FnOnce()) -> usize {
 
 #[test]
 fn default_selection_path_does_not_allocate() {
+    let _serial = serial();
     let policies = [
         WorkerSelectionPolicy::kv(KvRouterConfig::default(), WorkerType::Aggregated),
         WorkerSelectionPolicy::kv(
@@ -90,6 +106,7 @@ fn default_selection_path_does_not_allocate() {
 /// the session id and never stores the id.
 #[test]
 fn session_requests_do_not_allocate() {
+    let _serial = serial();
     let s = WorkerSelectionService::new(WorkerSelectionPolicy::least_loaded(), ServiceConfig::default());
     for id in 0..16 {
         s.add_worker(WorkerRecord::new(id)).unwrap();
@@ -123,6 +140,7 @@ fn session_requests_do_not_allocate() {
 #[cfg(feature = "nats")]
 #[test]
 fn replica_sync_recording_does_not_allocate() {
+    let _serial = serial();
     use std::io::Write;
     let Some(url) = std::env::var("SELKIE_NATS_URL").ok().filter(|u| !u.trim().is_empty()) else {
         let _ = writeln!(
@@ -163,6 +181,7 @@ fn replica_sync_recording_does_not_allocate() {
 #[cfg(feature = "nats")]
 #[test]
 fn selection_with_replica_sync_does_not_allocate() {
+    let _serial = serial();
     use std::io::Write;
     use std::sync::Arc;
     let Some(url) = std::env::var("SELKIE_NATS_URL").ok().filter(|u| !u.trim().is_empty()) else {
@@ -218,4 +237,85 @@ fn selection_with_replica_sync_does_not_allocate() {
         assert_eq!(n, 0, "{name}: {n} allocations in 1000 selections with replica sync");
         peer.record_release(booking);
     }
+}
+
+/// What a forged peer makes replica sync hold is bounded by
+/// `max_peer_rows`, and all of it is given back when the peer expires:
+/// the process's live heap returns to where it was. Needs the
+/// nats-server named by `SELKIE_NATS_URL`.
+#[cfg(feature = "nats")]
+#[test]
+fn forged_bookings_memory_is_bounded_and_given_back_on_expiry() {
+    use std::io::Write;
+    use std::time::{Duration, Instant};
+    let _serial = serial();
+    let Some(url) = std::env::var("SELKIE_NATS_URL").ok().filter(|u| !u.trim().is_empty()) else {
+        let _ = writeln!(
+            std::io::stderr(),
+            "\nSKIPPED: forged_bookings_memory_is_bounded_and_given_back_on_expiry: replica sync tests need SELKIE_NATS_URL (a running nats-server; .ci/run starts one)"
+        );
+        return;
+    };
+    let url = url.trim();
+    let wait = |what: &str, done: &mut dyn FnMut() -> bool| {
+        let start = Instant::now();
+        while !done() {
+            assert!(
+                start.elapsed() < Duration::from_secs(20),
+                "timed out waiting until {what}"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    };
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    let subject = format!("selkie-test.memory.{}-{nanos}", std::process::id());
+    const ROWS: usize = 50_000;
+    let options = ReplicaSyncOptions::default()
+        .with_subject(subject.as_str())
+        .with_heartbeat_interval(Duration::from_millis(50))
+        .with_peer_timeout(Duration::from_millis(600))
+        .with_max_peer_rows(ROWS);
+    let a = ReplicaSync::connect(url, options).unwrap();
+    let addr = url.trim_start_matches("nats://");
+    let mut forger = std::net::TcpStream::connect(addr).unwrap();
+    forger.write_all(b"CONNECT {\"verbose\":false}\r\n").unwrap();
+    let batch = |b: u64| {
+        let deltas: Vec<String> = (b * 1000..(b + 1) * 1000)
+            .map(|id| format!(r#"{{"B":[{id},[{},0,4096,64]]}}"#, id % 997))
+            .collect();
+        let m = format!(r#"{{"r":66,"i":1,"s":{},"m":{{"d":[{}]}}}}"#, b + 1, deltas.join(","));
+        let mut frame = format!("PUB {subject} {}\r\n", m.len()).into_bytes();
+        frame.extend_from_slice(m.as_bytes());
+        frame.extend_from_slice(b"\r\n");
+        frame
+    };
+    // Warm the client's buffers with one round first (kept: they are the
+    // client's, not the peer's), then measure from an empty table.
+    forger.write_all(&batch(0)).unwrap();
+    wait("the warm-up batch is applied", &mut || a.stats().applied == 1_000);
+    wait("the warm-up peer expires", &mut || a.stats().peers == 0);
+    std::thread::sleep(Duration::from_millis(100));
+    let before = LIVE.load(Ordering::Relaxed);
+    for b in 0..80 {
+        forger.write_all(&batch(b)).unwrap();
+    }
+    wait("every forged batch is applied", &mut || a.stats().applied == 81_000);
+    let s = a.stats();
+    assert_eq!(s.peer_rows, ROWS as u64, "{s:?}");
+    let held = LIVE.load(Ordering::Relaxed) - before;
+    wait("the silent forger's peer expires", &mut || a.stats().peers == 0);
+    std::thread::sleep(Duration::from_millis(100));
+    let after = LIVE.load(Ordering::Relaxed) - before;
+    let _ = writeln!(
+        std::io::stderr(),
+        "\nforged bookings: {ROWS} held (80,000 sent): +{} KB live heap ({} bytes a row); after expiry {:+} KB",
+        held / 1024,
+        held / ROWS as isize,
+        after / 1024
+    );
+    assert!(held > 0 && held < 200 * ROWS as isize, "{held} bytes for {ROWS} rows");
+    assert!(after < 512 * 1024, "{after} bytes still held after the peer expired");
 }

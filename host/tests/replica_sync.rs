@@ -9,6 +9,7 @@
 
 mod servers;
 use std::collections::BTreeMap;
+use std::io::Write;
 use std::time::{Duration, Instant};
 
 use selkie::*;
@@ -82,6 +83,82 @@ fn an_unreachable_server_is_a_typed_error_naming_it() {
         ),
         "{err}"
     );
+}
+
+/// Options out of range are refused by `connect` before anything starts,
+/// naming the option and its bound: none of them may reach the thread
+/// (a zero batch interval panicked it), the queue (a capacity that rounds
+/// to nothing dropped every delta) or an allocation (a batch capacity of
+/// `usize::MAX` panicked `connect`).
+#[test]
+fn out_of_range_options_are_refused_naming_the_option_and_its_bound() {
+    // Nobody listens there: an option that passed validation would be
+    // refused as `Unavailable` instead.
+    let url = format!("nats://127.0.0.1:{}", servers::free_port());
+    let base = || ReplicaSyncOptions::default().with_connect_timeout(Duration::from_millis(200));
+    let cases: Vec<(&str, ReplicaSyncOptions, &str)> = vec![
+        (
+            "batch_interval",
+            base().with_batch_interval(Duration::ZERO),
+            "at least 100µs",
+        ),
+        (
+            "batch_interval",
+            base().with_batch_interval(Duration::MAX),
+            "at most 10s",
+        ),
+        (
+            "batch_max_events",
+            base().with_batch_max_events(usize::MAX),
+            "at most 8192",
+        ),
+        ("batch_max_events", base().with_batch_max_events(0), "at least 1"),
+        (
+            "queue_capacity",
+            base().with_queue_capacity(usize::MAX),
+            "at most 1048576",
+        ),
+        ("queue_capacity", base().with_queue_capacity(0), "at least 1"),
+        (
+            "heartbeat_interval",
+            base().with_heartbeat_interval(Duration::MAX),
+            "at most 3600s",
+        ),
+        (
+            "peer_timeout",
+            base()
+                .with_heartbeat_interval(Duration::from_secs(1))
+                .with_peer_timeout(Duration::MAX),
+            "at most 3600s",
+        ),
+        (
+            "connect_timeout",
+            base().with_connect_timeout(Duration::ZERO),
+            "more than zero",
+        ),
+        (
+            "max_reconnect_delay",
+            base().with_max_reconnect_delay(Duration::MAX),
+            "at most 3600s",
+        ),
+    ];
+    let mut wrong = Vec::new();
+    for (option, options, bound) in cases {
+        let got = std::panic::catch_unwind(|| ReplicaSync::connect(&url, options.clone()).map(drop));
+        match got {
+            Ok(Err(SyncError::InvalidOption {
+                option: named,
+                requirement,
+                value,
+            })) if named == option && requirement.contains(bound) => {
+                assert!(!value.is_empty(), "{option}: the value is named");
+            }
+            Ok(Err(err)) => wrong.push(format!("{option} ({bound}): refused as: {err}")),
+            Ok(Ok(())) => wrong.push(format!("{option} ({bound}): accepted")),
+            Err(_) => wrong.push(format!("{option} ({bound}): connect panicked")),
+        }
+    }
+    assert!(wrong.is_empty(), "{}", wrong.join("\n"));
 }
 
 #[test]
@@ -374,4 +451,378 @@ fn a_server_restart_keeps_recording_fast_and_peers_converge_again() {
     servers::wait_until("B sees a delta after the restart", LONG, || {
         b.remote_loads() == expected(&from_a)
     });
+}
+
+// Trust and bounds: a publisher on the subject that is not a replica (a
+// bare NATS client, `servers::RawNats`) tries what a fault probe found it
+// could do. With a signing key it changes nothing; without one the bounds
+// hold.
+
+const KEY: &[u8; 32] = b"selkie test partition key, 32 B!";
+
+/// A message as a forger writes it (no send time, no signature).
+fn forged(replica: u64, incarnation: u64, seq: u64, body: &str) -> String {
+    format!(r#"{{"r":{replica},"i":{incarnation},"s":{seq},"m":{body}}}"#)
+}
+
+/// A load report of `requests` on worker `id`, rank 0, as a batch body.
+fn report_body(id: u64, requests: u64) -> String {
+    format!(r#"{{"d":[{{"L":[{id},0,[{requests},0,0]]}}]}}"#)
+}
+
+#[test]
+fn a_forged_load_counts_within_the_cap_and_not_at_all_with_a_key() {
+    let Some(url) = servers::nats_url("a_forged_load_counts_within_the_cap_and_not_at_all_with_a_key") else {
+        return;
+    };
+    let (open, signed) = (
+        servers::unique_subject("forged-open"),
+        servers::unique_subject("forged-signed"),
+    );
+    let cap = load(64, 1 << 20, 1 << 20);
+    let u = ReplicaSync::connect(&url, fast(&open).with_max_peer_load(cap)).unwrap();
+    let a = ReplicaSync::connect(&url, fast(&signed).with_signing_key(KEY)).unwrap();
+    let mut forger = servers::RawNats::connect(&url);
+    for id in 1..=4u64 {
+        let m = forged(777, 1, id, &report_body(id, 100_000));
+        forger.publish(&open, m.as_bytes());
+        forger.publish(&signed, m.as_bytes());
+        // A signature that is not the key's.
+        let bad = servers::RawNats::header("Selkie-Signature", &"ab".repeat(32));
+        forger.publish_with_headers(&signed, &bad, m.as_bytes());
+    }
+    forger.flush();
+    servers::wait_until("the open replica counts the forged load, capped", LONG, || {
+        (1..=4).all(|id| u.remote_load(WorkerWithDpRank::new(id, 0)) == load(64, 0, 0))
+    });
+    assert!(u.stats().capped >= 4, "{:?}", u.stats());
+    servers::wait_until("the signed replica refuses every forged message", LONG, || {
+        let r = a.stats().refused;
+        r.unsigned == 4 && r.bad_signature == 4
+    });
+    assert!(a.remote_loads().is_empty(), "{:?}", a.remote_loads());
+    assert_eq!(a.stats().peers, 0);
+}
+
+#[test]
+fn one_peers_huge_report_never_erases_anothers_load() {
+    let Some(url) = servers::nats_url("one_peers_huge_report_never_erases_anothers_load") else {
+        return;
+    };
+    let subject = servers::unique_subject("saturate");
+    let a = ReplicaSync::connect(&url, fast(&subject)).unwrap();
+    let b = ReplicaSync::connect(&url, fast(&subject)).unwrap();
+    let w = WorkerWithDpRank::new(9, 0);
+    for id in 0..5 {
+        assert!(b.record_book(id, w, 0, 0));
+    }
+    servers::wait_until("A counts B's 5 bookings", LONG, || a.remote_load(w).requests == 5);
+    let applied = a.stats().applied;
+    let mut forger = servers::RawNats::connect(&url);
+    forger.publish(&subject, forged(31, 1, 1, &report_body(9, u64::MAX)).as_bytes());
+    forger.publish(&subject, forged(31, 1, 2, &report_body(9, 0)).as_bytes());
+    forger.flush();
+    servers::wait_until("A applied both reports", LONG, || a.stats().applied == applied + 2);
+    assert_eq!(
+        a.remote_load(w).requests,
+        5,
+        "B's load survives a peer's u64::MAX then 0"
+    );
+    assert!(b.record_release(0));
+    servers::wait_until("A sees B's release", LONG, || a.remote_load(w).requests == 4);
+}
+
+#[test]
+fn forged_heartbeats_keep_at_most_max_peers_alive_and_none_with_a_key() {
+    let Some(url) = servers::nats_url("forged_heartbeats_keep_at_most_max_peers_alive_and_none_with_a_key") else {
+        return;
+    };
+    let (open, signed) = (
+        servers::unique_subject("beats-open"),
+        servers::unique_subject("beats-signed"),
+    );
+    let u = ReplicaSync::connect(&url, fast(&open).with_max_peers(4)).unwrap();
+    let a = ReplicaSync::connect(&url, fast(&signed).with_signing_key(KEY)).unwrap();
+    let mut forger = servers::RawNats::connect(&url);
+    // Heartbeats from 100 made-up replicas, past the peer timeout (600 ms).
+    let start = Instant::now();
+    while start.elapsed() < Duration::from_millis(1_000) {
+        for id in 1000..1100u64 {
+            let m = forged(id, 1, 0, r#""h""#);
+            forger.publish(&open, m.as_bytes());
+            forger.publish(&signed, m.as_bytes());
+        }
+        forger.flush();
+        assert!(u.stats().peers <= 4, "{:?}", u.stats());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let (su, sa) = (u.stats(), a.stats());
+    assert_eq!(su.peers, 4, "{su:?}");
+    assert!(su.refused.peers_full >= 96, "{su:?}");
+    assert_eq!(sa.peers, 0, "{sa:?}");
+    assert!(sa.refused.unsigned >= 100, "{sa:?}");
+    // The forger stops: the made-up peers go within the timeout.
+    servers::wait_until("the made-up peers expire", LONG, || u.stats().peers == 0);
+}
+
+/// Reads messages on `subject` until one from `replica`; returns its
+/// incarnation (what a forger reads off the subject).
+fn incarnation_of(reader: &mut servers::RawNats, replica: u64) -> u64 {
+    let start = Instant::now();
+    while start.elapsed() < LONG {
+        let Some(m) = reader.next_message(LONG) else { break };
+        let v: serde_json::Value = serde_json::from_slice(&m.payload).unwrap();
+        if v["r"].as_u64() == Some(replica) {
+            return v["i"].as_u64().unwrap();
+        }
+    }
+    panic!("no message from replica {replica}");
+}
+
+#[test]
+fn a_sequence_number_far_ahead_in_a_real_peers_name_freezes_nothing() {
+    let Some(url) = servers::nats_url("a_sequence_number_far_ahead_in_a_real_peers_name_freezes_nothing") else {
+        return;
+    };
+    for signed in [false, true] {
+        let subject = servers::unique_subject("freeze");
+        let options = if signed {
+            fast(&subject).with_signing_key(KEY)
+        } else {
+            fast(&subject)
+        };
+        let mut reader = servers::RawNats::connect(&url);
+        reader.subscribe(&subject);
+        let a = ReplicaSync::connect(&url, options.clone()).unwrap();
+        let b = ReplicaSync::connect(&url, options).unwrap();
+        let w = WorkerWithDpRank::new(4, 0);
+        assert!(b.record_book(1, w, 0, 0));
+        servers::wait_until("A counts B's booking", LONG, || a.remote_load(w).requests == 1);
+        let incarnation = incarnation_of(&mut reader, b.replica_id());
+        let mut forger = servers::RawNats::connect(&url);
+        let m = forged(b.replica_id(), incarnation, u64::MAX, r#"{"d":[{"R":1}]}"#);
+        forger.publish(&subject, m.as_bytes());
+        forger.flush();
+        for id in 2..=10 {
+            assert!(b.record_book(id, w, 0, 0));
+        }
+        servers::wait_until("A counts B's later bookings", LONG, || a.remote_load(w).requests == 10);
+        let (sa, sb) = (a.stats(), b.stats());
+        if signed {
+            assert_eq!(sb.id_conflicts, 0, "refused unread: {sb:?}");
+            assert!(sa.refused.unsigned >= 1, "{sa:?}");
+        } else {
+            assert!(sb.id_conflicts >= 1 && sb.reincarnations >= 1, "B noticed: {sb:?}");
+        }
+    }
+}
+
+#[test]
+fn snapshot_parts_that_never_end_are_bounded_in_rows_and_age() {
+    let Some(url) = servers::nats_url("snapshot_parts_that_never_end_are_bounded_in_rows_and_age") else {
+        return;
+    };
+    let subject = servers::unique_subject("parts");
+    let a = ReplicaSync::connect(&url, fast(&subject).with_max_peer_rows(2_000)).unwrap();
+    let mut forger = servers::RawNats::connect(&url);
+    let part = |n: u32, first: u64| {
+        let rows: Vec<String> = (first..first + 500).map(|id| format!("[{id},[1,0,100,1]]")).collect();
+        forged(
+            55,
+            1,
+            0,
+            &format!(r#"{{"s":{{"n":{n},"l":false,"b":[{}]}}}}"#, rows.join(",")),
+        )
+    };
+    for n in 0..20u32 {
+        forger.publish(&subject, part(n, u64::from(n) * 500).as_bytes());
+    }
+    forger.flush();
+    servers::wait_until("A refuses the oversized snapshot", LONG, || {
+        a.stats().refused.snapshot_too_large >= 1
+    });
+    assert!(a.stats().peer_rows <= 2_000, "{:?}", a.stats());
+    // An empty part that is not a lone part 0 drops the snapshot.
+    forger.publish(&subject, part(0, 0).as_bytes());
+    forger.publish(
+        &subject,
+        forged(55, 1, 0, r#"{"s":{"n":1,"l":false,"b":[]}}"#).as_bytes(),
+    );
+    forger.flush();
+    servers::wait_until("A refuses the empty part", LONG, || {
+        a.stats().refused.snapshot_malformed >= 1
+    });
+    // A snapshot that never ends, from a peer that stays alive, is
+    // dropped after the peer timeout (600 ms).
+    forger.publish(&subject, part(0, 0).as_bytes());
+    forger.flush();
+    servers::wait_until("A holds the unfinished snapshot", LONG, || a.stats().peer_rows == 500);
+    let start = Instant::now();
+    while a.stats().refused.snapshot_expired == 0 {
+        assert!(
+            start.elapsed() < LONG,
+            "the snapshot was never dropped: {:?}",
+            a.stats()
+        );
+        forger.publish(&subject, forged(55, 1, 0, r#""h""#).as_bytes());
+        forger.flush();
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let s = a.stats();
+    assert_eq!((s.peers, s.peer_rows), (1, 0), "{s:?}");
+    assert!(a.remote_loads().is_empty());
+}
+
+#[test]
+fn forged_bookings_are_bounded_and_go_when_their_peer_expires() {
+    let Some(url) = servers::nats_url("forged_bookings_are_bounded_and_go_when_their_peer_expires") else {
+        return;
+    };
+    let subject = servers::unique_subject("bookings");
+    let a = ReplicaSync::connect(&url, fast(&subject).with_max_peer_rows(10_000)).unwrap();
+    let mut forger = servers::RawNats::connect(&url);
+    for batch in 0..30u64 {
+        let deltas: Vec<String> = (batch * 1000..(batch + 1) * 1000)
+            .map(|id| format!(r#"{{"B":[{id},[{},0,4096,64]]}}"#, id % 97))
+            .collect();
+        let m = forged(66, 1, batch + 1, &format!(r#"{{"d":[{}]}}"#, deltas.join(",")));
+        forger.publish(&subject, m.as_bytes());
+    }
+    forger.flush();
+    servers::wait_until("A applied every forged batch", LONG, || a.stats().applied == 30_000);
+    let s = a.stats();
+    assert_eq!((s.peer_rows, s.refused_rows), (10_000, 20_000), "{s:?}");
+    let held: u64 = a.remote_loads().iter().map(|(_, l)| l.requests).sum();
+    assert_eq!(held, 10_000);
+    servers::wait_until("the silent forger's peer expires", LONG, || {
+        let s = a.stats();
+        (s.peers, s.peer_rows) == (0, 0)
+    });
+    assert!(a.remote_loads().is_empty());
+}
+
+#[test]
+fn snapshot_requests_are_answered_at_most_once_per_interval() {
+    let Some(url) = servers::nats_url("snapshot_requests_are_answered_at_most_once_per_interval") else {
+        return;
+    };
+    for signed in [false, true] {
+        let subject = servers::unique_subject("amplify");
+        let options = if signed {
+            fast(&subject).with_signing_key(KEY)
+        } else {
+            fast(&subject)
+        };
+        let victim = ReplicaSync::connect(&url, options).unwrap();
+        for id in 0..2_000u64 {
+            assert!(victim.record_book(id, WorkerWithDpRank::new(id % 50, 0), 1000, 8));
+        }
+        servers::wait_until("the victim's bookings are out", LONG, || {
+            victim.stats().published_events == 2_000
+        });
+        let before = victim.stats().snapshots_sent;
+        let mut forger = servers::RawNats::connect(&url);
+        let start = Instant::now();
+        for i in 0..2_000u64 {
+            forger.publish(&subject, forged(9_000 + i % 7, 1, 0, r#"{"q":null}"#).as_bytes());
+            if i % 100 == 99 {
+                forger.flush();
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        }
+        forger.flush();
+        // The requests already in are answered by at most one more.
+        std::thread::sleep(Duration::from_millis(200));
+        let took = start.elapsed();
+        let s = victim.stats();
+        let sent = s.snapshots_sent - before;
+        let allowed = if signed { 0 } else { (took.as_millis() / 100) as u64 + 2 };
+        let _ = writeln!(
+            std::io::stderr(),
+            "\nsnapshot amplification ({}): 2,000 requests in {took:?}: {sent} snapshots of 2,000 bookings sent, \
+             {} deferred, {} refused",
+            if signed { "signed" } else { "open" },
+            s.snapshots_deferred,
+            s.refused.total()
+        );
+        assert!(
+            sent <= allowed,
+            "{sent} snapshots for 2,000 requests in {took:?}: {s:?}"
+        );
+        if !signed {
+            assert!(sent >= 1, "the requests were answered: {s:?}");
+        }
+    }
+}
+
+/// Captured signed messages replayed by someone without the key: an old
+/// incarnation's batch does not reset the live replica's table, and a
+/// message older than the peer timeout is refused outright.
+#[test]
+fn replayed_signed_messages_change_nothing() {
+    let Some(url) = servers::nats_url("replayed_signed_messages_change_nothing") else {
+        return;
+    };
+    let subject = servers::unique_subject("replay");
+    let options = fast(&subject).with_signing_key(KEY);
+    let a = ReplicaSync::connect(&url, options.clone()).unwrap();
+    let mut recorder = servers::RawNats::connect(&url);
+    recorder.subscribe(&subject);
+    let w = WorkerWithDpRank::new(3, 0);
+    let old = ReplicaSync::connect(&url, options.clone().with_replica_id(42)).unwrap();
+    for id in 0..3 {
+        assert!(old.record_book(id, w, 0, 0));
+    }
+    servers::wait_until("A counts the old incarnation's 3 bookings", LONG, || {
+        a.remote_load(w).requests == 3
+    });
+    drop(old);
+    // Everything replica 42's first incarnation said, signatures included.
+    let mut captured = Vec::new();
+    let start = Instant::now();
+    while let Some(m) = recorder.next_message(Duration::from_millis(300).saturating_sub(start.elapsed())) {
+        let v: serde_json::Value = serde_json::from_slice(&m.payload).unwrap();
+        if v["r"].as_u64() == Some(42) {
+            captured.push(m);
+        }
+    }
+    assert!(
+        captured.iter().any(|m| m.payload.windows(5).any(|w| w == br#"{"d":"#)),
+        "a batch was captured"
+    );
+    let new = ReplicaSync::connect(&url, options.with_replica_id(42)).unwrap();
+    assert!(new.record_book(10, w, 0, 0));
+    servers::wait_until("A counts only the new incarnation's booking", LONG, || {
+        a.remote_load(w).requests == 1
+    });
+    let mut forger = servers::RawNats::connect(&url);
+    let replay = |forger: &mut servers::RawNats| {
+        for m in &captured {
+            forger.publish_with_headers(&subject, m.headers.as_deref().unwrap(), &m.payload);
+        }
+        forger.flush();
+    };
+    replay(&mut forger);
+    servers::wait_until("A refuses the replayed messages", LONG, || {
+        a.stats().refused.replayed >= captured.len() as u64
+    });
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(a.remote_load(w).requests, 1, "the replay reset nothing");
+    // Past the peer timeout (600 ms) the captured messages are stale.
+    std::thread::sleep(Duration::from_millis(700));
+    replay(&mut forger);
+    servers::wait_until("A refuses them as stale", LONG, || a.stats().refused.stale >= 1);
+    assert_eq!(a.remote_load(w).requests, 1);
+    assert_eq!(new.stats().id_conflicts, 0, "{:?}", new.stats());
+}
+
+#[test]
+fn a_connected_sync_reports_itself_running() {
+    let Some(url) = servers::nats_url("a_connected_sync_reports_itself_running") else {
+        return;
+    };
+    let subject = servers::unique_subject("health");
+    let a = ReplicaSync::connect(&url, fast(&subject)).unwrap();
+    assert_eq!(a.health(), SyncHealth::Running);
+    assert!(a.record_book(1, WorkerWithDpRank::new(1, 0), 1, 1));
 }

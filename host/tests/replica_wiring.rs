@@ -471,3 +471,258 @@ fn routing_survives_a_server_outage_and_a_dead_replicas_load_expires() {
     );
     drop(held_b);
 }
+
+const KEY: &[u8; 32] = b"selkie test partition key, 32 B!";
+
+/// What a publisher without the key sends while the routers decide: the
+/// fault probe's forged messages (a load of 100,000 requests on every
+/// worker, a load on workers 2 to 4 only, heartbeats of made-up replicas,
+/// a batch in the real peer's name far ahead, snapshot requests).
+fn forge(url: &str, subject: &str, peer: u64, until: Instant) {
+    let mut forger = servers::RawNats::connect(url);
+    let mut seq = 1u64;
+    while Instant::now() < until {
+        let loads = |ids: std::ops::RangeInclusive<u64>, requests: u64| {
+            let each: Vec<String> = ids.map(|id| format!(r#"{{"L":[{id},0,[{requests},0,0]]}}"#)).collect();
+            format!(r#"{{"d":[{}]}}"#, each.join(","))
+        };
+        let all = format!(r#"{{"r":777,"i":1,"s":{seq},"m":{}}}"#, loads(1..=4, 100_000));
+        forger.publish(subject, all.as_bytes());
+        let steer = format!(r#"{{"r":778,"i":1,"s":{seq},"m":{}}}"#, loads(2..=4, 50));
+        forger.publish(subject, steer.as_bytes());
+        let beat = format!(r#"{{"r":{},"i":1,"s":0,"m":"h"}}"#, 1000 + seq % 50);
+        forger.publish(subject, beat.as_bytes());
+        let freeze = format!(r#"{{"r":{peer},"i":1,"s":{},"m":{{"d":[{{"R":1}}]}}}}"#, u64::MAX);
+        forger.publish(subject, freeze.as_bytes());
+        forger.publish(subject, br#"{"r":9,"i":1,"s":0,"m":{"q":null}}"#);
+        forger.flush();
+        seq += 1;
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+/// A router replica wired to a signed sync with one real peer holding 3
+/// requests on worker 1; returns the workers its 600 selections chose
+/// (up to 8 held at once) and how many were refused, while `forging`
+/// publishes on its subject, or nothing does.
+fn decisions(url: &str, signed: bool, forging: bool) -> (Vec<u64>, usize, ReplicaSyncStats) {
+    let subject = servers::unique_subject("decide");
+    let options = || {
+        let o = fast(&subject);
+        if signed {
+            o.with_signing_key(KEY)
+        } else {
+            o
+        }
+    };
+    let s = service(WorkerSelectionPolicy::least_loaded(), 4, 64, 11);
+    let sync = Arc::new(ReplicaSync::connect(url, options()).unwrap());
+    s.set_replica_sync(Arc::clone(&sync)).unwrap();
+    let _thread = s.spawn_replica_sync_thread(Duration::from_millis(1)).unwrap();
+    let peer = ReplicaSync::connect(url, options()).unwrap();
+    for id in 0..3 {
+        assert!(peer.record_book(id, w(1), 32, 2));
+    }
+    servers::wait_until("the real peer's load is applied", Duration::from_secs(5), || {
+        active(&s, 1) == 3
+    });
+    let forger = forging.then(|| {
+        let (url, subject, id) = (url.to_owned(), subject.clone(), peer.replica_id());
+        let until = Instant::now() + Duration::from_millis(600);
+        let t = std::thread::spawn(move || forge(&url, &subject, id, until));
+        // Let the first forged messages land before deciding.
+        std::thread::sleep(Duration::from_millis(100));
+        t
+    });
+    let mut chosen = Vec::new();
+    let mut refused = 0;
+    let mut held = std::collections::VecDeque::new();
+    for _ in 0..600 {
+        match s.select(&SelectionRequest::new(32)) {
+            Ok(sel) => {
+                chosen.push(sel.worker().worker_id);
+                held.push_back(sel);
+                if held.len() > 8 {
+                    drop(held.pop_front());
+                }
+            }
+            Err(_) => refused += 1,
+        }
+        std::thread::sleep(Duration::from_micros(500));
+    }
+    if let Some(t) = forger {
+        t.join().unwrap();
+    }
+    (chosen, refused, sync.stats())
+}
+
+/// With a signing key, a publisher without it changes no decision: a
+/// router's selections during a flood of forged messages are those of
+/// the same router without them, its real peer's load still counts, and
+/// every forged message is refused and counted. Without a key the same
+/// flood makes the router refuse every request (what the key is for).
+#[test]
+fn a_forger_without_the_key_changes_no_decision() {
+    let Some(url) = servers::nats_url("a_forger_without_the_key_changes_no_decision") else {
+        return;
+    };
+    let (quiet, quiet_refused, _) = decisions(&url, true, false);
+    let (forged, forged_refused, stats) = decisions(&url, true, true);
+    assert_eq!((quiet_refused, forged_refused), (0, 0));
+    assert!(
+        !quiet.contains(&1) || quiet.iter().filter(|&&x| x == 1).count() < quiet.len() / 4,
+        "worker 1 holds the peer's 3 requests"
+    );
+    assert_eq!(forged, quiet, "the same decisions with and without the forger");
+    let r = stats.refused;
+    assert!(r.unsigned >= 100, "{stats:?}");
+    assert_eq!(r.total(), r.unsigned, "{stats:?}");
+    assert_eq!((stats.peers, stats.applied, stats.id_conflicts), (1, 3, 0), "{stats:?}");
+    let (_, open_refused, _) = decisions(&url, false, true);
+    let _ = writeln!(
+        std::io::stderr(),
+        "\nforger on the subject: signed: 600 of 600 selections as without it, {} forged messages refused; \
+         open: {open_refused} of 600 refused",
+        r.unsigned
+    );
+    assert!(
+        open_refused > 300,
+        "without a key the forged load refuses requests: {open_refused}"
+    );
+}
+
+/// How one over-admission run went.
+struct Starved {
+    /// The combined count held, every 200 µs after the first 100 ms...
+    samples: Vec<u32>,
+    /// ...and the most in those first 100 ms (both replicas start with no
+    /// view of the other: each admits up to the limit at once).
+    start_most: u32,
+    over: [OverAdmission; 2],
+    selections: u64,
+}
+
+/// Two replicas, one worker with admission limit `LIMIT_2`, eight
+/// selecting threads per replica holding each request for 50 to 500 µs,
+/// spinning through the hold (`spin`: the host's cores stay busy and the
+/// sync threads wait for one) or sleeping; a sampler reads the combined
+/// count held every 200 µs for `run`.
+fn starve(url: &str, spin: bool, run: Duration) -> Starved {
+    use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
+    const LIMIT_2: u32 = 8;
+    let subject = servers::unique_subject("starved");
+    let services: Vec<_> = (0..2)
+        .map(|i| service(WorkerSelectionPolicy::least_loaded(), 1, LIMIT_2, 21 + i))
+        .collect();
+    let _syncs: Vec<_> = services.iter().map(|s| synced(url, &subject, s)).collect();
+    let _threads: Vec<_> = services
+        .iter()
+        .map(|s| s.spawn_replica_sync_thread(Duration::from_millis(1)).unwrap())
+        .collect();
+    let held = AtomicI64::new(0);
+    let selections = AtomicU64::new(0);
+    let done = AtomicBool::new(false);
+    let mut samples = Vec::new();
+    let mut start_most = 0;
+    std::thread::scope(|scope| {
+        for t in 0..16u64 {
+            let (s, held, selections, done) = (&services[(t % 2) as usize], &held, &selections, &done);
+            scope.spawn(move || {
+                let mut x = 0x9E37_79B9_7F4A_7C15u64 ^ t;
+                while !done.load(Ordering::Relaxed) {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    let hold = Duration::from_micros(50 + x % 450);
+                    match s.select(&SelectionRequest::new(16)) {
+                        Ok(sel) => {
+                            held.fetch_add(1, Ordering::SeqCst);
+                            selections.fetch_add(1, Ordering::Relaxed);
+                            let start = Instant::now();
+                            if spin {
+                                while start.elapsed() < hold {
+                                    std::hint::spin_loop();
+                                }
+                            } else {
+                                std::thread::sleep(hold);
+                            }
+                            held.fetch_sub(1, Ordering::SeqCst);
+                            drop(sel);
+                        }
+                        Err(_) => std::thread::yield_now(),
+                    }
+                }
+            });
+        }
+        let start = Instant::now();
+        while start.elapsed() < run {
+            let now = held.load(Ordering::SeqCst).max(0) as u32;
+            if start.elapsed() < Duration::from_millis(100) {
+                start_most = start_most.max(now);
+            } else {
+                samples.push(now);
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        done.store(true, Ordering::Relaxed);
+    });
+    Starved {
+        samples,
+        start_most,
+        over: [
+            services[0].replica_over_admission(),
+            services[1].replica_over_admission(),
+        ],
+        selections: selections.load(std::sync::atomic::Ordering::Relaxed),
+    }
+}
+
+/// Over-admission of two synced replicas under load, measured: the
+/// combined count held on a worker with limit 8, sampled, with the
+/// selecting threads spinning (two cores busy: the sync threads starve)
+/// and sleeping. The count never passes `replicas x L` (each replica's own
+/// bookings stay within `L`); how far it passes `L` depends on how long
+/// the sync takes to run, which starvation stretches, and the service
+/// counts what it sees of it (`replica_over_admission`).
+#[test]
+fn over_admission_under_cpu_starvation_stays_within_replicas_times_the_limit() {
+    let Some(url) = servers::nats_url("over_admission_under_cpu_starvation_stays_within_replicas_times_the_limit")
+    else {
+        return;
+    };
+    for spin in [true, false] {
+        let run = starve(&url, spin, Duration::from_secs(2));
+        let n = run.samples.len();
+        let mut histogram = BTreeMap::new();
+        for &c in &run.samples {
+            *histogram.entry(c).or_insert(0u64) += 1;
+        }
+        let over = run.samples.iter().filter(|&&c| c > 8).count();
+        let most = run.samples.iter().copied().max().unwrap_or(0);
+        let _ = writeln!(
+            std::io::stderr(),
+            "\nover-admission, 2 replicas, limit 8, 16 threads {} on {} cores: {} selections, {n} samples, \
+             over the limit in {over} ({:.2}%), most {most}; held count: samples {histogram:?}; \
+             most in the first 100 ms (not sampled above) {}; seen by the services: {:?} / {:?}",
+            if spin { "spinning" } else { "sleeping" },
+            std::thread::available_parallelism().map_or(0, |p| p.get()),
+            run.selections,
+            100.0 * over as f64 / n.max(1) as f64,
+            run.start_most,
+            run.over[0],
+            run.over[1],
+        );
+        assert!(n > 100, "{n} samples");
+        assert!(
+            most.max(run.start_most) <= 2 * 8,
+            "two replicas held {most} > replicas x L = 16"
+        );
+        for o in run.over {
+            assert!(
+                o.most <= 8,
+                "a replica saw {} over a limit of 8: more than the other's L",
+                o.most
+            );
+        }
+    }
+}

@@ -550,3 +550,177 @@ fn tune_writes_a_config_the_simulator_reads() {
     assert!(String::from_utf8_lossy(&bad.stderr).contains("missing"));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// How a bounded run of `selkie` ended.
+#[derive(Debug)]
+struct Bounded {
+    /// The exit status, if it exited (not killed by the watchdog or at the
+    /// deadline).
+    status: Option<std::process::ExitStatus>,
+    /// Its highest resident set seen (`VmHWM`), in MiB.
+    peak_mib: u64,
+    /// Killed because its resident set passed the limit.
+    over_limit: bool,
+    /// How long it ran.
+    took: std::time::Duration,
+    stdout: String,
+    stderr: String,
+}
+
+/// Runs `selkie` with `args` while a watchdog reads its resident set from
+/// `/proc` every 10 ms: it is killed as soon as that passes `limit_mib`
+/// (`over_limit`) or once `deadline` has passed (then `status` is `None`).
+fn selkie_bounded(args: &[&str], limit_mib: u64, deadline: std::time::Duration) -> Bounded {
+    use std::io::Read;
+    let started = std::time::Instant::now();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_selkie"))
+        .args(args)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run selkie");
+    let (mut out, mut err) = (child.stdout.take().unwrap(), child.stderr.take().unwrap());
+    let readers = (
+        std::thread::spawn(move || {
+            let mut s = String::new();
+            let _ = out.read_to_string(&mut s);
+            s
+        }),
+        std::thread::spawn(move || {
+            let mut s = String::new();
+            let _ = err.read_to_string(&mut s);
+            s
+        }),
+    );
+    let status_file = format!("/proc/{}/status", child.id());
+    let kib = |text: &str, key: &str| {
+        text.lines()
+            .find_map(|l| l.strip_prefix(key))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    let (mut peak_mib, mut over_limit) = (0, false);
+    let status = loop {
+        if let Ok(text) = std::fs::read_to_string(&status_file) {
+            peak_mib = peak_mib.max(kib(&text, "VmHWM:") / 1024);
+        }
+        if let Some(status) = child.try_wait().unwrap() {
+            break Some(status);
+        }
+        if peak_mib > limit_mib || started.elapsed() > deadline {
+            over_limit = peak_mib > limit_mib;
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    };
+    Bounded {
+        status,
+        peak_mib,
+        over_limit,
+        took: started.elapsed(),
+        stdout: readers.0.join().unwrap(),
+        stderr: readers.1.join().unwrap(),
+    }
+}
+
+/// Request counts and rates inside the documented limits used to exhaust
+/// memory (10,000,000 requests at 10,000,000 per second: 23 GB and killed).
+/// A run that cannot fit is refused at once, naming the option and the
+/// memory it would need, in bounded memory.
+#[test]
+fn a_run_that_cannot_fit_in_memory_is_refused_in_bounded_memory() {
+    for args in [
+        &["simulate", "--requests", "10000000", "--rate", "10000000"][..],
+        &["simulate", "--requests", "10000000"],
+        &["tune", "--requests", "10000000", "--out", "/dev/null"],
+    ] {
+        let run = selkie_bounded(args, 1024, std::time::Duration::from_secs(60));
+        assert!(
+            !run.over_limit && run.status.is_some(),
+            "{args:?}: resident set {} MiB after {:?} (limit 1024 MiB); {}",
+            run.peak_mib,
+            run.took,
+            run.stderr
+        );
+        assert!(!run.status.unwrap().success(), "{args:?} ran: {}", run.stdout);
+        assert!(
+            run.stderr.contains("error") && run.stderr.contains("--requests") && run.stderr.contains("--max-memory"),
+            "{args:?}: {}",
+            run.stderr
+        );
+        assert!(
+            run.stderr.contains("GiB"),
+            "{args:?}: the memory it needs: {}",
+            run.stderr
+        );
+        assert!(!run.stderr.contains("panicked"), "{args:?}: {}", run.stderr);
+    }
+}
+
+/// `selkie tune --trials 1000000000` used to allocate every candidate up
+/// front (23.6 GB in 122 s); candidates are drawn as they are needed, so
+/// memory stays bounded however many there are.
+#[test]
+fn tune_draws_its_candidates_as_it_goes() {
+    let dir = scratch("tune-many");
+    let out = dir.join("tuned.yaml");
+    let args = [
+        "tune",
+        "--trials",
+        "1000000000",
+        "--requests",
+        "40",
+        "--workers",
+        "2",
+        "--out",
+        out.to_str().unwrap(),
+    ];
+    let run = selkie_bounded(&args, 160, std::time::Duration::from_secs(6));
+    assert!(
+        !run.over_limit,
+        "resident set {} MiB after {:?} (limit 160 MiB): {}",
+        run.peak_mib, run.took, run.stderr
+    );
+    assert!(run.status.is_none(), "it should still be searching: {run:?}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Numbers inside the flags' types but outside what the simulator takes,
+/// and messages that said something else than the input.
+#[test]
+fn trace_block_sizes_and_lengths_are_checked_by_name() {
+    let dir = scratch("trace-limits");
+    let trace = dir.join("t.jsonl");
+    std::fs::write(
+        &trace,
+        "{\"timestamp\": 0, \"input_length\": 20, \"output_length\": 2, \"hash_ids\": [1, 2]}\n",
+    )
+    .unwrap();
+    let t = trace.to_str().unwrap();
+    refused(
+        &["--trace", t, "--trace-block-size", "4294967295"],
+        "--trace-block-size = 4294967295",
+    );
+    refused(&["--trace", t, "--trace-block-size", "65537"], "at most 65536");
+    // A prompt of 0 tokens is named as such, not as "1 prompt tokens".
+    std::fs::write(
+        &trace,
+        "{\"timestamp\": 0, \"input_length\": 0, \"output_length\": 2, \"hash_ids\": []}\n",
+    )
+    .unwrap();
+    refused(&["--trace", t], "input_length 0");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A workload no cache can help (one request) has a pooled bound of 0: the
+/// share of it is not a number, and the table says so without a NaN.
+#[test]
+fn a_pooled_bound_of_zero_prints_no_nan() {
+    let out = selkie(&["simulate", "--requests", "1", "--policy", "random"]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("of pooled %"), "{stdout}");
+    assert!(!stdout.contains("NaN"), "{stdout}");
+}

@@ -1,7 +1,8 @@
 //! # selkie-kernel
 //!
-//! The no_std, allocation-free, lock-free core of selkie (its one
-//! allocation is the optional [`Fleet::boxed`] constructor): the fleet stored as
+//! The no_std, allocation-free, lock-free core of selkie (with the `alloc`
+//! feature: the optional [`Fleet::boxed`] constructor, and the host's KV
+//! index's building blocks, `table` and `two_copies`): the fleet stored as
 //! a structure of arrays (one column per signal, one row per worker slot,
 //! padded to whole SIMD lane groups), the SIMD selection kernels with their
 //! scalar references, and the atomic booking protocol.
@@ -18,6 +19,8 @@
 //!   ([`rng`]: it (wyrand), SplitMix64 for streams that must not change
 //!   with it, and SplitMix64's mixer for seeds).
 //! * [`lanes`]: the lane width and column access.
+//! * [`worker`]: a worker rank's identity and a request's cache overlap
+//!   keyed by it (the entries of the keyed-overlap scatter).
 //! * [`simd`]: the SIMD backends (AVX2, and `wide`'s portable lanes) and the
 //!   one place the kernel chooses between them, at run time where `std`
 //!   allows; [`simd_backend`] names the choice. The `std` feature (default)
@@ -47,8 +50,11 @@ pub mod mask;
 pub mod rng;
 pub mod simd;
 mod sync;
+#[cfg(feature = "alloc")]
+pub mod table;
 #[cfg(all(feature = "alloc", any(selkie_loom, target_has_atomic = "64")))]
 pub mod two_copies;
+pub mod worker;
 
 pub use fleet::{
     BookError, BookLoad, Booking, Fleet, FleetError, SelectError, SlotId, SlotState, WorkerSpec, WorkerState,
@@ -57,3 +63,4 @@ pub use kernels::KernelError;
 pub use mask::RowMask;
 pub use rng::Rng;
 pub use simd::simd_backend;
+pub use worker::{WorkerOverlap, WorkerWithDpRank};

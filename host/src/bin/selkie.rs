@@ -18,14 +18,15 @@ use {
     clap::Args,
     indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle},
     selkie::sim::compare::{run_policy_within, PolicyChoice, PolicyRun},
-    selkie::sim::limits::{above_zero_option, MAX_RATE_PER_S},
+    selkie::sim::limits::{above_zero_option, MAX_BLOCK_SIZE, MAX_RATE_PER_S},
+    selkie::sim::memory::{self, parse_bytes, MemoryLimit},
     selkie::sim::metrics::{render_table, HitBounds, PolicyReport},
     selkie::sim::plot::{load_y_max, plot_load, plot_ttft},
     selkie::sim::run::TYPICAL_WORKER_KV_TOKENS,
     selkie::sim::scenario::{Scenario, ScenarioName},
-    selkie::sim::trace::{read_trace, write_trace},
-    selkie::sim::tune::{split_in_time, tune as search, KvWeights, TuneSpace},
-    selkie::sim::workload::Workload,
+    selkie::sim::trace::{read_trace_within, write_trace},
+    selkie::sim::tune::{split_in_time_owned, tune as search, KvWeights, TuneSpace},
+    selkie::sim::workload::{Workload, WorkloadSpec},
     selkie::sim::SimError,
     selkie::{AffinityMode, WorkerSelectionPolicyRegistry},
     std::fs::File,
@@ -139,6 +140,11 @@ struct WorkloadArgs {
     /// Mooncake traces).
     #[arg(long, value_name = "TOKENS", requires = "trace")]
     trace_block_size: Option<u32>,
+    /// The most memory the run's requests may take: the workload's hash ids
+    /// and one policy's records (`4G`, `512M`, bytes). A run that would
+    /// need more is refused before it starts, with what it needs.
+    #[arg(long, value_name = "BYTES", default_value = "4G", value_parser = parse_bytes)]
+    max_memory: u64,
 }
 
 #[cfg(feature = "sim")]
@@ -234,6 +240,13 @@ fn check_options(args: &WorkloadArgs) -> Result<(), SimError> {
     positive("--kv-blocks", args.kv_blocks.map(u64::from))?;
     positive("--kv-tokens", args.kv_tokens)?;
     positive("--trace-block-size", args.trace_block_size.map(u64::from))?;
+    if let Some(b) = args.trace_block_size.filter(|&b| b > MAX_BLOCK_SIZE) {
+        return Err(SimError::Invalid {
+            field: "--trace-block-size".into(),
+            value: b.to_string(),
+            bound: format!("must be at most {MAX_BLOCK_SIZE}"),
+        });
+    }
     above_zero_option("--rate", args.rate, MAX_RATE_PER_S)
 }
 
@@ -301,15 +314,28 @@ fn scenario_of(args: &WorkloadArgs) -> Result<Scenario, SimError> {
 /// The requests of `args` (the trace's, else generated from `scenario`),
 /// where they come from, and a note on where the cache size comes from;
 /// sets `scenario`'s cache size for them.
-fn workload_of(args: &WorkloadArgs, scenario: &mut Scenario) -> Result<(Workload, String, &'static str), SimError> {
+///
+/// `runs` policies are simulated at once (`tune`'s threads). A generated
+/// workload is sized first from a sample of it ([`memory::estimate`]);
+/// generating or reading stops as soon as the requests pass
+/// `--max-memory` (see [`selkie::sim::memory`]).
+fn workload_of(
+    args: &WorkloadArgs,
+    scenario: &mut Scenario,
+    runs: usize,
+) -> Result<(Workload, String, &'static str), SimError> {
     let mut capacity_note = "";
+    let limit = MemoryLimit::cli(args.max_memory);
     let (workload, source) = match &args.trace {
         Some(path) => {
             let file = File::open(path).map_err(io_err(path))?;
-            let mut w = read_trace(BufReader::new(file), args.trace_block_size)?;
-            if let Some(n) = args.requests {
-                w.requests.truncate(n);
-            }
+            let limit = if args.requests.is_some() {
+                limit
+            } else {
+                limit.for_field(format!("--trace {}", path.display()))
+            };
+            let w = read_trace_within(BufReader::new(file), args.trace_block_size, args.requests, &limit)?;
+            memory::estimate(&w, w.requests.len(), runs, &limit)?;
             // A scenario file's cache keeps its size in tokens; the embedded
             // scenarios' small caches are not a model of a real worker.
             let tokens = match &args.scenario_file {
@@ -324,10 +350,23 @@ fn workload_of(args: &WorkloadArgs, scenario: &mut Scenario) -> Result<(Workload
                 .max(1);
             (w, format!("trace {}", path.display()))
         }
-        None => (
-            scenario.workload.generate(args.seed),
-            format!("scenario {}", scenario.name),
-        ),
+        None => {
+            let spec = &scenario.workload;
+            let sample = WorkloadSpec {
+                requests: spec.requests.min(memory::SAMPLE_REQUESTS),
+                ..spec.clone()
+            };
+            let limit = if args.requests.is_some() {
+                limit
+            } else {
+                limit.for_field("workload.requests")
+            };
+            memory::estimate(&sample.generate(args.seed), spec.requests, runs, &limit)?;
+            (
+                spec.generate_within(args.seed, &limit)?,
+                format!("scenario {}", scenario.name),
+            )
+        }
     };
     if let Some(kv) = args.kv_blocks {
         scenario.fleet.kv_blocks = kv;
@@ -376,7 +415,7 @@ fn simulate(args: SimulateArgs) -> Result<(), SimError> {
         Some(path) => Some((path, File::create(path).map_err(io_err(path))?)),
         None => None,
     };
-    let (workload, source, capacity_note) = workload_of(&args.workload, &mut scenario)?;
+    let (workload, source, capacity_note) = workload_of(&args.workload, &mut scenario, 1)?;
     if let Some((path, file)) = trace_out {
         write_trace(&workload, BufWriter::new(file)).map_err(io_err(path))?;
     }
@@ -462,7 +501,7 @@ fn simulate(args: SimulateArgs) -> Result<(), SimError> {
             }
             bar.set_position(base + done as u64);
         };
-        runs.push(run_policy_within(
+        let mut run = run_policy_within(
             &registry,
             choice,
             &workload,
@@ -470,7 +509,14 @@ fn simulate(args: SimulateArgs) -> Result<(), SimError> {
             &bounds,
             args.workload.seed,
             &mut progress,
-        )?);
+        )?;
+        // Per request, only the plot of times to first token reads on:
+        // the next policy's run gets the memory.
+        run.record.requests = Vec::new();
+        if args.plots.is_none() {
+            run.report.ttft_sorted_ms = Vec::new();
+        }
+        runs.push(run);
     }
     bar.finish_and_clear();
 
@@ -598,16 +644,17 @@ fn tune(args: TuneArgs) -> Result<(), SimError> {
     }
     let mut scenario = scenario_of(&args.workload)?;
     let file = File::create(&args.out).map_err(io_err(&args.out))?;
-    let (workload, source, capacity_note) = workload_of(&args.workload, &mut scenario)?;
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let (workload, source, capacity_note) =
+        workload_of(&args.workload, &mut scenario, threads.min(args.trials).max(1))?;
     if workload.requests.len() < 2 {
         return Err(SimError::Usage(
             "tuning needs at least 2 requests (one half trains, the other tests)".into(),
         ));
     }
-    let (train, test) = split_in_time(&workload);
+    let (train, test) = split_in_time_owned(workload);
     let fleet = scenario.fleet;
     let registry = WorkerSelectionPolicyRegistry::new();
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     let mut out = std::io::stdout().lock();
     writeln!(
         out,
@@ -617,7 +664,7 @@ fn tune(args: TuneArgs) -> Result<(), SimError> {
             &source,
             args.workload.seed,
             &fleet,
-            workload.block_size,
+            train.block_size,
             capacity_note
         )
     )

@@ -25,5 +25,5 @@ mod source;
 pub use etcd::{EtcdDiscovery, EtcdOptions, EtcdRegistration, EtcdWatchStatus};
 
 pub use record::{BusyThresholds, DeviceKind, WorkerRecord, WorkerState};
-pub use registry::SyncReport;
+pub use registry::{RefreshReport, SyncReport};
 pub use source::{Discovery, FileDiscovery, InMemoryDiscovery};

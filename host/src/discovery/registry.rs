@@ -110,6 +110,21 @@ impl SyncReport {
     }
 }
 
+/// What one [`refresh`](crate::WorkerSelectionService::refresh) did: the
+/// snapshot it applied, if any, and the records the source refused.
+#[derive(Debug, Default)]
+#[non_exhaustive]
+pub struct RefreshReport {
+    /// What the applied snapshot changed; `None` when the source reported
+    /// no change (and no kept snapshot was applied).
+    pub applied: Option<SyncReport>,
+    /// The records the source refused since the previous refresh
+    /// ([`Discovery::take_refused`](crate::Discovery::take_refused)), each
+    /// naming its key or file and worker. The snapshot was applied without
+    /// them: their workers keep their last good records.
+    pub refused: Vec<DiscoveryError>,
+}
+
 /// The worker registry (see the module docs).
 ///
 /// Cloned into immutable snapshots for the selection path (see

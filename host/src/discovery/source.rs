@@ -4,7 +4,12 @@
 //! A source reports whole snapshots; the registry works out what was added,
 //! updated and removed ([`crate::WorkerSelectionService::sync`]). Sources never touch
 //! the fleet themselves.
+//!
+//! One bad record refuses only itself (see [`Discovery`]): a source leaves
+//! it out of its snapshot and reports it beside it, so that no record,
+//! however often rewritten, holds back a change to another worker.
 
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::SystemTime;
@@ -22,8 +27,25 @@ use crate::types::WorkerId;
 /// first call always returns a snapshot. A source that fails keeps its last
 /// good state, so a later `poll` can succeed.
 ///
-/// A snapshot the service refuses (an invalid record, a fleet too small for
-/// it) changes nothing. [`crate::WorkerSelectionService::refresh`] keeps it
+/// # One bad record refuses only itself
+///
+/// A source that reads many records from one place (a file, an etcd
+/// prefix) refuses a bad record on its own: the snapshot it delivers holds
+/// every good record, plus, for the worker of each refused record, the last
+/// good record the source delivered for it (or nothing, if it had none),
+/// and the refusal is handed out once through
+/// [`take_refused`](Discovery::take_refused), naming the record's key or
+/// file and worker; [`crate::WorkerSelectionService::refresh`] takes them
+/// after every `poll` it applies. A refused record never makes `poll`
+/// fail, so a bad record, however often it is rewritten and however many
+/// there are, never holds back a change to another worker. A snapshot
+/// still applies whole or not at all: what the service refuses is a
+/// snapshot that does not fit the fleet, which no single record decides.
+///
+/// # Refused snapshots
+///
+/// A snapshot the service refuses (an invalid record from a source that
+/// does not check its records, a fleet too small for it) changes nothing. [`crate::WorkerSelectionService::refresh`] keeps it
 /// and tries it again whenever a later `poll` reports no change, until it
 /// applies (once bookings that held rows have ended, say) or the source
 /// delivers a newer snapshot; so a source never has to deliver a snapshot
@@ -33,6 +55,14 @@ use crate::types::WorkerId;
 pub trait Discovery: Send {
     /// The current workers if they may have changed since the last call.
     fn poll(&mut self) -> Result<Option<Vec<WorkerRecord>>, DiscoveryError>;
+
+    /// The records refused since the last call, each once, each error
+    /// naming the record's key or file and, where known, its worker. The
+    /// snapshots `poll` delivers leave them out (their workers keep their
+    /// last good records). The default refuses nothing.
+    fn take_refused(&mut self) -> Vec<DiscoveryError> {
+        Vec::new()
+    }
 
     /// The snapshot returned by the last `poll` was refused with `error`.
     /// The service retries it by itself; a source may use this to log, or
@@ -119,36 +149,132 @@ impl Discovery for InMemoryDiscovery {
     }
 }
 
-/// A discovery file as the table form (see [`FileDiscovery`] for the format).
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct WorkerFile {
-    workers: Option<Vec<WorkerRecord>>,
+/// One record of a discovery file, before it is taken: the worker it
+/// names, the line it starts on, and the record or why it does not parse.
+pub(crate) struct FileRecord {
+    worker_id: WorkerId,
+    line: usize,
+    parsed: Result<WorkerRecord, String>,
 }
 
-/// Parses a discovery file's text; `toml` picks the format.
+/// A JSON discovery file as the table form (see [`FileDiscovery`] for the
+/// format), its records still raw.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct JsonFile<'a> {
+    #[serde(borrow)]
+    workers: Option<Vec<&'a serde_json::value::RawValue>>,
+}
+
+/// A TOML discovery file, its records still tables (with where they start).
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TomlFile {
+    workers: Option<Vec<toml::Spanned<toml::Table>>>,
+}
+
+/// The worker id alone, read before the rest of a JSON record.
+#[derive(Deserialize)]
+struct NamesWorker {
+    worker_id: WorkerId,
+}
+
+/// The 1-based line of byte `offset` in `text`.
+fn line_of(text: &str, offset: usize) -> usize {
+    1 + text.as_bytes()[..offset.min(text.len())]
+        .iter()
+        .filter(|&&b| b == b'\n')
+        .count()
+}
+
+/// Parses a discovery file's text into its records; `toml` picks the format.
 ///
-/// JSON takes the shape the text starts with: a bare list (`[`) or the
-/// `workers` table (anything else), so a bad record's error names its field
-/// and line in either shape.
-pub(crate) fn parse_workers(text: &str, toml: bool, path: &Path) -> Result<Vec<WorkerRecord>, DiscoveryError> {
+/// The file as a whole must parse (a syntax error, a missing `workers`
+/// list or a record that does not name its worker with an integer
+/// `worker_id` refuses the file); each record is then parsed on its own, so
+/// that one bad record is refused alone. JSON takes the shape the text
+/// starts with: a bare list (`[`) or the `workers` table (anything else).
+/// Errors name the line.
+pub(crate) fn parse_workers(text: &str, toml: bool, path: &Path) -> Result<Vec<FileRecord>, DiscoveryError> {
     let err = |message: String| DiscoveryError::Parse {
         path: path.to_owned(),
         message,
     };
     let empty = || DiscoveryError::EmptyFile { path: path.to_owned() };
-    let file = if toml {
-        toml::from_str::<WorkerFile>(text).map_err(|e| err(e.to_string()))?
-    } else {
-        match text.trim_start_matches([' ', '\t', '\n', '\r']).as_bytes().first() {
-            None => return Err(empty()),
-            Some(b'[') => {
-                return serde_json::from_str::<Vec<WorkerRecord>>(text).map_err(|e| err(e.to_string()));
-            }
-            Some(_) => serde_json::from_str::<WorkerFile>(text).map_err(|e| err(e.to_string()))?,
+    if toml {
+        let file = toml::from_str::<TomlFile>(text).map_err(|e| err(e.to_string()))?;
+        return file
+            .workers
+            .ok_or_else(empty)?
+            .into_iter()
+            .map(|spanned| {
+                let line = line_of(text, spanned.span().start);
+                let table = spanned.into_inner();
+                let worker_id = table
+                    .get("worker_id")
+                    .and_then(toml::Value::as_integer)
+                    .and_then(|id| WorkerId::try_from(id).ok())
+                    .ok_or_else(|| {
+                        err(format!(
+                            "the record at line {line} names no worker (an integer `worker_id`)"
+                        ))
+                    })?;
+                let parsed = toml::Value::Table(table)
+                    .try_into::<WorkerRecord>()
+                    .map_err(|e| e.to_string());
+                Ok(FileRecord {
+                    worker_id,
+                    line,
+                    parsed,
+                })
+            })
+            .collect();
+    }
+    let raw = match text.trim_start_matches([' ', '\t', '\n', '\r']).as_bytes().first() {
+        None => return Err(empty()),
+        Some(b'[') => {
+            serde_json::from_str::<Vec<&serde_json::value::RawValue>>(text).map_err(|e| err(e.to_string()))?
         }
+        Some(_) => serde_json::from_str::<JsonFile>(text)
+            .map_err(|e| err(e.to_string()))?
+            .workers
+            .ok_or_else(empty)?,
     };
-    file.workers.ok_or_else(empty)
+    raw.into_iter()
+        .map(|record| {
+            // The record's text is a slice of `text`: its start is where it
+            // sits in the file.
+            let offset = record.get().as_ptr() as usize - text.as_ptr() as usize;
+            let line = line_of(text, offset);
+            // serde_json counts lines and columns from the record's start.
+            let at = |e: &serde_json::Error| {
+                let column = if e.line() == 1 {
+                    e.column() + offset - text[..offset].rfind('\n').map_or(0, |n| n + 1)
+                } else {
+                    e.column()
+                };
+                let message = e.to_string();
+                let bare = message
+                    .strip_suffix(&format!(" at line {} column {}", e.line(), e.column()))
+                    .unwrap_or(&message);
+                format!("{bare} at line {} column {column}", line + e.line() - 1)
+            };
+            let worker_id = serde_json::from_str::<NamesWorker>(record.get())
+                .map_err(|e| {
+                    err(format!(
+                        "the record at line {line} names no worker (an integer `worker_id`): {}",
+                        at(&e)
+                    ))
+                })?
+                .worker_id;
+            let parsed = serde_json::from_str::<WorkerRecord>(record.get()).map_err(|e| at(&e));
+            Ok(FileRecord {
+                worker_id,
+                line,
+                parsed,
+            })
+        })
+        .collect()
 }
 
 /// FNV-1a over `bytes`: a fixed, seedless hash, so a file's content can be
@@ -181,6 +307,18 @@ struct Seen {
 /// which the next poll delivers again. Write the file atomically (write a
 /// temporary file, then rename) so a poll never sees half a file.
 ///
+/// A single bad record is refused on its own (see [`Discovery`]): one
+/// that does not parse as a worker record
+/// ([`DiscoveryError::FileRecordParse`]), has a field
+/// [`WorkerRecord::validate`] refuses, or shares its `worker_id` with
+/// another record ([`DiscoveryError::FileRecordInvalid`]). The file's other
+/// records apply, the refused record's worker keeps the record this source
+/// last delivered for it (or stays absent), and
+/// [`take_refused`](Discovery::take_refused) reports the refusal once per
+/// version of the file. A record must name its worker (an integer
+/// `worker_id`) for this: one that does not refuses the whole file, since
+/// the source cannot tell which worker it was meant to keep.
+///
 /// The file format: a list of workers under `workers`. JSON (`.json`, or
 /// any other extension):
 /// ```json
@@ -201,6 +339,12 @@ pub struct FileDiscovery {
     path: PathBuf,
     toml: bool,
     seen: Option<Seen>,
+    /// The records of the last snapshot delivered, by worker: what a
+    /// refused record's worker keeps.
+    delivered: BTreeMap<WorkerId, WorkerRecord>,
+    /// The records refused in the last version of the file read, not yet
+    /// taken.
+    refused: Vec<DiscoveryError>,
 }
 
 impl FileDiscovery {
@@ -212,12 +356,72 @@ impl FileDiscovery {
     pub fn new(path: impl Into<PathBuf>) -> Self {
         let path = path.into();
         let toml = path.extension().is_some_and(|e| e.eq_ignore_ascii_case("toml"));
-        FileDiscovery { path, toml, seen: None }
+        FileDiscovery {
+            path,
+            toml,
+            seen: None,
+            delivered: BTreeMap::new(),
+            refused: Vec::new(),
+        }
     }
 
     /// The file this source reads.
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// The snapshot of a file's `records`: the good ones, in the file's
+    /// order, then the last delivered record of each worker whose record
+    /// was refused. Notes the refusals (replacing those of an earlier
+    /// version not yet taken) and what was delivered.
+    fn take_good(&mut self, records: Vec<FileRecord>) -> Vec<WorkerRecord> {
+        // Records per worker id; an id's count drops to 0 once its
+        // repetition is reported.
+        let mut times: HashMap<WorkerId, usize> = HashMap::with_capacity(records.len());
+        for r in &records {
+            *times.entry(r.worker_id).or_default() += 1;
+        }
+        let invalid = |source| DiscoveryError::FileRecordInvalid {
+            path: self.path.clone(),
+            source: Box::new(source),
+        };
+        let mut refused = Vec::new();
+        let mut kept = Vec::new();
+        let mut workers = Vec::with_capacity(records.len());
+        for FileRecord {
+            worker_id,
+            line,
+            parsed,
+        } in records
+        {
+            let count = times.get_mut(&worker_id).expect("counted above");
+            let refusal = match parsed {
+                _ if *count != 1 => {
+                    (std::mem::take(count) > 1).then(|| invalid(DiscoveryError::DuplicateInSnapshot { worker_id }))
+                }
+                Err(message) => Some(DiscoveryError::FileRecordParse {
+                    path: self.path.clone(),
+                    worker_id,
+                    line,
+                    message,
+                }),
+                Ok(record) => match record.validate() {
+                    Ok(()) => {
+                        workers.push(record);
+                        continue;
+                    }
+                    Err(e) => Some(invalid(e)),
+                },
+            };
+            if let Some(refusal) = refusal {
+                refused.push(refusal);
+                kept.extend(self.delivered.get(&worker_id).cloned());
+            }
+        }
+        workers.extend(kept);
+        self.refused = refused;
+        self.delivered = workers.iter().map(|r| (r.worker_id, r.clone())).collect();
+        workers
     }
 }
 
@@ -260,9 +464,14 @@ impl Discovery for FileDiscovery {
             return Ok(None);
         }
         let text = String::from_utf8(bytes).map_err(|e| io(std::io::Error::new(std::io::ErrorKind::InvalidData, e)))?;
-        let workers = parse_workers(&text, self.toml, &self.path)?;
+        let records = parse_workers(&text, self.toml, &self.path)?;
+        let workers = self.take_good(records);
         self.seen = Some(seen);
         Ok(Some(workers))
+    }
+
+    fn take_refused(&mut self) -> Vec<DiscoveryError> {
+        std::mem::take(&mut self.refused)
     }
 
     fn snapshot_refused(&mut self, _: &DiscoveryError) {

@@ -265,6 +265,9 @@ pub(crate) struct RowIndex<E> {
     /// The same as a flat open-addressing table, rebuilt with the masks:
     /// what the overlap scatter reads, a few instructions per entry.
     rank_table: RankTable,
+    /// Per worker rank with a row, the layout epoch from which it holds
+    /// it (see [`tenure_of`](Self::tenure_of)).
+    tenures: IdMap<WorkerWithDpRank, u64>,
     /// Epoch of the row assignment: a fresh number whenever a worker rank
     /// gets or loses a row (see [`layout_epoch`](Self::layout_epoch)).
     layout_epoch: u64,
@@ -308,6 +311,7 @@ impl<E> Clone for RowIndex<E> {
             workers: self.workers.clone(),
             rank_rows: self.rank_rows.clone(),
             rank_table: self.rank_table.clone(),
+            tenures: self.tenures.clone(),
             layout_epoch: self.layout_epoch,
             leaders: self.leaders.clone(),
             rows: self.rows.clone(),
@@ -333,6 +337,7 @@ impl<E: RowOwner> RowIndex<E> {
             workers: IdMap::default(),
             rank_rows: IdMap::default(),
             rank_table: RankTable::default(),
+            tenures: IdMap::default(),
             layout_epoch: next_layout_epoch(),
             leaders: Vec::new(),
             rows: Vec::new(),
@@ -396,14 +401,27 @@ impl<E: RowOwner> RowIndex<E> {
         self.layout_epoch
     }
 
+    /// The layout epoch from which `w` holds its row: a rank that leaves
+    /// the fleet and comes back, even onto the same row, holds it from a
+    /// new epoch.
+    #[inline]
+    pub(crate) fn tenure_of(&self, w: WorkerWithDpRank) -> Option<u64> {
+        self.tenures.get(&w).copied()
+    }
+
     fn index_rank(&mut self, w: WorkerWithDpRank, row: usize) {
-        if self.rank_rows.insert(w, row as u32) != Some(row as u32) {
+        let before = self.rank_rows.insert(w, row as u32);
+        if before != Some(row as u32) {
             self.layout_epoch = next_layout_epoch();
+        }
+        if before.is_none() {
+            self.tenures.insert(w, self.layout_epoch);
         }
     }
 
     fn unindex_rank(&mut self, w: WorkerWithDpRank) {
         if self.rank_rows.remove(&w).is_some() {
+            self.tenures.remove(&w);
             self.layout_epoch = next_layout_epoch();
         }
     }

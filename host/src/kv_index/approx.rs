@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use super::event::{KvEvent, KvEventData, KvQueryError, StoredBlock};
 use super::hash::{sequence_hashes_of, KvBlockHasher};
 use super::query::KvOverlaps;
-use super::KvIndex;
+use super::{KvIndex, RowAnswer};
 use crate::request::{RowLayout, RowOverlaps};
 use crate::types::{WorkerId, WorkerWithDpRank};
 
@@ -114,7 +114,7 @@ impl ApproxKvIndex {
     /// Reserves the block table for `blocks` distinct blocks (see
     /// [`KvIndex::with_block_capacity`]).
     pub fn with_block_capacity(mut self, blocks: usize) -> Self {
-        self.index.blocks.reserve(blocks);
+        self.index = self.index.with_block_capacity(blocks);
         self
     }
 
@@ -125,7 +125,7 @@ impl ApproxKvIndex {
     }
 
     /// Places the index on the service's rows (see [`KvIndex::sync_rows`]).
-    pub fn sync_rows(&mut self, layout: RowLayout, row_of: impl FnMut(WorkerWithDpRank) -> Option<usize>) {
+    pub fn sync_rows<A: RowAnswer>(&mut self, layout: RowLayout, row_of: impl FnMut(WorkerWithDpRank) -> A) {
         self.index.sync_rows(layout, row_of);
     }
 
@@ -163,27 +163,46 @@ impl ApproxKvIndex {
             return;
         }
         let until = now + self.ttl;
-        // One stored event from the root: blocks the rank holds already
-        // change nothing in the index; every block's expiry moves on.
-        self.blocks.clear();
-        self.blocks
-            .extend(seq.iter().zip(local).map(|(&block_hash, &tokens_hash)| StoredBlock {
-                block_hash,
-                tokens_hash,
-            }));
-        let id = self.next_id.entry(rank).or_insert(0);
-        let event = KvEvent::new(
-            rank,
-            *id,
-            KvEventData::Stored {
-                parent: None,
-                blocks: &self.blocks,
-            },
-        );
-        *id += 1;
-        // A chain from the root has no unknown parent; a gap cannot occur
-        // since this index numbers the events itself.
-        let _ = self.index.apply(&event);
+        // One stored event per run of blocks the rank does not hold yet,
+        // under the block before it: a block the rank holds is recorded
+        // again, not stored again (the index counts a block stored twice as
+        // two copies, each removed on its own). Every block's expiry moves
+        // on.
+        let mut start = 0;
+        while start < seq.len() {
+            if self.index.holds(rank, seq[start]) {
+                start += 1;
+                continue;
+            }
+            let end = (start..seq.len())
+                .find(|&i| self.index.holds(rank, seq[i]))
+                .unwrap_or(seq.len());
+            self.blocks.clear();
+            self.blocks.extend(
+                seq[start..end]
+                    .iter()
+                    .zip(&local[start..end])
+                    .map(|(&block_hash, &tokens_hash)| StoredBlock {
+                        block_hash,
+                        tokens_hash,
+                    }),
+            );
+            let id = self.next_id.entry(rank).or_insert(0);
+            let event = KvEvent::new(
+                rank,
+                *id,
+                KvEventData::Stored {
+                    parent: start.checked_sub(1).map(|p| seq[p]),
+                    blocks: &self.blocks,
+                },
+            );
+            *id += 1;
+            // The parent is held (the run starts after a held block or at
+            // the root); a gap cannot occur since this index numbers the
+            // events itself.
+            let _ = self.index.apply(&event);
+            start = end;
+        }
         for &h in seq {
             self.recorded.insert((rank, h), until);
             self.expiry.push_back((until, rank, h));
@@ -289,7 +308,7 @@ mod tests {
         let t0 = Instant::now();
         let mut index = ApproxKvIndex::new(16).with_block_capacity(200);
         let mut grown = ApproxKvIndex::new(16);
-        let slots = index.index().blocks.table_slots();
+        let slots = index.index().blocks.table_capacity();
         assert!(slots >= 200, "{slots} slots reserved for 200 blocks");
         synced(&mut index);
         synced(&mut grown);
@@ -300,7 +319,7 @@ mod tests {
         grown.record(B, &chain[..50], t0);
         assert_eq!(overlaps(&mut index, &chain, t0), [200.0, 50.0]);
         assert_eq!(overlaps(&mut index, &chain, t0), overlaps(&mut grown, &chain, t0));
-        assert_eq!(index.index().blocks.table_slots(), slots);
+        assert_eq!(index.index().blocks.table_capacity(), slots);
     }
 
     #[test]

@@ -19,7 +19,7 @@
 //! apart, which only costs a missed skip.
 
 use super::rows::RowSet;
-use super::table::HashIndex;
+use selkie_kernel::table::HashIndex;
 
 /// The id of "no row holds the block" (such blocks are not in the table).
 pub(crate) const NONE: u32 = u32::MAX;
@@ -52,9 +52,16 @@ struct Transition {
 const REMEMBERED: usize = 32;
 
 /// Sequence hash -> the rows holding the block.
-#[derive(Debug)]
+#[derive(Debug, Default)]
 pub(crate) struct BlockRows {
+    /// Sequence hash -> the id of its set.
     blocks: HashIndex<u32>,
+    sets: Sets,
+}
+
+/// The distinct sets, by id.
+#[derive(Debug)]
+struct Sets {
     sets: Vec<SharedSet>,
     free: Vec<u32>,
     /// Fingerprint -> the set found under it.
@@ -66,10 +73,9 @@ pub(crate) struct BlockRows {
     generation: u64,
 }
 
-impl Default for BlockRows {
+impl Default for Sets {
     fn default() -> Self {
-        BlockRows {
-            blocks: HashIndex::default(),
+        Sets {
             sets: Vec::new(),
             free: Vec::new(),
             by_print: rustc_hash::FxHashMap::default(),
@@ -86,10 +92,10 @@ impl BlockRows {
         self.blocks.reserve(blocks.saturating_sub(self.blocks.len()));
     }
 
-    /// Slots of the block table (its capacity, before it grows).
+    /// Blocks the block table holds before it grows.
     #[cfg(test)]
-    pub(crate) fn table_slots(&self) -> usize {
-        self.blocks.slots()
+    pub(crate) fn table_capacity(&self) -> usize {
+        self.blocks.capacity()
     }
 
     /// Distinct blocks some row holds.
@@ -125,62 +131,80 @@ impl BlockRows {
     /// [`NONE`], with no change to the table since).
     #[inline]
     pub(crate) fn rows_of(&self, id: u32) -> &RowSet {
-        &self.sets[id as usize].rows
+        &self.sets.sets[id as usize].rows
     }
 
     /// Every block's rows (a set once per block naming it).
     #[cfg(test)]
     pub(crate) fn values(&self) -> impl Iterator<Item = &RowSet> {
-        self.blocks.iter().map(|(_, id)| &self.sets[id as usize].rows)
+        self.blocks.iter().map(|(_, id)| &self.sets.sets[id as usize].rows)
     }
 
     /// Distinct sets in use.
     #[cfg(test)]
     pub(crate) fn distinct_sets(&self) -> usize {
-        self.sets.iter().filter(|s| s.blocks > 0).count()
+        self.sets.sets.iter().filter(|s| s.blocks > 0).count()
     }
 
     /// Adds `tier` of `row` to block `sequence`; `rows` is the layout's row
-    /// count (sizes a bitset).
-    pub(crate) fn insert(&mut self, sequence: u64, row: u32, tier: u8, rows: usize) {
-        self.change(sequence, row, tier, true, rows);
+    /// count (sizes a bitset). Returns whether the row already held the
+    /// block in that tier (nothing changed).
+    pub(crate) fn insert(&mut self, sequence: u64, row: u32, tier: u8, rows: usize) -> bool {
+        let (id, _) = self.blocks.get_or_insert(sequence, NONE);
+        let from = *id;
+        if from != NONE && self.sets.sets[from as usize].rows.has(row, tier) {
+            return true;
+        }
+        let to = self.sets.next_set(from, row, tier, true, rows);
+        *id = to;
+        self.sets.settle(from, to, 1);
+        false
     }
 
     /// Adds `tier` of `row` to each block of `sequences`, in order: what
     /// [`insert`](Self::insert) on each in turn does, with the set a
     /// streak of blocks moves to (blocks naming the same set one after
     /// another, as a stored run's blocks do) found once and the streak's
-    /// counts moved at once.
-    pub(crate) fn insert_all(&mut self, sequences: &[u64], row: u32, tier: u8, rows: usize) {
+    /// counts moved at once. `already` is called with each block the row
+    /// held in that tier already (in order; a block twice in `sequences`
+    /// is reported the second time).
+    pub(crate) fn insert_all(
+        &mut self,
+        sequences: &[u64],
+        row: u32,
+        tier: u8,
+        rows: usize,
+        mut already: impl FnMut(u64),
+    ) {
         // The current streak: `moved` blocks renamed from `from` to `to`,
         // not counted yet (`next_set` reads the counts, so they are
-        // settled before it is asked again).
-        let (mut from, mut to, mut moved) = (NONE, NONE, 0u32);
+        // settled before it is asked again); `held` if `from` has the row
+        // in the tier already (then `to` is `from`).
+        let (mut from, mut to, mut moved, mut held) = (NONE, NONE, 0u32, false);
         let mut streak = false;
         for &sequence in sequences {
-            let (entry, held) = self.blocks.index_and_value_or_insert(sequence, NONE);
-            if !streak || held != from {
-                self.settle(from, to, moved);
-                (from, moved, streak) = (held, 0, true);
-                to = self.next_set(held, row, tier, true, rows);
+            let (id, _) = self.blocks.get_or_insert(sequence, NONE);
+            if !streak || *id != from {
+                self.sets.settle(from, to, moved);
+                (from, moved, streak) = (*id, 0, true);
+                held = from != NONE && self.sets.sets[from as usize].rows.has(row, tier);
+                to = if held {
+                    from
+                } else {
+                    self.sets.next_set(from, row, tier, true, rows)
+                };
             }
-            if to != from {
-                *self.blocks.at_mut(entry) = to;
+            if held {
+                already(sequence);
+            } else {
+                *id = to;
                 moved += 1;
+                // A set changed in place (no other block named it) now has
+                // the row: the streak's next blocks naming it hold it.
+                held = to == from;
             }
         }
-        self.settle(from, to, moved);
-    }
-
-    /// Counts `moved` blocks renamed from set `from` to set `to`.
-    fn settle(&mut self, from: u32, to: u32, moved: u32) {
-        if moved == 0 {
-            return;
-        }
-        self.sets[to as usize].blocks += moved;
-        if from != NONE {
-            self.release(from, moved);
-        }
+        self.sets.settle(from, to, moved);
     }
 
     /// Starts loading block `sequence`'s table entry into cache (see
@@ -193,43 +217,52 @@ impl BlockRows {
     /// Takes `tier` of `row` off block `sequence`, dropping the block once
     /// no row holds it.
     pub(crate) fn remove(&mut self, sequence: u64, row: u32, tier: u8) {
-        self.change(sequence, row, tier, false, 0);
-    }
-
-    /// Heap bytes, as allocated (hash tables: one control byte per slot).
-    pub(crate) fn heap_bytes(&self) -> usize {
-        let table = |cap: usize, entry: usize| cap * (entry + 1);
-        self.blocks.heap_bytes()
-            + table(self.by_print.capacity(), std::mem::size_of::<(u64, u32)>())
-            + self.sets.capacity() * std::mem::size_of::<SharedSet>()
-            + self.free.capacity() * 4
-            + self.sets.iter().map(|s| s.rows.heap_bytes()).sum::<usize>()
-    }
-
-    fn change(&mut self, sequence: u64, row: u32, tier: u8, add: bool, rows: usize) {
-        // One probe: an addition inserts the block (as `NONE`) if it is
-        // new; `next_set` leaves the table alone, so the entry stays put.
-        let entry = if add {
-            self.blocks.index_or_insert(sequence, NONE)
-        } else {
-            match self.blocks.index_of(sequence) {
-                Some(entry) => entry,
-                None => return,
-            }
+        let Some(id) = self.blocks.get_mut(sequence) else {
+            return;
         };
-        let from = self.blocks.at(entry);
-        let to = self.next_set(from, row, tier, add, rows);
+        let from = *id;
+        let to = self.sets.next_set(from, row, tier, false, 0);
         if to == from {
             return;
         }
         if to == NONE {
             self.blocks.remove(sequence);
         } else {
-            *self.blocks.at_mut(entry) = to;
-            self.sets[to as usize].blocks += 1;
+            *id = to;
+            self.sets.sets[to as usize].blocks += 1;
         }
+        self.sets.release(from, 1);
+    }
+
+    /// Gives memory back once most blocks are gone (see
+    /// [`HashIndex::shrink`]), keeping room for `keep` blocks.
+    pub(crate) fn shrink(&mut self, keep: usize) {
+        self.blocks.shrink(keep);
+        if self.blocks.is_empty() {
+            self.sets = Sets::default();
+        }
+    }
+
+    /// Heap bytes, as allocated (hash tables: one control byte per slot).
+    pub(crate) fn heap_bytes(&self) -> usize {
+        let table = |cap: usize, entry: usize| cap * (entry + 1);
+        self.blocks.heap_bytes()
+            + table(self.sets.by_print.capacity(), std::mem::size_of::<(u64, u32)>())
+            + self.sets.sets.capacity() * std::mem::size_of::<SharedSet>()
+            + self.sets.free.capacity() * 4
+            + self.sets.sets.iter().map(|s| s.rows.heap_bytes()).sum::<usize>()
+    }
+}
+
+impl Sets {
+    /// Counts `moved` blocks renamed from set `from` to set `to`.
+    fn settle(&mut self, from: u32, to: u32, moved: u32) {
+        if moved == 0 || from == to {
+            return;
+        }
+        self.sets[to as usize].blocks += moved;
         if from != NONE {
-            self.release(from, 1);
+            self.release(from, moved);
         }
     }
 
@@ -361,14 +394,15 @@ impl BlockRows {
     /// is the blocks naming it, and no two live sets the fingerprint table
     /// names hold the same rows.
     pub(crate) fn check(&self) {
-        let mut named = vec![0u32; self.sets.len()];
+        let sets = &self.sets;
+        let mut named = vec![0u32; sets.sets.len()];
         for (_, id) in self.blocks.iter() {
             named[id as usize] += 1;
         }
-        for (id, set) in self.sets.iter().enumerate() {
+        for (id, set) in sets.sets.iter().enumerate() {
             assert_eq!(set.blocks, named[id], "set {id}: blocks naming it");
             if set.blocks == 0 {
-                assert!(self.free.contains(&(id as u32)), "set {id} unused but not free");
+                assert!(sets.free.contains(&(id as u32)), "set {id} unused but not free");
                 continue;
             }
             let print = set.rows.entries().fold(0, |acc, e| {
@@ -378,15 +412,15 @@ impl BlockRows {
             });
             assert_eq!(set.print, print, "set {id}: fingerprint");
         }
-        for (&print, &id) in &self.by_print {
-            let set = &self.sets[id as usize];
+        for (&print, &id) in &sets.by_print {
+            let set = &sets.sets[id as usize];
             assert!(
                 set.blocks > 0 && set.print == print,
                 "fingerprint table names set {id} wrongly"
             );
         }
-        for (a, x) in self.sets.iter().enumerate().filter(|(_, s)| s.blocks > 0) {
-            for (b, y) in self.sets.iter().enumerate().skip(a + 1).filter(|(_, s)| s.blocks > 0) {
+        for (a, x) in sets.sets.iter().enumerate().filter(|(_, s)| s.blocks > 0) {
+            for (b, y) in sets.sets.iter().enumerate().skip(a + 1).filter(|(_, s)| s.blocks > 0) {
                 assert!(
                     x.print != y.print || !x.rows.same_rows(&y.rows),
                     "sets {a} and {b} hold the same rows"
@@ -551,15 +585,24 @@ mod tests {
                 if next(3) == 0 {
                     blocks.push(blocks[next(run) as usize]);
                 }
-                t.insert_all(&blocks, row, tier, 12);
+                // The blocks the row holds in the tier already, in order (a
+                // block twice in the run: the second time).
+                let mut expected = Vec::new();
                 for &b in &blocks {
-                    *plain.entry(b).or_default().entry(row).or_default() |= tier;
+                    let tiers = plain.entry(b).or_default().entry(row).or_default();
+                    if *tiers & tier != 0 {
+                        expected.push(b);
+                    }
+                    *tiers |= tier;
                 }
+                let mut reported = Vec::new();
+                t.insert_all(&blocks, row, tier, 12, |b| reported.push(b));
+                assert_eq!(reported, expected, "step {step}: blocks held already");
             } else {
                 for b in block..block + run {
                     let tiers = plain.entry(b).or_default().entry(row).or_default();
                     if add {
-                        t.insert(b, row, tier, 12);
+                        assert_eq!(t.insert(b, row, tier, 12), *tiers & tier != 0, "step {step}");
                         *tiers |= tier;
                     } else {
                         t.remove(b, row, tier);

@@ -86,8 +86,8 @@ pub enum KvEventData<'a> {
 pub struct KvEvent<'a> {
     /// The rank that emitted it.
     pub worker: WorkerWithDpRank,
-    /// The rank's event id: consecutive per rank (see
-    /// [`KvIndex::apply`](super::KvIndex::apply)).
+    /// The rank's event id: consecutive per rank and engine incarnation,
+    /// from 0 (see the module documentation).
     pub event_id: u64,
     /// The tier the event is about.
     pub tier: StorageTier,
@@ -118,9 +118,8 @@ impl<'a> KvEvent<'a> {
 #[derive(Clone, Debug, Error, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum KvEventError {
-    /// A store under a parent block the rank does not hold in the needed
-    /// tier (the device tier for a device store, any tier otherwise): the
-    /// whole event was refused, nothing stored.
+    /// A store under a parent block the rank does not hold (in any tier):
+    /// the whole event was refused, nothing stored.
     #[error(
         "worker {worker_id} rank {dp_rank}: event {event_id} stores {blocks} blocks under parent {parent:#018x}, \
          which the rank does not hold; nothing was stored"
@@ -136,6 +135,27 @@ pub enum KvEventError {
         parent: u64,
         /// Blocks the event carried.
         blocks: usize,
+    },
+    /// A store of more blocks than the index may hold
+    /// ([`KvIndex::with_max_blocks`](super::KvIndex::with_max_blocks)):
+    /// refused whole, nothing stored (most of it would be evicted at once,
+    /// and the rest are the run's last blocks, which no request can reach
+    /// without its first).
+    #[error(
+        "worker {worker_id} rank {dp_rank}: event {event_id} stores {blocks} blocks, more than the index holds \
+         ({max_blocks}); nothing was stored"
+    )]
+    TooManyBlocks {
+        /// The worker.
+        worker_id: WorkerId,
+        /// The rank.
+        dp_rank: DpRank,
+        /// The event.
+        event_id: u64,
+        /// Blocks the event carried.
+        blocks: usize,
+        /// The index's bound.
+        max_blocks: usize,
     },
     /// A store whose blocks include its own parent: refused whole.
     #[error("worker {worker_id} rank {dp_rank}: event {event_id} stores its parent {parent:#018x} as its own child; nothing was stored")]
@@ -188,8 +208,27 @@ pub enum KvEventError {
         /// Events missing in between.
         missing: u64,
     },
+    /// An event id more than [`MAX_EVENT_ID_JUMP`](super::MAX_EVENT_ID_JUMP)
+    /// past the last one applied: not believed (no engine loses that many
+    /// events), so ignored; the rank keeps its blocks and its last id.
+    #[error(
+        "worker {worker_id} rank {dp_rank}: event {event_id} is more than {max_jump} past event {last}; \
+         it was ignored"
+    )]
+    EventIdJump {
+        /// The worker.
+        worker_id: WorkerId,
+        /// The rank.
+        dp_rank: DpRank,
+        /// The event.
+        event_id: u64,
+        /// The last event applied.
+        last: u64,
+        /// The largest step believed.
+        max_jump: u64,
+    },
     /// An event id at or below one already applied (a duplicate or a late
-    /// event): ignored.
+    /// event; not 0, which starts a new incarnation): ignored.
     #[error("worker {worker_id} rank {dp_rank}: event {event_id} arrived after event {last}; it was ignored")]
     StaleEvent {
         /// The worker.
@@ -208,6 +247,8 @@ impl KvEventError {
     pub const fn as_str(&self) -> &'static str {
         match self {
             KvEventError::UnknownParent { .. } => "unknown_parent",
+            KvEventError::TooManyBlocks { .. } => "too_many_blocks",
+            KvEventError::EventIdJump { .. } => "event_id_jump",
             KvEventError::SelfParent { .. } => "self_parent",
             KvEventError::UnknownBlocks { .. } => "unknown_blocks",
             KvEventError::EventGap { .. } => "event_gap",

@@ -48,11 +48,12 @@
 use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::Arc;
+use std::time::Instant;
 
 use super::event::{KvEvent, KvEventData, KvEventError, KvQueryError, StorageTier, StoredBlock};
 use super::hash::KvBlockHasher;
 use super::query::KvOverlaps;
-use super::{KvIndex, KvIndexStats};
+use super::{KvIndex, KvIndexStats, RowAnswer};
 use crate::request::{RowLayout, RowOverlaps};
 use crate::types::{WorkerId, WorkerWithDpRank};
 use selkie_kernel::two_copies::{CopyWriter, TwoCopies};
@@ -126,6 +127,7 @@ enum Op {
     SyncRows {
         layout: RowLayout,
         rows: Range<usize>,
+        now: Instant,
     },
     RemoveWorker(WorkerId),
 }
@@ -140,8 +142,11 @@ pub struct KvIndexWriter {
     /// The logged events' blocks, hashes and row answers, flat.
     blocks: Vec<StoredBlock>,
     hashes: Vec<u64>,
-    rows: Vec<(WorkerWithDpRank, Option<usize>)>,
+    rows: Vec<(WorkerWithDpRank, RowAndTenure)>,
 }
+
+/// A rank's row and tenure as a sync got them (see [`RowAnswer`]).
+type RowAndTenure = Option<(usize, Option<u64>)>;
 
 impl KvIndexWriter {
     /// Applies one event (as [`KvIndex::apply`]); readers see it after the
@@ -177,19 +182,26 @@ impl KvIndexWriter {
 
     /// Places the index on the service's rows (as [`KvIndex::sync_rows`]);
     /// readers see the new rows after the next [`publish`](Self::publish).
-    pub fn sync_rows(&mut self, layout: RowLayout, mut row_of: impl FnMut(WorkerWithDpRank) -> Option<usize>) {
+    pub fn sync_rows<A: RowAnswer>(&mut self, layout: RowLayout, mut row_of: impl FnMut(WorkerWithDpRank) -> A) {
         let start = self.rows.len();
         let answers = &mut self.rows;
+        let now = Instant::now();
         self.copies.write(|index| {
-            index.sync_rows(layout, |rank| {
-                let row = row_of(rank);
-                answers.push((rank, row));
-                row
-            })
+            index.sync_rows_at(
+                layout,
+                |rank| {
+                    let row = row_of(rank).row_and_tenure();
+                    answers.push((rank, row));
+                    row
+                },
+                now,
+                true,
+            )
         });
         self.log.push(Op::SyncRows {
             layout,
             rows: start..self.rows.len(),
+            now,
         });
     }
 
@@ -245,7 +257,7 @@ fn replay(
     op: &Op,
     blocks: &[StoredBlock],
     hashes: &[u64],
-    rows: &[(WorkerWithDpRank, Option<usize>)],
+    rows: &[(WorkerWithDpRank, RowAndTenure)],
 ) {
     let event = |worker, event_id, tier, data| KvEvent {
         worker,
@@ -281,12 +293,16 @@ fn replay(
         Op::Cleared { worker, event_id, tier } => {
             let _ = index.apply_reporting(&event(*worker, *event_id, *tier, KvEventData::Cleared), false);
         }
-        Op::SyncRows { layout, rows: range } => {
-            let answers: HashMap<WorkerWithDpRank, Option<usize>> = rows[range.clone()].iter().copied().collect();
-            index.sync_rows(*layout, |rank| answers.get(&rank).copied().flatten());
+        Op::SyncRows {
+            layout,
+            rows: range,
+            now,
+        } => {
+            let answers: HashMap<WorkerWithDpRank, RowAndTenure> = rows[range.clone()].iter().copied().collect();
+            index.sync_rows_at(*layout, |rank| answers.get(&rank).copied().flatten(), *now, false);
         }
         Op::RemoveWorker(worker_id) => {
-            index.remove_worker(*worker_id);
+            index.remove_worker_reporting(*worker_id, false);
         }
     }
 }

@@ -26,11 +26,74 @@
 //! from before the `L` (load) delta cannot decode a batch carrying one, so
 //! it would not count the load a service reports.
 //!
+//! # Who may publish, and what a peer can do
+//!
+//! Replica sync believes the messages on its subject. Whoever can publish
+//! there is a peer: without a signing key, anyone who can reach the NATS
+//! server and publish on the partition's subject can add load to any
+//! worker rank (within the bounds below), and so steer least-loaded
+//! routing or make the admission limit refuse requests. Keep that subject
+//! to the router replicas: the server's own permissions (per-user publish
+//! and subscribe permissions, accounts, TLS; see "Connecting to a secured
+//! server" below) decide who connects and publishes, and a signing key
+//! decides which messages count.
+//!
+//! With a signing key ([`ReplicaSyncOptions::with_signing_key`], the same
+//! key on every replica of the partition), every message is signed (an
+//! HMAC-SHA256 over the subject and the message) and a message without a
+//! valid signature is refused and counted ([`RefusedMessages`]): a
+//! publisher without the key changes nothing. The key is the partition's,
+//! not a replica's: it says who belongs to the partition, and every
+//! holder is trusted to speak only for itself. Captured messages replayed
+//! by someone without the key:
+//!
+//! * every signed message carries its send time; one sent more than
+//!   `peer_timeout` before or after this replica's clock is refused
+//!   (stale), so the replicas' clocks must agree within that;
+//! * a message sent before the latest one from the same sender is refused
+//!   (replayed); one sent at the same time changes nothing (a batch is
+//!   skipped by its sequence number) and does not keep a silent peer
+//!   alive;
+//! * a new incarnation of a known replica replaces its table only if it
+//!   was sent after that replica's latest message: an old incarnation's
+//!   message, replayed, cannot reset a live peer's table.
+//!
+//! Without a key none of this holds (anyone can write anything), but the
+//! bounds do. What any one peer can make this replica hold, or do:
+//!
+//! | what | bound | default | when hit |
+//! | --- | --- | --- | --- |
+//! | its load on one worker rank | `max_peer_load`, per field | 65,536 requests, 2^30 prefill tokens, 2^24 decode blocks | the excess does not count ([`ReplicaSyncStats::capped`]) |
+//! | its bookings and reported worker ranks | `max_peer_rows` | 65,536 | the booking or report is refused ([`ReplicaSyncStats::refused_rows`]) |
+//! | one snapshot it sends | `max_peer_rows` rows, parts that each hold rows, finished within `peer_timeout` | | dropped ([`RefusedMessages`]) |
+//! | peers known at once | `max_peers` | 32 | the new peer's messages are refused |
+//! | snapshots this replica sends | one per `min_snapshot_interval` (one answers every requester) | 100 ms | later requests wait for the next one |
+//! | a batch far ahead of the last one applied | 1,024 batches | | not applied; the peer is asked for a snapshot |
+//! | a silent peer | `peer_timeout` | 10 s | its load and tables are removed and their memory freed |
+//!
+//! A peer's load on a worker rank is summed exactly, each peer's capped on
+//! its own, so one peer cannot erase or inflate another's. A row held
+//! takes about 50 bytes (46 measured for 50,000 bookings; up to about 80
+//! just after a table grows), and a snapshot being received as many again
+//! at most, so peers hold at most about `max_peers x max_peer_rows x 80`
+//! bytes (about 170 MB with the defaults), all freed when they expire. A
+//! peer cannot touch this replica's own bookings. A replica that sees a
+//! message in its own name
+//! and incarnation that it did not send (a sequence number or send time
+//! ahead of its own) counts an id conflict and starts a new incarnation,
+//! with a snapshot, so that its peers rebuild its table from that.
+//!
+//! If the background thread stops (the subscription ended, or it
+//! panicked), [`ReplicaSync::health`] says so and why, the peers' load is
+//! removed (it can no longer be kept current: `remote_loads` is empty) and
+//! the `record_*` calls return `false`.
+//!
 //! * `wire`: the messages and their encoding (JSON, short keys).
+//! * `auth`: message signatures.
 //! * `tables`: this replica's outstanding bookings and its peers' tables,
 //!   with the sequence rules that make applying a message idempotent and a
 //!   snapshot exact.
-//! * `ring`: the per-thread rings the deltas wait in.
+//! * `ring`: the per-thread queues the deltas wait in.
 //! * `task`: the background thread: batching, publishing, heartbeats,
 //!   expiry, snapshots, reconnection.
 //!
@@ -39,9 +102,9 @@
 //!
 //! What it must not do: block or slow the selection path, and touch the
 //! fleet. The `record_*` calls only write a small value into the calling
-//! thread's own bounded ring (`ring`: no lock, no read-modify-write, no
-//! allocation once the thread has its ring, no I/O); a full ring drops the
-//! delta and counts it. `report_load` takes a lock and is meant for a
+//! thread's own bounded queue (`ring`: no lock, no contention, no
+//! allocation once the thread has its queue, no I/O); a full queue drops
+//! the delta and counts it. `report_load` takes a lock and is meant for a
 //! periodic caller, not the selection path. The local booking stays the
 //! truth for the local replica: replica sync never changes it. The service
 //! wires it in (its `set_replica_sync`, `publish_local_load` and
@@ -109,6 +172,7 @@
 //!
 //! The options and the refusals are in `connect`.
 
+mod auth;
 mod connect;
 mod ring;
 mod tables;
@@ -116,7 +180,7 @@ mod task;
 mod wire;
 
 use std::hash::{BuildHasher, Hasher};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::thread::JoinHandle;
@@ -126,20 +190,27 @@ use rustc_hash::FxHashMap;
 
 use crate::error::SyncError;
 use crate::types::WorkerWithDpRank;
+use auth::SigningKey;
 use ring::Rings;
-use tables::PeerTables;
+use tables::{Limits, PeerTables, Refusal};
 use wire::{Booked, Delta};
 
-/// How [`ReplicaSync`] batches, heartbeats and expires, and how it
-/// authenticates to the server (feature `nats`).
+/// How [`ReplicaSync`] batches, heartbeats, expires, signs and bounds what
+/// peers send, and how it authenticates to the server (feature `nats`).
+///
+/// Every option has a range; [`ReplicaSync::connect`] refuses a value
+/// outside it with [`SyncError::InvalidOption`] naming the option and its
+/// bound.
 ///
 /// ```
 /// use std::time::Duration;
 /// let options = selkie::ReplicaSyncOptions::default()
 ///     .with_subject("selkie.bookings.llama-70b")
 ///     .with_heartbeat_interval(Duration::from_millis(500))
-///     .with_peer_timeout(Duration::from_secs(5));
+///     .with_peer_timeout(Duration::from_secs(5))
+///     .with_signing_key(*b"the partition's 32-byte secret!!");
 /// assert_eq!(options.batch_max_events(), 256);
+/// assert!(options.is_signed());
 /// ```
 ///
 /// For a secured server: one of [`with_user_and_password`](Self::with_user_and_password),
@@ -167,6 +238,12 @@ pub struct ReplicaSyncOptions {
     queue_capacity: usize,
     connect_timeout: Duration,
     max_reconnect_delay: Duration,
+    /// `Err(length)`: a key too short to use.
+    signing_key: Option<Result<SigningKey, usize>>,
+    max_peers: usize,
+    max_peer_rows: usize,
+    max_peer_load: RemoteLoad,
+    min_snapshot_interval: Duration,
     /// Credentials and TLS (`connect`).
     security: connect::NatsSecurity,
 }
@@ -174,8 +251,11 @@ pub struct ReplicaSyncOptions {
 impl Default for ReplicaSyncOptions {
     /// Subject `selkie.bookings`, a random replica id, batches of up to 256
     /// deltas or 1 ms (Dynamo's), a heartbeat every second, peers expired
-    /// after 10 s of silence, a queue of 8,192 deltas per recording thread, 5 s to connect,
-    /// reconnection attempts at most 2 s apart.
+    /// after 10 s of silence, a queue of 8,192 deltas per recording thread,
+    /// 5 s to connect, reconnection attempts at most 2 s apart; no signing
+    /// key; at most 32 peers of 65,536 rows each, a peer's load on a worker
+    /// rank counted up to 65,536 requests, 2^30 prefill tokens and 2^24
+    /// decode blocks; a snapshot sent at most every 100 ms.
     fn default() -> Self {
         ReplicaSyncOptions {
             subject: "selkie.bookings".into(),
@@ -187,12 +267,45 @@ impl Default for ReplicaSyncOptions {
             queue_capacity: 1 << 13,
             connect_timeout: Duration::from_secs(5),
             max_reconnect_delay: Duration::from_secs(2),
+            signing_key: None,
+            max_peers: 32,
+            max_peer_rows: 1 << 16,
+            max_peer_load: RemoteLoad {
+                requests: 1 << 16,
+                prefill_tokens: 1 << 30,
+                decode_blocks: 1 << 24,
+            },
+            min_snapshot_interval: Duration::from_millis(100),
             security: connect::NatsSecurity::default(),
         }
     }
 }
 
 impl ReplicaSyncOptions {
+    /// The shortest `batch_interval`.
+    pub const MIN_BATCH_INTERVAL: Duration = Duration::from_micros(100);
+    /// The longest `batch_interval`.
+    pub const MAX_BATCH_INTERVAL: Duration = Duration::from_secs(10);
+    /// The most deltas in one batch (a batch of 8,192 deltas at their
+    /// longest is about 850 KB: within NATS' default 1 MiB payload).
+    pub const MAX_BATCH_EVENTS: usize = 1 << 13;
+    /// The largest `queue_capacity` (each recording thread's queue holds
+    /// that many deltas of about 40 bytes: 40 MB).
+    pub const MAX_QUEUE_CAPACITY: usize = 1 << 20;
+    /// The longest `heartbeat_interval`, `peer_timeout`,
+    /// `connect_timeout`, `max_reconnect_delay` and
+    /// `min_snapshot_interval`.
+    pub const MAX_DURATION: Duration = Duration::from_secs(3600);
+    /// The most `max_peers`.
+    pub const MAX_PEERS: usize = 1 << 12;
+    /// The most `max_peer_rows`.
+    pub const MAX_PEER_ROWS: usize = 1 << 24;
+    /// The most any field of `max_peer_load` may be (with `MAX_PEERS`,
+    /// the sum over peers stays exact in 64 bits).
+    pub const MAX_PEER_LOAD_FIELD: u64 = 1 << 40;
+    /// The fewest bytes a signing key has.
+    pub const MIN_SIGNING_KEY_BYTES: usize = auth::MIN_KEY_BYTES;
+
     /// The NATS subject the replicas of one routing partition share (one
     /// subject per partition: replicas routing another model use
     /// another). Dot-separated tokens, no wildcards, no whitespace.
@@ -208,52 +321,112 @@ impl ReplicaSyncOptions {
         self
     }
 
-    /// The most deltas one published batch holds.
+    /// The most deltas one published batch holds: 1 to
+    /// [`MAX_BATCH_EVENTS`](Self::MAX_BATCH_EVENTS).
     pub fn with_batch_max_events(mut self, events: usize) -> Self {
         self.batch_max_events = events;
         self
     }
 
-    /// The longest a recorded delta waits for its batch to fill.
+    /// The longest a recorded delta waits for its batch to fill:
+    /// [`MIN_BATCH_INTERVAL`](Self::MIN_BATCH_INTERVAL) to
+    /// [`MAX_BATCH_INTERVAL`](Self::MAX_BATCH_INTERVAL).
     pub fn with_batch_interval(mut self, interval: Duration) -> Self {
         self.batch_interval = interval;
         self
     }
 
-    /// How often this replica says it is alive (and checks its peers).
+    /// How often this replica says it is alive (and checks its peers):
+    /// more than zero, at most [`MAX_DURATION`](Self::MAX_DURATION).
     pub fn with_heartbeat_interval(mut self, interval: Duration) -> Self {
         self.heartbeat_interval = interval;
         self
     }
 
     /// A peer not heard from for this long has all its load removed. More
-    /// than the heartbeat interval; several times it avoids expiring a
-    /// peer over one late heartbeat.
+    /// than the heartbeat interval (several times it avoids expiring a
+    /// peer over one late heartbeat), at most
+    /// [`MAX_DURATION`](Self::MAX_DURATION). It also bounds how long an
+    /// unfinished snapshot is kept and, with a signing key, how far a
+    /// message's send time may be from this replica's clock.
     pub fn with_peer_timeout(mut self, timeout: Duration) -> Self {
         self.peer_timeout = timeout;
         self
     }
 
     /// The most deltas each recording thread can have waiting for the
-    /// background thread (rounded up to a power of two; each thread that
-    /// records gets a queue of its own, of about 40 bytes per delta); more
-    /// are dropped and counted ([`ReplicaSyncStats::dropped`]). The thread
-    /// empties the queues every `batch_interval`.
+    /// background thread (each thread that records gets a queue of its
+    /// own, of about 40 bytes per delta): 1 to
+    /// [`MAX_QUEUE_CAPACITY`](Self::MAX_QUEUE_CAPACITY). More are dropped
+    /// and counted ([`ReplicaSyncStats::dropped`]). The thread empties
+    /// the queues every `batch_interval`.
     pub fn with_queue_capacity(mut self, capacity: usize) -> Self {
         self.queue_capacity = capacity;
         self
     }
 
-    /// The longest [`ReplicaSync::connect`] waits for the server.
+    /// The longest [`ReplicaSync::connect`] waits for the server: more than
+    /// zero, at most [`MAX_DURATION`](Self::MAX_DURATION).
     pub fn with_connect_timeout(mut self, timeout: Duration) -> Self {
         self.connect_timeout = timeout;
         self
     }
 
     /// The longest wait between reconnection attempts (they start at once
-    /// and double from 2 ms up to this).
+    /// and double from 2 ms up to this), at most
+    /// [`MAX_DURATION`](Self::MAX_DURATION).
     pub fn with_max_reconnect_delay(mut self, delay: Duration) -> Self {
         self.max_reconnect_delay = delay;
+        self
+    }
+
+    /// Signs every message with `key` (HMAC-SHA256) and refuses every
+    /// message not signed with it: the same key on every replica of the
+    /// partition, at least
+    /// [`MIN_SIGNING_KEY_BYTES`](Self::MIN_SIGNING_KEY_BYTES) bytes (32
+    /// random bytes are best). See the module docs for what it protects
+    /// against and what it does not. The key is not shown by `Debug`.
+    pub fn with_signing_key(mut self, key: impl AsRef<[u8]>) -> Self {
+        let key = key.as_ref();
+        self.signing_key = Some(SigningKey::new(key).ok_or(key.len()));
+        self
+    }
+
+    /// The most peers known at once (1 to
+    /// [`MAX_PEERS`](Self::MAX_PEERS)); a new peer's messages past that
+    /// are refused until one expires.
+    pub fn with_max_peers(mut self, peers: usize) -> Self {
+        self.max_peers = peers;
+        self
+    }
+
+    /// The most bookings plus reported worker ranks one peer can hold here,
+    /// and the most rows of one snapshot (1 to
+    /// [`MAX_PEER_ROWS`](Self::MAX_PEER_ROWS)); a booking or report past
+    /// it is refused and counted, a larger snapshot dropped. Give every
+    /// replica of a partition room for the most bookings (or worker ranks
+    /// reported) any one of them holds: a replica holding more is not
+    /// fully counted by its peers.
+    pub fn with_max_peer_rows(mut self, rows: usize) -> Self {
+        self.max_peer_rows = rows;
+        self
+    }
+
+    /// The most one peer's load on one worker rank counts here, field by
+    /// field: a plausible maximum for one replica (each field 1 to
+    /// [`MAX_PEER_LOAD_FIELD`](Self::MAX_PEER_LOAD_FIELD)). The excess is
+    /// counted ([`ReplicaSyncStats::capped`]), never added.
+    pub fn with_max_peer_load(mut self, load: RemoteLoad) -> Self {
+        self.max_peer_load = load;
+        self
+    }
+
+    /// The shortest time between two snapshots this replica sends (1 ms to
+    /// [`MAX_DURATION`](Self::MAX_DURATION)). A snapshot goes to every
+    /// replica on the subject, so one answers every request made before
+    /// it; requests within the interval are answered by the next one.
+    pub fn with_min_snapshot_interval(mut self, interval: Duration) -> Self {
+        self.min_snapshot_interval = interval;
         self
     }
 
@@ -303,6 +476,47 @@ impl ReplicaSyncOptions {
         self.max_reconnect_delay
     }
 
+    /// Whether a signing key was given ([`with_signing_key`](Self::with_signing_key)).
+    pub fn is_signed(&self) -> bool {
+        self.signing_key.is_some()
+    }
+
+    /// See [`with_max_peers`](Self::with_max_peers).
+    pub fn max_peers(&self) -> usize {
+        self.max_peers
+    }
+
+    /// See [`with_max_peer_rows`](Self::with_max_peer_rows).
+    pub fn max_peer_rows(&self) -> usize {
+        self.max_peer_rows
+    }
+
+    /// See [`with_max_peer_load`](Self::with_max_peer_load).
+    pub fn max_peer_load(&self) -> RemoteLoad {
+        self.max_peer_load
+    }
+
+    /// See [`with_min_snapshot_interval`](Self::with_min_snapshot_interval).
+    pub fn min_snapshot_interval(&self) -> Duration {
+        self.min_snapshot_interval
+    }
+
+    /// The key, once validated.
+    fn key(&self) -> Option<&SigningKey> {
+        self.signing_key.as_ref().and_then(|k| k.as_ref().ok())
+    }
+
+    /// The bounds the peer tables keep.
+    fn limits(&self) -> Limits {
+        Limits {
+            max_peers: self.max_peers,
+            max_rows: self.max_peer_rows,
+            max_load: self.max_peer_load,
+            timeout: self.peer_timeout,
+            check_times: self.is_signed(),
+        }
+    }
+
     fn validate(&self) -> Result<(), SyncError> {
         let invalid = |option, value: String, requirement| {
             Err(SyncError::InvalidOption {
@@ -323,23 +537,82 @@ impl ReplicaSyncOptions {
                 "dot-separated non-empty tokens without wildcards or whitespace",
             );
         }
-        if self.batch_max_events == 0 {
-            return invalid("batch_max_events", "0".into(), "at least 1");
+        if !(1..=Self::MAX_BATCH_EVENTS).contains(&self.batch_max_events) {
+            return invalid(
+                "batch_max_events",
+                self.batch_max_events.to_string(),
+                "at least 1 and at most 8192",
+            );
         }
-        if self.queue_capacity == 0 {
-            return invalid("queue_capacity", "0".into(), "at least 1");
+        if !(Self::MIN_BATCH_INTERVAL..=Self::MAX_BATCH_INTERVAL).contains(&self.batch_interval) {
+            return invalid(
+                "batch_interval",
+                format!("{:?}", self.batch_interval),
+                "at least 100µs and at most 10s",
+            );
         }
-        if self.heartbeat_interval.is_zero() {
-            return invalid("heartbeat_interval", "0s".into(), "more than zero");
+        if !(1..=Self::MAX_QUEUE_CAPACITY).contains(&self.queue_capacity) {
+            return invalid(
+                "queue_capacity",
+                self.queue_capacity.to_string(),
+                "at least 1 and at most 1048576",
+            );
         }
-        if self.peer_timeout <= self.heartbeat_interval {
+        let durations = [
+            ("heartbeat_interval", self.heartbeat_interval),
+            ("connect_timeout", self.connect_timeout),
+        ];
+        for (option, value) in durations {
+            if value.is_zero() || value > Self::MAX_DURATION {
+                return invalid(option, format!("{value:?}"), "more than zero and at most 3600s");
+            }
+        }
+        if self.peer_timeout <= self.heartbeat_interval || self.peer_timeout > Self::MAX_DURATION {
             return invalid(
                 "peer_timeout",
                 format!(
                     "{:?} (heartbeat_interval {:?})",
                     self.peer_timeout, self.heartbeat_interval
                 ),
-                "more than heartbeat_interval",
+                "more than heartbeat_interval and at most 3600s",
+            );
+        }
+        if self.max_reconnect_delay > Self::MAX_DURATION {
+            return invalid(
+                "max_reconnect_delay",
+                format!("{:?}", self.max_reconnect_delay),
+                "at most 3600s",
+            );
+        }
+        if self.min_snapshot_interval < Duration::from_millis(1) || self.min_snapshot_interval > Self::MAX_DURATION {
+            return invalid(
+                "min_snapshot_interval",
+                format!("{:?}", self.min_snapshot_interval),
+                "at least 1ms and at most 3600s",
+            );
+        }
+        if let Some(Err(len)) = self.signing_key {
+            return invalid("signing_key", format!("{len} bytes"), "at least 16 bytes");
+        }
+        if !(1..=Self::MAX_PEERS).contains(&self.max_peers) {
+            return invalid("max_peers", self.max_peers.to_string(), "at least 1 and at most 4096");
+        }
+        if !(1..=Self::MAX_PEER_ROWS).contains(&self.max_peer_rows) {
+            return invalid(
+                "max_peer_rows",
+                self.max_peer_rows.to_string(),
+                "at least 1 and at most 16777216",
+            );
+        }
+        let l = self.max_peer_load;
+        if [l.requests, l.prefill_tokens, l.decode_blocks]
+            .iter()
+            .any(|&v| !(1..=Self::MAX_PEER_LOAD_FIELD).contains(&v))
+        {
+            return invalid(
+                "max_peer_load",
+                format!("{l:?}"),
+                "every field at least 1 and at most 1099511627776",
             );
         }
         Ok(())
@@ -378,17 +651,32 @@ pub struct ReplicaSyncStats {
     /// Peers' deltas applied.
     pub applied: u64,
     /// Peers' deltas skipped: their batch was applied already, or a
-    /// snapshot covered it.
+    /// snapshot covered it (or, for a peer not in sync yet, it was too far
+    /// ahead to apply before the peer's snapshot).
     pub skipped: u64,
     /// Peers' prefill completions and releases of bookings not held
     /// (ignored).
     pub unknown: u64,
+    /// Peers' bookings and reports of new worker ranks refused because
+    /// the peer held `max_peer_rows` already.
+    pub refused_rows: u64,
+    /// Peers' changes that left their load on a worker rank above
+    /// `max_peer_load` (the excess does not count).
+    pub capped: u64,
+    /// Peers' messages refused whole, by reason.
+    pub refused: RefusedMessages,
     /// Peers known now.
     pub peers: u64,
+    /// Bookings and reported loads held for the peers now (snapshots being
+    /// received included).
+    pub peer_rows: u64,
     /// Peers whose load was removed because they fell silent.
     pub peers_expired: u64,
     /// Snapshots of this replica's bookings sent.
     pub snapshots_sent: u64,
+    /// Snapshot requests that found a snapshot sent less than
+    /// `min_snapshot_interval` before: the next one answers them.
+    pub snapshots_deferred: u64,
     /// Peers' snapshots applied.
     pub snapshots_received: u64,
     /// Snapshot requests sent (at start, on reconnection, on a gap).
@@ -397,8 +685,68 @@ pub struct ReplicaSyncStats {
     pub reconnects: u64,
     /// Messages on the subject that could not be decoded (ignored).
     pub decode_errors: u64,
-    /// Messages from another replica using this replica's id (ignored).
+    /// Messages in this replica's name that it did not send (ignored):
+    /// another replica with its id, or a forger.
     pub id_conflicts: u64,
+    /// Times this replica started a new incarnation because a message in
+    /// its name and incarnation was not its own.
+    pub reincarnations: u64,
+}
+
+/// Peers' messages refused whole, by reason ([`ReplicaSyncStats::refused`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RefusedMessages {
+    /// Without a signature, where a signing key is set.
+    pub unsigned: u64,
+    /// With a signature that is not the key's over the message.
+    pub bad_signature: u64,
+    /// Signed, but sent more than `peer_timeout` before or after this
+    /// replica's clock.
+    pub stale: u64,
+    /// Signed, but sent before the sender's latest message seen (or by an
+    /// incarnation older than the one known): replayed.
+    pub replayed: u64,
+    /// Delta batches too far ahead of the sender's last one applied.
+    pub seq_jump: u64,
+    /// From a new peer while `max_peers` are known.
+    pub peers_full: u64,
+    /// Snapshots of more than `max_peer_rows` rows.
+    pub snapshot_too_large: u64,
+    /// Snapshot parts that hold nothing (dropping their snapshot).
+    pub snapshot_malformed: u64,
+    /// Snapshots not finished within `peer_timeout` (dropped).
+    pub snapshot_expired: u64,
+}
+
+impl RefusedMessages {
+    /// Every refusal.
+    pub fn total(&self) -> u64 {
+        self.unsigned
+            + self.bad_signature
+            + self.stale
+            + self.replayed
+            + self.seq_jump
+            + self.peers_full
+            + self.snapshot_too_large
+            + self.snapshot_malformed
+            + self.snapshot_expired
+    }
+}
+
+/// Whether replica sync's background thread still runs
+/// ([`ReplicaSync::health`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum SyncHealth {
+    /// It runs: the peers' load is kept current.
+    Running,
+    /// It stopped: the peers' load was removed, `record_*` returns
+    /// `false`. Make a new [`ReplicaSync`] to sync again.
+    Stopped {
+        /// Why (the subscription ended, or the thread panicked).
+        reason: String,
+    },
 }
 
 /// The counters behind [`ReplicaSyncStats`], written by the background
@@ -412,14 +760,41 @@ struct Counters {
     applied: AtomicU64,
     skipped: AtomicU64,
     unknown: AtomicU64,
+    refused_rows: AtomicU64,
+    capped: AtomicU64,
+    refused: [AtomicU64; Refusal::COUNT],
     peers: AtomicU64,
+    peer_rows: AtomicU64,
     peers_expired: AtomicU64,
     snapshots_sent: AtomicU64,
+    snapshots_deferred: AtomicU64,
     snapshots_received: AtomicU64,
     snapshot_requests: AtomicU64,
     reconnects: AtomicU64,
     decode_errors: AtomicU64,
     id_conflicts: AtomicU64,
+    reincarnations: AtomicU64,
+}
+
+impl Counters {
+    fn refuse(&self, why: Refusal, by: u64) {
+        bump(&self.refused[why as usize], by);
+    }
+
+    fn refused(&self) -> RefusedMessages {
+        let get = |why: Refusal| self.refused[why as usize].load(Ordering::Relaxed);
+        RefusedMessages {
+            unsigned: get(Refusal::Unsigned),
+            bad_signature: get(Refusal::BadSignature),
+            stale: get(Refusal::Stale),
+            replayed: get(Refusal::Replayed),
+            seq_jump: get(Refusal::SeqJump),
+            peers_full: get(Refusal::PeersFull),
+            snapshot_too_large: get(Refusal::SnapshotTooLarge),
+            snapshot_malformed: get(Refusal::SnapshotMalformed),
+            snapshot_expired: get(Refusal::SnapshotExpired),
+        }
+    }
 }
 
 fn bump(counter: &AtomicU64, by: u64) {
@@ -436,15 +811,57 @@ struct Shared {
     /// Loads reported since the last drain, the latest per worker rank.
     reported: Mutex<FxHashMap<WorkerWithDpRank, RemoteLoad>>,
     counters: Counters,
+    /// The background thread runs (cleared when it ends, however).
+    running: AtomicBool,
+    /// Why it stopped.
+    stopped: Mutex<Option<String>>,
 }
 
 impl Shared {
+    fn new(options: &ReplicaSyncOptions) -> Shared {
+        Shared {
+            tables: Mutex::new(PeerTables::new(options.limits())),
+            version: AtomicU64::new(0),
+            rings: Rings::new(options.queue_capacity),
+            reported: Mutex::default(),
+            counters: Counters::default(),
+            running: AtomicBool::new(true),
+            stopped: Mutex::default(),
+        }
+    }
+
     fn tables(&self) -> MutexGuard<'_, PeerTables> {
         self.tables.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     fn reported(&self) -> MutexGuard<'_, FxHashMap<WorkerWithDpRank, RemoteLoad>> {
         self.reported.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The thread ended: says why, and removes the peers' load (it can no
+    /// longer be kept current).
+    fn stop(&self, reason: String) {
+        self.stopped
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get_or_insert(reason);
+        self.running.store(false, Ordering::Release);
+        self.rings.close();
+        let mut tables = self.tables();
+        tables.clear();
+        self.version.store(tables.version(), Ordering::Release);
+        self.counters.peers.store(0, Ordering::Relaxed);
+        self.counters.peer_rows.store(0, Ordering::Relaxed);
+    }
+}
+
+/// Marks the sync stopped when the background thread ends, by return or
+/// by panic.
+struct StopOnExit(Arc<Shared>);
+
+impl Drop for StopOnExit {
+    fn drop(&mut self) {
+        self.0.stop("the replica sync thread ended".into());
     }
 }
 
@@ -486,7 +903,32 @@ impl Shared {
 ///   that peer for a snapshot instead of drifting.
 ///
 /// Nothing here changes the local fleet: the local bookings remain the
-/// truth for this replica. Dropping it stops the thread.
+/// truth for this replica. Dropping it stops the thread; if it stops by
+/// itself, [`health`](Self::health) says why, the peers' load is removed
+/// and `record_*` returns `false`.
+///
+/// # Who may publish
+///
+/// Every message on the subject counts: whoever can publish there is a
+/// peer and can add load to any worker rank. Keep the subject to the
+/// replicas (the NATS server's permissions), and set a signing key
+/// ([`ReplicaSyncOptions::with_signing_key`]): every message is then
+/// signed (HMAC-SHA256 over subject and message, with its send time), and
+/// messages without the key's signature, sent more than `peer_timeout`
+/// from this replica's clock, or replayed (sent before the sender's
+/// latest, or by an incarnation older than the one known) are refused and
+/// counted ([`ReplicaSyncStats::refused`]). The key is the partition's:
+/// its holders are trusted to speak for themselves only. Key or not, what
+/// one peer can make this replica hold is bounded, and each bound is an
+/// option: `max_peers` (32), `max_peer_rows` bookings and reported worker
+/// ranks (65,536), `max_peer_load` per worker rank (65,536 requests, 2^30
+/// prefill tokens, 2^24 decode blocks), one snapshot sent per
+/// `min_snapshot_interval` (100 ms) whoever asks, a batch more than 1,024
+/// ahead of the last applied is not believed, and a silent peer's tables
+/// go after `peer_timeout`. Each peer's load counts exactly and capped on
+/// its own: no peer can erase another's. A replica that sees a message in
+/// its own name that it did not send takes a new incarnation, so that its
+/// peers rebuild its table.
 ///
 /// ```no_run
 /// # // no_run: needs a running nats-server.
@@ -535,24 +977,55 @@ impl ReplicaSync {
         let server = options.security.take_url_credentials(url)?;
         options.security.check()?;
         let replica_id = options.replica_id.unwrap_or_else(random_u64);
-        let shared = Arc::new(Shared {
-            tables: Mutex::default(),
-            version: AtomicU64::new(0),
-            rings: Rings::new(options.queue_capacity),
-            reported: Mutex::default(),
-            counters: Counters::default(),
-        });
-        let (stop, stopped) = tokio::sync::watch::channel(());
-        let (ready_tx, ready_rx) = mpsc::channel();
+        let shared = Arc::new(Shared::new(&options));
         let subject = options.subject.clone();
         let sync_loop = task::SyncLoop::new(server.clone(), replica_id, random_u64(), options, shared.clone());
+        ReplicaSync::start(&server, subject, replica_id, shared, move |stop, ready| {
+            sync_loop.run(stop, ready)
+        })
+    }
+
+    /// Starts the background thread running `work` (which reports on
+    /// `ready` once subscribed, or why it cannot start, and returns why it
+    /// stopped if not asked to) and waits for it to be ready.
+    fn start(
+        url: &str,
+        subject: String,
+        replica_id: u64,
+        shared: Arc<Shared>,
+        work: impl FnOnce(tokio::sync::watch::Receiver<()>, mpsc::Sender<Result<(), SyncError>>) -> Option<String>
+            + Send
+            + 'static,
+    ) -> Result<ReplicaSync, SyncError> {
+        let server = url.to_owned();
+        let (stop, stopped) = tokio::sync::watch::channel(());
+        let (ready_tx, ready_rx) = mpsc::channel();
         let unavailable = |message: String| SyncError::Unavailable {
             server: server.clone(),
             message,
         };
+        let on_exit = StopOnExit(Arc::clone(&shared));
         let thread = std::thread::Builder::new()
             .name("selkie-replica-sync".into())
-            .spawn(move || sync_loop.run(stopped, ready_tx))
+            .spawn(move || {
+                let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| work(stopped, ready_tx)));
+                let reason = match outcome {
+                    Ok(reason) => reason,
+                    Err(panic) => {
+                        let message = panic
+                            .downcast_ref::<&str>()
+                            .map(|s| (*s).to_owned())
+                            .or_else(|| panic.downcast_ref::<String>().cloned())
+                            .unwrap_or_else(|| "(no message)".into());
+                        Some(format!("the replica sync thread panicked: {message}"))
+                    }
+                };
+                if let Some(reason) = reason {
+                    tracing::error!(%reason, "replica sync stopped; the peers' load is removed");
+                    on_exit.0.stop(reason);
+                }
+                drop(on_exit);
+            })
             .map_err(|e| unavailable(format!("cannot start the replica sync thread: {e}")))?;
         match ready_rx.recv() {
             Ok(Ok(())) => Ok(ReplicaSync {
@@ -576,8 +1049,8 @@ impl ReplicaSync {
 
     /// Records that this replica booked `booking_id` on `worker` with
     /// `prefill_tokens` to prefill and `decode_blocks` of decode. Returns
-    /// whether the delta was queued (`false`: the queue was full, the delta
-    /// is dropped and counted).
+    /// whether the delta was queued (`false`: the queue was full, or the
+    /// background thread stopped; the delta is dropped and counted).
     pub fn record_book(
         &self,
         booking_id: u64,
@@ -609,6 +1082,7 @@ impl ReplicaSync {
 
     #[inline]
     fn record(&self, delta: Delta) -> bool {
+        // Closed (and so `false`) once the thread stopped.
         self.shared.rings.push(delta)
     }
 
@@ -678,14 +1152,36 @@ impl ReplicaSync {
             applied: get(&c.applied),
             skipped: get(&c.skipped),
             unknown: get(&c.unknown),
+            refused_rows: get(&c.refused_rows),
+            capped: get(&c.capped),
+            refused: c.refused(),
             peers: get(&c.peers),
+            peer_rows: get(&c.peer_rows),
             peers_expired: get(&c.peers_expired),
             snapshots_sent: get(&c.snapshots_sent),
+            snapshots_deferred: get(&c.snapshots_deferred),
             snapshots_received: get(&c.snapshots_received),
             snapshot_requests: get(&c.snapshot_requests),
             reconnects: get(&c.reconnects),
             decode_errors: get(&c.decode_errors),
             id_conflicts: get(&c.id_conflicts),
+            reincarnations: get(&c.reincarnations),
+        }
+    }
+
+    /// Whether the background thread still runs, and if not, why.
+    pub fn health(&self) -> SyncHealth {
+        if self.shared.running.load(Ordering::Acquire) {
+            return SyncHealth::Running;
+        }
+        let reason = self
+            .shared
+            .stopped
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
+        SyncHealth::Stopped {
+            reason: reason.unwrap_or_default(),
         }
     }
 }
@@ -719,4 +1215,138 @@ fn random_u64() -> u64 {
     h.write_u128(nanos);
     h.write_u32(std::process::id());
     h.finish()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A sync whose thread does `work` (a stand-in for the NATS loop).
+    fn started(
+        work: impl FnOnce(tokio::sync::watch::Receiver<()>, mpsc::Sender<Result<(), SyncError>>) -> Option<String>
+            + Send
+            + 'static,
+    ) -> ReplicaSync {
+        let options = ReplicaSyncOptions::default();
+        let shared = Arc::new(Shared::new(&options));
+        ReplicaSync::start("nats://test", options.subject.clone(), 1, shared, work).unwrap()
+    }
+
+    fn wait_stopped(sync: &ReplicaSync) -> String {
+        let start = std::time::Instant::now();
+        loop {
+            if let SyncHealth::Stopped { reason } = sync.health() {
+                return reason;
+            }
+            assert!(start.elapsed() < Duration::from_secs(10), "never stopped");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    #[test]
+    fn a_thread_that_panics_is_reported_and_recording_stops_claiming_success() {
+        let (go, wait) = mpsc::channel::<()>();
+        let sync = started(move |_stop, ready| {
+            ready.send(Ok(())).unwrap();
+            wait.recv().unwrap();
+            panic!("period must be non-zero");
+        });
+        let w = WorkerWithDpRank::new(1, 0);
+        // A peer's load the thread applied before it died.
+        {
+            let mut tables = sync.shared.tables();
+            let batch = wire::Envelope {
+                replica: 2,
+                incarnation: 1,
+                seq: 1,
+                sent: 0,
+                body: wire::Body::Deltas(vec![Delta::Book(
+                    1,
+                    Booked {
+                        worker: w,
+                        prefill_tokens: 1,
+                        decode_blocks: 1,
+                    },
+                )]),
+            };
+            tables.apply(batch, std::time::Instant::now(), 0, Duration::from_secs(1));
+        }
+        assert_eq!(sync.remote_load(w).requests, 1);
+        assert_eq!(sync.health(), SyncHealth::Running);
+        assert!(sync.record_book(1, w, 1, 1));
+        let version = sync.version();
+        go.send(()).unwrap();
+        let reason = wait_stopped(&sync);
+        assert!(reason.contains("panicked: period must be non-zero"), "{reason}");
+        assert!(!sync.record_book(2, w, 1, 1), "nothing would publish it");
+        assert!(!sync.record_release(2));
+        assert_eq!(sync.stats().dropped, 2);
+        assert!(sync.remote_loads().is_empty(), "the peers' load is not kept frozen");
+        assert!(sync.version() > version, "a reader sees the change");
+    }
+
+    #[test]
+    fn a_thread_that_ends_says_why() {
+        let sync = started(|_stop, ready| {
+            ready.send(Ok(())).unwrap();
+            Some("the subscription to selkie.bookings ended".into())
+        });
+        assert_eq!(wait_stopped(&sync), "the subscription to selkie.bookings ended");
+        assert!(!sync.record_prefill_complete(1));
+    }
+
+    #[test]
+    fn each_bound_named_in_an_invalid_option_is_the_constant() {
+        let o = ReplicaSyncOptions::default;
+        let requirement = |options: ReplicaSyncOptions| match options.validate() {
+            Err(SyncError::InvalidOption { requirement, .. }) => requirement,
+            other => panic!("{other:?}"),
+        };
+        type O = ReplicaSyncOptions;
+        let max = format!("{:?}", O::MAX_DURATION);
+        for (options, bound) in [
+            (
+                o().with_batch_interval(Duration::ZERO),
+                format!("{:?}", O::MIN_BATCH_INTERVAL),
+            ),
+            (
+                o().with_batch_interval(Duration::MAX),
+                format!("{:?}", O::MAX_BATCH_INTERVAL),
+            ),
+            (o().with_batch_max_events(usize::MAX), O::MAX_BATCH_EVENTS.to_string()),
+            (o().with_queue_capacity(usize::MAX), O::MAX_QUEUE_CAPACITY.to_string()),
+            (o().with_heartbeat_interval(Duration::MAX), max.clone()),
+            (o().with_connect_timeout(Duration::MAX), max.clone()),
+            (o().with_peer_timeout(Duration::MAX), max.clone()),
+            (o().with_max_reconnect_delay(Duration::MAX), max.clone()),
+            (o().with_min_snapshot_interval(Duration::MAX), max),
+            (
+                o().with_signing_key([1; 3]),
+                format!("{} bytes", O::MIN_SIGNING_KEY_BYTES),
+            ),
+            (o().with_max_peers(usize::MAX), O::MAX_PEERS.to_string()),
+            (o().with_max_peer_rows(usize::MAX), O::MAX_PEER_ROWS.to_string()),
+            (
+                o().with_max_peer_load(RemoteLoad {
+                    requests: u64::MAX,
+                    ..o().max_peer_load()
+                }),
+                O::MAX_PEER_LOAD_FIELD.to_string(),
+            ),
+        ] {
+            let said = requirement(options);
+            assert!(said.contains(&bound), "{said:?} does not name {bound}");
+        }
+        assert!(o().validate().is_ok());
+        // The sums stay exact: every peer at the cap on one worker rank.
+        assert!((O::MAX_PEERS as u64).checked_mul(O::MAX_PEER_LOAD_FIELD).unwrap() < 1 << 60);
+        assert!((O::MAX_PEER_ROWS as u64).checked_mul(u64::from(u32::MAX)).unwrap() < 1 << 60);
+    }
+
+    #[test]
+    fn the_signing_key_is_not_shown() {
+        let options = ReplicaSyncOptions::default().with_signing_key("a secret of twenty bytes");
+        assert!(options.is_signed());
+        assert!(!format!("{options:?}").contains("secret"), "{options:?}");
+    }
 }

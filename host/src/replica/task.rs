@@ -9,14 +9,30 @@
 //!     batch tick                -> drain the recording threads' rings and the
 //!                                  reported loads into the own table and the batch
 //!                                  (changes only; a full batch is published at
-//!                                  once), then publish the batch (seq + 1)
-//!     a message on the subject  -> own: ignore; a snapshot request for this
-//!                                  replica: publish the open batch, then the
-//!                                  snapshot; else apply to the peer tables,
+//!                                  once), then publish the batch (seq + 1),
+//!                                  and a snapshot owed, once due
+//!     a message on the subject  -> signed partition: check the signature
+//!                                  (refuse and count a bad one);
+//!                                  own: ignore, but one in this replica's name
+//!                                  and incarnation that it did not send (a
+//!                                  sequence number or send time ahead of its
+//!                                  own) makes it take a new incarnation and
+//!                                  owe a snapshot;
+//!                                  a snapshot request for this replica: publish
+//!                                  the open batch, then the snapshot (at most one
+//!                                  per min_snapshot_interval: a request inside it
+//!                                  is answered by the next one, which answers every
+//!                                  requester); else apply to the peer tables,
 //!                                  asking a peer with a gap for a snapshot
 //!     heartbeat tick            -> drain, publish a heartbeat, expire silent peers
+//!                                  and stale snapshots, log refusals since the last
 //!     connection back           -> snapshot request (every peer), heartbeat
+//!     subscription ended        -> end, saying why (`ReplicaSync::health`)
 //! ```
+//!
+//! Every message carries its send time: this replica's clock when it
+//! started plus the time since, in milliseconds, so that it never goes
+//! back within an incarnation even if the clock is set back.
 //!
 //! While the server is unreachable, batches are not published (counted;
 //! their sequence numbers are used up, so peers see the gap and ask for a
@@ -27,19 +43,21 @@
 use std::ops::Range;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use async_nats::connection::State;
-use async_nats::{Client, ConnectOptions, Event, Subject, Subscriber};
+use async_nats::{Client, ConnectOptions, Event, HeaderMap, Message, Subject, Subscriber};
 use futures_util::StreamExt;
 use tokio::sync::mpsc as async_mpsc;
 
 use rustc_hash::FxHashMap;
 
+use super::auth::{BadSignature, SIGNATURE_HEADER};
 use super::connect;
 use super::tables::OwnBookings;
+use super::tables::Refusal;
 use super::wire::{Body, Delta, Envelope, Loaded, ENVELOPE_BYTES, SNAPSHOT_ROW_BYTES};
-use super::{bump, RemoteLoad, ReplicaSyncOptions, Shared};
+use super::{bump, random_u64, RemoteLoad, ReplicaSyncOptions, Shared};
 use crate::error::SyncError;
 use crate::types::WorkerWithDpRank;
 
@@ -64,6 +82,21 @@ pub(super) struct SyncLoop {
     /// The last batch's sequence number (published or not).
     seq: u64,
     disconnected: bool,
+    /// This replica's clock when it started, in ms since the Unix epoch,
+    /// and the instant it read it: send times are `started_ms` plus the
+    /// time since `started`.
+    started_ms: u64,
+    started: Instant,
+    /// The latest send time stamped on a message.
+    last_sent: u64,
+    /// The incarnation before a new one was taken (its messages still on
+    /// their way are this replica's own).
+    old_incarnation: Option<u64>,
+    /// When the last snapshot was sent, and whether one is owed.
+    last_snapshot: Option<Instant>,
+    snapshot_owed: bool,
+    /// Refusals logged so far.
+    refusals_logged: u64,
 }
 
 /// The connection, once made.
@@ -94,30 +127,44 @@ impl SyncLoop {
             held_back: Vec::new(),
             seq: 0,
             disconnected: false,
+            started_ms: unix_ms(),
+            started: Instant::now(),
+            last_sent: 0,
+            old_incarnation: None,
+            last_snapshot: None,
+            snapshot_owed: false,
+            refusals_logged: 0,
         }
     }
 
     /// Connects and subscribes (reporting the outcome on `ready`), then
-    /// serves until `stop`'s sender is dropped.
+    /// serves until `stop`'s sender is dropped. Returns why it stopped
+    /// otherwise.
     pub(super) fn run(
         self,
         stop: tokio::sync::watch::Receiver<()>,
         ready: std::sync::mpsc::Sender<Result<(), SyncError>>,
-    ) {
+    ) -> Option<String> {
         let rt = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
             Ok(rt) => rt,
-            Err(e) => return drop(ready.send(Err(self.unavailable(format!("cannot start a tokio runtime: {e}"))))),
+            Err(e) => {
+                let _ = ready.send(Err(self.unavailable(format!("cannot start a tokio runtime: {e}"))));
+                return None;
+            }
         };
         rt.block_on(async move {
             let (events_tx, events) = async_mpsc::unbounded_channel();
             let (link, subscriber) = match self.connect(events_tx).await {
                 Ok(connected) => connected,
-                Err(e) => return drop(ready.send(Err(e))),
+                Err(e) => {
+                    let _ = ready.send(Err(e));
+                    return None;
+                }
             };
             let _ = ready.send(Ok(()));
             tracing::info!(server = %self.server, subject = %link.subject, replica = self.replica, "replica sync connected");
-            self.serve(&link, subscriber, events, stop).await;
-        });
+            self.serve(&link, subscriber, events, stop).await
+        })
     }
 
     async fn connect(&self, events: async_mpsc::UnboundedSender<Event>) -> Result<(Link, Subscriber), SyncError> {
@@ -175,7 +222,7 @@ impl SyncLoop {
         mut subscriber: Subscriber,
         mut events: async_mpsc::UnboundedReceiver<Event>,
         stop: tokio::sync::watch::Receiver<()>,
-    ) {
+    ) -> Option<String> {
         let stopped = stopped(stop);
         tokio::pin!(stopped);
         self.request_snapshot(link, None).await;
@@ -185,34 +232,36 @@ impl SyncLoop {
         heartbeat.tick().await; // the first tick is immediate
         let mut batch_tick = tokio::time::interval(self.options.batch_interval);
         batch_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
+        let ended = loop {
             tokio::select! {
-                _ = &mut stopped => break,
+                _ = &mut stopped => break None,
                 Some(event) = events.recv() => self.on_event(link, event).await,
                 message = subscriber.next() => match message {
-                    Some(message) => self.on_message(link, &message.payload).await,
-                    None => {
-                        tracing::warn!(server = %self.server, subject = %link.subject, "replica sync subscription ended; sync stops");
-                        break;
-                    }
+                    Some(message) => self.on_message(link, &message).await,
+                    None => break Some(format!("the subscription to {} ended", link.subject)),
                 },
                 _ = batch_tick.tick() => {
                     self.drain(link).await;
                     self.publish_batch(link).await;
+                    if self.snapshot_owed && self.snapshot_due() {
+                        self.send_snapshot(link).await;
+                    }
                 }
                 _ = heartbeat.tick() => {
                     self.drain(link).await;
                     self.heartbeat(link).await;
                     self.expire();
+                    self.log_refusals();
                 }
             }
-        }
+        };
         // Best effort: what was recorded before the drop goes out.
         self.drain(link).await;
         self.publish_batch(link).await;
         if link.client.connection_state() == State::Connected {
             let _ = tokio::time::timeout(Duration::from_millis(500), link.client.flush()).await;
         }
+        ended
     }
 
     /// Moves the deltas recorded and the loads reported so far into the
@@ -292,6 +341,8 @@ impl SyncLoop {
     /// reported loads) as of it, in parts that fit the server's payload
     /// limit.
     async fn send_snapshot(&mut self, link: &Link) {
+        self.last_snapshot = Some(Instant::now());
+        self.snapshot_owed = false;
         self.publish_batch(link).await;
         let max_payload = match link.client.server_info().max_payload {
             0 => DEFAULT_MAX_PAYLOAD,
@@ -326,23 +377,57 @@ impl SyncLoop {
         bump(&self.shared.counters.snapshots_sent, 1);
     }
 
-    fn envelope(&self, body: Body) -> Envelope {
+    /// Whether a snapshot may be sent now (`min_snapshot_interval` after
+    /// the last).
+    fn snapshot_due(&self) -> bool {
+        self.last_snapshot
+            .is_none_or(|t| t.elapsed() >= self.options.min_snapshot_interval)
+    }
+
+    /// Answers a snapshot request: now if one is due, else with the next
+    /// (which answers every requester).
+    async fn answer_snapshot_request(&mut self, link: &Link) {
+        if self.snapshot_due() {
+            self.send_snapshot(link).await;
+        } else {
+            self.snapshot_owed = true;
+            bump(&self.shared.counters.snapshots_deferred, 1);
+        }
+    }
+
+    fn envelope(&mut self, body: Body) -> Envelope {
+        let elapsed = u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX);
+        self.last_sent = self.started_ms.saturating_add(elapsed).max(self.last_sent);
         Envelope {
             replica: self.replica,
             incarnation: self.incarnation,
             seq: self.seq,
+            sent: self.last_sent,
             body,
         }
     }
 
-    /// Publishes `message` if the server is reachable; never waits longer
-    /// than a heartbeat interval for room in the client's buffer.
+    /// Publishes `message` (signed, in a signed partition) if the server
+    /// is reachable; never waits longer than a heartbeat interval for room
+    /// in the client's buffer.
     async fn publish(&self, link: &Link, message: &Envelope) -> bool {
         if link.client.connection_state() != State::Connected {
             return false;
         }
         let wait = self.options.heartbeat_interval;
-        let publishing = link.client.publish(link.subject.clone(), message.encode().into());
+        let payload = message.encode();
+        let publishing = async {
+            match self.options.key() {
+                Some(key) => {
+                    let mut headers = HeaderMap::new();
+                    headers.insert(SIGNATURE_HEADER, key.sign(link.subject.as_str(), &payload));
+                    link.client
+                        .publish_with_headers(link.subject.clone(), headers, payload.into())
+                        .await
+                }
+                None => link.client.publish(link.subject.clone(), payload.into()).await,
+            }
+        };
         let failure = match tokio::time::timeout(wait, publishing).await {
             Ok(Ok(())) => return true,
             Ok(Err(e)) => e.to_string(),
@@ -353,8 +438,25 @@ impl SyncLoop {
         false
     }
 
-    async fn on_message(&mut self, link: &Link, payload: &[u8]) {
+    async fn on_message(&mut self, link: &Link, received: &Message) {
         let c = &self.shared.counters;
+        let payload = &received.payload[..];
+        if let Some(key) = self.options.key() {
+            let signature = received
+                .headers
+                .as_ref()
+                .and_then(|h| h.get(SIGNATURE_HEADER))
+                .map(|v| v.as_str());
+            if let Err(bad) = key.verify(link.subject.as_str(), payload, signature) {
+                let why = match bad {
+                    BadSignature::Missing => Refusal::Unsigned,
+                    BadSignature::Wrong => Refusal::BadSignature,
+                };
+                c.refuse(why, 1);
+                tracing::debug!(subject = %link.subject, reason = why.as_str(), "replica sync message refused");
+                return;
+            }
+        }
         let message = match Envelope::decode(payload) {
             Ok(m) => m,
             Err(e) => {
@@ -364,11 +466,7 @@ impl SyncLoop {
             }
         };
         if message.replica == self.replica {
-            if message.incarnation != self.incarnation {
-                bump(&c.id_conflicts, 1);
-                tracing::warn!(replica = self.replica, subject = %link.subject, "another replica uses this replica's id; its messages are ignored");
-            }
-            return;
+            return self.on_own_name(link, &message).await;
         }
         let peer = message.replica;
         let asks_me = matches!(message.body, Body::SnapshotRequest(to) if to.is_none_or(|to| to == self.replica));
@@ -376,39 +474,111 @@ impl SyncLoop {
             // Counted under the lock, so that stats agree with the loads
             // read after them.
             let mut tables = self.shared.tables();
-            let applied = tables.apply(message, Instant::now(), self.options.heartbeat_interval);
+            let applied = tables.apply(message, Instant::now(), unix_ms(), self.options.heartbeat_interval);
             self.shared.version.store(tables.version(), Ordering::Release);
             c.peers.store(tables.peers() as u64, Ordering::Relaxed);
+            c.peer_rows.store(tables.rows() as u64, Ordering::Relaxed);
             bump(&c.applied, applied.deltas);
             bump(&c.skipped, applied.skipped);
             bump(&c.unknown, applied.unknown);
+            bump(&c.refused_rows, applied.rows_refused);
+            bump(&c.capped, applied.capped);
             bump(&c.snapshots_received, u64::from(applied.snapshot));
+            if let Some(refusal) = applied.refused {
+                c.refuse(refusal, 1);
+            }
             applied
         };
+        if let Some(refusal) = applied.refused {
+            tracing::debug!(
+                replica = self.replica,
+                peer,
+                reason = refusal.as_str(),
+                "replica sync message refused"
+            );
+            if !applied.ask_snapshot {
+                return;
+            }
+        }
         if applied.new_peer {
             tracing::info!(replica = self.replica, peer, "replica sync peer joined");
         }
         if applied.ask_snapshot {
             self.request_snapshot(link, Some(peer)).await;
         }
-        if asks_me {
-            self.send_snapshot(link).await;
+        if asks_me && applied.refused.is_none() {
+            self.answer_snapshot_request(link).await;
+        }
+    }
+
+    /// A message in this replica's name: its own (ignored), a signed one
+    /// sent before this replica started (a predecessor's, replayed:
+    /// refused), another replica given the same id (counted), or one it
+    /// never sent in its
+    /// own incarnation (a forgery, or a copy of this replica): counted, and
+    /// this replica takes a new incarnation, so that its peers drop
+    /// whatever the message made them believe and rebuild its table from
+    /// the snapshot it then owes.
+    async fn on_own_name(&mut self, link: &Link, message: &Envelope) {
+        let c = &self.shared.counters;
+        if message.incarnation == self.incarnation {
+            if message.seq <= self.seq && message.sent <= self.last_sent {
+                return; // its own
+            }
+            bump(&c.id_conflicts, 1);
+            bump(&c.reincarnations, 1);
+            self.old_incarnation = Some(self.incarnation);
+            self.incarnation = random_u64();
+            tracing::warn!(
+                replica = self.replica,
+                subject = %link.subject,
+                seq = message.seq,
+                own_seq = self.seq,
+                "a message in this replica's name that it did not send; it takes a new incarnation"
+            );
+            self.heartbeat(link).await;
+            self.answer_snapshot_request(link).await;
+        } else if self.options.is_signed() && message.sent < self.started_ms {
+            // Signed before this replica started: a predecessor's message
+            // (this replica restarted with its id), replayed.
+            c.refuse(Refusal::Replayed, 1);
+        } else if Some(message.incarnation) != self.old_incarnation {
+            bump(&c.id_conflicts, 1);
+            tracing::warn!(replica = self.replica, subject = %link.subject, "another replica uses this replica's id; its messages are ignored");
+        }
+    }
+
+    /// Logs the refusals counted since the last call, if any (a flood of
+    /// forged messages logs once per heartbeat, not once per message).
+    fn log_refusals(&mut self) {
+        let refused = self.shared.counters.refused();
+        let total = refused.total();
+        if total > self.refusals_logged {
+            tracing::warn!(
+                replica = self.replica,
+                new = total - self.refusals_logged,
+                ?refused,
+                "replica sync refused peers' messages"
+            );
+            self.refusals_logged = total;
         }
     }
 
     fn expire(&self) {
         let timeout = self.options.peer_timeout;
         let mut tables = self.shared.tables();
-        let gone = tables.expire(Instant::now(), timeout);
-        if gone.is_empty() {
+        let expired = tables.expire(Instant::now());
+        let c = &self.shared.counters;
+        c.refuse(Refusal::SnapshotExpired, expired.snapshots);
+        c.peer_rows.store(tables.rows() as u64, Ordering::Relaxed);
+        if expired.peers.is_empty() {
             return;
         }
         self.shared.version.store(tables.version(), Ordering::Release);
-        let c = &self.shared.counters;
         c.peers.store(tables.peers() as u64, Ordering::Relaxed);
-        bump(&c.peers_expired, gone.len() as u64);
+        bump(&c.peers_expired, expired.peers.len() as u64);
         drop(tables);
-        for (peer, held) in gone {
+        for (peer, held) in expired.peers {
             tracing::warn!(
                 replica = self.replica,
                 peer,
@@ -452,6 +622,13 @@ pub(super) fn part_ranges(bookings: usize, total: usize, per_part: usize, part: 
         start.min(bookings)..end.min(bookings),
         start.saturating_sub(bookings)..end.saturating_sub(bookings),
     )
+}
+
+/// This machine's clock, in milliseconds since the Unix epoch.
+fn unix_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
 /// Resolves once the stop sender is dropped.

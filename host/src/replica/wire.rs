@@ -2,7 +2,9 @@
 //! encoding.
 //!
 //! Every message is one [`Envelope`]: who sent it (replica id and
-//! incarnation), the sender's sequence number, and a [`Body`]. The sequence
+//! incarnation), the sender's sequence number, when it was sent, and a
+//! [`Body`]; in a partition with a signing key, its signature rides in a
+//! NATS header (see `auth`). The sequence
 //! number counts the sender's delta batches: a batch carries its own number
 //! (1, 2, ...), every other message the number of the last batch sent
 //! before it, so a receiver can tell from any message whether it missed a
@@ -24,7 +26,7 @@
 //!
 //! The encoding is JSON with one-letter keys and tuples for the bookings
 //! and loads
-//! (`{"r":7,"i":9,"s":3,"m":{"d":[{"B":[41,[12,0,900,3]]},{"R":40},{"L":[12,0,[2,0,6]]}]}}`):
+//! (`{"r":7,"i":9,"s":3,"t":1700000000000,"m":{"d":[{"B":[41,[12,0,900,3]]},{"R":40},{"L":[12,0,[2,0,6]]}]}}`):
 //! serde_json is already a dependency, a batch of 256 deltas is about
 //! 10 KiB, and `nats sub` shows it readably. This module only encodes and
 //! decodes; it keeps no state.
@@ -171,6 +173,11 @@ pub(crate) struct Envelope {
     /// See the module docs.
     #[serde(rename = "s")]
     pub(crate) seq: u64,
+    /// When the sender sent it: milliseconds since the Unix epoch on the
+    /// sender's clock, never decreasing within an incarnation (0 from a
+    /// sender that does not say). Checked only in a signed partition.
+    #[serde(rename = "t", default)]
+    pub(crate) sent: u64,
     #[serde(rename = "m")]
     pub(crate) body: Body,
 }
@@ -190,8 +197,9 @@ impl Envelope {
 /// longest, so a part of `(max_payload - ENVELOPE_BYTES) /
 /// SNAPSHOT_ROW_BYTES` rows fits the server's payload limit.
 pub(crate) const SNAPSHOT_ROW_BYTES: usize = 1 + 20 + 1 + 10 + 2 + 20 + 1 + 20 + 1 + 20 + 3;
-/// An upper bound on a snapshot part's bytes besides its bookings.
-pub(crate) const ENVELOPE_BYTES: usize = 128;
+/// An upper bound on a snapshot part's bytes besides its rows: the
+/// envelope's fields and the signature header.
+pub(crate) const ENVELOPE_BYTES: usize = 512;
 
 #[cfg(test)]
 mod tests {
@@ -216,14 +224,18 @@ mod tests {
             replica: 7,
             incarnation: 9,
             seq: 3,
+            sent: 1_700_000_000_000,
             body: Body::Deltas(vec![Delta::Book(41, booked), Delta::Release(40), Delta::Load(loaded)]),
         };
         let bytes = e.encode();
         assert_eq!(
             std::str::from_utf8(&bytes).unwrap(),
-            r#"{"r":7,"i":9,"s":3,"m":{"d":[{"B":[41,[12,0,900,3]]},{"R":40},{"L":[12,0,[2,0,6]]}]}}"#
+            r#"{"r":7,"i":9,"s":3,"t":1700000000000,"m":{"d":[{"B":[41,[12,0,900,3]]},{"R":40},{"L":[12,0,[2,0,6]]}]}}"#
         );
         assert_eq!(Envelope::decode(&bytes).unwrap(), e);
+        // A sender that does not say when it sent (an older replica).
+        let unstamped = br#"{"r":7,"i":9,"s":3,"m":"h"}"#;
+        assert_eq!(Envelope::decode(unstamped).unwrap().sent, 0);
         for body in [
             Body::Heartbeat,
             Body::SnapshotRequest(None),

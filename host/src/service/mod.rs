@@ -43,7 +43,7 @@ use std::time::{Duration, Instant};
 use metrics::Counter;
 use selkie_kernel::lanes::U32Source;
 
-use crate::discovery::registry::{SyncReport, WorkerRegistry};
+use crate::discovery::registry::{RefreshReport, SyncReport, WorkerRegistry};
 use crate::discovery::{BusyThresholds, Discovery, WorkerRecord, WorkerState};
 use crate::error::{DiscoveryError, SelectionError};
 use crate::filter::{eligible_rows, is_busy, Rejections};
@@ -52,12 +52,12 @@ use crate::plugin::WorkerSelectionContext;
 use crate::policy::scratch::{with_scratch, Scratch};
 use crate::policy::{Env, ReadyRows, WorkerSelectionPolicy};
 use crate::request::{RowLayout, SelectionRequest};
-use crate::types::{WorkerId, WorkerWithDpRank};
+use crate::types::{RankRow, WorkerId, WorkerWithDpRank};
 use session::SessionTable;
 
 pub use poller::{DiscoveryHealth, DiscoveryPoller};
 #[cfg(feature = "nats")]
-pub use replica::ReplicaSyncThread;
+pub use replica::{OverAdmission, ReplicaSyncThread};
 
 use crate::explain::Explanation;
 
@@ -266,7 +266,14 @@ impl WorkerSelectionService {
         self.change(|reg, fleet| reg.sync(fleet, snapshot))
     }
 
-    /// Polls `source` once and applies its snapshot if it changed.
+    /// Polls `source` once and applies its snapshot if it changed; takes the
+    /// records the source refused ([`Discovery::take_refused`]).
+    ///
+    /// Refused records never fail a refresh: the snapshot holds the other
+    /// records and applies as usual, and the refusals come back in the
+    /// [`RefreshReport`] (a [`DiscoveryPoller`] logs and counts them). They
+    /// are taken only when the refresh succeeds, so a refresh that fails
+    /// leaves them with the source for the next one.
     ///
     /// A snapshot that [`sync`](Self::sync) refuses changes nothing; the
     /// service keeps it and tries it again on every later refresh whose
@@ -275,7 +282,7 @@ impl WorkerSelectionService {
     /// or the workers are changed some other way (then it is dropped). The
     /// source is told when a snapshot it delivered is refused
     /// ([`Discovery::snapshot_refused`]).
-    pub fn refresh(&self, source: &mut dyn Discovery) -> Result<Option<SyncReport>, DiscoveryError> {
+    pub fn refresh(&self, source: &mut dyn Discovery) -> Result<RefreshReport, DiscoveryError> {
         let refused = || self.refused.lock().unwrap_or_else(PoisonError::into_inner);
         let (snapshot, fresh) = match source.poll()? {
             Some(snapshot) => (snapshot, true),
@@ -283,14 +290,22 @@ impl WorkerSelectionService {
             // was refused (a direct change, or a newer snapshot, wins).
             None => match refused().take() {
                 Some((version, kept)) if version == self.version.load(Ordering::Acquire) => (kept, false),
-                _ => return Ok(None),
+                _ => {
+                    return Ok(RefreshReport {
+                        applied: None,
+                        refused: source.take_refused(),
+                    })
+                }
             },
         };
         let kept = snapshot.clone();
         match self.sync(snapshot) {
             Ok(report) => {
                 *refused() = None;
-                Ok(Some(report))
+                Ok(RefreshReport {
+                    applied: Some(report),
+                    refused: source.take_refused(),
+                })
             }
             Err(e) => {
                 *refused() = Some((self.version.load(Ordering::Acquire), kept));
@@ -393,6 +408,36 @@ impl WorkerSelectionService {
     /// rank has no row.
     pub fn row_of(&self, worker: WorkerWithDpRank) -> Option<usize> {
         self.with_snapshot(|reg| reg.row_of(worker))
+    }
+
+    /// [`row_of`](Self::row_of) with the rank's tenure: the layout epoch
+    /// from which it holds its row. A rank removed and added again gets a
+    /// new tenure, even on the same row, so a reader that kept per-rank
+    /// state across two reads (the KV index's
+    /// [`sync_rows`](crate::kv_index::KvIndex::sync_rows)) can tell a
+    /// worker that left and came back between them.
+    ///
+    /// ```
+    /// use selkie::*;
+    /// let service = WorkerSelectionService::new(WorkerSelectionPolicy::random(), ServiceConfig::default());
+    /// service.add_worker(WorkerRecord::new(7))?;
+    /// let rank = WorkerWithDpRank::new(7, 0);
+    /// let before = service.rank_row(rank).unwrap();
+    /// service.remove_worker(7)?;
+    /// service.add_worker(WorkerRecord::new(7))?;
+    /// let after = service.rank_row(rank).unwrap();
+    /// assert_ne!(before.tenure, after.tenure, "it left and came back");
+    /// assert_eq!(Some(after.row), service.row_of(rank));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn rank_row(&self, worker: WorkerWithDpRank) -> Option<RankRow> {
+        self.with_snapshot(|reg| {
+            let row = reg.row_of(worker)?;
+            Some(RankRow {
+                row,
+                tenure: reg.tenure_of(worker).unwrap_or(0),
+            })
+        })
     }
 
     // ---- sessions ----------------------------------------------------

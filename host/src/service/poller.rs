@@ -33,6 +33,11 @@ pub struct DiscoveryHealth {
     pub last_error: Option<String>,
     /// Polls that panicked (in the source or while applying its snapshot).
     pub panics: u64,
+    /// Records the source refused so far ([`Discovery::take_refused`]);
+    /// the polls that reported them succeeded, without them.
+    pub records_refused: u64,
+    /// The last refused record's error (it names the record's key or file).
+    pub last_refused: Option<String>,
     /// Whether the polling thread is still running (false once stopped).
     pub polling: bool,
 }
@@ -52,6 +57,12 @@ impl DiscoveryHealth {
 /// panicking source is caught, logged and counted with `reason="panic"`. In
 /// every case the previous workers stay in force, polling continues, and
 /// [`health`](Self::health) says what happened.
+///
+/// A record the source refuses on its own (a bad etcd key, a bad record in
+/// a file) is not a failed poll: the rest of the snapshot applies, and each
+/// refusal is logged (a warning naming the key or file and worker),
+/// counted in `selkie_discovery_records_refused_total{reason}` and in
+/// [`DiscoveryHealth::records_refused`].
 ///
 /// ```
 /// use std::{sync::Arc, time::Duration};
@@ -78,14 +89,21 @@ pub struct DiscoveryPoller {
 /// the health, and a recorder may panic).
 fn poll_once(service: &WorkerSelectionService, source: &mut dyn Discovery, health: &Mutex<DiscoveryHealth>) {
     let outcome = crate::contain::contain_message(|| service.refresh(source));
-    let failure = match outcome {
-        Ok(Ok(_)) => None,
-        Ok(Err(e)) => Some((e.reason(), e.to_string(), false)),
-        Err(message) => Some(("panic", format!("discovery source panicked: {message}"), true)),
+    let (failure, refused) = match outcome {
+        Ok(Ok(report)) => (None, report.refused),
+        Ok(Err(e)) => (Some((e.reason(), e.to_string(), false)), Vec::new()),
+        Err(message) => (
+            Some(("panic", format!("discovery source panicked: {message}"), true)),
+            Vec::new(),
+        ),
     };
     {
         let mut h = health.lock().unwrap_or_else(PoisonError::into_inner);
         h.polls += 1;
+        if let Some(last) = refused.last() {
+            h.records_refused += refused.len() as u64;
+            h.last_refused = Some(last.to_string());
+        }
         match &failure {
             None => {
                 h.last_success = Some(SystemTime::now());
@@ -97,6 +115,14 @@ fn poll_once(service: &WorkerSelectionService, source: &mut dyn Discovery, healt
                 h.last_error = Some(message.clone());
             }
         }
+    }
+    if !refused.is_empty() {
+        let _ = crate::contain::contain(|| {
+            for e in &refused {
+                tracing::warn!(error = %e, "discovery record refused; its worker keeps its last good record");
+                metrics::counter!("selkie_discovery_records_refused_total", "reason" => e.reason()).increment(1);
+            }
+        });
     }
     if let Some((reason, message, panicked)) = failure {
         let _ = crate::contain::contain(|| {

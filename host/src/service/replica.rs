@@ -15,15 +15,47 @@
 //! [`WorkerSelectionService::spawn_replica_sync_thread`] (or the caller's
 //! own timer) calls both, every batch interval say.
 //!
+//! # How far replicas can over-admit
+//!
+//! Each replica admits a request on a worker if its own bookings there
+//! plus the peers' load it last applied stay within the worker's
+//! admission limit `L`. Its own bookings never pass `L` (its counters hold
+//! them), so `R` replicas together hold at most `R x L`: the only bound
+//! that always holds. Tighter, the combined load passes `L` by at most
+//! what the other `R - 1` replicas booked within one sync delay, the time
+//! from a booking to every other replica applying it (the booking
+//! replica's `publish_local_load` pass, its sync's batch interval, NATS,
+//! the other's `apply_remote_load` pass: a few milliseconds with the
+//! defaults). That delay is not bounded: a sync thread or a load thread
+//! that is not scheduled (a CPU-starved host) stretches it, and with it
+//! the excess, up to `R x L`; so does a replica that has not heard from
+//! the others yet (it starts with no view of them). Measured with two
+//! replicas, a limit of 8, one worker and sixteen selecting threads on two
+//! cores (holding each request 50 to 500 µs, spinning or sleeping; a
+//! sample of the combined count every 200 µs for 2 s, after the first
+//! 100 ms; three runs of each): the count passed the limit in 1.3 to 3.9%
+//! of samples, by one in nearly all, and after a stall reached 14, and in
+//! one run `R x L` = 16; in the first 100 ms, before the replicas had
+//! heard from each other, it reached 16 in most runs.
+//!
+//! So the excess is measured: whenever [`apply_remote_load`] finds a
+//! row's load (its own bookings plus the peers' just applied) above the
+//! worker's admission limit, it counts the row and the excess
+//! ([`WorkerSelectionService::replica_over_admission`], and the metrics
+//! `selkie_replica_over_admission_total` and
+//! `selkie_replica_over_admission_requests_total`).
+//!
+//! [`apply_remote_load`]: WorkerSelectionService::apply_remote_load
+//!
 //! This module must not block the selection path or change the local
 //! booking: the local counters stay this replica's truth.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError, Weak};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use selkie_kernel::fleet::{Outstanding, SlotId, COUNTER_MAX};
+use selkie_kernel::fleet::{Outstanding, SlotId, COUNTER_MAX, UNLIMITED};
 use selkie_kernel::lanes::{AtomicView, U32Source};
 
 use super::WorkerSelectionService;
@@ -38,6 +70,33 @@ pub(super) struct ReplicaLink {
     /// a row's own load (its counters less its remote load) never races a
     /// change of its remote load.
     state: Mutex<LinkState>,
+    /// Over-admission seen by `apply_remote_load`.
+    over: OverCounters,
+}
+
+/// The counters behind [`OverAdmission`].
+#[derive(Default)]
+struct OverCounters {
+    rows: AtomicU64,
+    requests: AtomicU64,
+    most: AtomicU64,
+}
+
+/// Over-admission this replica has seen: rows whose load, its own
+/// bookings plus the peers' just applied, was above the worker's
+/// admission limit ([`WorkerSelectionService::replica_over_admission`];
+/// see the `service::replica` docs for why it happens and its bound).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct OverAdmission {
+    /// Times a row was found above its limit (once per row per
+    /// [`apply_remote_load`](WorkerSelectionService::apply_remote_load)
+    /// that wrote it).
+    pub rows: u64,
+    /// The requests above the limit, summed over those times.
+    pub requests: u64,
+    /// The most requests above the limit seen at once on one row.
+    pub most: u64,
 }
 
 #[derive(Default)]
@@ -68,6 +127,7 @@ impl ReplicaLink {
         ReplicaLink {
             sync: OnceLock::new(),
             state: Mutex::new(LinkState::default()),
+            over: OverCounters::default(),
         }
     }
 
@@ -161,6 +221,7 @@ impl WorkerSelectionService {
         for (slot, load) in named {
             if self.fleet.set_remote_load(slot, load).is_ok() {
                 slots.push(slot);
+                self.count_over_admission(slot);
             }
         }
         slots.sort_unstable_by_key(|s| (s.row, s.generation));
@@ -177,6 +238,46 @@ impl WorkerSelectionService {
         applied.slots = slots;
         applied.versions = Some(versions);
         true
+    }
+
+    /// Counts `slot`'s row if its load (this replica's bookings and the
+    /// remote load just set) is above its worker's admission limit.
+    fn count_over_admission(&self, slot: SlotId) {
+        let row = slot.row as usize;
+        let Some(limit) = self
+            .fleet
+            .worker(row)
+            .filter(|w| w.slot == slot && w.admission_limit != UNLIMITED)
+            .map(|w| w.admission_limit)
+        else {
+            return;
+        };
+        let held = self.fleet.outstanding(row).unwrap_or_default().requests;
+        if held <= limit {
+            return;
+        }
+        let excess = u64::from(held - limit);
+        let over = &self.replica.over;
+        over.rows.fetch_add(1, Ordering::Relaxed);
+        over.requests.fetch_add(excess, Ordering::Relaxed);
+        over.most.fetch_max(excess, Ordering::Relaxed);
+        metrics::counter!("selkie_replica_over_admission_total").increment(1);
+        metrics::counter!("selkie_replica_over_admission_requests_total").increment(excess);
+    }
+
+    /// The over-admission this replica has seen so far: rows whose load
+    /// (its own bookings plus the peers', as just applied by
+    /// [`apply_remote_load`](Self::apply_remote_load)) was above their
+    /// worker's admission limit. Replicas over-admit by what the others
+    /// booked within one sync delay, which CPU starvation stretches: see
+    /// the `service::replica` module docs.
+    pub fn replica_over_admission(&self) -> OverAdmission {
+        let over = &self.replica.over;
+        OverAdmission {
+            rows: over.rows.load(Ordering::Relaxed),
+            requests: over.requests.load(Ordering::Relaxed),
+            most: over.most.load(Ordering::Relaxed),
+        }
     }
 
     /// Reports this replica's own load on each worker rank whose load

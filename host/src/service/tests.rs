@@ -25,7 +25,8 @@ pub(crate) mod hooks {
 
     fn fire(cell: &'static std::thread::LocalKey<RefCell<Option<Hook>>>, arg: usize) {
         // Taken out while it runs, so a hook that selects does not recurse.
-        if let Some(mut f) = cell.with(|c| c.borrow_mut().take()) {
+        // None once the thread's hooks are gone (a selection at thread exit).
+        if let Some(mut f) = cell.try_with(|c| c.borrow_mut().take()).ok().flatten() {
             f(arg);
             cell.with(|c| {
                 let mut c = c.borrow_mut();
@@ -279,11 +280,13 @@ fn retarget_never_books_a_worker_other_than_the_one_named() {
     assert_eq!(active(1), 0);
 }
 
-/// A selection reads its thread's snapshot through a raw pointer (the hot
-/// entry). Selections nested in it (a plugin, here a hook) that move the
-/// registry on and fill the thread's cache past its size must not drop the
-/// snapshot it is reading: it still books and reports a worker of its own
-/// snapshot, though every one of them was removed meanwhile.
+/// A selection takes its thread's snapshot out of the hot entry while it
+/// reads it. Selections nested in it (a plugin, here a hook) that move the
+/// registry on and fill the thread's cache past its size must not disturb
+/// the snapshot it is reading: it still books and reports a worker of its
+/// own snapshot, though every one of them was removed meanwhile; and the
+/// next selections read the new snapshots (the crate's tests check on every
+/// hot read that the entry held the service's current snapshot).
 #[test]
 fn a_snapshot_in_use_outlives_selections_nested_in_it() {
     let s = Arc::new(WorkerSelectionService::new(
@@ -344,4 +347,65 @@ fn a_snapshot_in_use_outlives_selections_nested_in_it() {
             );
         }
     }
+}
+
+/// Services taking turns on one thread, fewer than its cache holds: each
+/// turn finds the service's snapshot in the cache and puts it in the hot
+/// entry, and the next selection reads it from there; every selection
+/// reads its own service's snapshot (the hot read checks it too).
+#[test]
+fn services_taking_turns_read_their_own_snapshots() {
+    let services: Vec<_> = (0..3u64)
+        .map(|i| {
+            let s = WorkerSelectionService::new(WorkerSelectionPolicy::random(), ServiceConfig::default());
+            s.add_worker(WorkerRecord::new(100 + i)).unwrap();
+            s
+        })
+        .collect();
+    for round in 0..4 {
+        for (i, s) in services.iter().enumerate() {
+            for _ in 0..2 {
+                let got = s.select(&SelectionRequest::new(16)).unwrap().worker().worker_id;
+                assert_eq!(got, 100 + i as u64, "round {round}");
+            }
+        }
+    }
+}
+
+/// A selection in a thread-local's destructor that runs after the thread's
+/// snapshot cache is gone (destructors run in the reverse order of their
+/// registration) reads the current snapshot and caches nothing.
+#[test]
+fn a_selection_after_the_threads_cache_is_gone_still_selects() {
+    struct SelectsOnExit(Option<(Arc<WorkerSelectionService>, std::sync::mpsc::Sender<u64>)>);
+    impl Drop for SelectsOnExit {
+        fn drop(&mut self) {
+            if let Some((s, tx)) = self.0.take() {
+                let got = s.select(&SelectionRequest::new(16)).map(|b| b.worker().worker_id);
+                let _ = tx.send(got.unwrap_or(0));
+            }
+        }
+    }
+    thread_local! {
+        static ON_EXIT: std::cell::RefCell<SelectsOnExit> = const { std::cell::RefCell::new(SelectsOnExit(None)) };
+    }
+    let s = Arc::new(WorkerSelectionService::new(
+        WorkerSelectionPolicy::random(),
+        ServiceConfig::default(),
+    ));
+    s.add_worker(WorkerRecord::new(7)).unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let in_thread = s.clone();
+    std::thread::spawn(move || {
+        // Registered before the cache's destructor, so it runs after it.
+        ON_EXIT.with(|c| c.borrow_mut().0 = Some((in_thread.clone(), tx)));
+        assert_eq!(
+            in_thread.select(&SelectionRequest::new(16)).unwrap().worker().worker_id,
+            7
+        );
+    })
+    .join()
+    .unwrap();
+    assert_eq!(rx.recv().unwrap(), 7);
+    assert_eq!(s.worker_status(7).unwrap().ranks[0].active_requests, 0);
 }

@@ -86,7 +86,8 @@ pub struct PolicyReport {
     /// Prompt tokens no rank held / prompt tokens
     /// (`hit_rate + missed_elsewhere + cached_nowhere` is 1).
     pub cached_nowhere: f64,
-    /// `hit_rate` / the pooled bound ([`HitBounds::pooled`]).
+    /// `hit_rate` / the pooled bound ([`HitBounds::pooled`]); NaN when that
+    /// bound is 0 (the table shows `-`, JSON `null`).
     pub share_of_pooled: f64,
     /// Time to first token, median, ms.
     pub ttft_p50_ms: f64,
@@ -233,8 +234,18 @@ fn herding(run: &RunRecord) -> u32 {
     u32::try_from(most).unwrap_or(u32::MAX)
 }
 
+/// `value` with `decimals` decimals, or `-` when it is not a number (a
+/// share of a bound of 0, a quantile of no requests).
+fn num(value: f64, decimals: usize) -> String {
+    if value.is_finite() {
+        format!("{value:.decimals$}")
+    } else {
+        "-".into()
+    }
+}
+
 /// The comparison table, one row per policy, followed by which policy is
-/// best on each column.
+/// best on each column; a value that is not a number is shown as `-`.
 pub fn render_table(reports: &[PolicyReport]) -> String {
     let headers = [
         "policy",
@@ -258,19 +269,19 @@ pub fn render_table(reports: &[PolicyReport]) -> String {
         .map(|r| {
             [
                 r.policy.clone(),
-                format!("{:.1}", r.hit_rate * 100.0),
-                format!("{:.1}", r.missed_elsewhere * 100.0),
-                format!("{:.1}", r.cached_nowhere * 100.0),
-                format!("{:.1}", r.share_of_pooled * 100.0),
-                format!("{:.0}", r.ttft_p50_ms),
-                format!("{:.0}", r.ttft_p99_ms),
-                format!("{:.0}", r.latency_p99_ms),
-                format!("{:.3}", r.load_cv),
-                format!("{:.2}", r.load_max_over_mean),
-                format!("{:.1}", r.missed_reuse * 100.0),
+                num(r.hit_rate * 100.0, 1),
+                num(r.missed_elsewhere * 100.0, 1),
+                num(r.cached_nowhere * 100.0, 1),
+                num(r.share_of_pooled * 100.0, 1),
+                num(r.ttft_p50_ms, 0),
+                num(r.ttft_p99_ms, 0),
+                num(r.latency_p99_ms, 0),
+                num(r.load_cv, 3),
+                num(r.load_max_over_mean, 2),
+                num(r.missed_reuse * 100.0, 1),
                 r.herd.to_string(),
-                format!("{:.2}", r.select_p50_ns / 1000.0),
-                format!("{:.2}", r.select_p99_ns / 1000.0),
+                num(r.select_p50_ns / 1000.0, 2),
+                num(r.select_p99_ns / 1000.0, 2),
                 r.failed.to_string(),
             ]
         })

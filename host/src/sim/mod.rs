@@ -34,6 +34,7 @@ pub mod dist;
 pub mod engine;
 pub mod index;
 pub mod limits;
+pub mod memory;
 pub mod metrics;
 pub mod plot;
 pub mod router;
@@ -86,6 +87,24 @@ pub enum SimError {
         value: String,
         /// What it must be.
         bound: String,
+    },
+    /// A run would need more memory than its bound (see [`memory`]).
+    #[error(
+        "{field}: {requests} requests need {need} (their prompts' hash ids, and one policy's records and bookings), \
+         over the memory limit of {limit} ({limit_field}); lower {field} or raise {limit_field}"
+    )]
+    OverMemory {
+        /// The option or field that sizes the run (`--requests`).
+        field: String,
+        /// The requests of the run.
+        requests: usize,
+        /// What they need (`about 23.4 GiB`, or `at least ...` when the
+        /// run was stopped while its requests were counted).
+        need: String,
+        /// The bound.
+        limit: String,
+        /// The option or field that sets the bound (`--max-memory`).
+        limit_field: String,
     },
     /// The simulated fleet has more ranks than the selection service's fleet
     /// has rows.

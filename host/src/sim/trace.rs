@@ -24,8 +24,10 @@ use std::io::{BufRead, Write};
 
 use serde::{Deserialize, Serialize};
 
-use super::limits::MAX_TOKENS;
-use super::workload::{SimRequest, Workload};
+use super::limits::{MAX_BLOCK_SIZE, MAX_TOKENS};
+use super::memory::MemoryLimit;
+use super::workload::{Earliest, SimRequest, Workload};
+use super::SimError;
 
 /// Tokens per hash id of a trace that does not record its block size (the
 /// public Mooncake traces).
@@ -84,15 +86,35 @@ pub enum TraceError {
 /// arrivals are sorted and, unless the trace records its block size (a trace
 /// selkie wrote keeps its times), shifted so the first is at 0.
 pub fn read_trace(reader: impl BufRead, block_size: Option<u32>) -> Result<Workload, TraceError> {
-    let mut requests = Vec::new();
+    match read_trace_within(reader, block_size, None, &MemoryLimit::none()) {
+        Ok(w) => Ok(w),
+        Err(SimError::Trace(e)) => Err(e),
+        Err(e) => unreachable!("no request or memory limit, yet: {e}"),
+    }
+}
+
+/// [`read_trace`] keeping only the `requests` earliest requests (all of
+/// them if `None`) while it reads, refused with [`SimError::OverMemory`]
+/// as soon as those kept pass `limit` (see [`super::memory`]).
+pub fn read_trace_within(
+    reader: impl BufRead,
+    block_size: Option<u32>,
+    requests: Option<usize>,
+    limit: &MemoryLimit,
+) -> Result<Workload, SimError> {
+    if let Some(b) = block_size {
+        super::limits::count("block_size", b, MAX_BLOCK_SIZE)?;
+    }
+    let mut kept = Earliest::new(requests.unwrap_or(usize::MAX), f64::NEG_INFINITY, limit);
+    let mut any = false;
     let mut size: Option<(u32, usize)> = None;
     for (i, line) in reader.lines().enumerate() {
-        let line = line?;
+        let line = line.map_err(TraceError::from)?;
         if line.trim().is_empty() {
             continue;
         }
         let at = i + 1;
-        let bad = |message: String| TraceError::Parse { line: at, message };
+        let bad = |message: String| SimError::Trace(TraceError::Parse { line: at, message });
         let row: TraceRow = serde_json::from_str(&line).map_err(|e| bad(e.to_string()))?;
         if !(row.timestamp.is_finite() && row.timestamp.abs() <= MAX_TIMESTAMP_MS) {
             return Err(bad(format!(
@@ -105,8 +127,16 @@ pub fn read_trace(reader: impl BufRead, block_size: Option<u32>) -> Result<Workl
                 return Err(bad(format!("{name} {value} is above the limit of {MAX_TOKENS} tokens")));
             }
         }
+        if row.input_length == 0 {
+            return Err(bad("input_length 0: a request's prompt has at least 1 token".into()));
+        }
         let bs = match (row.block_size, size) {
             (Some(0), _) => return Err(bad("block_size is 0".into())),
+            (Some(b), _) if b > MAX_BLOCK_SIZE => {
+                return Err(bad(format!(
+                    "block_size {b} is above the limit of {MAX_BLOCK_SIZE} tokens"
+                )))
+            }
             (Some(b), Some((first, first_line))) if b != first => {
                 return Err(bad(format!("block_size {b} differs from {first} on line {first_line}")))
             }
@@ -123,7 +153,7 @@ pub fn read_trace(reader: impl BufRead, block_size: Option<u32>) -> Result<Workl
         if bs == 0 {
             return Err(bad("the block size is 0".into()));
         }
-        let input = row.input_length.max(1);
+        let input = row.input_length;
         let blocks = input.div_ceil(bs) as usize;
         if row.hash_ids.len() != blocks {
             return Err(bad(format!(
@@ -131,19 +161,20 @@ pub fn read_trace(reader: impl BufRead, block_size: Option<u32>) -> Result<Workl
                 row.hash_ids.len()
             )));
         }
-        requests.push(SimRequest {
+        any = true;
+        kept.push(SimRequest {
             arrival_ms: row.timestamp,
             input_tokens: input,
             output_tokens: row.output_length.max(1),
             hash_ids: row.hash_ids,
             output_hash_ids: row.output_hash_ids,
             session: row.session,
-        });
+        })?;
     }
-    if requests.is_empty() {
-        return Err(TraceError::Empty);
+    let mut requests = kept.into_sorted();
+    if !any || requests.is_empty() {
+        return Err(TraceError::Empty.into());
     }
-    requests.sort_by(|a, b| a.arrival_ms.total_cmp(&b.arrival_ms));
     let t0 = if size.is_some() { 0.0 } else { requests[0].arrival_ms };
     for r in &mut requests {
         r.arrival_ms -= t0;
@@ -201,6 +232,30 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert!(matches!(read_trace("".as_bytes(), Some(16)), Err(TraceError::Empty)));
+    }
+
+    #[test]
+    fn reading_keeps_the_earliest_requests_and_stops_at_the_memory_limit() {
+        let text: String = [50, 10, 40, 10, 30, 20]
+            .iter()
+            .enumerate()
+            .map(|(i, t)| {
+                format!("{{\"timestamp\": {t}, \"input_length\": 16, \"output_length\": {i}, \"hash_ids\": [{i}]}}\n")
+            })
+            .collect();
+        let mut all = read_trace(text.as_bytes(), Some(16)).unwrap();
+        let some = read_trace_within(text.as_bytes(), Some(16), Some(3), &MemoryLimit::none()).unwrap();
+        all.requests.truncate(3);
+        assert_eq!(some, all, "the 3 earliest, ties in file order");
+        assert_eq!(
+            some.requests.iter().map(|r| r.hash_ids[0]).collect::<Vec<_>>(),
+            [1, 3, 5]
+        );
+        let e = read_trace_within(text.as_bytes(), Some(16), None, &MemoryLimit::cli(100)).unwrap_err();
+        assert!(
+            matches!(&e, SimError::OverMemory { requests: 1, need, .. } if need.starts_with("at least")),
+            "{e}"
+        );
     }
 
     #[test]

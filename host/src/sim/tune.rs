@@ -30,7 +30,7 @@
 //! ```
 
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Mutex;
+use std::sync::{Mutex, PoisonError};
 
 use super::compare::{run_policy_within, PolicyChoice};
 use super::dist::WorkloadRng;
@@ -182,15 +182,18 @@ pub struct Trial {
 /// order; the second half's arrivals are shifted to start at 0 (its caches
 /// start empty, as a fresh fleet's do).
 pub fn split_in_time(workload: &Workload) -> (Workload, Workload) {
+    split_in_time_owned(workload.clone())
+}
+
+/// [`split_in_time`], taking the workload (its requests are moved, not
+/// copied).
+pub fn split_in_time_owned(mut workload: Workload) -> (Workload, Workload) {
     let half = workload.requests.len() / 2;
-    let first = Workload {
-        block_size: workload.block_size,
-        requests: workload.requests[..half].to_vec(),
-    };
     let mut second = Workload {
         block_size: workload.block_size,
-        requests: workload.requests[half..].to_vec(),
+        requests: workload.requests.split_off(half),
     };
+    let first = workload;
     let t0 = second.requests.first().map_or(0.0, |r| r.arrival_ms);
     for r in &mut second.requests {
         r.arrival_ms -= t0;
@@ -199,20 +202,49 @@ pub fn split_in_time(workload: &Workload) -> (Workload, Workload) {
 }
 
 /// `n` candidates from `seed`: the default weights first, then draws over
-/// `space`.
+/// `space` ([`Candidates`], collected).
 pub fn candidates(space: &TuneSpace, n: usize, seed: u64) -> Vec<KvWeights> {
-    let mut rng = WorkloadRng::new(seed ^ 0x7E57_7E57);
-    let log_uniform =
-        |(lo, hi): (f64, f64), rng: &mut WorkloadRng| (lo.ln() + rng.unit_f64() * (hi.ln() - lo.ln())).exp();
-    let mut out = vec![KvWeights::default()];
-    while out.len() < n {
-        let w = KvWeights {
-            overlap_score_credit: log_uniform(space.overlap_score_credit, &mut rng),
-            prefill_load_scale: log_uniform(space.prefill_load_scale, &mut rng),
+    Candidates::new(space, seed).take(n.max(1)).collect()
+}
+
+/// The candidates of `seed`, drawn one at a time: the default weights
+/// first, then draws over the space, without end. A search takes as many
+/// as it simulates, so memory does not grow with the number of trials.
+#[derive(Clone, Debug)]
+pub struct Candidates {
+    space: TuneSpace,
+    rng: WorkloadRng,
+    first: bool,
+}
+
+impl Candidates {
+    /// The candidates of `seed` over `space`.
+    pub fn new(space: &TuneSpace, seed: u64) -> Self {
+        Candidates {
+            space: *space,
+            rng: WorkloadRng::new(seed ^ 0x7E57_7E57),
+            first: true,
+        }
+    }
+}
+
+impl Iterator for Candidates {
+    type Item = KvWeights;
+
+    fn next(&mut self) -> Option<KvWeights> {
+        if std::mem::take(&mut self.first) {
+            return Some(KvWeights::default());
+        }
+        let (space, rng) = (&self.space, &mut self.rng);
+        let log_uniform =
+            |(lo, hi): (f64, f64), rng: &mut WorkloadRng| (lo.ln() + rng.unit_f64() * (hi.ln() - lo.ln())).exp();
+        Some(KvWeights {
+            overlap_score_credit: log_uniform(space.overlap_score_credit, rng),
+            prefill_load_scale: log_uniform(space.prefill_load_scale, rng),
             decode_active_request_weight: if rng.unit_f64() < 0.5 {
                 0.0
             } else {
-                log_uniform(space.decode_active_request_weight, &mut rng)
+                log_uniform(space.decode_active_request_weight, rng)
             },
             router_temperature: if rng.unit_f64() < 0.5 {
                 0.0
@@ -223,22 +255,19 @@ pub fn candidates(space: &TuneSpace, n: usize, seed: u64) -> Vec<KvWeights> {
             switch_margin: if rng.unit_f64() < 1.0 / 3.0 {
                 0.0
             } else {
-                log_uniform(space.switch_margin, &mut rng)
+                log_uniform(space.switch_margin, rng)
             },
             switch_margin_relative: if rng.unit_f64() < 1.0 / 3.0 {
                 0.0
             } else {
-                log_uniform(space.switch_margin_relative, &mut rng)
+                log_uniform(space.switch_margin_relative, rng)
             },
             max_dwell: {
                 let (lo, hi) = space.max_dwell;
-                log_uniform((f64::from(lo.max(1)), f64::from(hi.max(lo).max(1))), &mut rng).round() as u32
+                log_uniform((f64::from(lo.max(1)), f64::from(hi.max(lo).max(1))), rng).round() as u32
             },
-        };
-        out.push(w);
+        })
     }
-    out.truncate(n.max(1));
-    out
 }
 
 /// The score of `report` against the default weights' `baseline` on the
@@ -256,9 +285,18 @@ pub fn score(report: &PolicyReport, baseline: &PolicyReport) -> f64 {
     }
 }
 
-/// Simulates `trials` candidates ([`candidates`] of `seed`) on `workload`
-/// over `threads` threads; returns them best first. `progress` gets the
-/// number of candidates done.
+/// The trials [`tune`] returns: the best this many (and the defaults'
+/// trial when it is not among them).
+pub const KEPT_TRIALS: usize = 16;
+
+/// Simulates `trials` candidates ([`Candidates`] of `seed`) on `workload`
+/// over `threads` threads; returns the best [`KEPT_TRIALS`] of them, best
+/// first (ties in candidate order), and the defaults' trial after them when
+/// it is not among them. `progress` gets the number of candidates done.
+///
+/// The defaults run first (every score is against them); the other
+/// candidates are drawn as threads take them and dropped once scored, so
+/// memory does not grow with `trials`. The first error stops the search.
 #[allow(clippy::too_many_arguments)]
 pub fn tune(
     registry: &WorkerSelectionPolicyRegistry,
@@ -270,52 +308,96 @@ pub fn tune(
     threads: usize,
     progress: &(dyn Fn(usize) + Sync),
 ) -> Result<Vec<Trial>, SimError> {
-    let weights = candidates(space, trials, seed);
     let bounds = HitBounds::of(workload, fleet);
-    let next = AtomicUsize::new(0);
-    let done = AtomicUsize::new(0);
-    let results: Mutex<Vec<Option<Result<PolicyReport, SimError>>>> =
-        Mutex::new((0..weights.len()).map(|_| None).collect());
+    let run = |w: &KvWeights| {
+        run_policy_within(
+            registry,
+            &w.choice("candidate"),
+            workload,
+            fleet,
+            &bounds,
+            seed,
+            &mut |_| {},
+        )
+        .map(|r| {
+            let mut report = r.report;
+            report.ttft_sorted_ms = Vec::new();
+            report
+        })
+    };
+    let mut drawn = Candidates::new(space, seed);
+    let defaults = drawn.next().unwrap_or_default();
+    let baseline = run(&defaults)?;
+    progress(1);
+    let default_trial = Trial {
+        score: score(&baseline, &baseline),
+        is_default: true,
+        weights: defaults,
+        report: baseline.clone(),
+    };
+    // (candidate index, trial), best first; the next index to draw.
+    let best = Mutex::new(vec![(0usize, default_trial.clone())]);
+    let source = Mutex::new((drawn, 1usize));
+    let failed: Mutex<Option<SimError>> = Mutex::new(None);
+    let done = AtomicUsize::new(1);
     std::thread::scope(|scope| {
-        for _ in 0..threads.clamp(1, weights.len()) {
+        for _ in 0..threads.clamp(1, trials.saturating_sub(1).max(1)) {
             scope.spawn(|| loop {
-                let i = next.fetch_add(1, Ordering::Relaxed);
-                let Some(w) = weights.get(i) else { break };
-                let run = run_policy_within(
-                    registry,
-                    &w.choice("candidate"),
-                    workload,
-                    fleet,
-                    &bounds,
-                    seed,
-                    &mut |_| {},
-                )
-                .map(|r| r.report);
-                results.lock().unwrap_or_else(std::sync::PoisonError::into_inner)[i] = Some(run);
+                if failed.lock().unwrap_or_else(PoisonError::into_inner).is_some() {
+                    break;
+                }
+                let (i, weights) = {
+                    let mut s = source.lock().unwrap_or_else(PoisonError::into_inner);
+                    if s.1 >= trials {
+                        break;
+                    }
+                    let i = s.1;
+                    s.1 += 1;
+                    match s.0.next() {
+                        Some(w) => (i, w),
+                        None => break,
+                    }
+                };
+                match run(&weights) {
+                    Ok(report) => {
+                        let trial = Trial {
+                            score: score(&report, &baseline),
+                            is_default: false,
+                            weights,
+                            report,
+                        };
+                        keep_best(&mut best.lock().unwrap_or_else(PoisonError::into_inner), i, trial);
+                    }
+                    Err(e) => {
+                        failed.lock().unwrap_or_else(PoisonError::into_inner).get_or_insert(e);
+                        break;
+                    }
+                }
                 progress(done.fetch_add(1, Ordering::Relaxed) + 1);
             });
         }
     });
-    let reports = results
-        .into_inner()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-        .into_iter()
-        .map(|r| r.expect("every candidate ran"))
-        .collect::<Result<Vec<_>, _>>()?;
-    let baseline = reports[0].clone();
-    let mut trials: Vec<Trial> = weights
-        .into_iter()
-        .zip(reports)
-        .enumerate()
-        .map(|(i, (weights, report))| Trial {
-            score: score(&report, &baseline),
-            is_default: i == 0,
-            weights,
-            report,
-        })
-        .collect();
-    trials.sort_by(|a, b| a.score.total_cmp(&b.score));
+    if let Some(e) = failed.into_inner().unwrap_or_else(PoisonError::into_inner) {
+        return Err(e);
+    }
+    let best = best.into_inner().unwrap_or_else(PoisonError::into_inner);
+    let has_default = best.iter().any(|(i, _)| *i == 0);
+    let mut trials: Vec<Trial> = best.into_iter().map(|(_, t)| t).collect();
+    if !has_default {
+        trials.push(default_trial);
+    }
     Ok(trials)
+}
+
+/// Adds candidate `i`'s `trial` to `best` (sorted by score, then index) if
+/// it is among the [`KEPT_TRIALS`] best, keeping the defaults' trial
+/// (index 0) until it falls out of them.
+fn keep_best(best: &mut Vec<(usize, Trial)>, i: usize, trial: Trial) {
+    let at = best.partition_point(|(j, t)| t.score.total_cmp(&trial.score).then(j.cmp(&i)).is_lt());
+    if at < KEPT_TRIALS {
+        best.insert(at, (i, trial));
+        best.truncate(KEPT_TRIALS);
+    }
 }
 
 #[cfg(test)]

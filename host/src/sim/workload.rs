@@ -10,6 +10,8 @@
 use serde::{Deserialize, Serialize};
 
 use super::dist::{exponential, LengthDist, WorkloadRng, Zipf};
+use super::memory::{request_bytes, MemoryLimit};
+use super::SimError;
 
 /// One request of a workload.
 #[derive(Clone, Debug, PartialEq)]
@@ -170,8 +172,27 @@ impl WorkloadSpec {
     /// Generates the workload; the same spec and seed give the same
     /// requests. Check the spec first ([`validate`](Self::validate)): a
     /// spec outside the [`limits`](super::limits) may allocate without
-    /// bound.
+    /// bound, and one inside them may still need more memory than the
+    /// machine has (see [`generate_within`](Self::generate_within)).
     pub fn generate(&self, seed: u64) -> Workload {
+        match self.generate_within(seed, &MemoryLimit::none()) {
+            Ok(w) => w,
+            Err(e) => unreachable!("no memory limit, yet: {e}"),
+        }
+    }
+
+    /// [`generate`](Self::generate), refused with [`SimError::OverMemory`]
+    /// as soon as the requests kept pass `limit` (see [`super::memory`]).
+    /// Only the `requests` earliest requests are ever kept while
+    /// generating.
+    pub fn generate_within(&self, seed: u64, limit: &MemoryLimit) -> Result<Workload, SimError> {
+        self.generate_keeping(seed, limit, self.requests)
+    }
+
+    /// The generator, keeping the `keep` earliest requests (the tests keep
+    /// them all and truncate, to check that keeping only `requests` while
+    /// generating changes nothing).
+    fn generate_keeping(&self, seed: u64, limit: &MemoryLimit, keep: usize) -> Result<Workload, SimError> {
         let mut rng = WorkloadRng::new(seed);
         let bs = self.block_size.max(1);
         let prompts: Vec<Vec<u64>> = (0..self.system_prompts.max(1))
@@ -204,8 +225,14 @@ impl WorkloadSpec {
             .into_iter()
             .map(|t| t - warmup_ms)
             .collect();
-        let mut requests = Vec::with_capacity(self.requests + 16);
+        let mut kept = Earliest::new(keep, 0.0, limit);
         for (c, &start) in starts.iter().enumerate() {
+            // Conversations start in order, and their turns after their
+            // start: once the earliest `requests` are all before this one,
+            // no later conversation has a request to keep.
+            if kept.full_before(start) {
+                break;
+            }
             let conv = (c as u64) << 20 | 0xC0;
             let is_session = rng.unit_f64() < self.session_fraction;
             let turns = if is_session {
@@ -235,31 +262,142 @@ impl WorkloadSpec {
                 } else {
                     Vec::new()
                 };
-                requests.push(SimRequest {
+                kept.push(SimRequest {
                     arrival_ms: t,
                     input_tokens: input,
                     output_tokens: output,
                     hash_ids,
                     output_hash_ids,
                     session: is_session.then_some(c as u64),
-                });
+                })?;
                 history = after;
                 t += exponential(&mut rng, self.think_time_ms);
             }
         }
-        requests.retain(|r| r.arrival_ms >= 0.0);
-        requests.sort_by(|a, b| a.arrival_ms.total_cmp(&b.arrival_ms));
-        requests.truncate(self.requests);
-        Workload {
+        Ok(Workload {
             block_size: bs,
-            requests,
+            requests: kept.into_sorted(),
+        })
+    }
+}
+
+/// A request kept while generating, ordered by arrival, then by when it
+/// was generated (so the order is that of a stable sort by arrival).
+struct Kept {
+    seq: u64,
+    request: SimRequest,
+}
+
+impl Kept {
+    fn key(&self) -> (f64, u64) {
+        (self.request.arrival_ms, self.seq)
+    }
+}
+
+impl PartialEq for Kept {
+    fn eq(&self, other: &Self) -> bool {
+        self.cmp(other) == std::cmp::Ordering::Equal
+    }
+}
+impl Eq for Kept {}
+impl PartialOrd for Kept {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+impl Ord for Kept {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        let ((a, i), (b, j)) = (self.key(), other.key());
+        a.total_cmp(&b).then(i.cmp(&j))
+    }
+}
+
+/// The `n` earliest requests at or after time `from` of those pushed, in a
+/// max-heap (the latest on top, dropped when one more arrives), with the
+/// bytes they hold counted against a memory limit.
+pub(crate) struct Earliest<'a> {
+    n: usize,
+    from: f64,
+    heap: std::collections::BinaryHeap<Kept>,
+    seq: u64,
+    bytes: u64,
+    limit: &'a MemoryLimit,
+}
+
+impl<'a> Earliest<'a> {
+    pub(crate) fn new(n: usize, from: f64, limit: &'a MemoryLimit) -> Self {
+        Earliest {
+            n,
+            from,
+            heap: std::collections::BinaryHeap::new(),
+            seq: 0,
+            bytes: 0,
+            limit,
         }
+    }
+
+    /// Whether `n` requests are kept and all arrive before `t`.
+    pub(crate) fn full_before(&self, t: f64) -> bool {
+        self.heap.len() >= self.n && self.heap.peek().is_some_and(|k| k.request.arrival_ms < t)
+    }
+
+    /// Keeps `request` if it is among the `n` earliest so far.
+    pub(crate) fn push(&mut self, request: SimRequest) -> Result<(), SimError> {
+        if request.arrival_ms < self.from || self.n == 0 {
+            return Ok(());
+        }
+        self.seq += 1;
+        self.bytes += request_bytes(&request);
+        self.heap.push(Kept { seq: self.seq, request });
+        if self.heap.len() > self.n {
+            if let Some(latest) = self.heap.pop() {
+                self.bytes -= request_bytes(&latest.request);
+            }
+        }
+        // A run of `n` requests; of those read so far when `n` is open.
+        let requests = if self.n == usize::MAX { self.heap.len() } else { self.n };
+        self.limit.check(requests, self.bytes, true)
+    }
+
+    pub(crate) fn into_sorted(self) -> Vec<SimRequest> {
+        self.heap.into_sorted_vec().into_iter().map(|k| k.request).collect()
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn keeping_the_earliest_while_generating_gives_the_whole_workload_truncated() {
+        for (rate, sessions) in [(100.0, 0.5), (1e6, 0.9), (5.0, 0.0)] {
+            let spec = WorkloadSpec {
+                arrivals: Arrivals::Poisson { rate_per_s: rate },
+                session_fraction: sessions,
+                ..spec()
+            };
+            let kept = spec.generate(11);
+            let mut all = spec.generate_keeping(11, &MemoryLimit::none(), usize::MAX).unwrap();
+            assert!(all.requests.len() >= kept.requests.len(), "rate {rate}");
+            all.requests.truncate(spec.requests);
+            assert_eq!(kept, all, "rate {rate}");
+        }
+    }
+
+    #[test]
+    fn generating_stops_at_the_memory_limit() {
+        let limit = MemoryLimit::cli(64 << 10);
+        match spec().generate_within(3, &limit) {
+            Err(SimError::OverMemory {
+                field, requests, need, ..
+            }) => {
+                assert_eq!((field.as_str(), requests), ("--requests", 2_000));
+                assert!(need.starts_with("at least 64."), "{need}");
+            }
+            other => panic!("{:?}", other.map(|w| w.requests.len())),
+        }
+        assert!(spec().generate_within(3, &MemoryLimit::cli(64 << 20)).is_ok());
+    }
 
     fn spec() -> WorkloadSpec {
         WorkloadSpec {

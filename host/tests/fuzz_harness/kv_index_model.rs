@@ -3,15 +3,19 @@
 //!
 //! Random sequences of engine KV events (stores under held, unknown or
 //! self-naming parents, removals with unknown blocks, clears, in all three
-//! tiers, with event ids that skip or repeat), fleet changes (workers
-//! joining and leaving the service, `remove_worker` on the index) and
-//! queries, applied to a plain [`KvIndex`] and to a [`shared`] one (whose
-//! copies have their block table reserved for 24 blocks, 32 slots, which
-//! inputs holding more blocks fill and grow past), against a plain model:
-//! every event's outcome (applied, or which error) equals the model's, and
-//! every query's device / host / disk overlap of every row equals the
-//! model's for the rank on that row (0 on rows of no rank), on both
-//! indexes.
+//! tiers; a block stored under either of two engine hashes (aliases of one
+//! sequence hash), stored again while held (a copy more) and removed
+//! several times in one event; event ids that skip, repeat, start again
+//! at 0 or jump out of belief), fleet changes (workers joining and leaving
+//! the service, also leaving and coming back between two syncs;
+//! `remove_worker` on the index) and queries, applied to a plain
+//! [`KvIndex`] and to a [`shared`] one (whose copies have their block table
+//! reserved for 24 blocks, 32 slots, which inputs holding more blocks fill
+//! and grow past), against a plain model: every event's outcome (applied,
+//! or which error) equals the model's, and every query's device / host /
+//! disk overlap of every row equals the model's for the rank on that row
+//! (0 on rows of no rank), on both indexes. The indexes sync with the
+//! ranks' tenures (`rank_row`).
 
 use std::collections::HashMap;
 
@@ -45,6 +49,8 @@ pub enum Op {
         len: u8,
         parent: Option<u8>,
         self_parent: bool,
+        /// The blocks under their second engine hash.
+        alias: bool,
     },
     Remove {
         worker: u8,
@@ -55,6 +61,10 @@ pub enum Op {
         from: u8,
         len: u8,
         unknown: bool,
+        /// The blocks under their second engine hash.
+        alias: bool,
+        /// The first hash named this many more times.
+        repeat: u8,
     },
     Clear {
         worker: u8,
@@ -66,6 +76,11 @@ pub enum Op {
         worker: u8,
     },
     Leave {
+        worker: u8,
+    },
+    /// The worker leaves the service and joins it again (between two
+    /// syncs, unless a query came in between).
+    Rejoin {
         worker: u8,
     },
     Forget {
@@ -104,9 +119,10 @@ fn local(prompt: u8, block: u8) -> u64 {
     0x1000 + u64::from(owner) * 0x100 + u64::from(block)
 }
 
-/// The engine hash of a block: a function of its sequence hash.
-fn engine(seq: u64) -> u64 {
-    seq.rotate_left(17) ^ 0xa5a5
+/// The engine hash of a block: a function of its sequence hash, and of
+/// `alias` (an engine that keys blocks by more than the router hashes).
+fn engine(seq: u64, alias: bool) -> u64 {
+    seq.rotate_left(17) ^ if alias { 0x5a5a_0000 } else { 0xa5a5 }
 }
 
 fn sequence(prompt: u8, upto: u8) -> Vec<u64> {
@@ -119,15 +135,37 @@ fn sequence(prompt: u8, upto: u8) -> Vec<u64> {
 #[derive(Default)]
 struct RankModel {
     last: Option<u64>,
+    /// Placed on a row (at the last sync), and under which tenure.
     placed: bool,
-    /// Engine hash -> (sequence hash, tiers).
-    held: HashMap<u64, (u64, u8)>,
+    tenure: Option<u64>,
+    /// Its worker left after this incarnation began.
+    departed: bool,
+    /// The sync count when this incarnation began.
+    began: u64,
+    /// Engine hash -> (sequence hash, copies per tier).
+    held: HashMap<u64, (u64, [u32; 3])>,
+}
+
+impl RankModel {
+    fn restart(&mut self, syncs: u64) {
+        self.held.clear();
+        self.last = None;
+        self.departed = false;
+        self.began = syncs;
+    }
 }
 
 #[derive(Default)]
 struct Model {
     ranks: HashMap<WorkerWithDpRank, RankModel>,
     in_fleet: [bool; WORKERS as usize],
+    /// Each worker's tenure in the service (new at every join).
+    tenure: [u64; WORKERS as usize],
+    syncs: u64,
+}
+
+fn tier_index(t: StorageTier) -> usize {
+    bit(t).trailing_zeros() as usize
 }
 
 impl Model {
@@ -139,37 +177,43 @@ impl Model {
         t: StorageTier,
         data: &KvEventData<'_>,
     ) -> Result<(), &'static str> {
-        let state = self.ranks.entry(rank).or_default();
+        let syncs = self.syncs;
+        let state = self.ranks.entry(rank).or_insert_with(|| RankModel {
+            began: syncs,
+            ..RankModel::default()
+        });
         let mut gap = false;
-        if let Some(last) = state.last {
-            if id <= last {
-                return Err("stale_event");
-            }
-            gap = id != last + 1;
+        match state.last {
+            None => state.began = syncs,
+            Some(_) if id == 0 => state.restart(syncs),
+            Some(last) if id > last && id - last > MAX_EVENT_ID_JUMP => return Err("event_id_jump"),
+            Some(last) if id < last && last - id > MAX_EVENT_ID_JUMP => state.restart(syncs),
+            Some(last) if id <= last => return Err("stale_event"),
+            Some(last) => gap = id != last + 1,
         }
         state.last = Some(id);
         if gap {
             state.held.clear();
         }
-        let b = bit(t);
+        let k = tier_index(t);
         let outcome = match *data {
             KvEventData::Stored { parent, blocks } => {
                 if parent.is_some_and(|p| blocks.iter().any(|x| x.block_hash == p)) {
                     Err("self_parent")
                 } else {
-                    let need = if t == StorageTier::Device { 1 } else { 7 };
-                    match parent.map(|p| state.held.get(&p).filter(|h| h.1 & need != 0).map(|h| h.0)) {
+                    // A parent held in any tier.
+                    match parent.map(|p| state.held.get(&p).map(|h| h.0)) {
                         Some(None) => Err("unknown_parent"),
                         chain => {
                             let mut chain = chain.flatten();
                             for x in blocks {
                                 let seq = chain.map_or(x.tokens_hash, |p| next_sequence_hash(p, x.tokens_hash));
                                 chain = Some(seq);
-                                let e = state.held.entry(x.block_hash).or_insert((seq, 0));
+                                let e = state.held.entry(x.block_hash).or_insert((seq, [0; 3]));
                                 if e.0 != seq {
-                                    *e = (seq, 0);
+                                    *e = (seq, [0; 3]);
                                 }
-                                e.1 |= b;
+                                e.1[k] += 1;
                             }
                             Ok(())
                         }
@@ -180,9 +224,9 @@ impl Model {
                 let mut ok = true;
                 for h in blocks {
                     match state.held.get_mut(h) {
-                        Some(e) if e.1 & b != 0 => {
-                            e.1 &= !b;
-                            if e.1 == 0 {
+                        Some(e) if e.1[k] > 0 => {
+                            e.1[k] -= 1;
+                            if e.1 == [0; 3] {
                                 state.held.remove(h);
                             }
                         }
@@ -197,8 +241,8 @@ impl Model {
             }
             KvEventData::Cleared => {
                 state.held.retain(|_, e| {
-                    e.1 &= !b;
-                    e.1 != 0
+                    e.1[k] = 0;
+                    e.1 != [0; 3]
                 });
                 Ok(())
             }
@@ -210,33 +254,95 @@ impl Model {
         }
     }
 
-    /// A sync: ranks in the fleet are placed, placed ranks outside it are dropped.
-    fn sync(&mut self) {
-        let in_fleet = self.in_fleet;
-        self.ranks.retain(|rank, state| {
-            if in_fleet[rank.worker_id as usize] {
-                state.placed = true;
-                true
-            } else {
-                !state.placed
+    /// The worker left (`remove_worker`): its ranks drop their blocks and
+    /// are marked departed. Returns how many were not already.
+    fn forget(&mut self, worker: u64) -> usize {
+        let mut dropped = 0;
+        for (_, state) in self.ranks.iter_mut().filter(|(r, _)| r.worker_id == worker) {
+            state.placed = false;
+            state.tenure = None;
+            if !state.departed {
+                state.departed = true;
+                state.held.clear();
+                dropped += 1;
             }
-        });
+        }
+        dropped
+    }
+
+    /// A sync: a placed rank whose worker left drops its blocks (departed);
+    /// one that left and came back (a new tenure) starts a new incarnation
+    /// unless its current one began since the last sync; a rank that gets
+    /// a row starts a new incarnation if it is departed.
+    fn sync(&mut self) {
+        self.syncs += 1;
+        let syncs = self.syncs;
+        for (rank, state) in &mut self.ranks {
+            let w = rank.worker_id as usize;
+            let answer = self.in_fleet[w].then_some(self.tenure[w]);
+            match (state.placed, answer) {
+                (true, None) => {
+                    state.placed = false;
+                    state.tenure = None;
+                    if !state.departed {
+                        state.departed = true;
+                        state.held.clear();
+                    }
+                }
+                (true, Some(t)) => {
+                    if state.tenure != Some(t) {
+                        if state.began + 1 < syncs {
+                            state.restart(syncs);
+                        }
+                        state.tenure = Some(t);
+                    }
+                }
+                (false, Some(t)) => {
+                    if state.departed {
+                        state.restart(syncs);
+                    }
+                    state.placed = true;
+                    state.tenure = Some(t);
+                }
+                (false, None) => {}
+            }
+        }
     }
 
     fn overlap(&self, rank: WorkerWithDpRank, seqs: &[u64]) -> (u32, u32, u32) {
-        let Some(state) = self.ranks.get(&rank) else {
+        let Some(state) = self.ranks.get(&rank).filter(|s| s.placed) else {
             return (0, 0, 0);
         };
-        let holds = |s: u64, b: u8| state.held.values().any(|&(q, t)| q == s && t & b != 0);
+        let holds = |s: u64, k: usize| state.held.values().any(|&(q, c)| q == s && c[k] > 0);
         let mut i = 0;
-        let mut run = |b: u8| {
+        let mut run = |k: usize| {
             let start = i;
-            while i < seqs.len() && holds(seqs[i], b) {
+            while i < seqs.len() && holds(seqs[i], k) {
                 i += 1;
             }
             (i - start) as u32
         };
-        (run(1), run(2), run(4))
+        (run(0), run(1), run(2))
+    }
+}
+
+/// Worker `w` joins the service (if out of it), with a new tenure.
+fn join(service: &WorkerSelectionService, model: &mut Model, tenures: &mut u64, w: u8) {
+    if !model.in_fleet[usize::from(w)] {
+        service
+            .add_worker(WorkerRecord::new(u64::from(w)).with_dp(0, 2))
+            .expect("a new worker");
+        *tenures += 1;
+        model.in_fleet[usize::from(w)] = true;
+        model.tenure[usize::from(w)] = *tenures;
+    }
+}
+
+/// Worker `w` leaves the service (if in it).
+fn leave(service: &WorkerSelectionService, model: &mut Model, w: u8) {
+    if model.in_fleet[usize::from(w)] {
+        service.remove_worker(u64::from(w)).expect("a known worker");
+        model.in_fleet[usize::from(w)] = false;
     }
 }
 
@@ -253,18 +359,31 @@ pub fn check(input: &Input) {
     let (mut writer, reader) = shared_with(|| KvIndex::new(16).with_block_capacity(RESERVED_BLOCKS));
     let mut model = Model::default();
     let mut ids: HashMap<WorkerWithDpRank, u64> = HashMap::new();
+    let mut tenures = 0;
     let (mut out, mut shared_out) = (KvOverlaps::new(), KvOverlaps::new());
     for op in input.ops.iter().take(400) {
         let event_rank = |worker: u8, rank: u8| WorkerWithDpRank::new(u64::from(worker % WORKERS), u32::from(rank % 2));
         let mut next_id = |rank: WorkerWithDpRank, step: u8| {
             let id = ids.entry(rank).or_insert(0);
-            // Mostly the next id; sometimes a repeat (0) or a skip.
-            *id = match step % 8 {
-                0 => *id,
-                1 => *id + 2 + u64::from(step / 8),
-                _ => *id + 1,
-            };
-            *id
+            // Mostly the next id; sometimes a repeat, a skip, a new
+            // incarnation (0), or an id too far ahead to believe (sent
+            // once; the engine's ids go on from before).
+            match step % 16 {
+                0 | 8 => *id,
+                1 | 9 => {
+                    *id += 2 + u64::from(step / 16);
+                    *id
+                }
+                15 if step > 128 => {
+                    *id = 0;
+                    0
+                }
+                14 if step > 128 => *id + MAX_EVENT_ID_JUMP + 1 + u64::from(step),
+                _ => {
+                    *id += 1;
+                    *id
+                }
+            }
         };
         match *op {
             Op::Store {
@@ -277,6 +396,7 @@ pub fn check(input: &Input) {
                 len,
                 parent,
                 self_parent,
+                alias,
             } => {
                 let (rank, t, prompt) = (event_rank(worker, rank), tier(t), prompt % PROMPTS);
                 let from = from % BLOCKS;
@@ -284,7 +404,7 @@ pub fn check(input: &Input) {
                 let seqs = sequence(prompt, to);
                 let mut blocks: Vec<StoredBlock> = (from..to)
                     .map(|b| StoredBlock {
-                        block_hash: engine(seqs[usize::from(b)]),
+                        block_hash: engine(seqs[usize::from(b)], alias),
                         tokens_hash: local(prompt, b),
                     })
                     .collect();
@@ -293,9 +413,9 @@ pub fn check(input: &Input) {
                     Some(other) => {
                         let p = other % PROMPTS;
                         let b = other % BLOCKS;
-                        Some(engine(sequence(p, b + 1)[usize::from(b)]))
+                        Some(engine(sequence(p, b + 1)[usize::from(b)], other % 2 == 1))
                     }
-                    None => (from > 0).then(|| engine(seqs[usize::from(from) - 1])),
+                    None => (from > 0).then(|| engine(seqs[usize::from(from) - 1], alias)),
                 };
                 if self_parent {
                     if let Some(p) = parent {
@@ -324,12 +444,17 @@ pub fn check(input: &Input) {
                 from,
                 len,
                 unknown,
+                alias,
+                repeat,
             } => {
                 let (rank, t, prompt) = (event_rank(worker, rank), tier(t), prompt % PROMPTS);
                 let from = from % BLOCKS;
                 let to = (from + 1 + len % 4).min(BLOCKS);
                 let seqs = sequence(prompt, to);
-                let mut hashes: Vec<u64> = (from..to).map(|b| engine(seqs[usize::from(b)])).collect();
+                let mut hashes: Vec<u64> = (from..to).map(|b| engine(seqs[usize::from(b)], alias)).collect();
+                for _ in 0..repeat % 3 {
+                    hashes.push(hashes[0]);
+                }
                 if unknown {
                     hashes.push(0xbeef);
                 }
@@ -353,27 +478,15 @@ pub fn check(input: &Input) {
                 assert_eq!(label(&plain.apply(&event)), expected, "{event:?}");
                 assert_eq!(label(&writer.apply(&event)), expected, "{event:?} (shared)");
             }
-            Op::Join { worker } => {
-                let w = worker % WORKERS;
-                if !model.in_fleet[usize::from(w)] {
-                    service
-                        .add_worker(WorkerRecord::new(u64::from(w)).with_dp(0, 2))
-                        .expect("a new worker");
-                    model.in_fleet[usize::from(w)] = true;
-                }
-            }
-            Op::Leave { worker } => {
-                let w = worker % WORKERS;
-                if model.in_fleet[usize::from(w)] {
-                    service.remove_worker(u64::from(w)).expect("a known worker");
-                    model.in_fleet[usize::from(w)] = false;
-                }
+            Op::Join { worker } => join(&service, &mut model, &mut tenures, worker % WORKERS),
+            Op::Leave { worker } => leave(&service, &mut model, worker % WORKERS),
+            Op::Rejoin { worker } => {
+                leave(&service, &mut model, worker % WORKERS);
+                join(&service, &mut model, &mut tenures, worker % WORKERS);
             }
             Op::Forget { worker } => {
                 let w = u64::from(worker % WORKERS);
-                let dropped = model.ranks.keys().filter(|r| r.worker_id == w).count();
-                model.ranks.retain(|r, _| r.worker_id != w);
-                ids.retain(|r, _| r.worker_id != w);
+                let dropped = model.forget(w);
                 assert_eq!(plain.remove_worker(w), dropped);
                 assert_eq!(writer.remove_worker(w), dropped);
             }
@@ -389,8 +502,8 @@ pub fn check(input: &Input) {
                 let mut seqs = Vec::new();
                 sequence_hashes_of(&locals, &mut seqs);
                 let layout = service.row_layout();
-                plain.sync_rows(layout, |r| service.row_of(r));
-                writer.sync_rows(layout, |r| service.row_of(r));
+                plain.sync_rows(layout, |r| service.rank_row(r));
+                writer.sync_rows(layout, |r| service.rank_row(r));
                 writer.publish();
                 model.sync();
                 let got = plain.overlaps_for_local_hashes(&locals, &mut out).expect("synced");

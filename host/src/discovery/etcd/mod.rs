@@ -207,9 +207,9 @@ pub(crate) struct WatchState {
     version: u64,
     /// The good records, by key.
     workers: BTreeMap<String, WorkerRecord>,
-    /// Keys whose latest value was refused, with why; each is reported by
-    /// one `poll` and withdrawn if the key gets a good value or is deleted
-    /// first.
+    /// Keys whose latest value was refused, with why; each is taken by
+    /// one `take_refused` and withdrawn if the key gets a good value or is
+    /// deleted first. At most one per key under the prefix.
     refused: BTreeMap<String, DiscoveryError>,
     /// Why the watch is down, while it is.
     outage: Option<String>,
@@ -229,7 +229,7 @@ impl WatchState {
                 }
             }
             Err(e) => {
-                tracing::warn!(key, error = %e, "etcd worker record refused; the key keeps its last good record");
+                tracing::debug!(key, error = %e, "etcd worker record refused; the key keeps its last good record");
                 self.refused.insert(key.to_owned(), e);
             }
         }
@@ -285,11 +285,14 @@ impl WatchState {
 /// [`WorkerRecord::validate`] refuses, or a key that is not the prefix
 /// followed by the record's `worker_id`) is refused on its own: its key
 /// keeps its last good record (or stays absent if it had none), every
-/// other worker is served as before, and one `poll` reports it as
+/// other change is delivered by the same `poll` as if the key were not
+/// there, and [`take_refused`](Discovery::take_refused) reports it once as
 /// [`DiscoveryError::EtcdRecordParse`], [`DiscoveryError::EtcdRecordInvalid`]
-/// or [`DiscoveryError::EtcdKeyMismatch`], naming the key. A good value at
-/// that key (or its deletion) takes effect as usual, and withdraws the
-/// report if no `poll` has made it yet.
+/// or [`DiscoveryError::EtcdKeyMismatch`], naming the key (all refused keys
+/// at once, however many). A good value at that key (or its deletion)
+/// takes effect as usual, and withdraws the report if it was not taken
+/// yet. A key rewritten with bad values, however often, so never holds
+/// back a change to another key.
 ///
 /// ```no_run
 /// # // no_run: needs a running etcd.
@@ -387,15 +390,13 @@ fn unavailable(endpoints: &str, message: String) -> DiscoveryError {
 }
 
 impl Discovery for EtcdDiscovery {
-    /// In order: a refused record not yet reported (one per call), the
-    /// workers if they changed since the last snapshot delivered, the
-    /// outage if the watch is down, else `None`.
+    /// In order: the good records if they changed since the last snapshot
+    /// delivered, the outage if the watch is down, else `None`. Refused
+    /// records never fail a poll: [`take_refused`](Discovery::take_refused)
+    /// hands them out.
     fn poll(&mut self) -> Result<Option<Vec<WorkerRecord>>, DiscoveryError> {
         let thread_ended = self.thread.as_ref().is_none_or(JoinHandle::is_finished);
-        let mut s = self.shared.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some((_, e)) = s.refused.pop_first() {
-            return Err(e);
-        }
+        let s = self.shared.lock().unwrap_or_else(PoisonError::into_inner);
         if self.seen != Some(s.version) {
             self.seen = Some(s.version);
             return Ok(Some(s.workers.values().cloned().collect()));
@@ -407,6 +408,13 @@ impl Discovery for EtcdDiscovery {
             Some(message) => Err(unavailable(&self.endpoints, message.clone())),
             None => Ok(None),
         }
+    }
+
+    /// Every key whose latest value is refused and not yet reported, in
+    /// key order, each once (a key rewritten with bad values is reported
+    /// once per call that finds a new bad value there).
+    fn take_refused(&mut self) -> Vec<DiscoveryError> {
+        std::mem::take(&mut self.lock().refused).into_values().collect()
     }
 
     fn snapshot_refused(&mut self, _: &DiscoveryError) {
@@ -490,6 +498,57 @@ mod tests {
             s.version, v,
             "the same value again, or deleting an absent key, is no change"
         );
+    }
+
+    /// A source over `state` with no watch thread (`poll` reports it
+    /// stopped once nothing is left to deliver).
+    fn source(state: WatchState) -> EtcdDiscovery {
+        EtcdDiscovery {
+            shared: Arc::new(Mutex::new(state)),
+            seen: None,
+            endpoints: "test".into(),
+            stop: None,
+            thread: None,
+        }
+    }
+
+    #[test]
+    fn a_poll_delivers_the_good_records_whatever_is_refused() {
+        let mut s = state();
+        s.put("/w/1", &json(&WorkerRecord::new(1)));
+        for k in 0..1_000 {
+            s.put(&format!("/w/{}", 1_000 + k), b"{");
+        }
+        let mut source = source(s);
+        assert_eq!(source.poll().unwrap(), Some(vec![WorkerRecord::new(1)]));
+        let refused = source.take_refused();
+        assert_eq!(refused.len(), 1_000);
+        assert!(refused
+            .iter()
+            .zip(1_000..)
+            .all(|(e, k)| matches!(e, DiscoveryError::EtcdRecordParse { key, .. } if *key == format!("/w/{k}"))));
+        assert!(source.take_refused().is_empty(), "each refusal is taken once");
+
+        // A key rewritten with bad values between every two polls, next to
+        // good changes: every poll delivers the change, every take reports
+        // the key once.
+        for round in 2..50 {
+            {
+                let mut s = source.lock();
+                s.put("/w/999", format!("{{\"worker_id\": 999, \"n\": {round}").as_bytes());
+                s.put(&format!("/w/{round}"), &json(&WorkerRecord::new(round)));
+                s.delete(&format!("/w/{}", round - 1));
+            }
+            let got = source.poll().unwrap().expect("a change to deliver");
+            assert_eq!(got.iter().map(|r| r.worker_id).collect::<Vec<_>>(), [round]);
+            let refused = source.take_refused();
+            assert!(
+                matches!(&refused[..], [DiscoveryError::EtcdRecordParse { key, .. }] if key == "/w/999"),
+                "{refused:?}"
+            );
+        }
+        // Nothing left: the stopped thread is reported.
+        assert!(matches!(source.poll(), Err(DiscoveryError::EtcdUnavailable { .. })));
     }
 
     #[test]

@@ -5,54 +5,26 @@
 
 use crate::kernels::keyed::*;
 use crate::simd::{Backend, Portable};
-use core::mem::offset_of;
+use crate::worker::{WorkerOverlap, WorkerWithDpRank};
 use proptest::prelude::*;
 use std::vec;
 use std::vec::Vec;
 
-/// An entry laid out as the host's worker-keyed overlap is: the id and rank
-/// first (with padding after the rank), then the tiers.
-#[derive(Clone, Copy, Debug)]
-struct Entry {
-    id: u64,
-    rank: u32,
-    device: u32,
-    host: u32,
-    disk: u32,
-    shared: u32,
-    tokens: u32,
-}
+/// The entries are the kernel's own [`WorkerOverlap`] (the host's
+/// worker-keyed overlap: the id and rank first, with padding after the
+/// rank, then the tiers), so these tests, and Miri's run of them, cover its
+/// `KeyedOverlap` implementation.
+type Entry = WorkerOverlap;
 
-// SAFETY: every offset is that of the field its accessor returns, and every
-// field is an integer.
-unsafe impl KeyedOverlap for Entry {
-    const WORKER_ID_AT: usize = offset_of!(Entry, id);
-    const DP_RANK_AT: usize = offset_of!(Entry, rank);
-    const DEVICE_BLOCKS_AT: usize = offset_of!(Entry, device);
-    const HOST_BLOCKS_AT: usize = offset_of!(Entry, host);
-    const DISK_BLOCKS_AT: usize = offset_of!(Entry, disk);
-    const SHARED_BLOCKS_AT: usize = offset_of!(Entry, shared);
-    const CACHED_TOKENS_AT: usize = offset_of!(Entry, tokens);
-    fn worker_id(&self) -> u64 {
-        self.id
-    }
-    fn dp_rank(&self) -> u32 {
-        self.rank
-    }
-    fn device_blocks(&self) -> u32 {
-        self.device
-    }
-    fn host_blocks(&self) -> u32 {
-        self.host
-    }
-    fn disk_blocks(&self) -> u32 {
-        self.disk
-    }
-    fn shared_blocks(&self) -> u32 {
-        self.shared
-    }
-    fn cached_tokens(&self) -> u32 {
-        self.tokens
+/// An entry of worker `id`'s rank `rank`.
+fn entry(id: u64, rank: u32, device: u32, host: u32, disk: u32, shared: u32, tokens: u32) -> Entry {
+    WorkerOverlap {
+        worker: WorkerWithDpRank::new(id, rank),
+        device_blocks: device,
+        host_blocks: host,
+        disk_blocks: disk,
+        shared_blocks: shared,
+        cached_tokens: tokens,
     }
 }
 
@@ -93,15 +65,7 @@ fn case() -> impl Strategy<Value = Case> {
         ];
         let tier = prop_oneof![40 => Just(0u32), 10 => value(big)];
         let entry = (key, value(big), tier.clone(), tier.clone(), tier, value(big)).prop_map(
-            |((id, rank), device, host, disk, shared, tokens)| Entry {
-                id,
-                rank,
-                device,
-                host,
-                disk,
-                shared,
-                tokens,
-            },
+            |((id, rank), device, host, disk, shared, tokens)| entry(id, rank, device, host, disk, shared, tokens),
         );
         let probed = prop::collection::vec(((0..workers as u64 + 2, 0..ranks + 2), row), 0..8);
         (table, probed, prop::collection::vec(entry, n)).prop_map(move |(table, probed, entries)| Case {
@@ -177,15 +141,7 @@ proptest! {
 fn scatter_keyed_by_hand() {
     // Worker w (rank 0) on row 23 - w; rank 1 not kept.
     let table: Vec<u32> = (0..24u32).flat_map(|w| [23 - w, DenseRows::EMPTY]).collect();
-    let entry = |id: u64, rank: u32, device: u32| Entry {
-        id,
-        rank,
-        device,
-        host: 0,
-        disk: u32::from(id == 3),
-        shared: 0,
-        tokens: device * 16,
-    };
+    let entry = |id: u64, rank: u32, device: u32| entry(id, rank, device, 0, u32::from(id == 3), 0, device * 16);
     let mut entries: Vec<Entry> = (0..16).map(|w| entry(w, 0, w as u32 + 100)).collect();
     entries[9] = entry(0, 0, 7); // row 23 again: the later entry wins
     entries.extend((16..24).map(|w| entry(w, 0, 1)));
