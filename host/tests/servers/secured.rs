@@ -243,7 +243,7 @@ pub fn etcd_binary(test: &str) -> Option<PathBuf> {
 
 /// Starts `bin` on free loopback ports, serving clients over `scheme`
 /// (`http` or `https`) with the extra flags `args` (TLS files), and waits
-/// until its client port accepts connections. Returns the server and its
+/// until it serves client requests. Returns the server and its
 /// client endpoint.
 pub fn start_etcd(bin: &Path, dir: &TestDir, scheme: &str, args: &[&str]) -> (OwnServer, String) {
     let port = super::free_port();
@@ -265,5 +265,25 @@ pub fn start_etcd(bin: &Path, dir: &TestDir, scheme: &str, args: &[&str]) -> (Ow
         .spawn()
         .unwrap_or_else(|e| panic!("cannot start {}: {e}", bin.display()));
     wait_for_port(port, &mut child, "the test's etcd", &log);
+    // etcd opens its client port before it has a leader; a request then is
+    // reset. It says when it serves.
+    let start = Instant::now();
+    while !std::fs::read_to_string(&log)
+        .unwrap_or_default()
+        .contains("ready to serve client requests")
+    {
+        if let Ok(Some(status)) = child.try_wait() {
+            panic!(
+                "the test's etcd exited ({status}): {}",
+                std::fs::read_to_string(&log).unwrap_or_default()
+            );
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "the test's etcd does not serve client requests: {}",
+            std::fs::read_to_string(&log).unwrap_or_default()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
     (OwnServer { child, port }, client)
 }
