@@ -1,5 +1,5 @@
 //! Concurrent select + book + release throughput against one shared
-//! `WorkerSelectionService`, on 1 and 2 threads, and their ratio (SPEC §6:
+//! `WorkerSelectionService`, on 1 and 2 threads, and their ratio (target:
 //! 2 threads ≥ 1.6× the 1-thread throughput, nothing lost).
 //!
 //! ```text
@@ -16,7 +16,7 @@
 //! `selkie_benches::host_fixture`.
 //!
 //! It also counts heap allocations (a counting global allocator) over
-//! [`ALLOC_PROBE`] selections on a warm thread, per case (SPEC §6: none on
+//! [`ALLOC_PROBE`] selections on a warm thread, per case (target: none on
 //! the selection path).
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::process::ExitCode;
@@ -31,7 +31,7 @@ const WORKERS: [usize; 2] = [1_024, 10_000];
 const ROUNDS: usize = 7;
 /// Target wall time of one run.
 const RUN: Duration = Duration::from_millis(150);
-/// SPEC §6: minimum 2-thread / 1-thread throughput ratio.
+/// Target: minimum 2-thread / 1-thread throughput ratio.
 const TARGET_RATIO: f64 = 1.6;
 
 /// Selections whose allocations are counted, per case.

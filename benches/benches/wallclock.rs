@@ -10,7 +10,7 @@
 //! Timings on a shared machine are noisy, so after criterion's own output
 //! the bench prints a summary read back from criterion's estimates of this
 //! run: each case's median, its time per worker, and its ratio to `random`
-//! at the same worker count (SPEC §6 targets are ratios within one run).
+//! at the same worker count (the targets are ratios within one run).
 //! Short by design: 1 s warm-up, 2 s measurement, 20 samples per case.
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime};

@@ -1,5 +1,5 @@
 //! Kernel inputs for the instruction-count benches: Dynamo's
-//! `worker_selection` fixture (SPEC §6) as a real kernel [`Fleet`] holding
+//! `worker_selection` fixture as a real kernel [`Fleet`] holding
 //! the load as [`Booking`]s, the same numbers as plain slices, and the
 //! per-request columns (overlap, costs, cache hits, CPU rows).
 //!

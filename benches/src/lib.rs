@@ -3,7 +3,7 @@
 //! side-by-side comparison with Dynamo. Building inputs happens here, outside
 //! every measured region.
 
-/// Dynamo's `worker_selection` fixture values for worker `id` (SPEC §6):
+/// Dynamo's `worker_selection` fixture values for worker `id`:
 /// cached tokens, active prefill tokens, active decode blocks, active requests.
 pub fn dynamo_fixture_worker(id: u32) -> (u32, u32, u32, u32) {
     ((id % 32) * 64, id * 16, id % 127, id % 17)

@@ -1,8 +1,8 @@
 //! Parity of selkie's default KV selection with dynamo-kv-router 1.6.1's
 //! `DefaultWorkerSelector` on Dynamo's `worker_selection` fixture and on
-//! seeded random fleets (SPEC §4), without the timing: every worker's cost
+//! seeded random fleets, without the timing: every worker's cost
 //! within 1e-6 relative, every temperature-0 pick at Dynamo's minimum cost,
-//! and every temperature-0.7 sampler matching SPEC §4's softmax over
+//! and every temperature-0.7 sampler matching Dynamo's softmax over
 //! Dynamo's costs, for selkie's kernel path (fleet and slices) and its
 //! public service.
 //!

@@ -1,7 +1,7 @@
 //! The host's error types, one enum per concern.
 //!
 //! * [`SelectionError`]: why one request got no worker. Every variant is a
-//!   distinct, matchable case (SPEC §3): no endpoints, every eligible worker
+//!   distinct, matchable case: no endpoints, every eligible worker
 //!   overloaded, every eligible worker removed by the policy's filters, a pin
 //!   that is not allowed, overloaded or absent, a data-parallel rank that does
 //!   not exist, and a broken plugin.
@@ -226,7 +226,7 @@ impl PluginKind {
     }
 }
 
-/// A policy broke the contract of SPEC §3, or reported its own failure.
+/// A policy broke the selection contract, or reported its own failure.
 ///
 /// Each is an error for the one request; the service keeps serving.
 #[derive(Debug, Error, Clone, PartialEq)]

@@ -322,7 +322,7 @@ impl KvRankInputs<'_> {
     }
 }
 
-/// Per-request overrides of the KV cost weights (SPEC §4); `None` keeps the
+/// Per-request overrides of the KV cost weights; `None` keeps the
 /// policy's value.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct KvCostOverrides {

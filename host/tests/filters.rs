@@ -1,4 +1,4 @@
-//! Hard filters and the distinct errors of SPEC §3.
+//! Hard filters and the distinct selection errors.
 
 use selkie::*;
 

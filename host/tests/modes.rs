@@ -1,5 +1,5 @@
-//! The built-in modes of SPEC §5, data-parallel aggregation, and the KV
-//! policy against values worked out from SPEC §4.
+//! The built-in modes, data-parallel aggregation, and the KV
+//! policy against values worked out from the KV cost formula.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -258,7 +258,7 @@ fn direct_routes_only_to_the_named_worker() {
     );
 }
 
-// ---- KV parity with SPEC §4 -------------------------------------------
+// ---- KV parity with the formula -------------------------------------------
 
 struct Row {
     active_prefill: f64,
@@ -271,7 +271,7 @@ struct Row {
     taint_sum: f64,
 }
 
-/// SPEC §4, written out in f64 as the spec states it.
+/// The KV cost formula, written out in f64.
 #[allow(clippy::too_many_arguments)]
 fn spec_cost(
     c: &KvRouterConfig,
@@ -416,7 +416,7 @@ fn kv_policy_matches_spec_section_4_on_a_dp_fleet_with_taints_and_tiers() {
             assert_eq!(gw, ew);
             assert!(
                 (g - e).abs() <= 1e-6 * e.abs().max(1.0),
-                "{role:?} {gw}: got {g}, SPEC says {e}"
+                "{role:?} {gw}: got {g}, the formula says {e}"
             );
         }
         let best = expected.iter().map(|e| e.1).fold(f64::INFINITY, f64::min);

@@ -1,5 +1,5 @@
 //! The default selection path allocates nothing once a thread is warm
-//! (SPEC §6): a counting global allocator watches this test's thread.
+//!: a counting global allocator watches this test's thread.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;

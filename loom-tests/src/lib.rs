@@ -1,4 +1,4 @@
-//! Loom models of the fleet's atomic protocols (SPEC section 7): booking
+//! Loom models of the fleet's atomic protocols : booking
 //! against an admission limit, release, slot reuse with generations,
 //! retarget (by row, and onto a slot that is replaced meanwhile), the
 //! round-robin cursor, select-and-book racing a removal, retiring a row

@@ -1,5 +1,5 @@
 //! selkie against dynamo-kv-router 1.6.1, on Dynamo's own `worker_selection`
-//! bench fixture (SPEC §6) and on seeded random fleets: the fleet states
+//! bench fixture and on seeded random fleets: the fleet states
 //! ([`Scenario`]), the drivers (Dynamo's [`DynamoFixture`], selkie's kernel
 //! path [`SelkieFixture`] and its public service [`ServiceFixture`]), the
 //! [`parity`] check that runs before any timing, and the [`report`] tables.

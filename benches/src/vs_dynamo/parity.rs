@@ -1,6 +1,6 @@
 //! The parity check the side-by-side benchmark runs before it times
 //! anything, on every [`Scenario`] it times (Dynamo's fixture and the random
-//! fleets), and that `tests/dynamo_parity.rs` runs on its own (SPEC §4):
+//! fleets), and that `tests/dynamo_parity.rs` runs on its own:
 //!
 //! 1. every worker's selkie cost equals Dynamo's exact `f64` cost within
 //!    [`REL_TOLERANCE`] relative;
@@ -8,7 +8,7 @@
 //!    Dynamo's minimum cost (and the cost Dynamo logs for its choice is that
 //!    minimum);
 //! 3. at temperature 0.7, both samplers match the softmax distribution that
-//!    SPEC §4 defines over Dynamo's costs: over `samples` picks each, the mean
+//!    Dynamo's sampler defines over its costs: over `samples` picks each, the mean
 //!    Dynamo cost of the picked workers is within [`SIGMAS`] standard errors
 //!    of its exact expectation.
 //!
@@ -23,7 +23,7 @@ use std::fmt;
 
 use super::{Case, Drivers, DynamoFixture, LoadSource, Scenario, SelkieFixture, ServiceFixture};
 
-/// Largest accepted `|selkie - dynamo| / |dynamo|` per worker (SPEC §4).
+/// Largest accepted `|selkie - dynamo| / |dynamo|` per worker.
 pub const REL_TOLERANCE: f64 = 1e-6;
 /// How many standard errors a sampler's mean cost may stray from the exact
 /// expectation (a false alarm is a 1-in-10^8 event).
@@ -59,7 +59,7 @@ pub struct ParityReport {
 pub struct SamplingReport {
     /// Picks per sampler.
     pub samples: usize,
-    /// Exact expected Dynamo cost of a pick under SPEC §4's softmax.
+    /// Exact expected Dynamo cost of a pick under Dynamo's softmax.
     pub expected: f64,
     /// Standard error of a mean over `samples` picks.
     pub standard_error: f64,

@@ -1,7 +1,7 @@
 //! The side-by-side bench's tables: Markdown pipe tables with padded
 //! columns, so a run's output reads well in a terminal and pastes into
 //! BENCHMARKS.md as is. The bench measures; this module only formats, and
-//! judges each row against the targets (SPEC §6).
+//! judges each row against the targets in BENCHMARKS.md.
 //!
 //! Column names say which selkie path a figure belongs to: "public API" is
 //! one select + book + release through `selkie::WorkerSelectionService`;
@@ -12,7 +12,7 @@ use std::fmt::Write as _;
 
 use super::Case;
 
-/// Targets (SPEC §6), for 1,024 workers and more: (temperature, minimum
+/// Targets (BENCHMARKS.md), for 1,024 workers and more: (temperature, minimum
 /// speed-up over Dynamo's `DefaultWorkerSelector`, maximum ns per worker).
 pub const TARGETS: [(f32, f64, f64); 2] = [(0.0, 50.0, 0.5), (0.7, 30.0, 1.0)];
 /// Smallest fleet the targets apply to.

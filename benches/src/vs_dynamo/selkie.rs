@@ -16,8 +16,8 @@
 //! [`ServiceFixture`](super::ServiceFixture).
 //!
 //! A hit names its worker by fleet row: selkie's host translates worker ids
-//! to rows once, when it records the cache index, not per request (SPEC §2:
-//! "per request, the caller supplies overlap columns").
+//! to rows once, when it records the cache index, not per request (per request,
+//! the caller supplies overlap columns).
 //!
 //! This module must not know about Dynamo.
 

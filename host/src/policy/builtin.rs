@@ -1,4 +1,4 @@
-//! The built-in load modes (SPEC §5) on the kernel's kernels: random,
+//! The built-in load modes on the kernel's kernels: random,
 //! round-robin, least-loaded, power-of-two, device-aware weighted, direct.
 //!
 //! With data-parallel workers, least-loaded and power-of-two first choose a
@@ -277,7 +277,7 @@ pub(crate) fn direct(env: &Env<'_>, _s: &mut Scratch, rng: &mut Rng) -> Result<C
     Ok(finish(env, choice(row, load_of(env, row), Branch::Direct, n)))
 }
 
-/// Device-aware weighted (SPEC §5) on the kernel's `device_aware`: a row
+/// Device-aware weighted on the kernel's `device_aware`: a row
 /// with the required cache hits if any (least-loaded among them); else CPU
 /// rows while the CPU group's total load is below
 /// `accel_total * cpu_count / (ratio * accel_count)`, else accelerator rows;

@@ -1,6 +1,6 @@
 //! Custom policies: run the filters, scorers and picker of a
 //! [`WorkerSelectionPolicy`](super::WorkerSelectionPolicy) and enforce the
-//! contract of SPEC §3.
+//! selection contract, step by step:
 //!
 //! 1. Materialise one [`CandidateData`] per eligible row, computing only the
 //!    union of the declared input groups.

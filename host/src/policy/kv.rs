@@ -1,4 +1,4 @@
-//! The default KV policy (SPEC §4) on the kernel's `kv_cost` and `pick`.
+//! The default KV policy on the kernel's `kv_cost` and `pick`.
 //!
 //! The host's part: scatter the request's sparse overlaps into per-row
 //! columns, compute the preferred-taint multipliers (only when the request

@@ -3,7 +3,7 @@
 //!
 //! * `builtin`: random, round-robin, least-loaded, power-of-two,
 //!   device-aware weighted and direct, on the kernel's SIMD kernels.
-//! * `kv`: the default KV cost policy (SPEC §4) on the kernel's `kv_cost`
+//! * `kv`: the default KV cost policy on the kernel's `kv_cost`
 //!   and `pick`.
 //! * `plugins`: built-in scorers and pickers (the KV cost's terms, argmin,
 //!   softmax, power-of-two) on the public plugin traits.
@@ -50,7 +50,7 @@ pub use registry::{
     WorkerSelectionPolicyRegistry, BUILTIN_ALIASES, BUILTIN_POLICIES,
 };
 
-/// The KV policy's configuration (SPEC §4), with Dynamo's names and defaults.
+/// The KV policy's configuration, with Dynamo's names and defaults.
 ///
 /// ```
 /// let c = selkie::KvRouterConfig::default();
@@ -195,7 +195,7 @@ impl KvRouterConfig {
     }
 }
 
-/// Parameters of the device-aware weighted policy (SPEC §5): the kernel's
+/// Parameters of the device-aware weighted policy: the kernel's
 /// type, so a policy's configuration is what the kernel reads.
 pub use selkie_kernel::kernels::device_aware::DeviceAwareConfig;
 
@@ -408,7 +408,7 @@ impl WorkerSelectionPolicy {
         }
     }
 
-    /// The default KV cost policy (SPEC §4), with the switching margin of
+    /// The default KV cost policy, with the switching margin of
     /// `config` if it has one.
     pub fn kv(config: KvRouterConfig, worker_type: WorkerType) -> Self {
         let dwell = if config.has_switch_margin() {

@@ -7,7 +7,7 @@
 //! non-string payloads), write NaN / ±inf / ±f64::MAX / tiny / -0 costs,
 //! leave rows unwritten, pick out-of-range rows. Each plugin logs what it saw
 //! and did; [`predict`] replays the log against a plain model of the
-//! service's contract (SPEC §3: filters per candidate in order, scorers
+//! service's contract (filters per candidate in order, scorers
 //! summed with finiteness checked per contribution and running total, the
 //! picker's row checked against the table, bounded booking rescans) and of
 //! the fleet (which ranks are live, which have room), and the service's

@@ -1,4 +1,4 @@
-//! Device-aware weighted selection (SPEC section 5, parity with Dynamo's
+//! Device-aware weighted selection (parity with Dynamo's
 //! `device-aware-weighted` router mode in `dynamo-runtime` 1.6.1): rows are
 //! CPU or accelerator workers, each with a count of cache hits for the
 //! request, and CPU workers take a share of the load proportional to their
@@ -42,7 +42,7 @@ use crate::mask::{contains, group_bits, nth};
 use crate::simd::{dispatch, Simd, U32Lanes};
 use crate::Rng;
 
-/// The parameters of the device-aware weighted policy (SPEC §5): the
+/// The parameters of the device-aware weighted policy: the
 /// kernel's input and, with the `serde` feature, the host policy's
 /// configuration (`device-aware-weighted` parameters).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -21,7 +21,7 @@
 //!
 //! * round-robin: Dynamo's candidate index is `cursor % candidate_count`,
 //!   where the cursor is a 64-bit counter that `select` advances with a
-//!   `fetch_add` and a preview only loads. SPEC section 2 words this as "the
+//!   `fetch_add` and a preview only loads. The design states this as "the
 //!   next eligible row at or after the cursor"; selkie follows Dynamo: the
 //!   ticket counts selections, not rows, so over any `n` consecutive tickets
 //!   each of the `n` eligible rows is chosen once even when the eligible set is

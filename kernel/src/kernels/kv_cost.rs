@@ -1,4 +1,4 @@
-//! The default KV cost (SPEC section 4, parity with `dynamo-kv-router`
+//! The default KV cost (parity with `dynamo-kv-router`
 //! 1.6.1's default worker selector): one cost per eligible row, lower is
 //! better, written into a caller-provided column for the pick.
 //!
@@ -25,7 +25,7 @@
 //! the two are equal for integers, and the former rounds once instead of
 //! twice. `max(0, x)` maps NaN to 0, as Dynamo's `f64::max(x, 0.0)` does.
 //!
-//! # Details that follow Dynamo rather than SPEC's shorthand
+//! # Details that follow Dynamo rather than the formula's shorthand
 //!
 //! * A row without a load observation (`load_available` clear) reads *all*
 //!   its load signals as 0, as Dynamo's defaulted `WorkerLoadProjection` does:
@@ -62,7 +62,7 @@
 //! rounding of Dynamo's `f64` configuration weights, overlap estimates and
 //! taint multiplier. When the credit does not cancel most of the prefill
 //! blocks (`M <= 0.8 |cost|`, e.g. no cache hit, or a hit smaller than the
-//! load) this is within SPEC's 1e-6 relative; under heavy cancellation the
+//! load) this is within the 1e-6 relative bound of the parity tests; under heavy cancellation the
 //! relative error of the small difference can be larger, but the absolute
 //! error stays below `1.2e-6 * M`, which is what decides orderings between
 //! rows. The bound assumes every intermediate is below `f32::MAX` (costs up to

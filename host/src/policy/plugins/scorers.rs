@@ -2,7 +2,7 @@
 //! [`DecodeScorer`], [`CacheCreditScorer`] and [`PreferredTaintScorer`].
 //!
 //! With the default weights, `prefill + decode + cache-credit` inside
-//! `preferred-taints` is the default KV policy's cost (SPEC §4) for the
+//! `preferred-taints` is the default KV policy's cost for the
 //! same candidates, with one difference: Dynamo clamps the prefill blocks
 //! net of the credit at 0 (`max(0, prefill_blocks - credit)`), and a sum of
 //! separate terms cannot. The two agree whenever the credit does not exceed

@@ -1,4 +1,4 @@
-//! The KV cost in `f64`, straight from SPEC section 4 as Dynamo computes it,
+//! The KV cost in `f64`, straight from the formula as Dynamo computes it,
 //! and the bound the `f32` kernels keep to it (see the parent module's
 //! precision notes). For parity tests and investigations, never the hot path.
 //!
@@ -39,7 +39,7 @@ impl KvCostF64 {
     }
 }
 
-/// SPEC section 4's formula evaluated directly in `f64`, as Dynamo does:
+/// The KV cost formula evaluated directly in `f64`, as Dynamo does:
 /// integer token and block arithmetic, then `f64` (the configuration and
 /// overlap values are the `f32` inputs, widened exactly). For the parity
 /// tests and for checking [`kv_cost`](super::kv_cost) against Dynamo's numbers; not fast.

@@ -1,6 +1,6 @@
 //! The KV cost: SIMD against the scalar reference (bit for bit), both against
 //! the `f64` formula (within the documented bound), and hand-worked costs for
-//! every term and special case of SPEC section 4.
+//! every term and special case of the KV cost formula.
 
 use super::{load_value, mask, rows, same_f32, Shifting};
 use crate::kernels::kv_cost::*;
