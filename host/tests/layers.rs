@@ -6,7 +6,7 @@
 //! `kv_index` (engine KV events to per-row overlaps, beside it);
 //! `discovery` and `replica` (booking sync between router replicas,
 //! beside it); `filter` and `plugin`; `policy`; `service`; and on top
-//! `config`, `sim` and the crate root. This test reads every file under
+//! `config`, `sim`, `router` and the crate root. This test reads every file under
 //! `src/` (but `src/bin/`, which uses the public API) and reports each
 //! `crate::<module>` path, in code rather than comments, that points up.
 
@@ -25,7 +25,7 @@ fn layer(module: &str) -> Option<u8> {
         "filter" | "plugin" => 3,
         "policy" => 4,
         "service" => 5,
-        "config" | "sim" | "lib" => 6,
+        "config" | "sim" | "router" | "lib" => 6,
         _ => return None,
     })
 }
