@@ -36,8 +36,12 @@ pids+=($!)
   --max-connections 512 --max-concurrent-requests 512 >"$dir/router.log" 2>&1 &
 router=$!
 pids+=("$router")
-healthy() { python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$p3/health', timeout=1)" 2>/dev/null; }
-for _ in $(seq 100); do healthy && break; sleep 0.1; done
+# Up, and the engines' models read (the router reads each engine's
+# /v1/models after it starts listening).
+healthy() { python3 -c "import json, sys, urllib.request
+urllib.request.urlopen('http://127.0.0.1:$p3/health', timeout=1)
+sys.exit(not json.load(urllib.request.urlopen('http://127.0.0.1:$p3/v1/models', timeout=1))['data'])" 2>/dev/null; }
+for _ in $(seq 200); do healthy && break; sleep 0.1; done
 healthy || { echo "selkie serve did not come up"; cat "$dir/router.log" "$dir/engines.log"; exit 1; }
 "$venv/bin/python" host/tests/e2e/openai_e2e.py "http://127.0.0.1:$p3" || { cat "$dir/router.log"; exit 1; }
 unhashed=$(python3 -c "
