@@ -223,6 +223,11 @@ impl KvIndexWriter {
         self.copies.read_own(|index| index.stats())
     }
 
+    /// [`KvIndex::held_blocks`] of the writer's copy.
+    pub fn held_blocks(&self) -> usize {
+        self.copies.read_own(KvIndex::held_blocks)
+    }
+
     /// Makes everything applied so far visible to queries. Waits for the
     /// queries still reading the previous copy, then replays the
     /// operations onto it, so both copies are equal again.

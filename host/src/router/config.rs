@@ -295,6 +295,13 @@ pub struct ServeConfig {
     pub seed: Option<u64>,
     /// The bounds.
     pub limits: Limits,
+    /// Engines' KV event endpoints (`--kv-events`): with any, cache
+    /// overlaps come from the engines' events (see
+    /// [`kv_events`](super::kv_events)).
+    pub kv_events: Vec<super::kv_events::KvEventsSpec>,
+    /// How blocks are keyed to meet the engines' (`--kv-hash`, default
+    /// `tokens`).
+    pub kv_hash: super::kv_events::KvHashing,
 }
 
 impl Default for ServeConfig {
@@ -317,6 +324,8 @@ impl Default for ServeConfig {
             threads: None,
             seed: None,
             limits: Limits::default(),
+            kv_events: Vec::new(),
+            kv_hash: super::kv_events::KvHashing::default(),
         }
     }
 }

@@ -140,6 +140,11 @@ pub struct Metrics {
 }
 
 impl Metrics {
+    /// The registry, to register more metrics before serving.
+    pub fn registry_mut(&mut self) -> &mut Registry {
+        &mut self.registry
+    }
+
     /// The metrics of a router running `policy` under `limits`.
     pub fn new(policy: &'static str, limits: &Limits) -> Self {
         let mut r = Registry::default();

@@ -16,7 +16,8 @@
 //! * [`route`](RouterCore): the [`SelectionRequest`](crate::SelectionRequest) the policy needs, the
 //!   selection and booking, the retry on the next choice;
 //! * [`overlaps`](OverlapSource): where cache overlaps come from (the
-//!   router's own decisions, [`LearnedOverlaps`]);
+//!   router's own decisions, [`LearnedOverlaps`], or the engines' KV
+//!   events, [`kv_events`]);
 //! * [`lifecycle`](Lifecycle): the booking follows the response;
 //! * `upstream`: pooled connections to the workers, timeouts;
 //! * [`metrics`](Metrics): what `/metrics` shows;
@@ -38,6 +39,7 @@
 mod config;
 mod error;
 mod http;
+pub mod kv_events;
 mod lifecycle;
 mod metrics;
 mod overlaps;
@@ -106,6 +108,7 @@ pub struct Server {
     serving: tokio::task::JoinHandle<()>,
     models: tokio::task::JoinHandle<()>,
     poller: Option<DiscoveryPoller>,
+    kv_events: Option<kv_events::KvEventTasks>,
 }
 
 impl Server {
@@ -125,13 +128,16 @@ impl Server {
             .as_deref()
             .map(ChatTemplate::from_file)
             .transpose()?;
-        let prompts = PromptHasher::new(
+        let mut prompts = PromptHasher::new(
             config.block_size,
             tokenizer,
             template,
             config.limits.max_prompt_tokens,
             config.limits.max_tokenize_bytes,
         );
+        if let kv_events::KvHashing::EngineSha256Cbor { seed } = &config.kv_hash {
+            prompts = prompts.with_engine_chain(kv_events::Sha256CborChain::new(config.block_size, seed.as_deref()));
+        }
         let service = Arc::new(WorkerSelectionService::new(
             policy,
             ServiceConfig {
@@ -140,7 +146,12 @@ impl Server {
                 ..ServiceConfig::default()
             },
         ));
-        let metrics = Arc::new(Metrics::new(service.policy().name(), &config.limits));
+        let mut metrics = Metrics::new(service.policy().name(), &config.limits);
+        let kv_metrics = kv_events::KvEventMetrics::default();
+        if !config.kv_events.is_empty() {
+            kv_metrics.register(metrics.registry_mut());
+        }
+        let metrics = Arc::new(metrics);
         let table = Arc::new(WorkerTable::new());
         #[allow(unused_mut)]
         let mut source = ServeSource::new(
@@ -167,14 +178,29 @@ impl Server {
         } else {
             None
         };
-        let core = Arc::new(RouterCore::new(
-            service,
-            table,
+        let mut core = RouterCore::new(
+            service.clone(),
+            table.clone(),
             prompts,
             metrics,
             config.index_ttl,
             config.limits.max_index_blocks,
-        ));
+        );
+        let kv_events = if config.kv_events.is_empty() {
+            None
+        } else {
+            let (ingester, overlaps) = kv_events::EventIngester::new(
+                config.block_size,
+                config.kv_hash.clone(),
+                config.limits.max_index_blocks,
+                service,
+                table,
+                kv_metrics.clone(),
+            );
+            core = core.with_overlaps(Box::new(overlaps));
+            Some(kv_events::start(&config.kv_events, ingester, kv_metrics).await?)
+        };
+        let core = Arc::new(core);
         let listener = tokio::net::TcpListener::bind(config.listen)
             .await
             .map_err(|source| ServeError::Bind {
@@ -205,6 +231,7 @@ impl Server {
             serving,
             models,
             poller,
+            kv_events,
         })
     }
 
@@ -226,6 +253,9 @@ impl Server {
         }
         let _ = (&mut self.serving).await;
         self.models.abort();
+        if let Some(k) = self.kv_events.take() {
+            k.stop();
+        }
         if let Some(p) = self.poller.take() {
             p.stop();
         }

@@ -127,6 +127,9 @@ pub struct PromptHasher {
     tokenizer: Option<Tokenizer>,
     template: Option<ChatTemplate>,
     hasher: KvBlockHasher,
+    /// Blocks keyed by the engine's own hash chain instead (`--kv-hash
+    /// engine-sha256-cbor`).
+    engine_chain: Option<super::kv_events::Sha256CborChain>,
     max_prompt_tokens: usize,
     max_tokenize_bytes: usize,
 }
@@ -158,9 +161,17 @@ impl PromptHasher {
             tokenizer,
             template,
             hasher: KvBlockHasher::new(block_size),
+            engine_chain: None,
             max_prompt_tokens,
             max_tokenize_bytes,
         }
+    }
+
+    /// Keys blocks by the engine's `sha256_cbor` chain (their `local`
+    /// hashes are the engine's 64-bit block hashes).
+    pub fn with_engine_chain(mut self, chain: super::kv_events::Sha256CborChain) -> Self {
+        self.engine_chain = Some(chain);
+        self
     }
 
     /// Loads a tokenizer file.
@@ -238,7 +249,10 @@ impl PromptHasher {
             tokens: tokens.len(),
             ..PromptBlocks::default()
         };
-        self.hasher.local_hashes(tokens, &mut out.local);
+        match &self.engine_chain {
+            Some(chain) => chain.block_hashes(tokens, &mut out.local),
+            None => self.hasher.local_hashes(tokens, &mut out.local),
+        }
         sequence_hashes_of(&out.local, &mut out.sequence);
         out
     }

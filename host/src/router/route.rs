@@ -116,6 +116,15 @@ impl RouterCore {
         }
     }
 
+    /// Takes cache overlaps from `source` (when the policy reads them)
+    /// instead of the router's own decisions.
+    pub fn with_overlaps(mut self, source: Box<dyn OverlapSource>) -> Self {
+        if self.reads.overlaps {
+            self.overlaps = Some(source);
+        }
+        self
+    }
+
     /// Whether the policy reads prompts (so they are tokenized and hashed).
     pub fn reads_prompts(&self) -> bool {
         self.reads.overlaps || self.reads.blocks

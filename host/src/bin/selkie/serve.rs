@@ -91,6 +91,14 @@ pub struct ServeArgs {
     /// How long the prefix index remembers a routing decision, in seconds.
     #[arg(long, value_name = "SECS", value_parser = seconds, default_value = "120")]
     index_ttl: Duration,
+    /// An engine's KV event endpoint: WORKER_URL=ENDPOINT[,replay=ENDPOINT][,topic=TOPIC][,mode=bind|connect]
+    /// (repeatable; with any, cache overlaps come from the engines' events).
+    #[arg(long = "kv-events", value_name = "SPEC")]
+    kv_events: Vec<String>,
+    /// How blocks are keyed to meet the engines': tokens (selkie's hash of
+    /// each store's token ids) or engine-sha256-cbor[:PYTHONHASHSEED].
+    #[arg(long = "kv-hash", value_name = "MODE", default_value = "tokens")]
+    kv_hash: String,
     /// Retry-After of a 429 or 503, in seconds.
     #[arg(long, value_name = "SECS", value_parser = seconds, default_value = "1")]
     retry_after: Duration,
@@ -205,6 +213,18 @@ impl ServeArgs {
             threads: self.threads,
             seed: self.seed,
             limits,
+            kv_events: self
+                .kv_events
+                .iter()
+                .map(|s| selkie::router::kv_events::KvEventsSpec::parse(s))
+                .collect::<Result<_, _>>()?,
+            kv_hash: selkie::router::kv_events::KvHashing::parse(&self.kv_hash).ok_or_else(|| {
+                selkie::router::ServeError::Invalid {
+                    option: "--kv-hash",
+                    value: self.kv_hash.clone(),
+                    bound: "tokens, engine-sha256-cbor or engine-sha256-cbor:SEED".to_owned(),
+                }
+            })?,
         })
     }
 }

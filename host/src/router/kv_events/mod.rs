@@ -1,0 +1,783 @@
+//! KV cache events from the engines (`selkie serve --kv-events`): what
+//! each engine rank holds, fed to the router's exact KV index, which then
+//! answers the `kv` policy's cache overlaps ([`EventOverlaps`]) in place of
+//! the router's own decisions ([`LearnedOverlaps`](super::LearnedOverlaps)).
+//!
+//! # Endpoints
+//!
+//! `--kv-events WORKER_URL=ENDPOINT[,replay=ENDPOINT][,topic=TOPIC][,mode=bind|connect]`,
+//! once per engine process (one per data-parallel rank when each rank
+//! publishes on its own endpoint; the rank is read from each message).
+//! `WORKER_URL` is the worker's URL as `--worker` (or the workers file)
+//! names it. A ZMQ SUB socket per endpoint, subscribed to `TOPIC` (default:
+//! every topic):
+//!
+//! * the router **binds** when the endpoint's host is `*`
+//!   (`tcp://*:5557`): pair it with an engine whose endpoint names this
+//!   router's host (`tcp://router-host:5557`); vLLM's publisher *connects*
+//!   when its endpoint names a host;
+//! * the router **connects** otherwise (`tcp://engine-host:5557`): pair it
+//!   with an engine that binds (`tcp://*:5557` in the engine's config);
+//! * `mode=bind` or `mode=connect` overrides the rule (`tcp://127.0.0.1:5557,mode=bind`
+//!   listens on loopback only).
+//!
+//! `replay=ENDPOINT` names the engine's replay socket (vLLM's
+//! `replay_endpoint`, a ROUTER socket; the router connects to it, or binds
+//! under the same `*` rule).
+//!
+//! # Messages
+//!
+//! See [`decode`]: three frames `[topic, sequence number, msgpack payload]`,
+//! events `BlockStored`, `BlockRemoved` and `AllBlocksCleared`, as maps or
+//! positional arrays; `medium` `"GPU"` is the device tier, `"CPU"` host
+//! memory, `"DISK"` disk, anything else is refused (`medium`). A message
+//! refused by the decoder, and a store whose `block_size` differs from the
+//! router's `--block-size` (`block_size`: the overlaps would be wrong; the
+//! first one is logged at error level with the worker and both sizes),
+//! is counted in `selkie_kv_events_refused_total{worker,reason}` and
+//! skipped; the subscriber goes on.
+//!
+//! # Sequence numbers, gaps, replay, restarts
+//!
+//! Each endpoint's messages are numbered from 0 by the engine process.
+//! For a message's number:
+//!
+//! * the last plus one: applied;
+//! * further ahead: a gap (`selkie_kv_events_gaps_total`). With a replay
+//!   endpoint the router asks it for the messages from the first missing
+//!   one (the start number as 8 bytes, big-endian; replies are the
+//!   messages, then an end marker) and applies the missing ones in order
+//!   (`selkie_kv_events_replayed_total`), waiting at most
+//!   [`REPLAY_TIMEOUT`]. Without one, or when the replay fails
+//!   (`selkie_kv_events_replay_failures_total`) or does not cover the gap,
+//!   the rank's blocks are dropped: they stop counting, since the router
+//!   can no longer know them. The index is then rebuilt as the engine
+//!   reports: new prefixes count from their first block on; a store under
+//!   a parent the router dropped is refused until that prefix is stored
+//!   again; `AllBlocksCleared` or an engine restart starts the rank clean;
+//! * 0 after any other number: the engine restarted (a new process): the
+//!   rank's blocks are dropped and the message applied to the empty rank
+//!   (`selkie_kv_events_restarts_total`);
+//! * otherwise at or below the last: a duplicate, ignored
+//!   (`selkie_kv_events_duplicates_total`).
+//!
+//! Stored blocks and removals are counted as the engine makes them (a
+//! block stored twice is held until removed twice; see
+//! [`KvIndex`](crate::kv_index::KvIndex)).
+//!
+//! # Keys and bounds
+//!
+//! How a block is keyed, `--kv-hash tokens` (default) or
+//! `--kv-hash engine-sha256-cbor[:SEED]`: see [`KvHashing`]. The index
+//! holds at most `--max-index-blocks` blocks (the map from engine hashes to
+//! keys is part of it: one entry per held block); past it, the blocks
+//! stored longest ago go first. Messages wait for the index in a queue of
+//! [`QUEUE_MESSAGES`]; a subscriber waits while it is full (ZMQ then drops
+//! at the engine's high-water mark, and the sequence numbers show the gap).
+//!
+//! # Metrics
+//!
+//! | metric | labels | what |
+//! |---|---|---|
+//! | `selkie_kv_events_messages_total` | `worker` | messages decoded |
+//! | `selkie_kv_events_received_total` | `worker` | events applied to the index |
+//! | `selkie_kv_events_refused_total` | `worker`, `reason` | messages or events refused (see [`REFUSAL_REASONS`]) |
+//! | `selkie_kv_events_index_errors_total` | `worker`, `kind` | events the index refused in part or whole (`unknown_parent`, `unknown_blocks`, ...) |
+//! | `selkie_kv_events_gaps_total` | `worker` | sequence gaps seen |
+//! | `selkie_kv_events_replayed_total` | `worker` | messages recovered from the replay endpoint |
+//! | `selkie_kv_events_replay_failures_total` | `worker` | replays that failed or fell short |
+//! | `selkie_kv_events_restarts_total` | `worker` | engine restarts seen |
+//! | `selkie_kv_events_duplicates_total` | `worker` | messages ignored as duplicates |
+
+pub mod chain;
+pub mod decode;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::registry::Registry;
+use tokio::sync::mpsc;
+use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
+
+pub use chain::{KvHashing, Sha256CborChain};
+pub use decode::{decode_frames, decode_payload, EngineEvent, EventBatch, FrameError, StoredBlocks};
+
+use super::overlaps::{OverlapSource, Recorded};
+use super::prompt::PromptBlocks;
+use super::workers::{WorkerTable, WorkerUrl};
+use super::ServeError;
+use crate::kv_index::{
+    shared_with, KvBlockHasher, KvEvent, KvEventData, KvEventError, KvIndex, KvIndexReader, KvIndexWriter, KvOverlaps,
+    StoredBlock,
+};
+use crate::{RowOverlaps, WorkerSelectionService, WorkerWithDpRank};
+
+/// How long a replay may take before the gap is taken as lost.
+pub const REPLAY_TIMEOUT: Duration = Duration::from_secs(2);
+/// Decoded messages queued for the index, all endpoints together.
+pub const QUEUE_MESSAGES: usize = 1024;
+/// How often the index follows the fleet's rows when no event arrives.
+pub const ROW_SYNC_PERIOD: Duration = Duration::from_millis(100);
+
+/// Every `reason` of `selkie_kv_events_refused_total`: the decoder's
+/// ([`FrameError::reason`]) and `block_size`.
+pub const REFUSAL_REASONS: [&str; 11] = [
+    "frame_count",
+    "sequence_frame",
+    "too_large",
+    "msgpack",
+    "shape",
+    "unknown_event",
+    "too_many_events",
+    "too_many_blocks",
+    "token_count",
+    "medium",
+    "block_size",
+];
+
+/// The replay end marker's sequence number.
+const END_SEQ: u64 = u64::MAX;
+
+/// One `--kv-events` endpoint.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KvEventsSpec {
+    /// The worker's URL.
+    pub worker: String,
+    /// The publisher's endpoint.
+    pub endpoint: String,
+    /// The replay endpoint, if any.
+    pub replay: Option<String>,
+    /// The topic subscribed to ("" for every topic).
+    pub topic: String,
+    /// Whether the router binds (else connects).
+    pub bind: bool,
+}
+
+/// Whether the router binds `endpoint` (its host is `*`).
+pub fn binds(endpoint: &str) -> bool {
+    endpoint
+        .split_once("://")
+        .is_some_and(|(_, rest)| rest.starts_with("*:") || rest == "*")
+}
+
+impl KvEventsSpec {
+    /// Parses `WORKER_URL=ENDPOINT[,replay=ENDPOINT][,topic=TOPIC][,mode=bind|connect]`.
+    pub fn parse(text: &str) -> Result<Self, ServeError> {
+        let bad = |why: &str| ServeError::Invalid {
+            option: "--kv-events",
+            value: text.to_owned(),
+            bound: format!("WORKER_URL=ENDPOINT[,replay=ENDPOINT][,topic=TOPIC][,mode=bind|connect] ({why})"),
+        };
+        let (worker, rest) = text.split_once('=').ok_or_else(|| bad("no '='"))?;
+        WorkerUrl::parse(worker).map_err(|_| bad("not a worker URL"))?;
+        let mut parts = rest.split(',');
+        let endpoint = parts.next().unwrap_or_default().trim();
+        let zmq_endpoint = |e: &str| {
+            ["tcp://", "ipc://"]
+                .iter()
+                .any(|s| e.starts_with(s) && e.len() > s.len())
+        };
+        if !zmq_endpoint(endpoint) {
+            return Err(bad("the endpoint must be tcp://HOST:PORT or ipc://PATH"));
+        }
+        let mut spec = KvEventsSpec {
+            worker: worker.trim().to_owned(),
+            endpoint: endpoint.to_owned(),
+            replay: None,
+            topic: String::new(),
+            bind: binds(endpoint),
+        };
+        for part in parts {
+            match part.split_once('=') {
+                Some(("replay", e)) if zmq_endpoint(e) => spec.replay = Some(e.to_owned()),
+                Some(("topic", t)) => spec.topic = t.to_owned(),
+                Some(("mode", "bind")) => spec.bind = true,
+                Some(("mode", "connect")) => spec.bind = false,
+                _ => return Err(bad("unknown option")),
+            }
+        }
+        Ok(spec)
+    }
+}
+
+/// The kv events' counters (see the module docs).
+#[derive(Clone, Default)]
+pub struct KvEventMetrics {
+    messages: Family<Vec<(&'static str, String)>, Counter>,
+    received: Family<Vec<(&'static str, String)>, Counter>,
+    refused: Family<Vec<(&'static str, String)>, Counter>,
+    index_errors: Family<Vec<(&'static str, String)>, Counter>,
+    gaps: Family<Vec<(&'static str, String)>, Counter>,
+    replayed: Family<Vec<(&'static str, String)>, Counter>,
+    replay_failures: Family<Vec<(&'static str, String)>, Counter>,
+    restarts: Family<Vec<(&'static str, String)>, Counter>,
+    duplicates: Family<Vec<(&'static str, String)>, Counter>,
+}
+
+fn worker_label(worker: &str) -> Vec<(&'static str, String)> {
+    vec![("worker", worker.to_owned())]
+}
+
+impl KvEventMetrics {
+    /// Registers the counters in `registry`.
+    pub fn register(&self, registry: &mut Registry) {
+        let all = [
+            ("selkie_kv_events_messages", "KV event messages decoded", &self.messages),
+            (
+                "selkie_kv_events_received",
+                "KV events applied to the index",
+                &self.received,
+            ),
+            (
+                "selkie_kv_events_refused",
+                "KV event messages or events refused, by reason",
+                &self.refused,
+            ),
+            (
+                "selkie_kv_events_index_errors",
+                "KV events the index refused in part or whole, by kind",
+                &self.index_errors,
+            ),
+            ("selkie_kv_events_gaps", "KV event sequence gaps", &self.gaps),
+            (
+                "selkie_kv_events_replayed",
+                "KV event messages recovered by replay",
+                &self.replayed,
+            ),
+            (
+                "selkie_kv_events_replay_failures",
+                "KV event replays that failed or fell short",
+                &self.replay_failures,
+            ),
+            (
+                "selkie_kv_events_restarts",
+                "Engine restarts seen in KV events",
+                &self.restarts,
+            ),
+            (
+                "selkie_kv_events_duplicates",
+                "KV event messages ignored as duplicates",
+                &self.duplicates,
+            ),
+        ];
+        for (name, help, family) in all {
+            registry.register(name, help, family.clone());
+        }
+    }
+
+    /// Counts a refusal of `worker`'s message or event.
+    pub fn refused(&self, worker: &str, reason: &'static str) {
+        self.refused
+            .get_or_create(&vec![("worker", worker.to_owned()), ("reason", reason.to_owned())])
+            .inc();
+    }
+
+    /// The count of a refusal reason (tests and diagnostics).
+    pub fn refused_count(&self, worker: &str, reason: &'static str) -> u64 {
+        self.refused
+            .get_or_create(&vec![("worker", worker.to_owned()), ("reason", reason.to_owned())])
+            .get()
+    }
+}
+
+/// What the subscriber knows of a message's place in its endpoint's
+/// sequence.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Continuity {
+    /// The next one.
+    Next,
+    /// Messages before it were lost for good.
+    Lost,
+    /// The engine restarted.
+    Restart,
+}
+
+struct Ingested {
+    worker: Arc<str>,
+    batch: EventBatch,
+    continuity: Continuity,
+}
+
+/// Overlaps from the engines' events: the reading side of the index the
+/// event ingester writes.
+pub struct EventOverlaps {
+    reader: KvIndexReader,
+    blocks: Arc<AtomicUsize>,
+}
+
+impl OverlapSource for EventOverlaps {
+    fn overlaps<'o>(
+        &self,
+        _service: &WorkerSelectionService,
+        sequence: &[u64],
+        out: &'o mut KvOverlaps,
+    ) -> Option<RowOverlaps<'o>> {
+        self.reader.overlaps(sequence, out).ok()
+    }
+
+    fn chosen(&self, _rank: WorkerWithDpRank, _blocks: &PromptBlocks, _held: usize) -> Recorded {
+        Recorded::Unneeded
+    }
+
+    fn blocks(&self) -> usize {
+        self.blocks.load(Ordering::Relaxed)
+    }
+}
+
+/// The writing side: applies decoded messages to the index.
+pub struct EventIngester {
+    writer: KvIndexWriter,
+    block_size: u32,
+    hashing: KvHashing,
+    hasher: KvBlockHasher,
+    service: Arc<WorkerSelectionService>,
+    table: Arc<WorkerTable>,
+    metrics: KvEventMetrics,
+    /// Per rank: the next event id to give the index.
+    next_id: std::collections::HashMap<WorkerWithDpRank, u64>,
+    /// Workers whose block size mismatch was logged.
+    mismatch_logged: std::collections::HashSet<Arc<str>>,
+    blocks: Arc<AtomicUsize>,
+    scratch: Vec<StoredBlock>,
+    local: Vec<u64>,
+}
+
+impl EventIngester {
+    /// An ingester for blocks of `block_size` tokens keyed as `hashing`
+    /// says, holding at most `max_blocks`, and the overlap source reading
+    /// what it writes.
+    pub fn new(
+        block_size: u32,
+        hashing: KvHashing,
+        max_blocks: usize,
+        service: Arc<WorkerSelectionService>,
+        table: Arc<WorkerTable>,
+        metrics: KvEventMetrics,
+    ) -> (Self, EventOverlaps) {
+        let (writer, reader) = shared_with(|| KvIndex::new(block_size).with_max_blocks(max_blocks));
+        let blocks = Arc::new(AtomicUsize::new(0));
+        let mut ingester = EventIngester {
+            writer,
+            block_size,
+            hashing,
+            hasher: KvBlockHasher::new(block_size),
+            service,
+            table,
+            metrics,
+            next_id: Default::default(),
+            mismatch_logged: Default::default(),
+            blocks: blocks.clone(),
+            scratch: Vec::new(),
+            local: Vec::new(),
+        };
+        ingester.publish();
+        (ingester, EventOverlaps { reader, blocks })
+    }
+
+    fn worker_id(&self, url: &str) -> Option<crate::WorkerId> {
+        let parsed = WorkerUrl::parse(url).ok()?;
+        let view = self.table.view();
+        Some(
+            view.workers()
+                .iter()
+                .find(|w| w.url == parsed)
+                .map_or_else(|| parsed.default_id(), |w| w.id),
+        )
+    }
+
+    /// Applies one message of `worker` (its events in order), then makes
+    /// the result visible to queries.
+    fn ingest(&mut self, msg: &Ingested) {
+        let Some(worker_id) = self.worker_id(&msg.worker) else {
+            return;
+        };
+        let rank = WorkerWithDpRank::new(worker_id, msg.batch.dp_rank);
+        let label = worker_label(&msg.worker);
+        self.metrics.messages.get_or_create(&label).inc();
+        match msg.continuity {
+            Continuity::Restart => {
+                self.next_id.insert(rank, 0);
+            }
+            // The index drops a rank's blocks on an event-id gap.
+            Continuity::Lost => {
+                if let Some(id) = self.next_id.get_mut(&rank) {
+                    *id += 1;
+                }
+            }
+            Continuity::Next => {}
+        }
+        for event in &msg.batch.events {
+            let id = *self.next_id.entry(rank).or_insert(1);
+            let result = match event {
+                EngineEvent::Stored(stored) => {
+                    if stored.block_size != self.block_size {
+                        self.metrics.refused(&msg.worker, "block_size");
+                        if self.mismatch_logged.insert(msg.worker.clone()) {
+                            tracing::error!(
+                                worker = &*msg.worker,
+                                engine_block_size = stored.block_size,
+                                router_block_size = self.block_size,
+                                "KV events: the engine's block size differs from --block-size; its stores are refused"
+                            );
+                        }
+                        continue;
+                    }
+                    self.keys(stored);
+                    let data = KvEventData::Stored {
+                        parent: stored.parent,
+                        blocks: &self.scratch,
+                    };
+                    self.writer.apply(&KvEvent::new(rank, id, data).in_tier(stored.tier))
+                }
+                EngineEvent::Removed { hashes, tier } => {
+                    let data = KvEventData::Removed { blocks: hashes };
+                    self.writer.apply(&KvEvent::new(rank, id, data).in_tier(*tier))
+                }
+                EngineEvent::Cleared => {
+                    let mut result = Ok(());
+                    for tier in [
+                        crate::kv_index::StorageTier::Device,
+                        crate::kv_index::StorageTier::Host,
+                        crate::kv_index::StorageTier::Disk,
+                    ] {
+                        let id = *self.next_id.entry(rank).or_insert(1);
+                        result = result.and(
+                            self.writer
+                                .apply(&KvEvent::new(rank, id, KvEventData::Cleared).in_tier(tier)),
+                        );
+                        self.next_id.insert(rank, id + 1);
+                    }
+                    self.metrics.received.get_or_create(&label).inc();
+                    if let Err(e) = result {
+                        self.index_error(&msg.worker, &e);
+                    }
+                    continue;
+                }
+            };
+            self.next_id.insert(rank, id + 1);
+            self.metrics.received.get_or_create(&label).inc();
+            if let Err(e) = result {
+                self.index_error(&msg.worker, &e);
+            }
+        }
+        self.publish();
+    }
+
+    fn index_error(&self, worker: &str, e: &KvEventError) {
+        let kind = match e {
+            KvEventError::UnknownParent { .. } => "unknown_parent",
+            KvEventError::TooManyBlocks { .. } => "too_many_blocks",
+            KvEventError::SelfParent { .. } => "self_parent",
+            KvEventError::UnknownBlocks { .. } => "unknown_blocks",
+            KvEventError::EventGap { .. } => "gap",
+            _ => "other",
+        };
+        tracing::debug!(worker, error = %e, "KV events: the index refused an event");
+        self.metrics
+            .index_errors
+            .get_or_create(&vec![("worker", worker.to_owned()), ("kind", kind.to_owned())])
+            .inc();
+    }
+
+    /// Fills `scratch` with the stored blocks' keys.
+    fn keys(&mut self, stored: &StoredBlocks) {
+        self.scratch.clear();
+        match self.hashing {
+            KvHashing::EngineSha256Cbor { .. } => {
+                self.scratch.extend(stored.hashes.iter().map(|&h| StoredBlock {
+                    block_hash: h,
+                    tokens_hash: h,
+                }));
+            }
+            KvHashing::Tokens => {
+                self.local.clear();
+                let lora = stored
+                    .lora_name
+                    .clone()
+                    .or_else(|| stored.lora_id.map(|id| format!("lora-id:{id}")));
+                match lora {
+                    Some(name) => KvBlockHasher::new(self.block_size)
+                        .with_lora(&name)
+                        .local_hashes(&stored.token_ids, &mut self.local),
+                    None => self.hasher.local_hashes(&stored.token_ids, &mut self.local),
+                }
+                for (i, (&block_hash, &local)) in stored.hashes.iter().zip(&self.local).enumerate() {
+                    let tokens_hash = match stored.extra_keys.get(i) {
+                        Some(Some(extra)) => xxhash_rust::xxh3::xxh3_64_with_seed(extra, local),
+                        _ => local,
+                    };
+                    self.scratch.push(StoredBlock {
+                        block_hash,
+                        tokens_hash,
+                    });
+                }
+            }
+        }
+    }
+
+    /// Follows the fleet's rows and publishes what was applied.
+    fn publish(&mut self) {
+        let layout = self.service.row_layout();
+        if self.writer.unpublished() > 0 || self.writer_layout() != Some(layout) {
+            let service = &self.service;
+            self.writer.sync_rows(layout, |rank| service.rank_row(rank));
+            self.writer.publish();
+            self.blocks.store(self.writer.held_blocks(), Ordering::Relaxed);
+        }
+    }
+
+    fn writer_layout(&self) -> Option<crate::RowLayout> {
+        self.writer.reader().row_layout()
+    }
+
+    /// Applies messages from `rx` until every sender is gone, following the
+    /// fleet's rows meanwhile.
+    async fn run(mut self, mut rx: mpsc::Receiver<Ingested>) {
+        let mut tick = tokio::time::interval(ROW_SYNC_PERIOD);
+        loop {
+            tokio::select! {
+                msg = rx.recv() => match msg {
+                    Some(msg) => self.ingest(&msg),
+                    None => return,
+                },
+                _ = tick.tick() => self.publish(),
+            }
+        }
+    }
+}
+
+/// The running subscribers and ingester.
+pub struct KvEventTasks {
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl KvEventTasks {
+    /// Stops every subscriber and the ingester.
+    pub fn stop(self) {
+        drop(self);
+    }
+}
+
+impl Drop for KvEventTasks {
+    fn drop(&mut self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+    }
+}
+
+/// Opens every endpoint's socket (an endpoint that cannot be bound is an
+/// error now; a connect is retried by ZMQ) and starts the subscribers and
+/// the ingester. Must be called inside a tokio runtime.
+pub async fn start(
+    specs: &[KvEventsSpec],
+    ingester: EventIngester,
+    metrics: KvEventMetrics,
+) -> Result<KvEventTasks, ServeError> {
+    let (tx, rx) = mpsc::channel(QUEUE_MESSAGES);
+    let mut tasks = Vec::new();
+    for spec in specs {
+        let mut socket = zeromq::SubSocket::new();
+        let opened = if spec.bind {
+            socket.bind(&spec.endpoint).await.map(|_| ())
+        } else {
+            socket.connect(&spec.endpoint).await
+        };
+        opened.map_err(|e| ServeError::Invalid {
+            option: "--kv-events",
+            value: spec.endpoint.clone(),
+            bound: format!(
+                "a ZMQ endpoint the router can {} ({e})",
+                if spec.bind { "bind" } else { "connect to" }
+            ),
+        })?;
+        socket.subscribe(&spec.topic).await.map_err(|e| ServeError::Invalid {
+            option: "--kv-events",
+            value: spec.topic.clone(),
+            bound: format!("a topic ({e})"),
+        })?;
+        let sub = Subscriber {
+            worker: spec.worker.as_str().into(),
+            replay: spec.replay.clone(),
+            topic: spec.topic.clone(),
+            last: None,
+            metrics: metrics.clone(),
+            tx: tx.clone(),
+        };
+        tasks.push(tokio::spawn(sub.run(socket)));
+    }
+    drop(tx);
+    tasks.push(tokio::spawn(ingester.run(rx)));
+    Ok(KvEventTasks { tasks })
+}
+
+struct Subscriber {
+    worker: Arc<str>,
+    replay: Option<String>,
+    topic: String,
+    last: Option<u64>,
+    metrics: KvEventMetrics,
+    tx: mpsc::Sender<Ingested>,
+}
+
+impl Subscriber {
+    async fn run(mut self, mut socket: zeromq::SubSocket) {
+        loop {
+            let msg = match socket.recv().await {
+                Ok(m) => m,
+                Err(e) => {
+                    tracing::warn!(worker = &*self.worker, error = %e, "KV events: receive failed");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            };
+            let frames: Vec<_> = msg.into_vec();
+            let batch = match decode_frames(&frames) {
+                Ok(b) => b,
+                Err(e) => {
+                    tracing::debug!(worker = &*self.worker, error = %e, "KV events: message refused");
+                    self.metrics.refused(&self.worker, e.reason());
+                    continue;
+                }
+            };
+            if self.accept(batch).await.is_err() {
+                return;
+            }
+        }
+    }
+
+    /// Places `batch` in the sequence (replaying a gap when possible) and
+    /// queues it. Errs when the ingester is gone.
+    async fn accept(&mut self, batch: EventBatch) -> Result<(), ()> {
+        let label = worker_label(&self.worker);
+        let continuity = match self.last {
+            None => Continuity::Next,
+            Some(_) if batch.seq == 0 => {
+                self.metrics.restarts.get_or_create(&label).inc();
+                Continuity::Restart
+            }
+            Some(last) if batch.seq <= last => {
+                self.metrics.duplicates.get_or_create(&label).inc();
+                return Ok(());
+            }
+            Some(last) if batch.seq == last + 1 => Continuity::Next,
+            Some(last) => {
+                self.metrics.gaps.get_or_create(&label).inc();
+                if self.replay_gap(last + 1, batch.seq).await? {
+                    Continuity::Next
+                } else {
+                    self.metrics.replay_failures.get_or_create(&label).inc();
+                    Continuity::Lost
+                }
+            }
+        };
+        self.send(batch, continuity).await
+    }
+
+    async fn send(&mut self, batch: EventBatch, continuity: Continuity) -> Result<(), ()> {
+        self.last = Some(batch.seq);
+        let msg = Ingested {
+            worker: self.worker.clone(),
+            batch,
+            continuity,
+        };
+        self.tx.send(msg).await.map_err(|_| ())
+    }
+
+    /// Replays messages `from..until`; whether they all came (none:
+    /// no replay endpoint).
+    async fn replay_gap(&mut self, from: u64, until: u64) -> Result<bool, ()> {
+        let Some(endpoint) = self.replay.clone() else {
+            return Ok(false);
+        };
+        let fetched = tokio::time::timeout(REPLAY_TIMEOUT, fetch_replay(&endpoint, &self.topic, from, until)).await;
+        let batches = match fetched {
+            Ok(Ok(b)) => b,
+            Ok(Err(e)) => {
+                tracing::warn!(worker = &*self.worker, endpoint, error = %e, "KV events: replay failed");
+                return Ok(false);
+            }
+            Err(_) => {
+                tracing::warn!(worker = &*self.worker, endpoint, "KV events: replay timed out");
+                return Ok(false);
+            }
+        };
+        let mut expected = from;
+        let mut complete = true;
+        for batch in batches {
+            match batch {
+                Ok(b) if b.seq == expected => {
+                    expected += 1;
+                    self.metrics.replayed.get_or_create(&worker_label(&self.worker)).inc();
+                    self.send(b, Continuity::Next).await?;
+                }
+                Ok(b) if b.seq < expected => {}
+                Ok(_) => {
+                    complete = false;
+                    break;
+                }
+                Err(e) => {
+                    self.metrics.refused(&self.worker, e.reason());
+                    complete = false;
+                    break;
+                }
+            }
+        }
+        Ok(complete && expected == until)
+    }
+}
+
+/// Asks a replay endpoint for the messages `from..until` and reads its
+/// answers up to the end marker (or `until`).
+async fn fetch_replay(
+    endpoint: &str,
+    topic: &str,
+    from: u64,
+    until: u64,
+) -> Result<Vec<Result<EventBatch, FrameError>>, zeromq::ZmqError> {
+    let mut socket = zeromq::DealerSocket::new();
+    if binds(endpoint) {
+        socket.bind(endpoint).await?;
+    } else {
+        socket.connect(endpoint).await?;
+    }
+    let mut request = ZmqMessage::from(Vec::<u8>::new());
+    request.push_back(from.to_be_bytes().to_vec().into());
+    socket.send(request).await?;
+    let mut out = Vec::new();
+    loop {
+        let reply = socket.recv().await?;
+        let mut frames: Vec<_> = reply.into_vec();
+        if frames.first().is_some_and(|f| f.is_empty()) {
+            frames.remove(0);
+        }
+        // vLLM answers [topic, seq, payload], SGLang [seq, payload].
+        let (seq, payload) = match frames.as_slice() {
+            [_, seq, payload] | [seq, payload] => (seq, payload),
+            _ => {
+                out.push(Err(FrameError::FrameCount { frames: frames.len() }));
+                break;
+            }
+        };
+        let Ok(seq_bytes) = <[u8; 8]>::try_from(seq.as_ref()) else {
+            out.push(Err(FrameError::SeqFrame { bytes: seq.len() }));
+            break;
+        };
+        let seq = u64::from_be_bytes(seq_bytes);
+        if seq == END_SEQ {
+            break;
+        }
+        let _ = topic;
+        out.push(decode_payload(payload).map(|(dp_rank, events)| EventBatch { seq, dp_rank, events }));
+        if seq + 1 >= until {
+            break;
+        }
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests;
