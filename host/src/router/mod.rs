@@ -182,7 +182,7 @@ impl Server {
             service.clone(),
             table.clone(),
             prompts,
-            metrics,
+            metrics.clone(),
             config.index_ttl,
             config.limits.max_index_blocks,
         );
@@ -197,6 +197,7 @@ impl Server {
                 table,
                 kv_metrics.clone(),
             );
+            let ingester = ingester.with_router_metrics(metrics);
             core = core.with_overlaps(Box::new(overlaps));
             Some(kv_events::start(&config.kv_events, ingester, kv_metrics).await?)
         };

@@ -343,6 +343,7 @@ pub struct EventIngester {
     blocks: Arc<AtomicUsize>,
     scratch: Vec<StoredBlock>,
     local: Vec<u64>,
+    router_metrics: Option<Arc<super::Metrics>>,
 }
 
 impl EventIngester {
@@ -372,9 +373,17 @@ impl EventIngester {
             blocks: blocks.clone(),
             scratch: Vec::new(),
             local: Vec::new(),
+            router_metrics: None,
         };
         ingester.publish();
         (ingester, EventOverlaps { reader, blocks })
+    }
+
+    /// Keeps the router's `selkie_kv_index_blocks` gauge at the blocks the
+    /// index holds.
+    pub fn with_router_metrics(mut self, metrics: Arc<super::Metrics>) -> Self {
+        self.router_metrics = Some(metrics);
+        self
     }
 
     fn worker_id(&self, url: &str) -> Option<crate::WorkerId> {
@@ -525,7 +534,11 @@ impl EventIngester {
             let service = &self.service;
             self.writer.sync_rows(layout, |rank| service.rank_row(rank));
             self.writer.publish();
-            self.blocks.store(self.writer.held_blocks(), Ordering::Relaxed);
+            let held = self.writer.held_blocks();
+            self.blocks.store(held, Ordering::Relaxed);
+            if let Some(m) = &self.router_metrics {
+                m.index_blocks(held);
+            }
         }
     }
 

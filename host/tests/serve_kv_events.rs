@@ -1,0 +1,213 @@
+//! `selkie serve --kv-events` end to end: publishers that connect like
+//! vLLM's send recorded vLLM 0.32 messages over real ZMQ sockets; the
+//! router's choices and `/metrics` show them. Gaps with and without a
+//! replay endpoint (a ROUTER stub answering as vLLM's), an engine restart
+//! at sequence 0, bad frames and a block-size mismatch.
+
+mod support;
+
+use bytes::Bytes;
+use selkie::router::kv_events::KvEventsSpec;
+use selkie::router::PolicySpec;
+use support::stub_engine::{StubConfig, StubEngine};
+use support::{eventually, post, router, scrape, url};
+use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
+
+const SEQ0: &[u8] = include_bytes!("fixtures/vllm-0.32/seq-0.msgpack");
+const SEQ1: &[u8] = include_bytes!("fixtures/vllm-0.32/seq-1.msgpack");
+const SEQ2: &[u8] = include_bytes!("fixtures/vllm-0.32/seq-2.msgpack");
+const SEQ14: &[u8] = include_bytes!("fixtures/vllm-0.32/seq-14.msgpack");
+const SEQ16: &[u8] = include_bytes!("fixtures/vllm-0.32/seq-16.msgpack");
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn message(frames: Vec<Vec<u8>>) -> ZmqMessage {
+    ZmqMessage::try_from(frames.into_iter().map(Bytes::from).collect::<Vec<_>>()).unwrap()
+}
+
+fn frames(seq: u64, payload: &[u8]) -> ZmqMessage {
+    message(vec![b"kv".to_vec(), seq.to_be_bytes().to_vec(), payload.to_vec()])
+}
+
+/// The tokens of the first recorded prompt (512 tokens, 16 blocks of 32).
+fn prompt_tokens() -> Vec<u64> {
+    let v = rmpv::decode::read_value(&mut &SEQ0[..]).unwrap();
+    let event = &v.as_array().unwrap()[1].as_array().unwrap()[0];
+    let map = event.as_map().unwrap();
+    let tokens = map.iter().find(|(k, _)| k.as_str() == Some("token_ids")).unwrap();
+    tokens
+        .1
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_u64().unwrap())
+        .collect()
+}
+
+/// A vLLM-like replay socket: answers a start sequence number with the
+/// messages it has from there, then the end marker.
+async fn replay_stub(port: u16, messages: Vec<(u64, &'static [u8])>) {
+    let mut s = zeromq::RouterSocket::new();
+    s.bind(&format!("tcp://127.0.0.1:{port}")).await.unwrap();
+    tokio::spawn(async move {
+        while let Ok(request) = s.recv().await {
+            let f = request.into_vec();
+            let id = f[0].clone();
+            let start = u64::from_be_bytes(f[2].as_ref().try_into().unwrap());
+            for (seq, payload) in messages.iter().filter(|(s, _)| *s >= start) {
+                let reply = vec![
+                    id.to_vec(),
+                    vec![],
+                    b"kv".to_vec(),
+                    seq.to_be_bytes().to_vec(),
+                    payload.to_vec(),
+                ];
+                s.send(message(reply)).await.unwrap();
+            }
+            let end = vec![
+                id.to_vec(),
+                vec![],
+                b"kv".to_vec(),
+                u64::MAX.to_be_bytes().to_vec(),
+                vec![],
+            ];
+            s.send(message(end)).await.unwrap();
+        }
+    });
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engine_events_over_zmq_drive_overlaps_and_metrics() {
+    let a = StubEngine::start(StubConfig::new("a")).await;
+    let b = StubEngine::start(StubConfig::new("b")).await;
+    let (pa, pb, pr) = (free_port(), free_port(), free_port());
+    replay_stub(pr, vec![(1, SEQ1), (2, SEQ16)]).await;
+    let specs = vec![
+        KvEventsSpec::parse(&format!("{}=tcp://127.0.0.1:{pa},mode=bind", a.url())).unwrap(),
+        KvEventsSpec::parse(&format!(
+            "{}=tcp://127.0.0.1:{pb},mode=bind,replay=tcp://127.0.0.1:{pr},topic=kv",
+            b.url()
+        ))
+        .unwrap(),
+    ];
+    let server = router(&[a.url(), b.url()], |c| {
+        c.policy = PolicySpec::parse("kv").unwrap();
+        c.block_size = 32;
+        c.kv_events = specs;
+    })
+    .await;
+    let r = url(&server);
+    // The engines connect, as vLLM's publisher does when its endpoint
+    // names a host.
+    let mut pub_a = zeromq::PubSocket::new();
+    pub_a.connect(&format!("tcp://127.0.0.1:{pa}")).await.unwrap();
+    let mut pub_b = zeromq::PubSocket::new();
+    pub_b.connect(&format!("tcp://127.0.0.1:{pb}")).await.unwrap();
+    let (la, lb) = (a.url(), b.url());
+    let refused = |w: &str, reason: &str| format!("worker=\"{w}\",reason=\"{reason}\"");
+    // Bad frames (a single frame) until both subscriptions are up: counted,
+    // the subscribers go on.
+    eventually("bad frames counted", async || {
+        pub_a.send(message(vec![b"kv".to_vec()])).await.unwrap();
+        pub_b.send(message(vec![b"kv".to_vec()])).await.unwrap();
+        let s = scrape(&r).await;
+        s.value("selkie_kv_events_refused_total", &refused(&la, "frame_count")) >= 1.0
+            && s.value("selkie_kv_events_refused_total", &refused(&lb, "frame_count")) >= 1.0
+    })
+    .await;
+    pub_b.send(frames(0, b"\x93\xcb")).await.unwrap();
+
+    // Engine b stores the prompt's 16 blocks: the kv policy sends the
+    // prompt there, every time.
+    pub_b.send(frames(0, SEQ0)).await.unwrap();
+    eventually("b's blocks indexed", async || {
+        scrape(&r).await.value("selkie_kv_index_blocks", "") == 16.0
+    })
+    .await;
+    let body =
+        serde_json::json!({"model": a.config().model.clone(), "prompt": prompt_tokens(), "max_tokens": 1}).to_string();
+    for _ in 0..4 {
+        let reply = post(&r, "/v1/completions", body.clone(), &[]).await;
+        assert_eq!(reply.status, 200);
+        assert_eq!(
+            reply.header("x-selkie-worker"),
+            Some(lb.as_str()),
+            "the engine holding the prefix"
+        );
+    }
+    let s = scrape(&r).await;
+    assert_eq!(s.value("selkie_kv_events_refused_total", &refused(&lb, "msgpack")), 1.0);
+    assert_eq!(
+        s.value("selkie_kv_events_messages_total", &format!("worker=\"{lb}\"")),
+        1.0
+    );
+
+    // Engine a: the same blocks, then a gap (seq 5 after 0) with no replay
+    // endpoint: a's blocks stop counting.
+    pub_a.send(frames(0, SEQ0)).await.unwrap();
+    eventually("a's blocks indexed", async || {
+        scrape(&r).await.value("selkie_kv_index_blocks", "") == 32.0
+    })
+    .await;
+    pub_a.send(frames(5, SEQ14)).await.unwrap();
+    eventually("a's gap drops a's blocks", async || {
+        scrape(&r).await.value("selkie_kv_index_blocks", "") == 16.0
+    })
+    .await;
+    let s = scrape(&r).await;
+    let wa = format!("worker=\"{la}\"");
+    assert_eq!(s.value("selkie_kv_events_gaps_total", &wa), 1.0);
+    assert_eq!(s.value("selkie_kv_events_replay_failures_total", &wa), 1.0);
+
+    // Engine b: a gap (seq 3 after 0) filled from its replay endpoint:
+    // seq 1 stores 8 blocks, seq 2 removes one, seq 3 removes another.
+    pub_b.send(frames(3, SEQ14)).await.unwrap();
+    eventually("b's gap replayed", async || {
+        scrape(&r).await.value("selkie_kv_index_blocks", "") == 22.0
+    })
+    .await;
+    let s = scrape(&r).await;
+    let wb = format!("worker=\"{lb}\"");
+    assert_eq!(s.value("selkie_kv_events_gaps_total", &wb), 1.0);
+    assert_eq!(s.value("selkie_kv_events_replayed_total", &wb), 2.0);
+    assert_eq!(s.value("selkie_kv_events_replay_failures_total", &wb), 0.0);
+
+    // Engine b restarts: sequence 0 again, its old blocks are gone (this
+    // store's parent with them: refused by the index).
+    pub_b.send(frames(0, SEQ2)).await.unwrap();
+    eventually("b's restart", async || {
+        scrape(&r).await.value("selkie_kv_index_blocks", "") == 0.0
+    })
+    .await;
+    assert_eq!(scrape(&r).await.value("selkie_kv_events_restarts_total", &wb), 1.0);
+
+    // A store of 16-token blocks to a router of 32: refused, counted.
+    let other = rmpv::Value::Array(vec![
+        rmpv::Value::F64(0.0),
+        rmpv::Value::Array(vec![rmpv::Value::Array(vec![
+            "BlockStored".into(),
+            rmpv::Value::Array(vec![1.into()]),
+            rmpv::Value::Nil,
+            rmpv::Value::Array((0..16).map(rmpv::Value::from).collect()),
+            16.into(),
+        ])]),
+        0.into(),
+    ]);
+    let mut payload = Vec::new();
+    rmpv::encode::write_value(&mut payload, &other).unwrap();
+    pub_a.send(frames(6, &payload)).await.unwrap();
+    eventually("block size mismatch counted", async || {
+        scrape(&r)
+            .await
+            .value("selkie_kv_events_refused_total", &refused(&la, "block_size"))
+            == 1.0
+    })
+    .await;
+    server.shutdown().await;
+}
