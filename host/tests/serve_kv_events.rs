@@ -211,3 +211,46 @@ async fn engine_events_over_zmq_drive_overlaps_and_metrics() {
     .await;
     server.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn workers_file_labels_name_event_endpoints() {
+    let a = StubEngine::start(StubConfig::new("a")).await;
+    let port = free_port();
+    let dir = support::temp_dir("kv-events-labels");
+    let file = dir.join("workers.yaml");
+    let entry = |port: u16| {
+        format!(
+            "workers:\n  - url: {}\n    labels:\n      kv_events: \"tcp://127.0.0.1:{port},mode=bind\"\n",
+            a.url()
+        )
+    };
+    std::fs::write(&file, entry(port)).unwrap();
+    let server = router(&[], |c| {
+        c.policy = PolicySpec::parse("kv").unwrap();
+        c.block_size = 32;
+        c.workers_file = Some(file.clone());
+    })
+    .await;
+    let r = url(&server);
+    let mut publisher = zeromq::PubSocket::new();
+    publisher.connect(&format!("tcp://127.0.0.1:{port}")).await.unwrap();
+    let mut seq = 0;
+    eventually("the labelled endpoint's events indexed", async || {
+        // Resent until the subscription is up (a new engine each time:
+        // sequence 0 starts it clean).
+        publisher.send(frames(0, SEQ0)).await.unwrap();
+        seq += 1;
+        scrape(&r).await.value("selkie_kv_index_blocks", "") == 16.0
+    })
+    .await;
+    assert!(seq >= 1);
+    // The label goes away: the endpoint is closed (its port can be bound
+    // again).
+    drop(publisher);
+    std::fs::write(&file, format!("workers:\n  - url: {}\n", a.url())).unwrap();
+    eventually("the endpoint closed", async || {
+        std::net::TcpListener::bind(("127.0.0.1", port)).is_ok()
+    })
+    .await;
+    server.shutdown().await;
+}

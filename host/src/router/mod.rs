@@ -148,9 +148,7 @@ impl Server {
         ));
         let mut metrics = Metrics::new(service.policy().name(), &config.limits);
         let kv_metrics = kv_events::KvEventMetrics::default();
-        if !config.kv_events.is_empty() {
-            kv_metrics.register(metrics.registry_mut());
-        }
+        kv_metrics.register(metrics.registry_mut());
         let metrics = Arc::new(metrics);
         let table = Arc::new(WorkerTable::new());
         #[allow(unused_mut)]
@@ -186,7 +184,7 @@ impl Server {
             config.index_ttl,
             config.limits.max_index_blocks,
         );
-        let kv_events = if config.kv_events.is_empty() {
+        let kv_events = if config.kv_events.is_empty() && !kv_events::labelled(&table) {
             None
         } else {
             let (ingester, overlaps) = kv_events::EventIngester::new(

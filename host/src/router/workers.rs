@@ -176,6 +176,10 @@ pub struct WorkerEntry {
     pub dp: (u32, u32),
     /// Whether its models come from its entry (not read from the worker).
     pub listed_models: bool,
+    /// Its KV event endpoint: the label `kv_events` of its record
+    /// (`ENDPOINT[,replay=ENDPOINT][,topic=TOPIC][,mode=bind|connect]`,
+    /// see [`kv_events`](super::kv_events)).
+    pub kv_events: Option<String>,
     models: ArcSwapOption<ModelList>,
 }
 
@@ -196,6 +200,7 @@ impl WorkerEntry {
             url: spec.url.clone(),
             dp: (spec.record.data_parallel_start_rank, spec.record.data_parallel_size),
             listed_models: models.is_some(),
+            kv_events: spec.record.labels.get(super::kv_events::KV_EVENTS_LABEL).cloned(),
             models: ArcSwapOption::new(models),
         }
     }
@@ -352,7 +357,8 @@ impl WorkerTable {
                     if e.url == s.url
                         && e.dp == (s.record.data_parallel_start_rank, s.record.data_parallel_size)
                         && !e.listed_models
-                        && s.models.is_none() =>
+                        && s.models.is_none()
+                        && e.kv_events.as_ref() == s.record.labels.get(super::kv_events::KV_EVENTS_LABEL) =>
                 {
                     e.clone()
                 }

@@ -3,7 +3,7 @@
 //!
 //! * [`KvHashing::Tokens`] (the default): every `BlockStored` event carries
 //!   its blocks' token ids; the router hashes them as it hashes a request
-//!   (its own block hash, [`KvBlockHasher`]) and the index maps the
+//!   (its own block hash, [`KvBlockHasher`](crate::kv_index::KvBlockHasher)) and the index maps the
 //!   engine's hash of each block to that key, so later events (a child's
 //!   parent, a removal) naming the engine hash resolve. It works whatever
 //!   hash algorithm the engine runs (vLLM's `--prefix-caching-hash-algo`).

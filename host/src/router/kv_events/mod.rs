@@ -21,6 +21,14 @@
 //! * `mode=bind` or `mode=connect` overrides the rule (`tcp://127.0.0.1:5557,mode=bind`
 //!   listens on loopback only).
 //!
+//! A worker record's label `kv_events` ([`KV_EVENTS_LABEL`]; workers file
+//! `labels`, etcd records) names its endpoint as the flag does after
+//! `WORKER_URL=`. The labels are followed as the workers change (every
+//! [`LABEL_POLL_PERIOD`]): a new one opens its socket, one gone closes it,
+//! one that cannot be opened is logged and tried again when it changes.
+//! The router reads the engines' events when any `--kv-events` is given or
+//! any worker has the label at start.
+//!
 //! `replay=ENDPOINT` names the engine's replay socket (vLLM's
 //! `replay_endpoint`, a ROUTER socket; the router connects to it, or binds
 //! under the same `*` rule).
@@ -63,7 +71,7 @@
 //!
 //! Stored blocks and removals are counted as the engine makes them (a
 //! block stored twice is held until removed twice; see
-//! [`KvIndex`](crate::kv_index::KvIndex)).
+//! [`KvIndex`]).
 //!
 //! # Keys and bounds
 //!
@@ -137,6 +145,15 @@ pub const REFUSAL_REASONS: [&str; 11] = [
     "medium",
     "block_size",
 ];
+
+/// The worker record label (workers file `labels`, etcd records) that
+/// names a worker's KV event endpoint, as `--kv-events` does after
+/// `WORKER_URL=`.
+pub const KV_EVENTS_LABEL: &str = "kv_events";
+
+/// How often the workers' `kv_events` labels are checked for endpoints to
+/// open or close.
+pub const LABEL_POLL_PERIOD: Duration = Duration::from_millis(500);
 
 /// The replay end marker's sequence number.
 const END_SEQ: u64 = u64::MAX;
@@ -565,6 +582,8 @@ impl EventIngester {
 /// The running subscribers and ingester.
 pub struct KvEventTasks {
     tasks: Vec<tokio::task::JoinHandle<()>>,
+    /// Dropped first: each flag subscriber closes its socket and ends.
+    stops: Vec<tokio::sync::oneshot::Sender<()>>,
 }
 
 impl KvEventTasks {
@@ -576,6 +595,7 @@ impl KvEventTasks {
 
 impl Drop for KvEventTasks {
     fn drop(&mut self) {
+        self.stops.clear();
         for t in &self.tasks {
             t.abort();
         }
@@ -592,39 +612,124 @@ pub async fn start(
 ) -> Result<KvEventTasks, ServeError> {
     let (tx, rx) = mpsc::channel(QUEUE_MESSAGES);
     let mut tasks = Vec::new();
+    let mut stops = Vec::new();
     for spec in specs {
-        let mut socket = zeromq::SubSocket::new();
-        let opened = if spec.bind {
-            socket.bind(&spec.endpoint).await.map(|_| ())
-        } else {
-            socket.connect(&spec.endpoint).await
-        };
-        opened.map_err(|e| ServeError::Invalid {
-            option: "--kv-events",
-            value: spec.endpoint.clone(),
-            bound: format!(
-                "a ZMQ endpoint the router can {} ({e})",
-                if spec.bind { "bind" } else { "connect to" }
-            ),
-        })?;
-        socket.subscribe(&spec.topic).await.map_err(|e| ServeError::Invalid {
-            option: "--kv-events",
-            value: spec.topic.clone(),
-            bound: format!("a topic ({e})"),
-        })?;
-        let sub = Subscriber {
-            worker: spec.worker.as_str().into(),
-            replay: spec.replay.clone(),
-            topic: spec.topic.clone(),
-            last: None,
-            metrics: metrics.clone(),
-            tx: tx.clone(),
-        };
-        tasks.push(tokio::spawn(sub.run(socket)));
+        let (sub, socket) = open(spec, &metrics, &tx).await?;
+        let (stop, stopped) = tokio::sync::oneshot::channel();
+        stops.push(stop);
+        tasks.push(tokio::spawn(sub.run(socket, stopped)));
     }
-    drop(tx);
+    tasks.push(tokio::spawn(watch_labels(
+        ingester.table.clone(),
+        specs.to_vec(),
+        metrics,
+        tx,
+    )));
     tasks.push(tokio::spawn(ingester.run(rx)));
-    Ok(KvEventTasks { tasks })
+    Ok(KvEventTasks { tasks, stops })
+}
+
+/// Whether any worker's record names a KV event endpoint (label
+/// [`KV_EVENTS_LABEL`]).
+pub fn labelled(table: &WorkerTable) -> bool {
+    table.view().workers().iter().any(|w| w.kv_events.is_some())
+}
+
+/// Opens `spec`'s socket: its subscriber, to run.
+async fn open(
+    spec: &KvEventsSpec,
+    metrics: &KvEventMetrics,
+    tx: &mpsc::Sender<Ingested>,
+) -> Result<(Subscriber, zeromq::SubSocket), ServeError> {
+    let mut socket = zeromq::SubSocket::new();
+    let opened = if spec.bind {
+        socket.bind(&spec.endpoint).await.map(|_| ())
+    } else {
+        socket.connect(&spec.endpoint).await
+    };
+    opened.map_err(|e| ServeError::Invalid {
+        option: "--kv-events",
+        value: spec.endpoint.clone(),
+        bound: format!(
+            "a ZMQ endpoint the router can {} ({e})",
+            if spec.bind { "bind" } else { "connect to" }
+        ),
+    })?;
+    socket.subscribe(&spec.topic).await.map_err(|e| ServeError::Invalid {
+        option: "--kv-events",
+        value: spec.topic.clone(),
+        bound: format!("a topic ({e})"),
+    })?;
+    let sub = Subscriber {
+        worker: spec.worker.as_str().into(),
+        replay: spec.replay.clone(),
+        topic: spec.topic.clone(),
+        last: None,
+        metrics: metrics.clone(),
+        tx: tx.clone(),
+    };
+    Ok((sub, socket))
+}
+
+/// Follows the workers' `kv_events` labels (workers file, etcd): opens a
+/// subscriber for each new endpoint, closes the ones whose worker or label
+/// went away. An endpoint that cannot be opened is logged and tried again
+/// when its label changes. Endpoints also given with `--kv-events` are
+/// left to the flag.
+async fn watch_labels(
+    table: Arc<WorkerTable>,
+    flags: Vec<KvEventsSpec>,
+    metrics: KvEventMetrics,
+    tx: mpsc::Sender<Ingested>,
+) {
+    // Dropped with this task (the router stops): every subscriber it
+    // started is aborted.
+    let mut subscribers = tokio::task::JoinSet::new();
+    // Per endpoint, the sender whose drop stops its subscriber (none: not
+    // opened).
+    let mut running: std::collections::HashMap<String, Option<tokio::sync::oneshot::Sender<()>>> = Default::default();
+    let mut tick = tokio::time::interval(LABEL_POLL_PERIOD);
+    loop {
+        tick.tick().await;
+        while subscribers.try_join_next().is_some() {}
+        let view = table.view();
+        let wanted: std::collections::HashSet<String> = view
+            .workers()
+            .iter()
+            .filter_map(|w| w.kv_events.as_ref().map(|e| format!("{}={e}", w.url.as_str())))
+            .collect();
+        running.retain(|key, _| wanted.contains(key));
+        for key in wanted {
+            if running.contains_key(&key) {
+                continue;
+            }
+            let task = match KvEventsSpec::parse(&key) {
+                Ok(spec)
+                    if flags
+                        .iter()
+                        .any(|f| f.worker == spec.worker && f.endpoint == spec.endpoint) =>
+                {
+                    None
+                }
+                Ok(spec) => match open(&spec, &metrics, &tx).await {
+                    Ok((sub, socket)) => {
+                        let (stop, stopped) = tokio::sync::oneshot::channel();
+                        subscribers.spawn(sub.run(socket, stopped));
+                        Some(stop)
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "KV events: a worker's kv_events label could not be opened");
+                        None
+                    }
+                },
+                Err(e) => {
+                    tracing::warn!(error = %e, "KV events: a worker's kv_events label is not an endpoint");
+                    None
+                }
+            };
+            running.insert(key, task);
+        }
+    }
 }
 
 struct Subscriber {
@@ -637,9 +742,17 @@ struct Subscriber {
 }
 
 impl Subscriber {
-    async fn run(mut self, mut socket: zeromq::SubSocket) {
+    /// Receives until `stop`'s sender is dropped, then closes the socket.
+    async fn run(mut self, mut socket: zeromq::SubSocket, mut stop: tokio::sync::oneshot::Receiver<()>) {
         loop {
-            let msg = match socket.recv().await {
+            let received = tokio::select! {
+                r = socket.recv() => r,
+                _ = &mut stop => {
+                    let _ = socket.unbind_all().await;
+                    return;
+                }
+            };
+            let msg = match received {
                 Ok(m) => m,
                 Err(e) => {
                     tracing::warn!(worker = &*self.worker, error = %e, "KV events: receive failed");
