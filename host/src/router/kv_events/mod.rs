@@ -89,7 +89,7 @@
 //! |---|---|---|
 //! | `selkie_kv_events_messages_total` | `worker` | messages decoded |
 //! | `selkie_kv_events_received_total` | `worker` | events applied to the index |
-//! | `selkie_kv_events_refused_total` | `worker`, `reason` | messages or events refused (see [`REFUSAL_REASONS`]) |
+//! | `selkie_kv_events_refused_total` | `worker`, `reason` | messages or events refused: [`FrameError::REASONS`] and `block_size` |
 //! | `selkie_kv_events_index_errors_total` | `worker`, `kind` | events the index refused in part or whole (`unknown_parent`, `unknown_blocks`, ...) |
 //! | `selkie_kv_events_gaps_total` | `worker` | sequence gaps seen |
 //! | `selkie_kv_events_replayed_total` | `worker` | messages recovered from the replay endpoint |
@@ -129,22 +129,6 @@ pub const REPLAY_TIMEOUT: Duration = Duration::from_secs(2);
 pub const QUEUE_MESSAGES: usize = 1024;
 /// How often the index follows the fleet's rows when no event arrives.
 pub const ROW_SYNC_PERIOD: Duration = Duration::from_millis(100);
-
-/// Every `reason` of `selkie_kv_events_refused_total`: the decoder's
-/// ([`FrameError::reason`]) and `block_size`.
-pub const REFUSAL_REASONS: [&str; 11] = [
-    "frame_count",
-    "sequence_frame",
-    "too_large",
-    "msgpack",
-    "shape",
-    "unknown_event",
-    "too_many_events",
-    "too_many_blocks",
-    "token_count",
-    "medium",
-    "block_size",
-];
 
 /// The worker record label (workers file `labels`, etcd records) that
 /// names a worker's KV event endpoint, as `--kv-events` does after
@@ -663,7 +647,6 @@ async fn open(
     let sub = Subscriber {
         worker: spec.worker.as_str().into(),
         replay: spec.replay.clone(),
-        topic: spec.topic.clone(),
         last: None,
         metrics: metrics.clone(),
         tx: tx.clone(),
@@ -735,7 +718,6 @@ async fn watch_labels(
 struct Subscriber {
     worker: Arc<str>,
     replay: Option<String>,
-    topic: String,
     last: Option<u64>,
     metrics: KvEventMetrics,
     tx: mpsc::Sender<Ingested>,
@@ -819,7 +801,7 @@ impl Subscriber {
         let Some(endpoint) = self.replay.clone() else {
             return Ok(false);
         };
-        let fetched = tokio::time::timeout(REPLAY_TIMEOUT, fetch_replay(&endpoint, &self.topic, from, until)).await;
+        let fetched = tokio::time::timeout(REPLAY_TIMEOUT, fetch_replay(&endpoint, from, until)).await;
         let batches = match fetched {
             Ok(Ok(b)) => b,
             Ok(Err(e)) => {
@@ -860,7 +842,6 @@ impl Subscriber {
 /// answers up to the end marker (or `until`).
 async fn fetch_replay(
     endpoint: &str,
-    topic: &str,
     from: u64,
     until: u64,
 ) -> Result<Vec<Result<EventBatch, FrameError>>, zeromq::ZmqError> {
@@ -896,7 +877,6 @@ async fn fetch_replay(
         if seq == END_SEQ {
             break;
         }
-        let _ = topic;
         out.push(decode_payload(payload).map(|(dp_rank, events)| EventBatch { seq, dp_rank, events }));
         if seq + 1 >= until {
             break;
