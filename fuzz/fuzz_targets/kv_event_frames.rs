@@ -1,12 +1,12 @@
 //! `kv_event_frames`: the decoder of the engines' KV event messages
-//! (`selkie::router::kv_events::decode`) on arbitrary frames. The first
+//! (`selkie::engine_events`) on arbitrary frames. The first
 //! byte picks how many frames (0-4) the rest is cut into; every split is
 //! decoded, and the payload alone too. Never a panic; a decoded message
 //! keeps its documented bounds.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use selkie::router::kv_events::decode::{self, EngineEvent};
+use selkie::engine_events::{self as decode, EngineEvent};
 
 fn check_events(events: &[EngineEvent]) {
     assert!(events.len() <= decode::MAX_EVENTS_PER_MESSAGE);

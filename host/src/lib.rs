@@ -10,6 +10,9 @@ mod explain;
 mod filter;
 mod fleet;
 pub mod kv_index;
+
+#[cfg(feature = "engine-events")]
+pub mod engine_events;
 mod plugin;
 mod policy;
 #[cfg(feature = "nats")]

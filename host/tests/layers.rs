@@ -17,6 +17,8 @@ fn layer(module: &str) -> Option<u8> {
     Some(match module {
         "types" | "error" | "request" | "explain" | "contain" => 0,
         "fleet" | "kv_index" => 1,
+        // The engines' KV event messages, decoded into the index's tiers.
+        "engine_events" => 1,
         // Credentials and TLS files for the connections of discovery and
         // replica sync: the plain types and the error only.
         "secure" => 1,

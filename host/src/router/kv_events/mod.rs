@@ -35,7 +35,7 @@
 //!
 //! # Messages
 //!
-//! See [`decode`]: three frames `[topic, sequence number, msgpack payload]`,
+//! See [`engine_events`](crate::engine_events): three frames `[topic, sequence number, msgpack payload]`,
 //! events `BlockStored`, `BlockRemoved` and `AllBlocksCleared`, as maps or
 //! positional arrays; `medium` `"GPU"` is the device tier, `"CPU"` host
 //! memory, `"DISK"` disk, anything else is refused (`medium`). A message
@@ -98,7 +98,6 @@
 //! | `selkie_kv_events_duplicates_total` | `worker` | messages ignored as duplicates |
 
 pub mod chain;
-pub mod decode;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -110,8 +109,8 @@ use prometheus_client::registry::Registry;
 use tokio::sync::mpsc;
 use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
 
+pub use crate::engine_events::{decode_frames, decode_payload, EngineEvent, EventBatch, FrameError, StoredBlocks};
 pub use chain::{KvHashing, Sha256CborChain};
-pub use decode::{decode_frames, decode_payload, EngineEvent, EventBatch, FrameError, StoredBlocks};
 
 use super::overlaps::{OverlapSource, Recorded};
 use super::prompt::PromptBlocks;

@@ -164,11 +164,14 @@ fn refuses_bad_frames_with_reasons() {
     assert_eq!(reason(&frames(0, &store(2, 7, "GPU"))), "token_count");
     assert_eq!(reason(&frames(0, &store(2, 8, "NVME"))), "medium");
     assert_eq!(
-        reason(&frames(0, &store(decode::MAX_BLOCKS_PER_EVENT as u64 + 1, 0, "GPU"))),
+        reason(&frames(
+            0,
+            &store(crate::engine_events::MAX_BLOCKS_PER_EVENT as u64 + 1, 0, "GPU")
+        )),
         "too_many_blocks"
     );
     assert_eq!(
-        reason(&frames(0, &vec![0x90; decode::MAX_PAYLOAD_BYTES + 1])),
+        reason(&frames(0, &vec![0x90; crate::engine_events::MAX_PAYLOAD_BYTES + 1])),
         "too_large"
     );
     // Deep nesting is refused, not a stack overflow.
