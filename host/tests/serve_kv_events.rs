@@ -140,9 +140,18 @@ async fn engine_events_over_zmq_drive_overlaps_and_metrics() {
             Some(lb.as_str()),
             "the engine holding the prefix"
         );
+        // All 16 blocks of 32 tokens predicted cached there.
+        assert_eq!(reply.header("x-selkie-predicted-cached-tokens"), Some("512"));
     }
     let s = scrape(&r).await;
     assert_eq!(s.value("selkie_kv_events_refused_total", &refused(&lb, "msgpack")), 1.0);
+    assert_eq!(
+        s.value(
+            "selkie_kv_events_received_total",
+            &format!("worker=\"{lb}\",event=\"stored\"")
+        ),
+        1.0
+    );
     assert_eq!(
         s.value("selkie_kv_events_messages_total", &format!("worker=\"{lb}\"")),
         1.0

@@ -43,6 +43,12 @@ use super::Limits;
 /// request header that names the worker a request must go to).
 pub const WORKER_HEADER: &str = "x-selkie-worker";
 
+/// The response header with the prompt tokens the router predicted the
+/// chosen worker rank holds in its cache (whole blocks), when its policy
+/// reads cache overlaps. Compare it with the engine's own count
+/// (`usage.prompt_tokens_details.cached_tokens` in vLLM).
+pub const PREDICTED_CACHED_HEADER: &str = "x-selkie-predicted-cached-tokens";
+
 /// The request header carrying the chosen data-parallel rank, for workers
 /// with several (vLLM's name).
 pub const DP_RANK_HEADER: &str = "x-data-parallel-rank";
@@ -404,6 +410,9 @@ impl HttpDoor {
         self.core.metrics.answered(label, head.status.as_u16());
         strip_hop_by_hop(&mut head.headers);
         head.headers.insert(WORKER_HEADER, choice.worker.header.clone());
+        if let Some(tokens) = choice.predicted_cached_tokens {
+            head.headers.insert(PREDICTED_CACHED_HEADER, HeaderValue::from(tokens));
+        }
         let Choice { mut lifecycle, .. } = choice;
         lifecycle.response_head();
         self.core.metrics.open_response(1);

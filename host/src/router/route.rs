@@ -75,6 +75,10 @@ pub struct Choice {
     pub lifecycle: Lifecycle,
     /// The rank booked.
     pub rank: WorkerWithDpRank,
+    /// The prompt tokens the chosen rank was predicted to hold in its
+    /// cache (whole blocks), when the policy read cache overlaps; none
+    /// after a retry moved the request to another worker.
+    pub predicted_cached_tokens: Option<usize>,
     retry: Retry,
 }
 
@@ -201,6 +205,10 @@ impl RouterCore {
         };
         let (booking, seconds, held) = self.select(tokens, allowed, named, blocks.as_ref())?;
         let rank = booking.worker();
+        let predicted_cached_tokens = match (&self.overlaps, &blocks) {
+            (Some(_), Some(_)) => Some(held * self.block_size as usize),
+            _ => None,
+        };
         self.metrics.selected(booking.explanation().branch, seconds);
         if let (Some(source), Some(b)) = (&self.overlaps, &blocks) {
             match source.chosen(rank, b, held) {
@@ -225,11 +233,15 @@ impl RouterCore {
             tried: Vec::new(),
             tokens,
         };
+        let mut predicted_cached_tokens = predicted_cached_tokens;
         let worker = match self.table.get(rank.worker_id, &self.service) {
             Some(w) => w,
             // The worker left between the selection and now.
             None => match self.move_on(&mut lifecycle, &mut rank, &mut retry) {
-                Ok(w) => w,
+                Ok(w) => {
+                    predicted_cached_tokens = None;
+                    w
+                }
                 Err(e) => {
                     lifecycle.end(super::lifecycle::Ending::Refused);
                     return Err(e);
@@ -240,6 +252,7 @@ impl RouterCore {
             worker,
             lifecycle,
             rank,
+            predicted_cached_tokens,
             retry,
         })
     }
@@ -300,6 +313,7 @@ impl RouterCore {
     /// doubled). 502 when there is none.
     pub fn next_choice(&self, choice: &mut Choice) -> Result<(), ApiError> {
         choice.worker = self.move_on(&mut choice.lifecycle, &mut choice.rank, &mut choice.retry)?;
+        choice.predicted_cached_tokens = None;
         Ok(())
     }
 

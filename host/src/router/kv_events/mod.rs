@@ -88,7 +88,7 @@
 //! | metric | labels | what |
 //! |---|---|---|
 //! | `selkie_kv_events_messages_total` | `worker` | messages decoded |
-//! | `selkie_kv_events_received_total` | `worker` | events applied to the index |
+//! | `selkie_kv_events_received_total` | `worker`, `event` | events applied to the index (`stored`, `removed`, `cleared`) |
 //! | `selkie_kv_events_refused_total` | `worker`, `reason` | messages or events refused: [`FrameError::REASONS`] and `block_size` |
 //! | `selkie_kv_events_index_errors_total` | `worker`, `kind` | events the index refused in part or whole (`unknown_parent`, `unknown_blocks`, ...) |
 //! | `selkie_kv_events_gaps_total` | `worker` | sequence gaps seen |
@@ -272,6 +272,14 @@ impl KvEventMetrics {
     pub fn refused(&self, worker: &str, reason: &'static str) {
         self.refused
             .get_or_create(&vec![("worker", worker.to_owned()), ("reason", reason.to_owned())])
+            .inc();
+    }
+
+    /// Counts an event of `worker` applied to the index (`kind`:
+    /// `stored`, `removed`, `cleared`).
+    fn received(&self, worker: &str, kind: &'static str) {
+        self.received
+            .get_or_create(&vec![("worker", worker.to_owned()), ("event", kind.to_owned())])
             .inc();
     }
 
@@ -459,7 +467,7 @@ impl EventIngester {
                         );
                         self.next_id.insert(rank, id + 1);
                     }
-                    self.metrics.received.get_or_create(&label).inc();
+                    self.metrics.received(&msg.worker, "cleared");
                     if let Err(e) = result {
                         self.index_error(&msg.worker, &e);
                     }
@@ -467,7 +475,12 @@ impl EventIngester {
                 }
             };
             self.next_id.insert(rank, id + 1);
-            self.metrics.received.get_or_create(&label).inc();
+            let kind = match event {
+                EngineEvent::Stored(_) => "stored",
+                EngineEvent::Removed { .. } => "removed",
+                EngineEvent::Cleared => "cleared",
+            };
+            self.metrics.received(&msg.worker, kind);
             if let Err(e) = result {
                 self.index_error(&msg.worker, &e);
             }
