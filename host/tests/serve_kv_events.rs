@@ -2,7 +2,8 @@
 //! vLLM's send recorded vLLM 0.32 messages over real ZMQ sockets; the
 //! router's choices and `/metrics` show them. Gaps with and without a
 //! replay endpoint (a ROUTER stub answering as vLLM's), an engine restart
-//! at sequence 0, bad frames and a block-size mismatch.
+//! at sequence 0, bad frames, a block-size mismatch, and a worker that
+//! refuses connections.
 
 mod support;
 
@@ -261,5 +262,54 @@ async fn workers_file_labels_name_event_endpoints() {
         std::net::TcpListener::bind(("127.0.0.1", port)).is_ok()
     })
     .await;
+    server.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_refusing_connections_loses_its_blocks() {
+    let a = StubEngine::start(StubConfig::new("a")).await;
+    // Nothing listens at `dead`: an engine that died after telling its
+    // blocks.
+    let dead = format!("http://127.0.0.1:{}", free_port());
+    let pd = free_port();
+    let specs = vec![KvEventsSpec::parse(&format!("{dead}=tcp://127.0.0.1:{pd},mode=bind")).unwrap()];
+    let server = router(&[a.url(), dead.clone()], |c| {
+        c.policy = PolicySpec::parse("kv").unwrap();
+        c.block_size = 32;
+        c.kv_events = specs;
+    })
+    .await;
+    let r = url(&server);
+    let mut publisher = zeromq::PubSocket::new();
+    publisher.connect(&format!("tcp://127.0.0.1:{pd}")).await.unwrap();
+    eventually("the dead engine's blocks indexed", async || {
+        publisher.send(frames(0, SEQ0)).await.unwrap();
+        scrape(&r).await.value("selkie_kv_index_blocks", "") == 16.0
+    })
+    .await;
+    let body =
+        serde_json::json!({"model": a.config().model.clone(), "prompt": prompt_tokens(), "max_tokens": 1}).to_string();
+    // Chosen for its blocks, refused, retried on a: no prediction for a.
+    let reply = post(&r, "/v1/completions", body.clone(), &[]).await;
+    assert_eq!(reply.status, 200);
+    assert_eq!(reply.header("x-selkie-worker"), Some(a.url().as_str()));
+    assert_eq!(reply.header("x-selkie-predicted-cached-tokens"), None);
+    eventually("the dead engine's blocks dropped", async || {
+        scrape(&r).await.value("selkie_kv_index_blocks", "") == 0.0
+    })
+    .await;
+    assert_eq!(
+        scrape(&r)
+            .await
+            .value("selkie_kv_events_unreachable_total", &format!("worker=\"{dead}\"")),
+        1.0
+    );
+    // Nothing is predicted cached anywhere now (a choice of the dead
+    // engine is retried on a, without a prediction).
+    for _ in 0..4 {
+        let reply = post(&r, "/v1/completions", body.clone(), &[]).await;
+        assert_eq!(reply.header("x-selkie-worker"), Some(a.url().as_str()));
+        assert_ne!(reply.header("x-selkie-predicted-cached-tokens"), Some("512"));
+    }
     server.shutdown().await;
 }

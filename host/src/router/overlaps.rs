@@ -54,6 +54,11 @@ pub trait OverlapSource: Send + Sync {
 
     /// Blocks the source holds (`selkie_kv_index_blocks`).
     fn blocks(&self) -> usize;
+
+    /// `worker` refused a connection: what it held is unknown now (an
+    /// engine that died lost its cache; one that restarts tells again).
+    /// The default keeps what the source holds.
+    fn unreachable(&self, _worker: crate::WorkerId) {}
 }
 
 /// The router's own decisions as cache overlaps: an [`ApproxKvIndex`]

@@ -323,6 +323,9 @@ impl RouterCore {
         rank: &mut WorkerWithDpRank,
         retry: &mut Retry,
     ) -> Result<Arc<WorkerEntry>, ApiError> {
+        if let Some(source) = &self.overlaps {
+            source.unreachable(rank.worker_id);
+        }
         retry.tried.push(rank.worker_id);
         let view = self.table.view();
         let candidates: Vec<WorkerId> = match &retry.route {

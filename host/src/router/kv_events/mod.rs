@@ -69,6 +69,11 @@
 //! * otherwise at or below the last: a duplicate, ignored
 //!   (`selkie_kv_events_duplicates_total`).
 //!
+//! A worker that refuses the router's connection (an engine that died
+//! loses its cache, and a restarted one says nothing until it stores
+//! again) has its blocks dropped at once, on every rank and tier
+//! (`selkie_kv_events_unreachable_total`); its next events rebuild them.
+//!
 //! Stored blocks and removals are counted as the engine makes them (a
 //! block stored twice is held until removed twice; see
 //! [`KvIndex`]).
@@ -96,6 +101,7 @@
 //! | `selkie_kv_events_replay_failures_total` | `worker` | replays that failed or fell short |
 //! | `selkie_kv_events_restarts_total` | `worker` | engine restarts seen |
 //! | `selkie_kv_events_duplicates_total` | `worker` | messages ignored as duplicates |
+//! | `selkie_kv_events_unreachable_total` | `worker` | times the worker refused a connection and its blocks were dropped |
 
 pub mod chain;
 
@@ -215,6 +221,7 @@ pub struct KvEventMetrics {
     replay_failures: Family<Vec<(&'static str, String)>, Counter>,
     restarts: Family<Vec<(&'static str, String)>, Counter>,
     duplicates: Family<Vec<(&'static str, String)>, Counter>,
+    unreachable: Family<Vec<(&'static str, String)>, Counter>,
 }
 
 fn worker_label(worker: &str) -> Vec<(&'static str, String)> {
@@ -261,6 +268,11 @@ impl KvEventMetrics {
                 "selkie_kv_events_duplicates",
                 "KV event messages ignored as duplicates",
                 &self.duplicates,
+            ),
+            (
+                "selkie_kv_events_unreachable",
+                "Times a worker refused a connection and its indexed blocks were dropped",
+                &self.unreachable,
             ),
         ];
         for (name, help, family) in all {
@@ -314,6 +326,14 @@ struct Ingested {
 pub struct EventOverlaps {
     reader: KvIndexReader,
     blocks: Arc<AtomicUsize>,
+    down: Arc<WorkersDown>,
+}
+
+/// Workers that refused a connection, for the ingester to drop.
+#[derive(Default)]
+struct WorkersDown {
+    workers: std::sync::Mutex<Vec<crate::WorkerId>>,
+    wake: tokio::sync::Notify,
 }
 
 impl OverlapSource for EventOverlaps {
@@ -332,6 +352,13 @@ impl OverlapSource for EventOverlaps {
 
     fn blocks(&self) -> usize {
         self.blocks.load(Ordering::Relaxed)
+    }
+
+    fn unreachable(&self, worker: crate::WorkerId) {
+        if let Ok(mut w) = self.down.workers.lock() {
+            w.push(worker);
+        }
+        self.down.wake.notify_one();
     }
 }
 
@@ -352,6 +379,7 @@ pub struct EventIngester {
     scratch: Vec<StoredBlock>,
     local: Vec<u64>,
     router_metrics: Option<Arc<super::Metrics>>,
+    down: Arc<WorkersDown>,
 }
 
 impl EventIngester {
@@ -368,6 +396,7 @@ impl EventIngester {
     ) -> (Self, EventOverlaps) {
         let (writer, reader) = shared_with(|| KvIndex::new(block_size).with_max_blocks(max_blocks));
         let blocks = Arc::new(AtomicUsize::new(0));
+        let down = Arc::new(WorkersDown::default());
         let mut ingester = EventIngester {
             writer,
             block_size,
@@ -382,9 +411,10 @@ impl EventIngester {
             scratch: Vec::new(),
             local: Vec::new(),
             router_metrics: None,
+            down: down.clone(),
         };
         ingester.publish();
-        (ingester, EventOverlaps { reader, blocks })
+        (ingester, EventOverlaps { reader, blocks, down })
     }
 
     /// Keeps the router's `selkie_kv_index_blocks` gauge at the blocks the
@@ -488,6 +518,43 @@ impl EventIngester {
         self.publish();
     }
 
+    /// Drops every block of the workers that refused a connection, in
+    /// every tier of each of their ranks; their next events rebuild it.
+    fn drop_unreachable(&mut self) {
+        let down = match self.down.workers.lock() {
+            Ok(mut w) => std::mem::take(&mut *w),
+            Err(_) => return,
+        };
+        if down.is_empty() {
+            return;
+        }
+        for worker in down {
+            let ranks: Vec<WorkerWithDpRank> = self.next_id.keys().filter(|r| r.worker_id == worker).copied().collect();
+            for rank in ranks {
+                for tier in [
+                    crate::kv_index::StorageTier::Device,
+                    crate::kv_index::StorageTier::Host,
+                    crate::kv_index::StorageTier::Disk,
+                ] {
+                    let id = *self.next_id.entry(rank).or_insert(1);
+                    // Clearing a rank's tier cannot be refused.
+                    let _ = self
+                        .writer
+                        .apply(&KvEvent::new(rank, id, KvEventData::Cleared).in_tier(tier));
+                    self.next_id.insert(rank, id + 1);
+                }
+            }
+            let url = self.table.get(worker, &self.service).map(|w| w.url.as_str().to_owned());
+            let url = url.unwrap_or_else(|| format!("{worker:?}"));
+            tracing::info!(
+                worker = url,
+                "KV events: the worker refused a connection; its blocks no longer count"
+            );
+            self.metrics.unreachable.get_or_create(&worker_label(&url)).inc();
+        }
+        self.publish();
+    }
+
     fn index_error(&self, worker: &str, e: &KvEventError) {
         let kind = match e {
             KvEventError::UnknownParent { .. } => "unknown_parent",
@@ -563,12 +630,17 @@ impl EventIngester {
     /// fleet's rows meanwhile.
     async fn run(mut self, mut rx: mpsc::Receiver<Ingested>) {
         let mut tick = tokio::time::interval(ROW_SYNC_PERIOD);
+        let down = self.down.clone();
         loop {
             tokio::select! {
                 msg = rx.recv() => match msg {
-                    Some(msg) => self.ingest(&msg),
+                    Some(msg) => {
+                        self.drop_unreachable();
+                        self.ingest(&msg);
+                    }
                     None => return,
                 },
+                _ = down.wake.notified() => self.drop_unreachable(),
                 _ = tick.tick() => self.publish(),
             }
         }
