@@ -313,3 +313,41 @@ async fn a_worker_refusing_connections_loses_its_blocks() {
     }
     server.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connecting_subscriber_waits_for_the_engine_and_follows_its_restart() {
+    let a = StubEngine::start(StubConfig::new("a")).await;
+    let port = free_port();
+    // The engine binds (its endpoint names `*`); the router connects, and
+    // starts before the engine is up.
+    let specs = vec![KvEventsSpec::parse(&format!("{}=tcp://127.0.0.1:{port},mode=connect", a.url())).unwrap()];
+    let server = tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        router(&[a.url()], |c| {
+            c.policy = PolicySpec::parse("kv").unwrap();
+            c.block_size = 32;
+            c.kv_events = specs;
+        }),
+    )
+    .await
+    .expect("the router started while the engine's endpoint was down");
+    let r = url(&server);
+    let wa = format!("worker=\"{}\"", a.url());
+    let mut seen = 0.0;
+    for life in 1..=2 {
+        let mut engine = zeromq::PubSocket::new();
+        engine.bind(&format!("tcp://127.0.0.1:{port}")).await.unwrap();
+        eventually(&format!("engine process {life}'s store indexed"), async || {
+            // Sequence 0 (each process numbers from 0), resent until the
+            // router has connected and subscribed.
+            engine.send(frames(0, SEQ0)).await.unwrap();
+            let s = scrape(&r).await;
+            s.value("selkie_kv_index_blocks", "") == 16.0 && s.value("selkie_kv_events_messages_total", &wa) > seen
+        })
+        .await;
+        seen = scrape(&r).await.value("selkie_kv_events_messages_total", &wa);
+        // The engine process ends; a new one binds the same endpoint.
+        drop(engine);
+    }
+    server.shutdown().await;
+}

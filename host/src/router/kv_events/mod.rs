@@ -69,6 +69,10 @@
 //! * otherwise at or below the last: a duplicate, ignored
 //!   (`selkie_kv_events_duplicates_total`).
 //!
+//! A connecting subscriber does not hold up the router's start: it
+//! connects when the engine's endpoint is up, and checks that it still is
+//! after [`CONNECT_REFRESH`] without a message (see `Subscriber::run`).
+//!
 //! A worker that refuses the router's connection (an engine that died
 //! loses its cache, and a restarted one says nothing until it stores
 //! again) has its blocks dropped at once, on every rank and tier
@@ -143,6 +147,15 @@ pub const KV_EVENTS_LABEL: &str = "kv_events";
 /// How often the workers' `kv_events` labels are checked for endpoints to
 /// open or close.
 pub const LABEL_POLL_PERIOD: Duration = Duration::from_millis(500);
+
+/// How long a connecting subscriber waits before trying a refused
+/// connection again.
+pub const CONNECT_RETRY: Duration = Duration::from_millis(500);
+
+/// How long a connecting subscriber goes without a message before it
+/// checks, with a fresh connection, that its engine is still the one it
+/// hears (see the module docs).
+pub const CONNECT_REFRESH: Duration = Duration::from_secs(5);
 
 /// The replay end marker's sequence number.
 const END_SEQ: u64 = u64::MAX;
@@ -710,19 +723,26 @@ async fn open(
     tx: &mpsc::Sender<Ingested>,
 ) -> Result<(Subscriber, zeromq::SubSocket), ServeError> {
     let mut socket = zeromq::SubSocket::new();
-    let opened = if spec.bind {
-        socket.bind(&spec.endpoint).await.map(|_| ())
-    } else {
-        socket.connect(&spec.endpoint).await
-    };
-    opened.map_err(|e| ServeError::Invalid {
+    let invalid = |e: String| ServeError::Invalid {
         option: "--kv-events",
         value: spec.endpoint.clone(),
         bound: format!(
             "a ZMQ endpoint the router can {} ({e})",
             if spec.bind { "bind" } else { "connect to" }
         ),
-    })?;
+    };
+    // A connecting subscriber connects in its task, again whenever the
+    // engine goes away: an engine that is not up yet never holds up the
+    // router.
+    let connect = if spec.bind {
+        socket.bind(&spec.endpoint).await.map_err(|e| invalid(e.to_string()))?;
+        None
+    } else {
+        spec.endpoint
+            .parse::<zeromq::Endpoint>()
+            .map_err(|e| invalid(e.to_string()))?;
+        Some(spec.endpoint.clone())
+    };
     socket.subscribe(&spec.topic).await.map_err(|e| ServeError::Invalid {
         option: "--kv-events",
         value: spec.topic.clone(),
@@ -730,6 +750,8 @@ async fn open(
     })?;
     let sub = Subscriber {
         worker: spec.worker.as_str().into(),
+        connect,
+        topic: spec.topic.clone(),
         replay: spec.replay.clone(),
         last: None,
         metrics: metrics.clone(),
@@ -801,6 +823,9 @@ async fn watch_labels(
 
 struct Subscriber {
     worker: Arc<str>,
+    /// The engine's endpoint, when the router connects.
+    connect: Option<String>,
+    topic: String,
     replay: Option<String>,
     last: Option<u64>,
     metrics: KvEventMetrics,
@@ -809,15 +834,60 @@ struct Subscriber {
 
 impl Subscriber {
     /// Receives until `stop`'s sender is dropped, then closes the socket.
-    async fn run(mut self, mut socket: zeromq::SubSocket, mut stop: tokio::sync::oneshot::Receiver<()>) {
+    ///
+    /// A connecting subscriber cannot see its engine go away (the ZMQ
+    /// library drops a closed connection silently), so after
+    /// [`CONNECT_REFRESH`] without a message it opens a fresh socket beside
+    /// the old one: when the engine answers, both are read for
+    /// [`CONNECT_REFRESH`] (a message seen twice is a duplicate) and the old
+    /// one is dropped; when it does not (it is down), the router waits for
+    /// it, connecting again.
+    async fn run(mut self, socket: zeromq::SubSocket, mut stop: tokio::sync::oneshot::Receiver<()>) {
+        // A connecting subscriber's first socket connects in the loop.
+        let mut socket = self.connect.is_none().then_some(socket);
+        // The socket being replaced, read until the instant given.
+        let mut old: Option<(zeromq::SubSocket, tokio::time::Instant)> = None;
+        let mut quiet_since = tokio::time::Instant::now();
         loop {
+            let Some(current) = socket.as_mut() else {
+                let Some(endpoint) = self.connect.clone() else { return };
+                tokio::select! {
+                    fresh = self.fresh_socket(&endpoint, None) => {
+                        socket = fresh;
+                        quiet_since = tokio::time::Instant::now();
+                    }
+                    _ = &mut stop => return,
+                }
+                continue;
+            };
+            let refresh_at = quiet_since + CONNECT_REFRESH;
+            let old_until = old.as_ref().map(|(_, until)| *until);
             let received = tokio::select! {
-                r = socket.recv() => r,
+                r = current.recv() => r,
+                r = async { old.as_mut().expect("guarded").0.recv().await }, if old.is_some() => r,
+                _ = tokio::time::sleep_until(old_until.unwrap_or(refresh_at)), if old_until.is_some() => {
+                    old = None;
+                    continue;
+                }
+                _ = tokio::time::sleep_until(refresh_at), if self.connect.is_some() && old.is_none() => {
+                    let endpoint = self.connect.clone().unwrap_or_default();
+                    let fresh = tokio::select! {
+                        f = self.fresh_socket(&endpoint, Some(CONNECT_REFRESH)) => f,
+                        _ = &mut stop => return,
+                    };
+                    let replaced = std::mem::replace(&mut socket, fresh);
+                    if socket.is_some() {
+                        old = replaced.map(|s| (s, tokio::time::Instant::now() + CONNECT_REFRESH));
+                    }
+                    quiet_since = tokio::time::Instant::now();
+                    continue;
+                }
                 _ = &mut stop => {
-                    let _ = socket.unbind_all().await;
+                    let _ = current.unbind_all().await;
                     return;
                 }
             };
+            quiet_since = tokio::time::Instant::now();
             let msg = match received {
                 Ok(m) => m,
                 Err(e) => {
@@ -837,6 +907,34 @@ impl Subscriber {
             };
             if self.accept(batch).await.is_err() {
                 return;
+            }
+        }
+    }
+
+    /// A socket subscribed to the topic and connected to `endpoint`, or
+    /// none when `within` passes first.
+    async fn fresh_socket(&self, endpoint: &str, within: Option<Duration>) -> Option<zeromq::SubSocket> {
+        loop {
+            let mut socket = zeromq::SubSocket::new();
+            if let Err(e) = socket.subscribe(&self.topic).await {
+                tracing::warn!(worker = &*self.worker, error = %e, "KV events: subscribe failed");
+            }
+            let connected = match within {
+                Some(limit) => match tokio::time::timeout(limit, socket.connect(endpoint)).await {
+                    Ok(r) => r,
+                    Err(_) => return None,
+                },
+                None => socket.connect(endpoint).await,
+            };
+            match connected {
+                Ok(()) => return Some(socket),
+                Err(e) => {
+                    tracing::debug!(worker = &*self.worker, error = %e, "KV events: connect failed; retrying");
+                    if within.is_some() {
+                        return None;
+                    }
+                    tokio::time::sleep(CONNECT_RETRY).await;
+                }
             }
         }
     }
