@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# selkie serve in front of two real vLLM engines on CPU (dummy weights),
+# hearing their KV cache events: host/tests/engines/check_vllm.py.
+#
+# vLLM lives in a venv of its own (SELKIE_VLLM_VENV, default
+# ~/.cache/selkie/vllm-0.32; installed the first time, about 6 GB, then
+# reused). Everything it starts is stopped when it ends.
+set -euo pipefail
+cd "$(dirname "$0")/../../.."
+venv=${SELKIE_VLLM_VENV:-$HOME/.cache/selkie/vllm-0.32}
+target=${CARGO_TARGET_DIR:-target}
+host/tests/engines/install-vllm.sh "$venv"
+cargo build -q -p selkie --features serve --bin selkie
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+"$venv/bin/python" host/tests/engines/check_vllm.py --venv "$venv" --selkie "$target/debug/selkie" --work "$work"
