@@ -173,7 +173,7 @@ def main():
 
     def vr_cmd(policy, extra=()):
         return lambda port: [vr, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls, "--policy", policy,
-                             "--prometheus-port", str(E.free_ports(1)[0]), "--log-level", "warn", *extra]  # fmt: skip
+                             "--prometheus-port", str(E.free_ports(1)[0]), "--log-level", "warning", *extra]  # fmt: skip
 
     def smg_cmd(policy):
         return lambda port: [smg, "launch", "--host", "127.0.0.1", "--prometheus-host", "127.0.0.1", "--port", str(port),
@@ -182,7 +182,8 @@ def main():
 
     vr_events = []
     for e in engines:
-        vr_events += ["--kv-event-source", f"{e.url}={e.events_connect}"]
+        vr_events += ["--kv-event-source", f"{e.url}={e.events_connect}",
+                      "--kv-event-replay-source", f"{e.url}={e.replay_endpoint}"]  # fmt: skip
     vr_events += ["--kv-event-block-size", str(E.BLOCK), "--kv-event-model", E.MODEL]
     # (name, command, text prompts, told)
     targets = [

@@ -13,7 +13,9 @@ Checks:
   refuses a connection, its restart is seen, predictions stay exact;
 * on prompts sharing prefixes, the kv policy's engine-reported cached share
   is above round-robin's;
-* the engines' `cached_tokens` add up to their `/metrics` hit counters.
+* the engines' `cached_tokens` add up to their `/metrics` hit counters;
+* the check itself can fail: a router told the wrong hash seed
+  (`engine-sha256-cbor:1`) predicts no hits where the engines had them.
 
 Usage: check_vllm.py --venv VENV --selkie BINARY --work DIR
 """
@@ -122,8 +124,12 @@ def run_phase(name, router, engines, prompts, restart_at=None):
                 raise AssertionError("a request pinned to a killed engine was answered")
             except urllib.error.HTTPError as err:
                 assert err.code == 502, err.code
-            m = E.metrics(router.url)
-            assert total(m, "selkie_kv_events_unreachable_total", worker=victim.url) >= 1, "unreachable not counted"
+            for _ in range(50):  # the router drops its blocks a moment later
+                if total(E.metrics(router.url), "selkie_kv_events_unreachable_total", worker=victim.url) >= 1:
+                    break
+                time.sleep(0.1)
+            else:
+                raise AssertionError("the killed engine's refusal was not counted")
             victim.start()
             victim.wait_healthy(time.time() + 600)
             restarted = victim
@@ -161,13 +167,15 @@ def main():
             ("kv, --kv-hash tokens", "kv", "tokens", None),
             ("round-robin", "round-robin", None, None),
             ("kv, --kv-hash engine-sha256-cbor, engine b killed and restarted", "kv", "engine-sha256-cbor", args.requests // 2),
+            ("kv, the wrong hash seed (must miss)", "kv", "engine-sha256-cbor:1", None),
         ]:  # fmt: skip
             log = os.path.join(args.work, f"selkie-{len(routers)}.log")
             router = E.selkie(args.selkie, engines, log, policy=policy, kv_hash=kv_hash or "tokens")
             routers.append(router)
             router.wait_ready()
             clear_both(router, engines)
-            phases[name] = phase = run_phase(name, router, engines, prompts, restart)
+            wrong = kv_hash == "engine-sha256-cbor:1"
+            phases[name] = phase = run_phase(name, router, engines, prompts[: len(prompts) // 3] if wrong else prompts, restart)
             m = E.metrics(router.url)
             for e in engines:
                 for kind in events[e.url]:
@@ -175,7 +183,10 @@ def main():
             refused = total(m, "selkie_kv_events_refused_total")
             if refused:
                 failures.append(f"{name}: {refused} KV event messages refused")
-            if policy == "kv" and (phase.checked < len(prompts) // 2 or phase.misses):
+            if wrong:
+                if not phase.misses:
+                    failures.append(f"{name}: every prediction matched with the wrong seed")
+            elif policy == "kv" and (phase.checked < len(prompts) // 2 or phase.misses):
                 failures.append(f"{name}: {phase.exact}/{phase.checked} predictions exact")
             router.stop()
         for url, kinds in events.items():
