@@ -16,11 +16,13 @@ Workloads (--workload):
 * `shared`: 10 system prompts of 16 blocks each (more blocks than one
   engine holds), each request one of them (Zipf-weighted) and a user part
   of 32-256 tokens; 16 tokens out.
-* `mooncake`: the first requests of a Mooncake trace (--trace), each of its
-  512-token block ids turned into one 32-token block of token ids (equal ids
-  give equal blocks), at most 60 blocks; output lengths / 16, 1-16 tokens.
-The bound: one cache of unlimited size shared by both engines (a prompt's
-leading whole blocks already sent, at most the prompt's length - 1).
+* `mooncake`: requests of a Mooncake trace (--trace) that share its 40
+  most frequent first blocks, every k-th in trace order; each 512-token
+  block id becomes one 32-token block of token ids (equal ids give equal
+  blocks), at most 60 blocks; output lengths / 16, 1-16 tokens.
+The bounds: one cache of unlimited size shared by both engines (a prompt's
+leading whole blocks already sent, at most the prompt's length - 1), and
+one LRU cache of both engines' 256 blocks, pooled.
 
 Usage: real_engines.py --selkie target/release/selkie [--peers-venv V]
        [--vllm-venv V] [--workload shared|mooncake] [--runs 3]
@@ -54,18 +56,27 @@ def shared_workload(n, seed=11):
     ]
 
 
-def mooncake_workload(n, trace):
-    out = []
+def mooncake_workload(n, trace, groups=40, max_blocks=60):
+    """`n` requests of a Mooncake trace: those whose first block id is one
+    of the `groups` most frequent first ids (the trace's shared prefixes),
+    every k-th of them in trace order; each 512-token block id becomes one
+    32-token block of token ids (equal ids give equal blocks), at most
+    `max_blocks`; output lengths / 16, 1-16 tokens."""
+    import collections
+
     with open(trace) as f:
-        for line in f:
-            if len(out) == n:
-                break
-            r = json.loads(line)
-            tokens = []
-            for h in r["hash_ids"][:60]:
-                rng = random.Random(h)
-                tokens += [rng.randint(3, E.VOCAB - 1) for _ in range(E.BLOCK)]
-            out.append((tokens, max(1, min(16, r["output_length"] // 16))))
+        rows = [json.loads(line) for line in f]
+    firsts = collections.Counter(r["hash_ids"][0] for r in rows if r["hash_ids"])
+    keep = {h for h, _ in firsts.most_common(groups)}
+    chosen = [r for r in rows if r["hash_ids"] and r["hash_ids"][0] in keep]
+    chosen = chosen[:: max(1, len(chosen) // n)][:n]
+    out = []
+    for r in chosen:
+        tokens = []
+        for h in r["hash_ids"][:max_blocks]:
+            rng = random.Random(h)
+            tokens += [rng.randint(3, E.VOCAB - 1) for _ in range(E.BLOCK)]
+        out.append((tokens, max(1, min(16, r["output_length"] // 16))))
     return out
 
 
@@ -79,6 +90,45 @@ def unlimited_bound(requests):
                 break
             hit += 1
         seen.update(hash(b) for b in blocks)
+        cached += hit * E.BLOCK
+        total += len(tokens)
+    return cached / total
+
+
+def write_trace(requests, path, interval_ms):
+    """The workload as a trace `selkie simulate --trace` replays (the
+    Mooncake layout, one hash id per 32-token block, the last partial
+    block's id its own), one request every `interval_ms`."""
+    ids = {}
+    with open(path, "w") as f:
+        for i, (tokens, out) in enumerate(requests):
+            hash_ids = []
+            for b in range((len(tokens) + E.BLOCK - 1) // E.BLOCK):
+                key = tuple(tokens[: (b + 1) * E.BLOCK])
+                hash_ids.append(ids.setdefault(key, len(ids)))
+            f.write(json.dumps({"timestamp": round(i * interval_ms), "input_length": len(tokens),
+                                "output_length": out, "hash_ids": hash_ids}) + "\n")  # fmt: skip
+
+
+def pooled_lru_bound(requests, blocks):
+    """One LRU cache of `blocks` blocks shared by both engines, requests in
+    order: the share of prompt tokens it would serve (a prompt's leading
+    whole blocks it holds, at most the prompt's length - 1)."""
+    from collections import OrderedDict
+
+    cache, cached, total = OrderedDict(), 0, 0
+    for tokens, _ in requests:
+        keys = [hash(tuple(tokens[: (i + 1) * E.BLOCK])) for i in range(len(tokens) // E.BLOCK)]
+        hit = 0
+        for k in keys[: (len(tokens) - 1) // E.BLOCK]:
+            if k not in cache:
+                break
+            hit += 1
+        for k in keys:
+            cache[k] = True
+            cache.move_to_end(k)
+            while len(cache) > blocks:
+                cache.popitem(last=False)
         cached += hit * E.BLOCK
         total += len(tokens)
     return cached / total
@@ -148,9 +198,18 @@ def main():
     ap.add_argument("--clients", type=int, default=6)
     ap.add_argument("--only", default="", help="comma-separated router names to run (default: all)")
     ap.add_argument("--json")
+    ap.add_argument("--selkie-policy", action="append", default=[], metavar="LABEL=POLICY",
+                    help="also run selkie with this --policy on the engines' events (repeatable)")  # fmt: skip
+    ap.add_argument("--write-trace", metavar="FILE", help="write the workload as a trace for `selkie simulate` and exit")
+    ap.add_argument("--trace-interval-ms", type=float, default=100.0)
     a = ap.parse_args()
     requests = shared_workload(a.requests) if a.workload == "shared" else mooncake_workload(a.requests, a.trace)
     bound = unlimited_bound(requests)
+    pooled = pooled_lru_bound(requests, 2 * 128)
+    if a.write_trace:
+        write_trace(requests, a.write_trace, a.trace_interval_ms)
+        print(f"{len(requests)} requests written to {a.write_trace}; unlimited-cache bound {bound:.3f}")
+        return
     work = tempfile.mkdtemp(prefix="selkie-real-")
     model = E.write_model(os.path.join(work, "model"))
     engines = E.start_engines(a.vllm_venv, model, work, 128, bind_events=True)
@@ -193,6 +252,9 @@ def main():
         ("selkie prefix-hash", selkie("prefix-hash", False), False, "--policy prefix-hash --block-size 32"),
         ("selkie round-robin", selkie("round-robin", False), False, "--policy round-robin"),
     ]  # fmt: skip
+    for spec in a.selkie_policy:
+        label, policy = spec.split("=", 1)
+        targets.append((f"selkie {label}", selkie(policy, True), False, f"--policy '{policy}' --kv-events per engine"))
     if vr:
         targets += [
             ("vllm-router kv_aware", vr_cmd("kv_aware", vr_events), False,
@@ -210,7 +272,7 @@ def main():
         targets = [t for t in targets if t[0] in keep]
     rows = {name: [] for name, *_ in targets}
     print(f"workload {a.workload}: {len(requests)} requests, {a.clients} clients; "
-          f"unlimited-cache bound {bound:.3f}", flush=True)  # fmt: skip
+          f"unlimited-cache bound {bound:.3f}, pooled 256-block LRU {pooled:.3f}", flush=True)  # fmt: skip
     try:
         for run in range(a.runs):
             for name, cmd, text, _ in targets:
@@ -246,7 +308,7 @@ def main():
         for e in engines:
             e.stop()
     print(f"\n{a.workload}: {len(requests)} streamed requests, {a.clients} clients, {a.runs} runs; "
-          f"unlimited-cache bound {bound:.3f}")  # fmt: skip
+          f"unlimited-cache bound {bound:.3f}, pooled 256-block LRU {pooled:.3f}")  # fmt: skip
     print("| router | told | cached share (mean of runs) | of bound | TTFT p50 ms | TTFT p99 ms | e2e p99 ms | errors |")
     print("|---|---|---|---|---|---|---|---|")
     summary = {}
@@ -261,7 +323,7 @@ def main():
               f"{m['ttft_p99_ms']:.0f} | {m['e2e_p99_ms']:.0f} | {m['errors']} |")  # fmt: skip
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"workload": a.workload, "bound": bound, "runs": rows, "summary": summary}, f, indent=1)
+            json.dump({"workload": a.workload, "bound": bound, "pooled_bound": pooled, "runs": rows, "summary": summary}, f, indent=1)
     shutil.rmtree(work, ignore_errors=True)
 
 

@@ -81,6 +81,36 @@ impl KvOverlaps {
         })
     }
 
+    /// Raises the last query's device blocks of each `(row, blocks)` to at
+    /// least `blocks` (and its cached-token estimate to match, `blocks`
+    /// times `block_size`), and returns the columns. Rows past the layout
+    /// are skipped; the next query clears what this wrote. `None` before
+    /// the first query.
+    pub fn raise_device_blocks(
+        &mut self,
+        rows: impl IntoIterator<Item = (usize, u32)>,
+        block_size: u32,
+    ) -> Option<RowOverlaps<'_>> {
+        self.layout?;
+        for (row, blocks) in rows {
+            let (Some(device), Some(cached)) = (self.device.get_mut(row), self.cached.get_mut(row)) else {
+                continue;
+            };
+            let blocks = blocks as f32;
+            if blocks > *device {
+                *device = blocks;
+                *cached = blocks * block_size as f32;
+            }
+            let word = row / 64;
+            self.touched = if self.touched.0 == self.touched.1 {
+                (word, word + 1)
+            } else {
+                (self.touched.0.min(word), self.touched.1.max(word + 1))
+            };
+        }
+        self.row_overlaps()
+    }
+
     /// Device, host and disk blocks of `row` in the last query.
     pub fn tiers(&self, row: usize) -> (u32, u32, u32) {
         let at = |c: &Vec<f32>| c.get(row).map_or(0, |&v| v as u32);

@@ -56,6 +56,8 @@ pub struct Lifecycle {
     counted: u64,
     booked_blocks: u64,
     scanner: TokenScanner,
+    /// The prompt's credit to its rank while it prefills.
+    in_flight: Option<super::overlaps::InFlightTicket>,
 }
 
 impl Lifecycle {
@@ -82,7 +84,15 @@ impl Lifecycle {
             counted: 0,
             booked_blocks: 0,
             scanner: TokenScanner::default(),
+            in_flight: None,
         }
+    }
+
+    /// Holds `ticket` (the prompt's credit to its rank) until the prefill
+    /// completes or the request moves to another rank.
+    pub fn with_in_flight(mut self, ticket: Option<super::overlaps::InFlightTicket>) -> Self {
+        self.in_flight = ticket;
+        self
     }
 
     /// The worker rank booked.
@@ -93,6 +103,7 @@ impl Lifecycle {
     /// Moves the booking to `to` (the next choice after a refused
     /// connection): booked there first, then released here.
     pub fn retarget(&mut self, to: WorkerWithDpRank) -> Result<(), BookingError> {
+        self.in_flight = None;
         match &mut self.booking {
             Some(b) => b.retarget(to),
             None => Ok(()),
@@ -145,6 +156,7 @@ impl Lifecycle {
     fn prefill_complete(&mut self) {
         if !self.prefilled {
             self.prefilled = true;
+            self.in_flight = None;
             if let Some(b) = &mut self.booking {
                 b.prefill_complete();
             }
@@ -376,5 +388,32 @@ mod tests {
         // A number cut at the very end of the body.
         assert_eq!(scan_in_pieces(br#"{"completion_tokens": 17"#, 3), 17);
         assert_eq!(scan_in_pieces(b"{}", 1), 0);
+    }
+
+    #[test]
+    fn the_in_flight_credit_ends_at_the_first_token() {
+        use crate::{
+            KvRouterConfig, SelectionRequest, ServiceConfig, WorkerRecord, WorkerSelectionPolicy,
+            WorkerSelectionService, WorkerType,
+        };
+        let service = Arc::new(WorkerSelectionService::new(
+            WorkerSelectionPolicy::kv(KvRouterConfig::default(), WorkerType::Aggregated),
+            ServiceConfig::default(),
+        ));
+        service.add_worker(WorkerRecord::new(1)).unwrap();
+        let rank = WorkerWithDpRank::new(1, 0);
+        let in_flight = std::sync::Arc::new(super::super::overlaps::InFlight::default());
+        for streaming in [true, false] {
+            let booking = service.select_owned(&SelectionRequest::new(64)).unwrap();
+            let metrics = Arc::new(Metrics::new("kv", &super::super::Limits::default()));
+            let mut l = Lifecycle::new(booking, metrics, 32, 64, Some(4), streaming)
+                .with_in_flight(in_flight.begin(rank, &[7, 8]));
+            assert_eq!(in_flight.credits(&[7, 8, 9]), vec![(rank, 2)]);
+            l.response_head();
+            assert_eq!(in_flight.len(), usize::from(streaming), "streaming {streaming}: head");
+            l.body_chunk(b"data: {}\n\n");
+            assert!(in_flight.is_empty(), "streaming {streaming}: first chunk");
+            l.end(Ending::Complete);
+        }
     }
 }

@@ -55,10 +55,102 @@ pub trait OverlapSource: Send + Sync {
     /// Blocks the source holds (`selkie_kv_index_blocks`).
     fn blocks(&self) -> usize;
 
+    /// The request of `blocks` went to `rank`, which computes them now: a
+    /// ticket that credits them to `rank` until dropped (at the request's
+    /// first token), for sources that only learn of blocks once computed.
+    fn in_flight(&self, _rank: WorkerWithDpRank, _blocks: &PromptBlocks) -> Option<InFlightTicket> {
+        None
+    }
+
     /// `worker` refused a connection: what it held is unknown now (an
     /// engine that died lost its cache; one that restarts tells again).
     /// The default keeps what the source holds.
     fn unreachable(&self, _worker: crate::WorkerId) {}
+}
+
+/// The most requests whose prompts are credited to their ranks while
+/// they prefill ([`InFlight`]); past it, the oldest stops counting.
+pub const MAX_IN_FLIGHT_CREDITED: usize = 256;
+
+/// Prompts being prefilled, each credited to the rank computing it: an
+/// engine reports a block only once computed, so without this, requests
+/// sharing a prefix that arrive together are spread before the first one's
+/// blocks are reported. Bounded by [`MAX_IN_FLIGHT_CREDITED`].
+#[derive(Default)]
+pub struct InFlight {
+    inner: Mutex<InFlightInner>,
+}
+
+#[derive(Default)]
+struct InFlightInner {
+    next_id: u64,
+    /// (id, rank, the prompt's block sequence hashes), oldest first.
+    entries: VecDeque<(u64, WorkerWithDpRank, Box<[u64]>)>,
+}
+
+impl InFlight {
+    fn lock(&self) -> std::sync::MutexGuard<'_, InFlightInner> {
+        self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Credits `sequence` to `rank` until the ticket is dropped.
+    pub fn begin(self: &std::sync::Arc<Self>, rank: WorkerWithDpRank, sequence: &[u64]) -> Option<InFlightTicket> {
+        if sequence.is_empty() {
+            return None;
+        }
+        let mut l = self.lock();
+        let id = l.next_id;
+        l.next_id += 1;
+        if l.entries.len() >= MAX_IN_FLIGHT_CREDITED {
+            l.entries.pop_front();
+        }
+        l.entries.push_back((id, rank, sequence.into()));
+        Some(InFlightTicket { set: self.clone(), id })
+    }
+
+    /// Per rank, the most leading blocks of `sequence` that a prompt being
+    /// prefilled there shares.
+    pub fn credits(&self, sequence: &[u64]) -> Vec<(WorkerWithDpRank, u32)> {
+        let l = self.lock();
+        let mut out: Vec<(WorkerWithDpRank, u32)> = Vec::new();
+        for (_, rank, blocks) in &l.entries {
+            let shared = blocks.iter().zip(sequence).take_while(|(a, b)| a == b).count() as u32;
+            if shared == 0 {
+                continue;
+            }
+            match out.iter_mut().find(|(r, _)| r == rank) {
+                Some((_, n)) => *n = (*n).max(shared),
+                None => out.push((*rank, shared)),
+            }
+        }
+        out
+    }
+
+    /// Prompts credited now.
+    pub fn len(&self) -> usize {
+        self.lock().entries.len()
+    }
+
+    /// Whether no prompt is credited.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// A prompt credited to its rank while it prefills; the credit ends when
+/// this is dropped.
+pub struct InFlightTicket {
+    set: std::sync::Arc<InFlight>,
+    id: u64,
+}
+
+impl Drop for InFlightTicket {
+    fn drop(&mut self) {
+        let mut l = self.set.lock();
+        if let Some(i) = l.entries.iter().position(|(id, _, _)| *id == self.id) {
+            l.entries.remove(i);
+        }
+    }
 }
 
 /// The router's own decisions as cache overlaps: an [`ApproxKvIndex`]

@@ -210,12 +210,14 @@ impl RouterCore {
             _ => None,
         };
         self.metrics.selected(booking.explanation().branch, seconds);
+        let mut in_flight = None;
         if let (Some(source), Some(b)) = (&self.overlaps, &blocks) {
             match source.chosen(rank, b, held) {
                 Recorded::Full => self.metrics.bound_hit("max_index_blocks"),
                 Recorded::Yes => self.metrics.index_blocks(source.blocks()),
                 Recorded::Unneeded => {}
             }
+            in_flight = source.in_flight(rank, b);
         }
         let lifecycle = Lifecycle::new(
             booking,
@@ -224,7 +226,8 @@ impl RouterCore {
             tokens,
             request.max_tokens,
             request.stream,
-        );
+        )
+        .with_in_flight(in_flight);
         let mut rank = rank;
         let mut lifecycle = lifecycle;
         let mut retry = Retry {

@@ -69,6 +69,12 @@
 //! * otherwise at or below the last: a duplicate, ignored
 //!   (`selkie_kv_events_duplicates_total`).
 //!
+//! An engine reports a block once computed; until a prompt's first token,
+//! the router credits it to the rank it was sent to
+//! ([`InFlight`](super::overlaps::InFlight), at most
+//! [`MAX_IN_FLIGHT_CREDITED`](super::overlaps::MAX_IN_FLIGHT_CREDITED)
+//! prompts), so requests sharing a prefix that arrive together meet there.
+//!
 //! A connecting subscriber does not hold up the router's start: it
 //! connects when the engine's endpoint is up, and checks that it still is
 //! after [`CONNECT_REFRESH`] without a message (see `Subscriber::run`).
@@ -122,7 +128,7 @@ use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
 pub use crate::engine_events::{decode_frames, decode_payload, EngineEvent, EventBatch, FrameError, StoredBlocks};
 pub use chain::{KvHashing, Sha256CborChain};
 
-use super::overlaps::{OverlapSource, Recorded};
+use super::overlaps::{InFlight, InFlightTicket, OverlapSource, Recorded};
 use super::prompt::PromptBlocks;
 use super::workers::{WorkerTable, WorkerUrl};
 use super::ServeError;
@@ -340,6 +346,8 @@ pub struct EventOverlaps {
     reader: KvIndexReader,
     blocks: Arc<AtomicUsize>,
     down: Arc<WorkersDown>,
+    in_flight: Arc<InFlight>,
+    block_size: u32,
 }
 
 /// Workers that refused a connection, for the ingester to drop.
@@ -352,15 +360,29 @@ struct WorkersDown {
 impl OverlapSource for EventOverlaps {
     fn overlaps<'o>(
         &self,
-        _service: &WorkerSelectionService,
+        service: &WorkerSelectionService,
         sequence: &[u64],
         out: &'o mut KvOverlaps,
     ) -> Option<RowOverlaps<'o>> {
-        self.reader.overlaps(sequence, out).ok()
+        let layout = self.reader.overlaps(sequence, out).ok()?.layout;
+        if self.in_flight.is_empty() || layout != service.row_layout() {
+            return out.row_overlaps();
+        }
+        let credits: Vec<(usize, u32)> = self
+            .in_flight
+            .credits(sequence)
+            .into_iter()
+            .filter_map(|(rank, blocks)| service.row_of(rank).map(|row| (row, blocks)))
+            .collect();
+        out.raise_device_blocks(credits, self.block_size)
     }
 
     fn chosen(&self, _rank: WorkerWithDpRank, _blocks: &PromptBlocks, _held: usize) -> Recorded {
         Recorded::Unneeded
+    }
+
+    fn in_flight(&self, rank: WorkerWithDpRank, blocks: &PromptBlocks) -> Option<InFlightTicket> {
+        self.in_flight.begin(rank, &blocks.sequence)
     }
 
     fn blocks(&self) -> usize {
@@ -427,7 +449,14 @@ impl EventIngester {
             down: down.clone(),
         };
         ingester.publish();
-        (ingester, EventOverlaps { reader, blocks, down })
+        let overlaps = EventOverlaps {
+            reader,
+            blocks,
+            down,
+            in_flight: Arc::new(InFlight::default()),
+            block_size,
+        };
+        (ingester, overlaps)
     }
 
     /// Keeps the router's `selkie_kv_index_blocks` gauge at the blocks the

@@ -413,3 +413,41 @@ fn lost_messages_drop_the_rank() {
     feed(&mut i, 6, SEQ0, Continuity::Next);
     assert_eq!(device_overlap(&o, &service, &seq), 16.0);
 }
+
+#[test]
+fn a_prompt_being_prefilled_counts_for_its_rank_until_its_first_token() {
+    let (mut i, o, service, _) = ingester(KvHashing::Tokens, 32);
+    feed(
+        &mut i,
+        0,
+        b"\x93\xcb\x00\x00\x00\x00\x00\x00\x00\x00\x90\x00",
+        Continuity::Next,
+    );
+    let rank = WorkerWithDpRank::new(WorkerUrl::parse(URL).unwrap().default_id(), 0);
+    let prompt = PromptBlocks {
+        tokens: 4 * 32,
+        local: vec![1, 2, 3, 4],
+        sequence: vec![11, 12, 13, 14],
+    };
+    assert_eq!(
+        device_overlap(&o, &service, &prompt.sequence),
+        0.0,
+        "nothing reported yet"
+    );
+    let ticket = o.in_flight(rank, &prompt);
+    assert!(ticket.is_some());
+    // A prompt sharing the first three blocks: credited three while the
+    // first prefills, though no event has told them.
+    assert_eq!(device_overlap(&o, &service, &[11, 12, 13, 99]), 3.0);
+    assert_eq!(
+        device_overlap(&o, &service, &[12, 13]),
+        0.0,
+        "only a shared prefix counts"
+    );
+    drop(ticket);
+    assert_eq!(
+        device_overlap(&o, &service, &[11, 12, 13, 99]),
+        0.0,
+        "the credit ends with the ticket"
+    );
+}
