@@ -35,7 +35,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -47,15 +46,8 @@ TARGET = os.environ.get("CARGO_TARGET_DIR", os.path.join(ROOT, "target"))
 RELEASE = os.path.join(TARGET, "release")
 P99_BOUND_MS = 50.0
 
-
-def free_ports(n):
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
+sys.path.insert(0, os.path.join(ROOT, "host", "tests", "engines"))
+from engines import free_ports  # noqa: E402
 
 
 def wait_http(url, timeout=60):
