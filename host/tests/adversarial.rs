@@ -37,7 +37,7 @@ impl WorkerPicker for ScriptedPick {
 
 fn cost() -> impl Strategy<Value = f64> {
     prop_oneof![
-        4 => -1e6f64..1e6,
+        4 => (0u64..1 << 40).prop_map(|k| -1e6 + 2e6 * (k as f64 / (1u64 << 40) as f64)),
         1 => Just(f64::NAN),
         1 => Just(f64::INFINITY),
         1 => Just(f64::NEG_INFINITY),

@@ -83,7 +83,7 @@ proptest! {
     fn least_loaded_weighted_matches_reference(
         (load, weights, mask, seed) in rows().prop_flat_map(|n| (
             proptest::collection::vec(load_value(), n),
-            proptest::collection::vec(prop_oneof![Just(1.0f32), Just(0.5f32), 1.0e-3f32..10.0], n),
+            proptest::collection::vec(prop_oneof![Just(1.0f32), Just(0.5f32), super::uniform_f32(1.0e-3, 10.0, false)], n),
             mask(n),
             any::<u64>(),
         ))

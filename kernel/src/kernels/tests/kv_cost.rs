@@ -491,8 +491,8 @@ fn bad_config_and_short_columns_are_refused() {
 
 /// A configuration Dynamo accepts.
 fn config() -> impl Strategy<Value = KvCostConfig> {
-    let free = || prop_oneof![Just(0.0f32), Just(1.0f32), 0.0f32..4.0];
-    let unit = || prop_oneof![Just(0.0f32), Just(1.0f32), 0.0f32..=1.0];
+    let free = || prop_oneof![Just(0.0f32), Just(1.0f32), super::uniform_f32(0.0, 4.0, false)];
+    let unit = || prop_oneof![Just(0.0f32), Just(1.0f32), super::uniform_f32(0.0, 1.0, true)];
     ((free(), free(), free(), free()), (unit(), unit(), unit())).prop_map(|((credit, decay, scale, req), (h, d, s))| {
         KvCostConfig {
             overlap_score_credit: credit,
@@ -530,7 +530,7 @@ fn overlap_value(huge: bool) -> BoxedStrategy<f32> {
     let normal = prop_oneof![
         3 => Just(0.0f32),
         3 => (0u32..100).prop_map(|v| v as f32),
-        2 => 0.0f32..1.0e6,
+        2 => super::uniform_f32(0.0, 1.0e6, false),
         1 => Just(1.0e-45f32),
         1 => any::<u32>().prop_map(|v| v as f32),
         1 => Just(1.0e30f32),
@@ -549,7 +549,10 @@ fn optional_column(n: usize, value: BoxedStrategy<f32>) -> impl Strategy<Value =
 fn case(huge: bool) -> impl Strategy<Value = Case> {
     (config(), request(), rows()).prop_flat_map(move |(config, request, n)| {
         let u = || prop::collection::vec(load_value(), n);
-        let taint = prop::collection::vec((-3.0f32..3.0).prop_map(preferred_taint_multiplier), n);
+        let taint = prop::collection::vec(
+            super::uniform_f32(-3.0, 3.0, false).prop_map(preferred_taint_multiplier),
+            n,
+        );
         (
             (u(), u(), u(), prop::option::of(mask(n)), mask(n)),
             (

@@ -68,7 +68,7 @@ fn boundary_helper_accepts_only_draws_on_a_boundary() {
 
 fn temperature() -> impl Strategy<Value = f32> {
     prop_oneof![
-        4 => 0.05f32..10.0,
+        4 => super::uniform_f32(0.05, 10.0, false),
         1 => Just(1.0e-3f32),
         1 => Just(1.0e-30f32),
         1 => Just(1.0e-45f32),

@@ -29,7 +29,7 @@ fn load_factor() -> impl Strategy<Value = f64> {
         Just(1.0),
         Just(DEFAULT_LOAD_FACTOR),
         Just(2.0),
-        1.0f64..4.0,
+        super::uniform_f64(1.0, 4.0),
         Just(MAX_LOAD_FACTOR)
     ]
 }
