@@ -70,10 +70,9 @@
 //!   (`selkie_kv_events_duplicates_total`).
 //!
 //! An engine reports a block once computed; until a prompt's first token,
-//! the router credits it to the rank it was sent to
-//! ([`InFlight`](super::overlaps::InFlight), at most
-//! [`MAX_IN_FLIGHT_CREDITED`](super::overlaps::MAX_IN_FLIGHT_CREDITED)
-//! prompts), so requests sharing a prefix that arrive together meet there.
+//! the router credits it to the rank it was sent to (at most the 256
+//! latest prompts), so requests sharing a prefix that arrive together meet
+//! there.
 //!
 //! A connecting subscriber does not hold up the router's start: it
 //! connects when the engine's endpoint is up, and checks that it still is
