@@ -335,8 +335,17 @@ async fn a_connecting_subscriber_waits_for_the_engine_and_follows_its_restart() 
     let wa = format!("worker=\"{}\"", a.url());
     let mut seen = 0.0;
     for life in 1..=2 {
+        // The port of the process before may linger a moment (the zeromq
+        // crate binds without SO_REUSEADDR): bind until it is free.
         let mut engine = zeromq::PubSocket::new();
-        engine.bind(&format!("tcp://127.0.0.1:{port}")).await.unwrap();
+        eventually(&format!("engine process {life} bound"), async || {
+            let bound = engine.bind(&format!("tcp://127.0.0.1:{port}")).await.is_ok();
+            if !bound {
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            }
+            bound
+        })
+        .await;
         eventually(&format!("engine process {life}'s store indexed"), async || {
             // Sequence 0 (each process numbers from 0), resent until the
             // router has connected and subscribed.
@@ -347,7 +356,7 @@ async fn a_connecting_subscriber_waits_for_the_engine_and_follows_its_restart() 
         .await;
         seen = scrape(&r).await.value("selkie_kv_events_messages_total", &wa);
         // The engine process ends; a new one binds the same endpoint.
-        drop(engine);
+        let _ = engine.close().await;
     }
     server.shutdown().await;
 }
