@@ -127,11 +127,13 @@ impl InFlight {
     }
 
     /// Prompts credited now.
+    #[cfg(test)]
     pub fn len(&self) -> usize {
         self.lock().entries.len()
     }
 
     /// Whether no prompt is credited.
+    #[cfg(test)]
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }

@@ -364,12 +364,11 @@ impl OverlapSource for EventOverlaps {
         out: &'o mut KvOverlaps,
     ) -> Option<RowOverlaps<'o>> {
         let layout = self.reader.overlaps(sequence, out).ok()?.layout;
-        if self.in_flight.is_empty() || layout != service.row_layout() {
+        let credits = self.in_flight.credits(sequence);
+        if credits.is_empty() || layout != service.row_layout() {
             return out.row_overlaps();
         }
-        let credits: Vec<(usize, u32)> = self
-            .in_flight
-            .credits(sequence)
+        let credits: Vec<(usize, u32)> = credits
             .into_iter()
             .filter_map(|(rank, blocks)| service.row_of(rank).map(|row| (row, blocks)))
             .collect();
@@ -525,19 +524,7 @@ impl EventIngester {
                     self.writer.apply(&KvEvent::new(rank, id, data).in_tier(*tier))
                 }
                 EngineEvent::Cleared => {
-                    let mut result = Ok(());
-                    for tier in [
-                        crate::kv_index::StorageTier::Device,
-                        crate::kv_index::StorageTier::Host,
-                        crate::kv_index::StorageTier::Disk,
-                    ] {
-                        let id = *self.next_id.entry(rank).or_insert(1);
-                        result = result.and(
-                            self.writer
-                                .apply(&KvEvent::new(rank, id, KvEventData::Cleared).in_tier(tier)),
-                        );
-                        self.next_id.insert(rank, id + 1);
-                    }
+                    let result = self.clear_rank(rank);
                     self.metrics.received(&msg.worker, "cleared");
                     if let Err(e) = result {
                         self.index_error(&msg.worker, &e);
@@ -559,6 +546,24 @@ impl EventIngester {
         self.publish();
     }
 
+    /// Drops every block of `rank`, in every tier (one index event each).
+    fn clear_rank(&mut self, rank: WorkerWithDpRank) -> Result<(), KvEventError> {
+        let mut result = Ok(());
+        for tier in [
+            crate::kv_index::StorageTier::Device,
+            crate::kv_index::StorageTier::Host,
+            crate::kv_index::StorageTier::Disk,
+        ] {
+            let id = *self.next_id.entry(rank).or_insert(1);
+            result = result.and(
+                self.writer
+                    .apply(&KvEvent::new(rank, id, KvEventData::Cleared).in_tier(tier)),
+            );
+            self.next_id.insert(rank, id + 1);
+        }
+        result
+    }
+
     /// Drops every block of the workers that refused a connection, in
     /// every tier of each of their ranks; their next events rebuild it.
     fn drop_unreachable(&mut self) {
@@ -572,18 +577,8 @@ impl EventIngester {
         for worker in down {
             let ranks: Vec<WorkerWithDpRank> = self.next_id.keys().filter(|r| r.worker_id == worker).copied().collect();
             for rank in ranks {
-                for tier in [
-                    crate::kv_index::StorageTier::Device,
-                    crate::kv_index::StorageTier::Host,
-                    crate::kv_index::StorageTier::Disk,
-                ] {
-                    let id = *self.next_id.entry(rank).or_insert(1);
-                    // Clearing a rank's tier cannot be refused.
-                    let _ = self
-                        .writer
-                        .apply(&KvEvent::new(rank, id, KvEventData::Cleared).in_tier(tier));
-                    self.next_id.insert(rank, id + 1);
-                }
+                // Clearing a rank cannot be refused.
+                let _ = self.clear_rank(rank);
             }
             let url = self.table.get(worker, &self.service).map(|w| w.url.as_str().to_owned());
             let url = url.unwrap_or_else(|| format!("{worker:?}"));
