@@ -59,8 +59,11 @@ def write_model(directory):
     os.makedirs(directory, exist_ok=True)
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(CONFIG, f)
-    vocab = {f"t{i}": i for i in range(VOCAB)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    # Id 0 (never in a prompt) is a long word: vLLM refuses a text prompt
+    # longer than max-model-len x its longest vocabulary entry, and text
+    # prompts here take up to 7 characters a token ("t31999 ").
+    vocab = {"unknown-word": 0, **{f"t{i}": i for i in range(1, VOCAB)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="unknown-word"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.save(os.path.join(directory, "tokenizer.json"))
     with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
