@@ -5,7 +5,8 @@ tokens the engines served from their prefix caches (their own
 end-to-end p99 at the client.
 
 Routers: selkie serve (kv on the engines' KV events, kv with a switching
-margin, prefix-hash, round-robin), vllm-router (kv_aware fed the same
+margin, prefix-hash, round-robin; more with --selkie-policy, and a
+`selkie tune` config with --selkie-config), vllm-router (kv_aware fed the same
 engines' events, cache_aware, round_robin) and smg (cache_aware,
 prefix_hash). selkie and vllm-router get token-id prompts, smg the same
 prompts as text (its 1.13 release answers 400 to token-id prompts; the
@@ -98,7 +99,8 @@ def unlimited_bound(requests):
 def write_trace(requests, path, interval_ms):
     """The workload as a trace `selkie simulate --trace` replays (the
     Mooncake layout, one hash id per 32-token block, the last partial
-    block's id its own), one request every `interval_ms`."""
+    block's id its own, `block_size` 32 on every row), one request every
+    `interval_ms`."""
     ids = {}
     with open(path, "w") as f:
         for i, (tokens, out) in enumerate(requests):
@@ -107,7 +109,7 @@ def write_trace(requests, path, interval_ms):
                 key = tuple(tokens[: (b + 1) * E.BLOCK])
                 hash_ids.append(ids.setdefault(key, len(ids)))
             f.write(json.dumps({"timestamp": round(i * interval_ms), "input_length": len(tokens),
-                                "output_length": out, "hash_ids": hash_ids}) + "\n")  # fmt: skip
+                                "output_length": out, "hash_ids": hash_ids, "block_size": E.BLOCK}) + "\n")  # fmt: skip
 
 
 def pooled_lru_bound(requests, blocks):
@@ -200,6 +202,9 @@ def main():
     ap.add_argument("--json")
     ap.add_argument("--selkie-policy", action="append", default=[], metavar="LABEL=POLICY",
                     help="also run selkie with this --policy on the engines' events (repeatable)")  # fmt: skip
+    ap.add_argument("--selkie-config", action="append", default=[], metavar="LABEL=FILE",
+                    help="also run selkie with this worker-selection config (--config, what `selkie tune` "
+                         "writes) on the engines' events (repeatable)")  # fmt: skip
     ap.add_argument("--write-trace", metavar="FILE", help="write the workload as a trace for `selkie simulate` and exit")
     ap.add_argument("--trace-interval-ms", type=float, default=100.0)
     a = ap.parse_args()
@@ -210,15 +215,17 @@ def main():
         write_trace(requests, a.write_trace, a.trace_interval_ms)
         print(f"{len(requests)} requests written to {a.write_trace}; unlimited-cache bound {bound:.3f}")
         return
+    load0 = " ".join(f"{x:.2f}" for x in os.getloadavg())
     work = tempfile.mkdtemp(prefix="selkie-real-")
     model = E.write_model(os.path.join(work, "model"))
     engines = E.start_engines(a.vllm_venv, model, work, 128, bind_events=True)
     urls = [e.url for e in engines]
     events = [f"{e.url}={e.events_connect},mode=connect,topic=kv,replay={e.replay_endpoint}" for e in engines]
 
-    def selkie(policy, with_events):
+    def selkie(policy, with_events, config=None):
         def cmd(port):
-            c = [a.selkie, "serve", "--port", str(port), "--block-size", str(E.BLOCK), "--policy", policy]
+            c = [a.selkie, "serve", "--port", str(port), "--block-size", str(E.BLOCK)]
+            c += ["--config", config] if config else ["--policy", policy]
             for u in urls:
                 c += ["--worker", u]
             if with_events:
@@ -255,6 +262,10 @@ def main():
     for spec in a.selkie_policy:
         label, policy = spec.split("=", 1)
         targets.append((f"selkie {label}", selkie(policy, True), False, f"--policy '{policy}' --kv-events per engine"))
+    for spec in a.selkie_config:
+        label, path = spec.split("=", 1)
+        targets.append((f"selkie {label}", selkie(None, True, os.path.abspath(path)), False,
+                        f"--config {os.path.basename(path)} --block-size 32 --kv-events per engine"))  # fmt: skip
     if vr:
         targets += [
             ("vllm-router kv_aware", vr_cmd("kv_aware", vr_events), False,
@@ -307,9 +318,11 @@ def main():
     finally:
         for e in engines:
             e.stop()
+    load1 = " ".join(f"{x:.2f}" for x in os.getloadavg())
     print(f"\n{a.workload}: {len(requests)} streamed requests, {a.clients} clients, {a.runs} runs; "
           f"unlimited-cache bound {bound:.3f}, pooled 256-block LRU {pooled:.3f}")  # fmt: skip
-    print("| router | told | cached share (mean of runs) | of bound | TTFT p50 ms | TTFT p99 ms | e2e p99 ms | errors |")
+    print(f"load average {load0} at the start, {load1} at the end")
+    print("| router | told | cached share, mean (min-max) | of bound | TTFT p50 ms | TTFT p99 ms | e2e p99 ms | errors |")
     print("|---|---|---|---|---|---|---|---|")
     summary = {}
     for name, _, _, told in targets:
@@ -317,13 +330,15 @@ def main():
         if not rs:
             continue
         m = {k: statistics.mean(r[k] for r in rs) for k in ("share", "ttft_p50_ms", "ttft_p99_ms", "e2e_p99_ms")}
+        m["share_min"], m["share_max"] = min(r["share"] for r in rs), max(r["share"] for r in rs)
         m["errors"] = sum(r["errors"] for r in rs)
         summary[name] = m
-        print(f"| {name} | `{told}` | {m['share']:.3f} | {m['share'] / bound:.2f} | {m['ttft_p50_ms']:.0f} | "
+        print(f"| {name} | `{told}` | {m['share']:.3f} ({m['share_min']:.3f}-{m['share_max']:.3f}) | {m['share'] / bound:.2f} | {m['ttft_p50_ms']:.0f} | "
               f"{m['ttft_p99_ms']:.0f} | {m['e2e_p99_ms']:.0f} | {m['errors']} |")  # fmt: skip
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"workload": a.workload, "bound": bound, "pooled_bound": pooled, "runs": rows, "summary": summary}, f, indent=1)
+            json.dump({"workload": a.workload, "bound": bound, "pooled_bound": pooled, "load_average": [load0, load1],
+                       "runs": rows, "summary": summary}, f, indent=1)
     shutil.rmtree(work, ignore_errors=True)
 
 
