@@ -4,11 +4,11 @@ tokens the engines served from their prefix caches (their own
 `cached_tokens`, checked against their `/metrics`), TTFT p50 / p99 and
 end-to-end p99 at the client.
 
-Routers: selkie serve (kv on the engines' KV events, kv with a switching
-margin, prefix-hash, round-robin; more with --selkie-policy, and a
-`selkie tune` config with --selkie-config), vllm-router (kv_aware fed the same
-engines' events, cache_aware, round_robin) and smg (cache_aware,
-prefix_hash). selkie and vllm-router get token-id prompts, smg the same
+Routers: selkie serve (kv on the engines' KV events, round-robin, kv with
+a switching margin, prefix-hash with a load factor of 2; more with
+--selkie-policy, and a `selkie tune` config with --selkie-config),
+vllm-router (kv_aware fed the same engines' events, cache_aware,
+round_robin) and smg (cache_aware, prefix_hash). selkie and vllm-router get token-id prompts, smg the same
 prompts as text (its 1.13 release answers 400 to token-id prompts; the
 engines' word-level tokenizer maps word `tN` to token id N, so both reach
 the engine as the same ids).
@@ -28,6 +28,7 @@ one LRU cache of both engines' 256 blocks, pooled.
 Usage: real_engines.py --selkie target/release/selkie [--peers-venv V]
        [--vllm-venv V] [--workload shared|mooncake] [--runs 3]
        [--requests 240] [--clients 6] [--json OUT]
+       [--selkie-config tune=FILE] [--write-trace FILE]
 """
 
 import argparse
@@ -45,6 +46,12 @@ import urllib.request
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "host", "tests", "engines"))
 import engines as E  # noqa: E402
+
+
+# The selkie policies measured besides `kv` and `round-robin`: kv with a
+# switching margin, and bounded-load prefix hashing.
+MARGIN = "kv:{switch_margin_relative: 1.0, max_dwell: 1024}"
+PREFIX_HASH = "prefix-hash:{load_factor: 2, prefix_blocks: 8}"
 
 
 def shared_workload(n, seed=11):
@@ -254,10 +261,9 @@ def main():
     # (name, command, text prompts, told)
     targets = [
         ("selkie kv", selkie("kv", True), False, "--policy kv --block-size 32 --kv-events URL=ENDPOINT per engine"),
-        ("selkie kv margin 0.3", selkie("kv:{switch_margin_relative: 0.3}", True), False,
-         "--policy 'kv:{switch_margin_relative: 0.3}' --block-size 32 --kv-events per engine"),
-        ("selkie prefix-hash", selkie("prefix-hash", False), False, "--policy prefix-hash --block-size 32"),
         ("selkie round-robin", selkie("round-robin", False), False, "--policy round-robin"),
+        ("selkie kv margin 1.0", selkie(MARGIN, True), False, f"--policy '{MARGIN}' --block-size 32 --kv-events per engine"),
+        ("selkie prefix-hash lf 2", selkie(PREFIX_HASH, True), False, f"--policy '{PREFIX_HASH}' --block-size 32 --kv-events per engine"),
     ]  # fmt: skip
     for spec in a.selkie_policy:
         label, policy = spec.split("=", 1)
