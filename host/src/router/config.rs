@@ -302,6 +302,18 @@ pub struct ServeConfig {
     /// How blocks are keyed to meet the engines' (`--kv-hash`, default
     /// `tokens`).
     pub kv_hash: super::kv_events::KvHashing,
+    /// Where the endpoint picker door listens (`--ext-proc-port`, on
+    /// `--host`): Envoy's external processing protocol over gRPC (see
+    /// [`ext_proc`](super::ext_proc)). Default: no picker door.
+    pub ext_proc: Option<SocketAddr>,
+    /// Fallback endpoints the picker names after its choice
+    /// (`--ext-proc-fallbacks`, default 2, at most
+    /// [`MAX_FALLBACKS`](super::ext_proc::MAX_FALLBACKS)).
+    pub ext_proc_fallbacks: usize,
+    /// Load and busy signals from the engines' own `/metrics`
+    /// (`--engine-metrics-interval`; see
+    /// [`engine_load`](super::engine_load)). Default: not read.
+    pub engine_metrics: Option<super::engine_load::EngineMetricsConfig>,
 }
 
 impl Default for ServeConfig {
@@ -326,6 +338,9 @@ impl Default for ServeConfig {
             limits: Limits::default(),
             kv_events: Vec::new(),
             kv_hash: super::kv_events::KvHashing::default(),
+            ext_proc: None,
+            ext_proc_fallbacks: 2,
+            engine_metrics: None,
         }
     }
 }
@@ -373,6 +388,50 @@ impl ServeConfig {
         }
         for url in &self.workers {
             super::workers::WorkerUrl::parse(url)?;
+        }
+        if self.ext_proc_fallbacks > super::ext_proc::MAX_FALLBACKS {
+            return Err(ServeError::Invalid {
+                option: "--ext-proc-fallbacks",
+                value: self.ext_proc_fallbacks.to_string(),
+                bound: format!("at most {}", super::ext_proc::MAX_FALLBACKS),
+            });
+        }
+        if let Some(addr) = self.ext_proc {
+            if addr == self.listen && addr.port() != 0 {
+                return Err(ServeError::Invalid {
+                    option: "--ext-proc-port",
+                    value: addr.port().to_string(),
+                    bound: "must differ from --port".into(),
+                });
+            }
+        }
+        if let Some(m) = &self.engine_metrics {
+            for (option, value) in [
+                ("--engine-metrics-interval", m.interval),
+                ("--engine-metrics-staleness", m.staleness),
+            ] {
+                if value.is_zero() {
+                    return Err(ServeError::Invalid {
+                        option,
+                        value: "0".into(),
+                        bound: "must be positive".into(),
+                    });
+                }
+            }
+            if !(m.queue_threshold.is_finite() && m.queue_threshold >= 1.0) {
+                return Err(ServeError::Invalid {
+                    option: "--engine-queue-threshold",
+                    value: m.queue_threshold.to_string(),
+                    bound: "at least 1".into(),
+                });
+            }
+            if !(m.kv_usage_threshold > 0.0 && m.kv_usage_threshold <= 1.0) {
+                return Err(ServeError::Invalid {
+                    option: "--engine-kv-usage-threshold",
+                    value: m.kv_usage_threshold.to_string(),
+                    bound: "above 0, at most 1".into(),
+                });
+            }
         }
         self.limits.validate(open_files)
     }

@@ -21,8 +21,12 @@
 //! * [`lifecycle`](Lifecycle): the booking follows the response;
 //! * `upstream`: pooled connections to the workers, timeouts;
 //! * [`metrics`](Metrics): what `/metrics` shows;
-//! * `http`: the HTTP door; [`workers`](WorkerTable): where the workers
-//!   are and what they serve.
+//! * `http`: the HTTP door; [`ext_proc`]: the endpoint picker door
+//!   (Envoy's external processing protocol, for Gateway API inference
+//!   gateways), on the same core;
+//! * [`workers`](WorkerTable): where the workers are and what they serve;
+//!   [`engine_load`]: load and busy signals read from the engines' own
+//!   metrics.
 //!
 //! The library's default features compile none of this: a router that
 //! embeds selkie builds no tokio, hyper or tokenizer unless it asks for
@@ -37,7 +41,9 @@
 //! status 0).
 
 mod config;
+pub mod engine_load;
 mod error;
+pub mod ext_proc;
 mod http;
 pub mod kv_events;
 mod lifecycle;
@@ -109,6 +115,18 @@ pub struct Server {
     models: tokio::task::JoinHandle<()>,
     poller: Option<DiscoveryPoller>,
     kv_events: Option<kv_events::KvEventTasks>,
+    picker: Option<PickerDoor>,
+    engine_load: Option<tokio::task::JoinHandle<()>>,
+}
+
+/// The endpoint picker door, while it serves.
+struct PickerDoor {
+    addr: SocketAddr,
+    picker: ext_proc::Picker,
+    stop: tokio::sync::oneshot::Sender<()>,
+    serving: tokio::task::JoinHandle<()>,
+    /// How long open streams may take after the stop.
+    deadline: std::time::Duration,
 }
 
 impl Server {
@@ -149,6 +167,14 @@ impl Server {
         let mut metrics = Metrics::new(service.policy().name(), &config.limits);
         let kv_metrics = kv_events::KvEventMetrics::default();
         kv_metrics.register(metrics.registry_mut());
+        let picker_metrics = ext_proc::PickerMetrics::default();
+        if config.ext_proc.is_some() {
+            picker_metrics.register(metrics.registry_mut());
+        }
+        let engine_metrics = engine_load::EngineLoadMetrics::default();
+        if config.engine_metrics.is_some() {
+            engine_metrics.register(metrics.registry_mut());
+        }
         let metrics = Arc::new(metrics);
         let table = Arc::new(WorkerTable::new());
         #[allow(unused_mut)]
@@ -212,6 +238,14 @@ impl Server {
         })?;
         let upstream = upstream::Upstream::new(&config.limits);
         let models = tokio::spawn(refresh_models(core.clone(), upstream.clone(), config.models_refresh));
+        let engine_load = config
+            .engine_metrics
+            .clone()
+            .map(|m| tokio::spawn(engine_load::run(core.clone(), upstream.clone(), m, engine_metrics)));
+        let picker = match config.ext_proc {
+            None => None,
+            Some(at) => Some(start_picker(at, &core, &config, picker_metrics).await?),
+        };
         let door = Arc::new(http::HttpDoor::new(
             core.clone(),
             upstream,
@@ -231,7 +265,14 @@ impl Server {
             models,
             poller,
             kv_events,
+            picker,
+            engine_load,
         })
+    }
+
+    /// Where the endpoint picker door listens, when it is on.
+    pub fn ext_proc_addr(&self) -> Option<SocketAddr> {
+        self.picker.as_ref().map(|p| p.addr)
     }
 
     /// The address it listens on.
@@ -250,7 +291,20 @@ impl Server {
         if let Some(stop) = self.stop.take() {
             let _ = stop.send(());
         }
+        let picker = self.picker.take().map(|p| {
+            p.picker.begin_shutdown();
+            let _ = p.stop.send(());
+            (p.serving, p.deadline)
+        });
         let _ = (&mut self.serving).await;
+        if let Some((mut serving, deadline)) = picker {
+            if tokio::time::timeout(deadline, &mut serving).await.is_err() {
+                serving.abort();
+            }
+        }
+        if let Some(task) = self.engine_load.take() {
+            task.abort();
+        }
         self.models.abort();
         if let Some(k) = self.kv_events.take() {
             k.stop();
@@ -259,6 +313,50 @@ impl Server {
             p.stop();
         }
     }
+}
+
+/// Binds the endpoint picker door and serves it until stopped.
+async fn start_picker(
+    at: SocketAddr,
+    core: &Arc<RouterCore>,
+    config: &ServeConfig,
+    metrics: ext_proc::PickerMetrics,
+) -> Result<PickerDoor, ServeError> {
+    let listener = tokio::net::TcpListener::bind(at)
+        .await
+        .map_err(|source| ServeError::Bind { addr: at, source })?;
+    let addr = listener
+        .local_addr()
+        .map_err(|source| ServeError::Bind { addr: at, source })?;
+    let picker = ext_proc::Picker::new(
+        core.clone(),
+        config.limits.max_body_bytes,
+        config.retry_after.as_secs_f64().ceil().max(1.0) as u64,
+        config.ext_proc_fallbacks,
+        metrics,
+    );
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let service = picker.clone().into_service();
+    let serving = tokio::spawn(async move {
+        let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+        let result = tonic::transport::Server::builder()
+            .add_service(service)
+            .serve_with_incoming_shutdown(incoming, async move {
+                let _ = stopped.await;
+            })
+            .await;
+        if let Err(e) = result {
+            tracing::error!(%e, "the endpoint picker door stopped");
+        }
+    });
+    tracing::info!(%addr, "selkie serve: endpoint picker (ext_proc) listening");
+    Ok(PickerDoor {
+        addr,
+        picker,
+        stop,
+        serving,
+        deadline: config.limits.shutdown_timeout,
+    })
 }
 
 /// Reads the models of the workers whose entries list none, at start, on
@@ -317,6 +415,9 @@ pub fn run(config: ServeConfig) -> Result<(), ServeError> {
             server.local_addr(),
             server.core().service.policy().name()
         );
+        if let Some(addr) = server.ext_proc_addr() {
+            eprintln!("selkie serve: endpoint picker (ext_proc, gRPC) on {addr}");
+        }
         wait_for_signal().await;
         eprintln!("selkie serve: stopping (finishing open responses)");
         server.shutdown().await;

@@ -174,13 +174,46 @@ impl RouterCore {
     /// Chooses a worker for `request` (among those serving its model, or
     /// the one it names) and books it.
     pub async fn choose(&self, request: &ParsedRequest<'_>, named: Option<WorkerId>) -> Result<Choice, ApiError> {
+        self.choose_in(request, named, None).await
+    }
+
+    /// Chooses and books as [`choose`](Self::choose), only among the
+    /// workers of `subset` (an endpoint picker's proxy allows those): 503
+    /// when none of them serves the model.
+    pub async fn choose_among(&self, request: &ParsedRequest<'_>, subset: &[WorkerId]) -> Result<Choice, ApiError> {
+        self.choose_in(request, None, Some(subset)).await
+    }
+
+    async fn choose_in(
+        &self,
+        request: &ParsedRequest<'_>,
+        named: Option<WorkerId>,
+        subset: Option<&[WorkerId]>,
+    ) -> Result<Choice, ApiError> {
         let view = self.table.view();
-        let route = view.route(&request.model).clone();
+        let mut route = view.route(&request.model).clone();
         if route == ModelRoute::Unknown {
             return Err(ApiError::new(
                 Refusal::ModelNotFound,
                 format!("no worker serves the model {:?}", request.model),
             ));
+        }
+        if let Some(subset) = subset {
+            let ids: Vec<WorkerId> = match &route {
+                ModelRoute::Only(ids) => ids.iter().copied().filter(|id| subset.contains(id)).collect(),
+                _ => subset.to_vec(),
+            };
+            if ids.is_empty() {
+                return Err(ApiError::new(
+                    Refusal::NoWorkers,
+                    format!(
+                        "none of the {} endpoints the proxy allows serves the model {:?}",
+                        subset.len(),
+                        request.model
+                    ),
+                ));
+            }
+            route = ModelRoute::Only(ids.into());
         }
         let blocks = if self.reads_prompts() {
             match self.blocks(&request.prompt).await {
@@ -309,6 +342,59 @@ impl RouterCore {
         result
             .map(|(b, held)| (b, seconds, held))
             .map_err(|e| ApiError::from_selection(&e))
+    }
+
+    /// The workers after `choice`'s, best first, as the policy ranks them
+    /// now (by its cost without cache credit), among those that may serve
+    /// the request (its model's, `subset`'s when given), at most `most`.
+    /// A worker appears once, at its best rank.
+    pub fn fallbacks(&self, choice: &Choice, subset: Option<&[WorkerId]>, most: usize) -> Vec<Arc<WorkerEntry>> {
+        if most == 0 {
+            return Vec::new();
+        }
+        let mut req = SelectionRequest::new(choice.retry.tokens);
+        if let ModelRoute::Only(ids) = &choice.retry.route {
+            req = req.with_allowed_workers(ids);
+        } else if let Some(ids) = subset {
+            req = req.with_allowed_workers(ids);
+        }
+        let Ok(mut costs) = self.service.costs(&req) else {
+            return Vec::new();
+        };
+        costs.sort_by(|a, b| a.1.total_cmp(&b.1));
+        let view = self.table.view();
+        let mut out: Vec<Arc<WorkerEntry>> = Vec::with_capacity(most);
+        for (rank, _) in costs {
+            if out.len() == most {
+                break;
+            }
+            if rank.worker_id == choice.worker.id || out.iter().any(|w| w.id == rank.worker_id) {
+                continue;
+            }
+            if let Some(w) = view.get(rank.worker_id) {
+                out.push(w.clone());
+            }
+        }
+        out
+    }
+
+    /// Moves `choice`'s booking to `worker` (its best rank now), where the
+    /// proxy says it sent the request.
+    pub fn moved_to(&self, choice: &mut Choice, worker: Arc<WorkerEntry>) -> Result<(), ApiError> {
+        let req = SelectionRequest::new(choice.retry.tokens).pinned_to_worker(worker.id);
+        let next = self
+            .service
+            .peek(&req)
+            .map_err(|e| ApiError::from_selection(&e))?
+            .worker;
+        choice
+            .lifecycle
+            .retarget(next)
+            .map_err(|e| ApiError::new(Refusal::SelectionFailed, format!("cannot move the booking: {e}")))?;
+        choice.rank = next;
+        choice.worker = worker;
+        choice.predicted_cached_tokens = None;
+        Ok(())
     }
 
     /// The worker refused the connection: moves the booking to the next

@@ -71,10 +71,16 @@ impl Upstream {
         }
     }
 
-    /// Reads `worker`'s `GET /v1/models` (at most [`MAX_MODELS_BYTES`],
-    /// [`MAX_MODELS_PER_WORKER`] models, within `timeout`).
-    pub async fn models(&self, worker: &WorkerEntry, timeout: Duration) -> Result<ModelList, String> {
-        let uri: Uri = worker.url.uri("/v1/models").map_err(|e| e.to_string())?;
+    /// Reads `worker`'s `GET path` answer (a success status, at most
+    /// `max_bytes`, within `timeout`).
+    pub async fn get(
+        &self,
+        worker: &WorkerEntry,
+        path: &str,
+        timeout: Duration,
+        max_bytes: usize,
+    ) -> Result<Bytes, String> {
+        let uri: Uri = worker.url.uri(path).map_err(|e| e.to_string())?;
         let request = Request::get(uri)
             .body(Full::new(Bytes::new()))
             .map_err(|e| e.to_string())?;
@@ -83,16 +89,22 @@ impl Upstream {
             if !response.status().is_success() {
                 return Err(format!("status {}", response.status()));
             }
-            let body = Limited::new(response.into_body(), MAX_MODELS_BYTES)
+            let body = Limited::new(response.into_body(), max_bytes)
                 .collect()
                 .await
                 .map_err(|e| e.to_string())?
                 .to_bytes();
             Ok::<_, String>(body)
         };
-        let body = tokio::time::timeout(timeout, read)
+        tokio::time::timeout(timeout, read)
             .await
-            .map_err(|_| "timed out".to_owned())??;
+            .map_err(|_| "timed out".to_owned())?
+    }
+
+    /// Reads `worker`'s `GET /v1/models` (at most [`MAX_MODELS_BYTES`],
+    /// [`MAX_MODELS_PER_WORKER`] models, within `timeout`).
+    pub async fn models(&self, worker: &WorkerEntry, timeout: Duration) -> Result<ModelList, String> {
+        let body = self.get(worker, "/v1/models", timeout, MAX_MODELS_BYTES).await?;
         let v: serde_json::Value = serde_json::from_slice(&body).map_err(|e| e.to_string())?;
         let data = v
             .get("data")

@@ -88,6 +88,7 @@ impl WorkerUrl {
     /// use selkie::router::WorkerUrl;
     /// let u = WorkerUrl::parse("http://127.0.0.1:8101/")?;
     /// assert_eq!(u.as_str(), "http://127.0.0.1:8101");
+    /// assert_eq!(u.authority(), "127.0.0.1:8101");
     /// assert!(WorkerUrl::parse("https://a:1").is_err());
     /// assert!(WorkerUrl::parse("127.0.0.1:8101").is_err());
     /// # Ok::<(), selkie::router::ServeError>(())
@@ -125,6 +126,12 @@ impl WorkerUrl {
             prefix,
             text,
         })
+    }
+
+    /// `host:port`, as an endpoint picker names the worker to its proxy.
+    pub fn authority(&self) -> &str {
+        let end = self.text.len() - self.prefix.len();
+        &self.text["http://".len()..end]
     }
 
     /// The URL as the router writes it (`http://host:port[/prefix]`).

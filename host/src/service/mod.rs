@@ -255,6 +255,45 @@ impl WorkerSelectionService {
         self.change(|reg, _| reg.set_overloaded(worker_id, overloaded))
     }
 
+    /// Sets load on `worker`'s rank that this service did not book: for
+    /// example the requests an engine reports running or waiting beyond
+    /// the ones booked here (`selkie serve` scrapes them from the engines'
+    /// metrics). Every policy and the admission limits count it as they
+    /// count this service's bookings; `requests` of 0 takes it back.
+    ///
+    /// It is written where replica sync writes its peers' load, so it is
+    /// refused while a replica sync is attached (use one or the other).
+    /// Returns whether it was written: not when the rank has no row, its
+    /// row changed hands, or a replica sync is attached.
+    ///
+    /// ```
+    /// use selkie::{SelectionRequest, ServiceConfig, WorkerRecord, WorkerSelectionPolicy, WorkerSelectionService, WorkerWithDpRank};
+    /// let service = WorkerSelectionService::new(WorkerSelectionPolicy::least_loaded(), ServiceConfig::default());
+    /// service.add_worker(WorkerRecord::new(1))?;
+    /// service.add_worker(WorkerRecord::new(2))?;
+    /// // Worker 1's engine holds 5 requests this service never booked.
+    /// assert!(service.set_external_load(WorkerWithDpRank::new(1, 0), 5));
+    /// assert_eq!(service.peek(&SelectionRequest::new(64))?.worker.worker_id, 2);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn set_external_load(&self, worker: WorkerWithDpRank, requests: u64) -> bool {
+        #[cfg(feature = "nats")]
+        if self.replica.sync().is_some() {
+            return false;
+        }
+        let Some(slot) =
+            self.with_snapshot(|reg| reg.row_of(worker).and_then(|row| reg.row(row)).map(|r| r.handle.slot))
+        else {
+            return false;
+        };
+        let load = selkie_kernel::fleet::Outstanding {
+            requests: requests.min(u64::from(selkie_kernel::fleet::COUNTER_MAX)) as u32,
+            prefill_tokens: 0,
+            decode_blocks: 0,
+        };
+        self.fleet.set_remote_load(slot, load).is_ok()
+    }
+
     /// Makes the worker table equal `snapshot` (adds, updates, removes).
     ///
     /// The snapshot applies whole or not at all: it is refused, changing

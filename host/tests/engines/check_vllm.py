@@ -9,6 +9,9 @@ Checks:
   `cached_tokens`, within the engine's cap (it computes at least the
   prompt's last token), with both ways of hashing (`--kv-hash tokens` and
   `engine-sha256-cbor`);
+* the same through the endpoint picker door (`--ext-proc-port`), driven
+  as Envoy drives it by grpcio and envoy-data-plane: the test sends each
+  request to the engine the picker named and the predictions stay exact;
 * an engine killed and restarted mid-run: its blocks stop counting when it
   refuses a connection, its restart is seen, predictions stay exact;
 * on prompts sharing prefixes, the kv policy's engine-reported cached share
@@ -21,6 +24,7 @@ Usage: check_vllm.py --venv VENV --selkie BINARY --work DIR
 """
 
 import argparse
+import json
 import os
 import random
 import sys
@@ -146,6 +150,33 @@ def run_phase(name, router, engines, prompts, restart_at=None):
     return phase
 
 
+def run_picker_phase(name, router, picker, engines, prompts):
+    """The same requests through the endpoint picker door: the test asks
+    the picker (as Envoy would, with grpcio and envoy-data-plane), sends
+    each request to the engine it named, and passes the response back
+    through the picker, which adds its prediction to the response headers."""
+    import grpc
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "e2e"))
+    import epp_proxy as P
+
+    stub = P.ExternalProcessorSyncStub(grpc.insecure_channel(picker))
+    phase = Phase(name)
+    before = [e.prefix_cache_counters()[1] for e in engines]
+    for prompt in prompts:
+        body = json.dumps({"model": E.MODEL, "prompt": prompt, "max_tokens": 4, "ignore_eos": True})
+        s, dest, refused = P.ask(stub, body)
+        assert refused is None, f"the picker refused: {refused}"
+        added, got = P.relay(s, dest.split(",")[0], "/v1/completions", body, False)
+        phase.record(added, json.loads(got))
+        settle(router)
+    assert not P.failures, P.failures
+    hits = sum(e.prefix_cache_counters()[1] for e in engines) - sum(before)
+    phase.report()
+    assert hits == phase.cached, f"{name}: engines' /metrics hits {hits} != their cached_tokens sum {phase.cached}"
+    return phase
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--venv", required=True)
@@ -165,17 +196,24 @@ def main():
         phases = {}
         for name, policy, kv_hash, restart in [
             ("kv, --kv-hash tokens", "kv", "tokens", None),
+            ("kv through the endpoint picker (ext_proc)", "kv", "tokens", "picker"),
             ("round-robin", "round-robin", None, None),
             ("kv, --kv-hash engine-sha256-cbor, engine b killed and restarted", "kv", "engine-sha256-cbor", args.requests // 2),
             ("kv, the wrong hash seed (must miss)", "kv", "engine-sha256-cbor:1", None),
         ]:  # fmt: skip
             log = os.path.join(args.work, f"selkie-{len(routers)}.log")
-            router = E.selkie(args.selkie, engines, log, policy=policy, kv_hash=kv_hash or "tokens")
+            picker = restart == "picker" and E.free_ports(1)[0]
+            extra = ["--ext-proc-port", str(picker)] if picker else []
+            router = E.selkie(args.selkie, engines, log, policy=policy, kv_hash=kv_hash or "tokens", extra=extra)
             routers.append(router)
             router.wait_ready()
             clear_both(router, engines)
             wrong = kv_hash == "engine-sha256-cbor:1"
-            phases[name] = phase = run_phase(name, router, engines, prompts[: len(prompts) // 3] if wrong else prompts, restart)
+            if picker:
+                phase = run_picker_phase(name, router, f"127.0.0.1:{picker}", engines, prompts)
+            else:
+                phase = run_phase(name, router, engines, prompts[: len(prompts) // 3] if wrong else prompts, restart)
+            phases[name] = phase
             m = E.metrics(router.url)
             for e in engines:
                 for kind in events[e.url]:

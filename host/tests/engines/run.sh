@@ -10,6 +10,9 @@ cd "$(dirname "$0")/../../.."
 venv=${SELKIE_VLLM_VENV:-$HOME/.cache/selkie/vllm-0.32}
 target=${CARGO_TARGET_DIR:-target}
 host/tests/engines/install-vllm.sh "$venv"
+# The endpoint picker check plays Envoy with envoy-data-plane's messages.
+"$venv/bin/python" -c "import envoy_data_plane" 2>/dev/null ||
+  "$venv/bin/pip" install --quiet --disable-pip-version-check envoy-data-plane
 cargo build -q -p selkie --features serve --bin selkie
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT

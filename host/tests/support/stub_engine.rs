@@ -81,6 +81,8 @@ struct State {
     open: AtomicU64,
     completed: AtomicU64,
     release: watch::Sender<bool>,
+    /// What `GET /metrics` answers (404 while empty).
+    metrics: Mutex<String>,
 }
 
 /// A running stub engine.
@@ -262,6 +264,16 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Result<Response<Ch
         drop(tx);
         return Ok(respond(200, "application/json", rx));
     }
+    if path == "/metrics" {
+        let text = state.metrics.lock().unwrap().clone();
+        if text.is_empty() {
+            drop(tx);
+            return Ok(respond(404, "text/plain", rx));
+        }
+        let _ = tx.try_send(Ok(Bytes::from(text)));
+        drop(tx);
+        return Ok(respond(200, "text/plain; version=0.0.4", rx));
+    }
     if path == "/health" {
         drop(tx);
         return Ok(respond(200, "text/plain", rx));
@@ -340,6 +352,7 @@ impl StubEngine {
             open: AtomicU64::new(0),
             completed: AtomicU64::new(0),
             release,
+            metrics: Mutex::new(String::new()),
         });
         let (stop, mut stopped) = watch::channel(false);
         let s = state.clone();
@@ -369,6 +382,11 @@ impl StubEngine {
             }
         });
         StubEngine { addr, state, stop }
+    }
+
+    /// Makes `GET /metrics` answer `text` (Prometheus text; empty: 404).
+    pub fn set_metrics(&self, text: &str) {
+        *self.state.metrics.lock().unwrap() = text.to_owned();
     }
 
     /// `http://127.0.0.1:PORT`.

@@ -99,6 +99,36 @@ pub struct ServeArgs {
     /// each store's token ids) or engine-sha256-cbor[:PYTHONHASHSEED].
     #[arg(long = "kv-hash", value_name = "MODE", default_value = "tokens")]
     kv_hash: String,
+    /// Also answer as a Gateway API endpoint picker: Envoy's external
+    /// processing protocol (gRPC) on this port of --host.
+    #[arg(long, value_name = "PORT")]
+    ext_proc_port: Option<u16>,
+    /// Fallback endpoints the picker names after its choice.
+    #[arg(long, value_name = "N", default_value_t = 2)]
+    ext_proc_fallbacks: usize,
+    /// Read each engine's /metrics this often (seconds) for load and busy
+    /// signals (requests waiting and running, KV cache usage).
+    #[arg(long, value_name = "SECS", value_parser = seconds)]
+    engine_metrics_interval: Option<Duration>,
+    /// Engine figures older than this (seconds) stop counting.
+    #[arg(long, value_name = "SECS", value_parser = seconds, default_value = "2", requires = "engine_metrics_interval")]
+    engine_metrics_staleness: Duration,
+    /// Requests waiting at which an engine counts as busy (skipped).
+    #[arg(
+        long,
+        value_name = "N",
+        default_value_t = 128.0,
+        requires = "engine_metrics_interval"
+    )]
+    engine_queue_threshold: f64,
+    /// KV cache usage (0 to 1) at which an engine counts as busy.
+    #[arg(
+        long,
+        value_name = "FRACTION",
+        default_value_t = 0.98,
+        requires = "engine_metrics_interval"
+    )]
+    engine_kv_usage_threshold: f64,
     /// Retry-After of a 429 or 503, in seconds.
     #[arg(long, value_name = "SECS", value_parser = seconds, default_value = "1")]
     retry_after: Duration,
@@ -195,7 +225,18 @@ impl ServeArgs {
                 options,
             }
         });
+        let engine_metrics =
+            self.engine_metrics_interval
+                .map(|interval| selkie::router::engine_load::EngineMetricsConfig {
+                    interval,
+                    staleness: self.engine_metrics_staleness,
+                    queue_threshold: self.engine_queue_threshold,
+                    kv_usage_threshold: self.engine_kv_usage_threshold,
+                });
         Ok(ServeConfig {
+            ext_proc: self.ext_proc_port.map(|p| SocketAddr::new(self.host, p)),
+            ext_proc_fallbacks: self.ext_proc_fallbacks,
+            engine_metrics,
             listen: SocketAddr::new(self.host, self.port),
             workers: self.workers,
             workers_file: self.workers_file,
