@@ -17,6 +17,16 @@
 //! Prints one JSON object: sent, ok, errors, achieved rate, latency p50,
 //! p90, p99, p99.9 and max in ms.
 //!
+//! `--prompt-tokens N`: the prompt is N token ids instead (one of 64 shared
+//! prefixes of N - 16 ids, then 16 of its own).
+//!
+//! `--ext-proc HOST:PORT` (rate mode): asks an endpoint picker instead, as
+//! Envoy does in `FULL_DUPLEX_STREAMED` mode: one ext_proc stream per
+//! request on one HTTP/2 connection, its request headers then its body in
+//! one message; the latency is from sending the headers to the picker's
+//! decision (the headers answer naming the endpoint). The stream is then
+//! dropped, which releases the booking.
+//!
 //! Streams mode: opens N streaming requests over HTTP/2 (64 connections)
 //! or HTTP/1.1 (`--h1`), waits until every response head arrived (or
 //! `--hold` seconds), prints how many opened, holds them `--hold` seconds,
@@ -49,9 +59,18 @@ fn words(seed: u64, n: usize) -> String {
     out.join(" ")
 }
 
-fn body(i: u64, stream: bool) -> Bytes {
-    let prompt = format!("{} {}", words(i % 64, 100), words(1_000_003 + i, 16));
-    let v = serde_json::json!({"model": "tiny", "prompt": prompt, "max_tokens": 8, "stream": stream});
+fn body(i: u64, stream: bool, prompt_tokens: usize) -> Bytes {
+    let v = if prompt_tokens > 0 {
+        let shared = prompt_tokens.saturating_sub(16) as u64;
+        let ids: Vec<u64> = (0..shared)
+            .map(|t| 1 + (i % 64) * 100_000 + t)
+            .chain((0..prompt_tokens as u64 - shared).map(|t| 7_000_000 + i * 16 + t))
+            .collect();
+        serde_json::json!({"model": "tiny", "prompt": ids, "max_tokens": 8, "stream": stream})
+    } else {
+        let prompt = format!("{} {}", words(i % 64, 100), words(1_000_003 + i, 16));
+        serde_json::json!({"model": "tiny", "prompt": prompt, "max_tokens": 8, "stream": stream})
+    };
     Bytes::from(v.to_string())
 }
 
@@ -71,6 +90,8 @@ struct Args {
     hold: f64,
     h1: bool,
     timeout: f64,
+    prompt_tokens: usize,
+    ext_proc: Option<String>,
 }
 
 fn args() -> Args {
@@ -82,6 +103,8 @@ fn args() -> Args {
         hold: 3.0,
         h1: false,
         timeout: 10.0,
+        prompt_tokens: 0,
+        ext_proc: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(k) = it.next() {
@@ -94,10 +117,15 @@ fn args() -> Args {
             "--hold" => a.hold = v().parse().expect("--hold S"),
             "--h1" => a.h1 = true,
             "--timeout" => a.timeout = v().parse().expect("--timeout S"),
+            "--prompt-tokens" => a.prompt_tokens = v().parse().expect("--prompt-tokens N"),
+            "--ext-proc" => a.ext_proc = Some(v()),
             _ => panic!("unknown option {k}"),
         }
     }
-    assert!(!a.urls.is_empty(), "--url URL");
+    assert!(
+        !a.urls.is_empty() || a.ext_proc.is_some(),
+        "--url URL or --ext-proc HOST:PORT"
+    );
     a
 }
 
@@ -111,6 +139,8 @@ fn main() {
     runtime.block_on(async move {
         if a.streams > 0 {
             streams(&a).await
+        } else if let Some(addr) = &a.ext_proc {
+            picker::rate(&a, addr).await
         } else {
             rate(&a).await
         }
@@ -133,6 +163,7 @@ async fn rate(a: &Args) {
         tokio::time::sleep_until(due.into()).await;
         let (client, tx, errors) = (client.clone(), tx.clone(), errors.clone());
         let timeout = Duration::from_secs_f64(a.timeout);
+        let prompt_tokens = a.prompt_tokens;
         let url = format!("{}/v1/completions", a.urls[(i % a.urls.len() as u64) as usize]);
         tasks.push(tokio::spawn(async move {
             // Late timers and a busy machine delay the send past its due
@@ -141,7 +172,7 @@ async fn rate(a: &Args) {
             let sent = Instant::now();
             let request = hyper::Request::post(url)
                 .header("content-type", "application/json")
-                .body(Full::new(body(i, false)))
+                .body(Full::new(body(i, false, prompt_tokens)))
                 .unwrap();
             let exchange = async {
                 match client.request(request).await {
@@ -165,6 +196,11 @@ async fn rate(a: &Args) {
     for t in tasks {
         let _ = t.await;
     }
+    report(a.rate, total, start, &mut rx, errors.load(Ordering::Relaxed));
+}
+
+/// Prints the latencies `rx` collected as one JSON object.
+fn report(rate: f64, total: u64, start: Instant, rx: &mut tokio::sync::mpsc::UnboundedReceiver<f64>, errors: u64) {
     let elapsed = start.elapsed().as_secs_f64();
     let mut lat = Vec::with_capacity(total as usize);
     while let Ok(l) = rx.try_recv() {
@@ -172,10 +208,10 @@ async fn rate(a: &Args) {
     }
     lat.sort_by(f64::total_cmp);
     let out = serde_json::json!({
-        "rate": a.rate,
+        "rate": rate,
         "sent": total,
         "ok": lat.len(),
-        "errors": errors.load(Ordering::Relaxed),
+        "errors": errors,
         "achieved_rps": lat.len() as f64 / elapsed,
         "p50_ms": percentile(&lat, 50.0),
         "p90_ms": percentile(&lat, 90.0),
@@ -184,6 +220,119 @@ async fn rate(a: &Args) {
         "max_ms": lat.last().copied().unwrap_or(f64::NAN),
     });
     println!("{out}");
+}
+
+/// Rate mode against an endpoint picker (`--ext-proc`).
+mod picker {
+    use super::*;
+    use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
+    use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
+    use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request as Phase;
+    use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response as Answer;
+    use envoy_types::pb::envoy::service::ext_proc::v3::{
+        HttpBody, HttpHeaders, ProcessingRequest, ProtocolConfiguration,
+    };
+
+    fn header(key: &str, value: &str) -> HeaderValue {
+        HeaderValue {
+            key: key.into(),
+            value: String::new(),
+            raw_value: value.as_bytes().to_vec(),
+        }
+    }
+
+    pub async fn rate(a: &Args, addr: &str) {
+        let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+            .expect("--ext-proc HOST:PORT")
+            .tcp_nodelay(true)
+            .connect()
+            .await
+            .expect("connect to the picker");
+        let client = ExternalProcessorClient::new(channel);
+        let total = (a.rate * a.duration).round() as u64;
+        let errors = Arc::new(AtomicU64::new(0));
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<f64>();
+        let start = Instant::now() + Duration::from_millis(50);
+        let mut tasks = Vec::with_capacity(total as usize);
+        for i in 0..total {
+            let due = start + Duration::from_secs_f64(i as f64 / a.rate);
+            tokio::time::sleep_until(due.into()).await;
+            let (mut client, tx, errors) = (client.clone(), tx.clone(), errors.clone());
+            let timeout = Duration::from_secs_f64(a.timeout);
+            let body = body(i, false, a.prompt_tokens).to_vec();
+            tasks.push(tokio::spawn(async move {
+                let messages = vec![
+                    ProcessingRequest {
+                        request: Some(Phase::RequestHeaders(HttpHeaders {
+                            headers: Some(HeaderMap {
+                                headers: vec![header(":path", "/v1/completions"), header(":method", "POST")],
+                            }),
+                            ..HttpHeaders::default()
+                        })),
+                        protocol_config: Some(ProtocolConfiguration {
+                            request_body_mode: 4,
+                            response_body_mode: 4,
+                            ..ProtocolConfiguration::default()
+                        }),
+                        ..ProcessingRequest::default()
+                    },
+                    ProcessingRequest {
+                        request: Some(Phase::RequestBody(HttpBody {
+                            body,
+                            end_of_stream: true,
+                            ..HttpBody::default()
+                        })),
+                        ..ProcessingRequest::default()
+                    },
+                ];
+                let sent = Instant::now();
+                let exchange = async {
+                    // The request side stays open (as Envoy's does until
+                    // the response): the stream ends when it is dropped.
+                    let (keep, held) = tokio::sync::oneshot::channel::<()>();
+                    let outbound = tonic::codegen::tokio_stream::StreamExt::chain(
+                        tonic::codegen::tokio_stream::iter(messages),
+                        futures_until(held),
+                    );
+                    let mut answers = client.process(outbound).await.ok()?.into_inner();
+                    let first = answers.message().await.ok()??;
+                    let decided = matches!(first.response, Some(Answer::RequestHeaders(_)));
+                    drop(keep);
+                    decided.then_some(())
+                };
+                match tokio::time::timeout(timeout, exchange).await {
+                    Ok(Some(())) => {
+                        let _ = tx.send(sent.elapsed().as_secs_f64() * 1e3);
+                    }
+                    _ => {
+                        errors.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            }));
+        }
+        drop(tx);
+        for t in tasks {
+            let _ = t.await;
+        }
+        report(a.rate, total, start, &mut rx, errors.load(Ordering::Relaxed));
+    }
+
+    /// A stream of no items that ends when `held` resolves.
+    fn futures_until(
+        held: tokio::sync::oneshot::Receiver<()>,
+    ) -> impl tonic::codegen::tokio_stream::Stream<Item = ProcessingRequest> {
+        struct Until(tokio::sync::oneshot::Receiver<()>);
+        impl tonic::codegen::tokio_stream::Stream for Until {
+            type Item = ProcessingRequest;
+            fn poll_next(
+                mut self: std::pin::Pin<&mut Self>,
+                cx: &mut std::task::Context<'_>,
+            ) -> std::task::Poll<Option<ProcessingRequest>> {
+                std::future::Future::poll(std::pin::Pin::new(&mut self.0), cx).map(|_| None)
+            }
+        }
+        Until(held)
+    }
 }
 
 async fn streams(a: &Args) {
@@ -200,7 +349,7 @@ async fn streams(a: &Args) {
         tasks.push(tokio::spawn(async move {
             let request = hyper::Request::post(url)
                 .header("content-type", "application/json")
-                .body(Full::new(body(i as u64, true)))
+                .body(Full::new(body(i as u64, true, 0)))
                 .unwrap();
             match client.request(request).await {
                 Ok(r) if r.status().is_success() => {
