@@ -153,37 +153,52 @@ async fn rate(a: &Args) {
     let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new())
         .pool_max_idle_per_host(4096)
         .build(connector);
+    open_loop(a, |i| {
+        let client = client.clone();
+        let url = format!("{}/v1/completions", a.urls[(i % a.urls.len() as u64) as usize]);
+        let body = body(i, false, a.prompt_tokens);
+        async move {
+            let request = hyper::Request::post(url)
+                .header("content-type", "application/json")
+                .body(Full::new(body))
+                .unwrap();
+            match client.request(request).await {
+                Ok(r) if r.status().is_success() => r.into_body().collect().await.is_ok(),
+                Ok(r) => {
+                    let _ = r.into_body().collect().await;
+                    false
+                }
+                Err(_) => false,
+            }
+        }
+    })
+    .await;
+}
+
+/// Sends request `i` (the future `exchange(i)` makes, true when it
+/// succeeded) at `start + i / rate` whatever happened to the ones before,
+/// then prints the latencies.
+async fn open_loop<F, Fut>(a: &Args, exchange: F)
+where
+    F: Fn(u64) -> Fut,
+    Fut: std::future::Future<Output = bool> + Send + 'static,
+{
     let total = (a.rate * a.duration).round() as u64;
     let errors = Arc::new(AtomicU64::new(0));
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<f64>();
     let start = Instant::now() + Duration::from_millis(50);
     let mut tasks = Vec::with_capacity(total as usize);
+    let timeout = Duration::from_secs_f64(a.timeout);
     for i in 0..total {
         let due = start + Duration::from_secs_f64(i as f64 / a.rate);
         tokio::time::sleep_until(due.into()).await;
-        let (client, tx, errors) = (client.clone(), tx.clone(), errors.clone());
-        let timeout = Duration::from_secs_f64(a.timeout);
-        let prompt_tokens = a.prompt_tokens;
-        let url = format!("{}/v1/completions", a.urls[(i % a.urls.len() as u64) as usize]);
+        let (tx, errors) = (tx.clone(), errors.clone());
+        let exchange = exchange(i);
         tasks.push(tokio::spawn(async move {
             // Late timers and a busy machine delay the send past its due
             // time; the latency counts from the send (no request waits for
             // another's answer, so none is held back by a slow one).
             let sent = Instant::now();
-            let request = hyper::Request::post(url)
-                .header("content-type", "application/json")
-                .body(Full::new(body(i, false, prompt_tokens)))
-                .unwrap();
-            let exchange = async {
-                match client.request(request).await {
-                    Ok(r) if r.status().is_success() => r.into_body().collect().await.is_ok(),
-                    Ok(r) => {
-                        let _ = r.into_body().collect().await;
-                        false
-                    }
-                    Err(_) => false,
-                }
-            };
             let ok = tokio::time::timeout(timeout, exchange).await.unwrap_or(false);
             if ok {
                 let _ = tx.send(sent.elapsed().as_secs_f64() * 1e3);
@@ -230,7 +245,7 @@ mod picker {
     use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request as Phase;
     use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response as Answer;
     use envoy_types::pb::envoy::service::ext_proc::v3::{
-        HttpBody, HttpHeaders, ProcessingRequest, ProtocolConfiguration,
+        HttpBody, HttpHeaders, ProcessingRequest, ProcessingResponse, ProtocolConfiguration,
     };
 
     fn header(key: &str, value: &str) -> HeaderValue {
@@ -249,18 +264,10 @@ mod picker {
             .await
             .expect("connect to the picker");
         let client = ExternalProcessorClient::new(channel);
-        let total = (a.rate * a.duration).round() as u64;
-        let errors = Arc::new(AtomicU64::new(0));
-        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<f64>();
-        let start = Instant::now() + Duration::from_millis(50);
-        let mut tasks = Vec::with_capacity(total as usize);
-        for i in 0..total {
-            let due = start + Duration::from_secs_f64(i as f64 / a.rate);
-            tokio::time::sleep_until(due.into()).await;
-            let (mut client, tx, errors) = (client.clone(), tx.clone(), errors.clone());
-            let timeout = Duration::from_secs_f64(a.timeout);
+        open_loop(a, |i| {
+            let mut client = client.clone();
             let body = body(i, false, a.prompt_tokens).to_vec();
-            tasks.push(tokio::spawn(async move {
+            async move {
                 let messages = vec![
                     ProcessingRequest {
                         request: Some(Phase::RequestHeaders(HttpHeaders {
@@ -285,36 +292,28 @@ mod picker {
                         ..ProcessingRequest::default()
                     },
                 ];
-                let sent = Instant::now();
-                let exchange = async {
-                    // The request side stays open (as Envoy's does until
-                    // the response): the stream ends when it is dropped.
-                    let (keep, held) = tokio::sync::oneshot::channel::<()>();
-                    let outbound = tonic::codegen::tokio_stream::StreamExt::chain(
-                        tonic::codegen::tokio_stream::iter(messages),
-                        futures_until(held),
-                    );
-                    let mut answers = client.process(outbound).await.ok()?.into_inner();
-                    let first = answers.message().await.ok()??;
-                    let decided = matches!(first.response, Some(Answer::RequestHeaders(_)));
-                    drop(keep);
-                    decided.then_some(())
+                // The request side stays open (as Envoy's does until the
+                // response): the stream ends when it is dropped.
+                let (keep, held) = tokio::sync::oneshot::channel::<()>();
+                let outbound = tonic::codegen::tokio_stream::StreamExt::chain(
+                    tonic::codegen::tokio_stream::iter(messages),
+                    futures_until(held),
+                );
+                let Ok(answers) = client.process(outbound).await else {
+                    return false;
                 };
-                match tokio::time::timeout(timeout, exchange).await {
-                    Ok(Some(())) => {
-                        let _ = tx.send(sent.elapsed().as_secs_f64() * 1e3);
-                    }
-                    _ => {
-                        errors.fetch_add(1, Ordering::Relaxed);
-                    }
-                }
-            }));
-        }
-        drop(tx);
-        for t in tasks {
-            let _ = t.await;
-        }
-        report(a.rate, total, start, &mut rx, errors.load(Ordering::Relaxed));
+                let decided = matches!(
+                    answers.into_inner().message().await,
+                    Ok(Some(ProcessingResponse {
+                        response: Some(Answer::RequestHeaders(_)),
+                        ..
+                    }))
+                );
+                drop(keep);
+                decided
+            }
+        })
+        .await;
     }
 
     /// A stream of no items that ends when `held` resolves.

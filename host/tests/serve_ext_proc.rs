@@ -17,7 +17,8 @@ use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::Ex
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request as Phase;
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response as Answer;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
-    body_mutation, CommonResponse, HttpBody, HttpHeaders, ProcessingRequest, ProcessingResponse, ProtocolConfiguration,
+    body_mutation, CommonResponse, HttpBody, HttpHeaders, HttpTrailers, ProcessingRequest, ProcessingResponse,
+    ProtocolConfiguration,
 };
 use envoy_types::pb::google::protobuf::{value::Kind, ListValue, Struct, Value};
 use selkie::router::ext_proc::{
@@ -58,13 +59,20 @@ impl Proxy {
         Proxy { tx, rx }
     }
 
+    /// Sends `phase`; `duplex` says FULL_DUPLEX_STREAMED in the protocol
+    /// configuration, else it carries none.
     async fn send(&self, phase: Phase, metadata: Option<Metadata>, duplex: bool) {
+        self.send_in(phase, metadata, duplex.then_some(4)).await;
+    }
+
+    /// Sends `phase` with the request body `mode` (Envoy's `BodySendMode`).
+    async fn send_in(&self, phase: Phase, metadata: Option<Metadata>, mode: Option<i32>) {
         let msg = ProcessingRequest {
             request: Some(phase),
             metadata_context: metadata,
-            protocol_config: duplex.then(|| ProtocolConfiguration {
-                request_body_mode: 4,
-                response_body_mode: 4,
+            protocol_config: mode.map(|m| ProtocolConfiguration {
+                request_body_mode: m,
+                response_body_mode: m,
                 ..ProtocolConfiguration::default()
             }),
             ..ProcessingRequest::default()
@@ -287,10 +295,10 @@ async fn a_buffered_request_is_routed_booked_and_released_with_its_response() {
     };
     let worker = set_header(h.response.as_ref().unwrap(), "x-selkie-worker").unwrap();
     assert_eq!(worker, format!("http://{}", named[0]));
-    let chunks = sse(8);
-    let last = chunks.len() - 1;
-    for (i, c) in chunks.iter().enumerate() {
-        p.send(response_body(c, i == last), None, false).await;
+    // The body ends without end_of_stream: trailers follow, as with an
+    // upstream that sends them.
+    for (i, c) in sse(8).iter().enumerate() {
+        p.send(response_body(c, false), None, false).await;
         let Some(Answer::ResponseBody(_)) = p.answer().await.response else {
             panic!("each response chunk is answered")
         };
@@ -300,6 +308,17 @@ async fn a_buffered_request_is_routed_booked_and_released_with_its_response() {
             assert_eq!(s.booked().0, 1.0);
         }
     }
+    assert_eq!(scrape(&r).await.booked().0, 1.0, "booked until the response ends");
+    p.send(Phase::ResponseTrailers(HttpTrailers::default()), None, false)
+        .await;
+    let Some(Answer::ResponseTrailers(_)) = p.answer().await.response else {
+        panic!("trailers answered")
+    };
+    let closed = tokio::time::timeout(Duration::from_secs(5), p.rx.message()).await;
+    assert!(
+        matches!(closed, Ok(Ok(None))),
+        "the picker closes the stream once the response has ended: {closed:?}"
+    );
     let s = wait_unbooked(&r).await;
     assert_eq!(s.booked(), (0.0, 0.0, 0.0), "{}", s.text);
     assert_eq!(s.value("selkie_ext_proc_streams_total", r#"outcome="routed""#), 1.0);
@@ -454,15 +473,27 @@ async fn the_subset_hint_limits_the_choice_and_the_served_endpoint_moves_the_boo
     // The proxy sends the request to a (not the picker's first): the
     // booking moves to a.
     let mut p = Proxy::open(&server).await;
-    p.send(
+    p.send_in(
         headers("/v1/completions", false),
         Some(subset(&[&authority(&b)])),
-        false,
+        Some(2),
     )
     .await;
     p.answer().await;
-    p.send(body(PROMPT.as_bytes(), true), None, false).await;
-    assert_eq!(destination(&p.answer().await), authority(&b));
+    // This body is followed by trailers; in BUFFERED mode the one body
+    // message carries the decision.
+    p.send(body(PROMPT.as_bytes(), false), None, false).await;
+    let decision = p.answer().await;
+    assert!(
+        matches!(decision.response, Some(Answer::RequestBody(_))),
+        "{decision:?}"
+    );
+    assert_eq!(destination(&decision), authority(&b));
+    p.send(Phase::RequestTrailers(HttpTrailers::default()), None, false)
+        .await;
+    let Some(Answer::RequestTrailers(_)) = p.answer().await.response else {
+        panic!("the trailers answered after the decision")
+    };
     let on = |s: &support::Scrape, e: &StubEngine| {
         s.samples
             .iter()

@@ -30,9 +30,11 @@
 //!      sent back as streamed body mutations.
 //!    * In the other modes (`BUFFERED`, `STREAMED`), the headers are
 //!      answered at once and the decision comes in the answer to the
-//!      body's last message. Only `BUFFERED` lets a proxy route on it:
-//!      in `STREAMED` mode the proxy has picked its upstream before the
-//!      body ends.
+//!      body's last message (in `BUFFERED` mode, its one message). Only
+//!      `BUFFERED` lets a proxy route on it: in `STREAMED` mode the proxy
+//!      has picked its upstream before the body ends. A body that ends
+//!      in request trailers in `STREAMED` mode gets the decision in the
+//!      trailers' answer, as metadata only.
 //! 3. **Refusals** are immediate responses (the picker then closes the
 //!    stream) with the status and JSON body
 //!    the HTTP door gives: 400 (bad body), 404 (unknown model), 413 (body
@@ -113,8 +115,22 @@ pub const STREAMED_CHUNK_BYTES: usize = 62_000;
 /// Answers queued per stream before the picker waits for the proxy.
 const ANSWER_QUEUE: usize = 16;
 
+/// `BodySendMode::BUFFERED` of Envoy's ext_proc filter.
+const BUFFERED: i32 = 2;
+
 /// `BodySendMode::FULL_DUPLEX_STREAMED` of Envoy's ext_proc filter.
 const FULL_DUPLEX_STREAMED: i32 = 4;
+
+/// The message whose answer carries the decision.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Trigger {
+    /// Request headers that end the request (no body).
+    Headers,
+    /// The body's last message (or the one message of a buffered body).
+    Body,
+    /// Request trailers, before which the body did not end.
+    Trailers,
+}
 
 /// The picker door's counters.
 #[derive(Clone, Default)]
@@ -223,6 +239,7 @@ impl ExternalProcessor for Picker {
 #[derive(Default)]
 struct StreamState {
     request_duplex: bool,
+    request_buffered: bool,
     response_duplex: bool,
     path: Option<String>,
     subset: Option<Vec<String>>,
@@ -299,6 +316,7 @@ impl PickerInner {
     async fn step(&self, s: &mut StreamState, msg: ProcessingRequest) -> Vec<ProcessingResponse> {
         if let Some(pc) = &msg.protocol_config {
             s.request_duplex = pc.request_body_mode == FULL_DUPLEX_STREAMED;
+            s.request_buffered = pc.request_body_mode == BUFFERED;
             s.response_duplex = pc.response_body_mode == FULL_DUPLEX_STREAMED;
         }
         if let Some(md) = &msg.metadata_context {
@@ -317,7 +335,7 @@ impl PickerInner {
                 let headers = h.headers.unwrap_or_default();
                 s.path = header(&headers, ":path").map(|p| p.split('?').next().unwrap_or_default().to_owned());
                 if h.end_of_stream {
-                    return self.decide(s).await;
+                    return self.decide(s, Trigger::Headers).await;
                 }
                 if s.request_duplex {
                     Vec::new()
@@ -341,8 +359,10 @@ impl PickerInner {
                     )];
                 }
                 s.body.extend_from_slice(&b.body);
-                if b.end_of_stream {
-                    self.decide(s).await
+                // A buffered body comes in one message, which says
+                // end_of_stream only when no trailers follow.
+                if b.end_of_stream || s.request_buffered {
+                    self.decide(s, Trigger::Body).await
                 } else if s.request_duplex {
                     Vec::new()
                 } else {
@@ -350,15 +370,15 @@ impl PickerInner {
                 }
             }
             Some(Phase::RequestTrailers(_)) => {
-                let mut out = if s.decided.is_none() {
-                    self.decide(s).await
+                if s.decided.is_none() {
+                    let mut out = self.decide(s, Trigger::Trailers).await;
+                    if s.request_duplex && !s.refused {
+                        out.push(answer(Answer::RequestTrailers(TrailersResponse::default())));
+                    }
+                    out
                 } else {
-                    Vec::new()
-                };
-                if !s.refused {
-                    out.push(answer(Answer::RequestTrailers(TrailersResponse::default())));
+                    vec![answer(Answer::RequestTrailers(TrailersResponse::default()))]
                 }
-                out
             }
             Some(Phase::ResponseHeaders(h)) => {
                 let headers = h.headers.unwrap_or_default();
@@ -435,14 +455,14 @@ impl PickerInner {
     }
 
     /// The body is complete: parse, choose, book, answer.
-    async fn decide(&self, s: &mut StreamState) -> Vec<ProcessingResponse> {
-        match self.try_decide(s).await {
+    async fn decide(&self, s: &mut StreamState, trigger: Trigger) -> Vec<ProcessingResponse> {
+        match self.try_decide(s, trigger).await {
             Ok(answers) => answers,
             Err(e) => vec![self.refuse(s, e)],
         }
     }
 
-    async fn try_decide(&self, s: &mut StreamState) -> Result<Vec<ProcessingResponse>, ApiError> {
+    async fn try_decide(&self, s: &mut StreamState, trigger: Trigger) -> Result<Vec<ProcessingResponse>, ApiError> {
         if self.shutting_down.load(Ordering::Relaxed) {
             return Err(ApiError::new(Refusal::ShuttingDown, "the picker is shutting down"));
         }
@@ -505,20 +525,33 @@ impl PickerInner {
                 dynamic_metadata: Some(metadata),
                 ..ProcessingResponse::default()
             }];
-            let mut chunks = body.chunks(STREAMED_CHUNK_BYTES).peekable();
-            if chunks.peek().is_none() {
-                out.push(self.body_back(true, Vec::new(), true, true));
-            }
-            while let Some(chunk) = chunks.next() {
-                let last = chunks.peek().is_none();
-                out.push(self.body_back(true, chunk.to_vec(), last, true));
+            if trigger != Trigger::Headers {
+                // The body goes on; with trailers to come, it does not end.
+                let ends = trigger == Trigger::Body;
+                let mut chunks = body.chunks(STREAMED_CHUNK_BYTES).peekable();
+                if chunks.peek().is_none() {
+                    out.push(self.body_back(true, Vec::new(), ends, true));
+                }
+                while let Some(chunk) = chunks.next() {
+                    let last = chunks.peek().is_none();
+                    out.push(self.body_back(true, chunk.to_vec(), last && ends, true));
+                }
             }
             out
         } else {
-            vec![ProcessingResponse {
-                response: Some(Answer::RequestBody(BodyResponse {
+            let response = match trigger {
+                Trigger::Headers => Answer::RequestHeaders(HeadersResponse {
                     response: Some(common(set)),
-                })),
+                }),
+                Trigger::Body => Answer::RequestBody(BodyResponse {
+                    response: Some(common(set)),
+                }),
+                // The headers have gone on: only the metadata can name the
+                // endpoint now.
+                Trigger::Trailers => Answer::RequestTrailers(TrailersResponse::default()),
+            };
+            vec![ProcessingResponse {
+                response: Some(response),
                 dynamic_metadata: Some(metadata),
                 ..ProcessingResponse::default()
             }]

@@ -15,6 +15,7 @@ request served by the fallback, which moves the booking; bookings back to 0.
     epp_proxy.py PICKER_HOST:PORT ROUTER_URL   (ROUTER_URL: its HTTP door, for /metrics)
 """
 import json
+import os
 import queue
 import sys
 import threading
@@ -27,10 +28,14 @@ from envoy_data_plane.envoy.service.ext_proc.v3 import (
     ExternalProcessorSyncStub,
     HttpBody,
     HttpHeaders,
+    HttpTrailers,
     ProcessingRequest,
     ProtocolConfiguration,
 )
 from envoy_data_plane.google.protobuf import ListValue, Struct, Value
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "engines"))
+from engines import metrics  # noqa: E402  (Prometheus text as {'name{labels}': value})
 
 DEST = "x-gateway-destination-endpoint"
 SERVED = "x-gateway-destination-endpoint-served"
@@ -131,8 +136,9 @@ def ask(stub, body, path="/v1/completions", duplex=False, hint=None, chunks=3):
     return s, decision(answers, duplex), None
 
 
-def relay(s, endpoint, path, body, duplex, served=None):
-    """Sends the request to `endpoint`, passes its response through the picker."""
+def relay(s, endpoint, path, body, duplex, served=None, trailers=False):
+    """Sends the request to `endpoint`, passes its response through the
+    picker (ending it with response trailers when `trailers`)."""
     req = urllib.request.Request(f"http://{endpoint}{path}", data=body.encode(),
                                  headers={"content-type": "application/json"})
     with urllib.request.urlopen(req, timeout=30) as r:
@@ -144,6 +150,10 @@ def relay(s, endpoint, path, body, duplex, served=None):
         got = b""
         while True:
             chunk = r.read1(65536) if hasattr(r, "read1") else r.read(65536)
+            if not chunk and trailers:
+                s.send(response_trailers=HttpTrailers(trailers=HeaderMap(headers=[])))
+                check(s.answer().response_trailers is not None, "response trailers answered")
+                break
             s.send(response_body=HttpBody(body=chunk, end_of_stream=not chunk))
             b = s.answer()
             check(b.response_body is not None, "response chunk answered")
@@ -154,16 +164,6 @@ def relay(s, endpoint, path, body, duplex, served=None):
                 break
     s.close()
     return added, got
-
-
-def metrics(router):
-    text = urllib.request.urlopen(router + "/metrics", timeout=5).read().decode()
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            k, v = line.rsplit(" ", 1)
-            out[k] = float(v)
-    return out
 
 
 def booked(router):
@@ -203,7 +203,7 @@ def main():
             continue
         first = dest.split(",")[0]
         check(len(dest.split(",")) == 2, f"the choice and one fallback: {dest}")
-        added, got = relay(s, first, path, body, duplex)
+        added, got = relay(s, first, path, body, duplex, trailers=stream)
         check(added.get("x-selkie-worker") == "http://" + first, f"x-selkie-worker names {first}: {added}")
         check(len(got) > 0, "a response came back")
         routed += 1
