@@ -22,7 +22,10 @@
 //!   the ones this router booked on it, from other routers or clients, are
 //!   set as the worker's external load
 //!   ([`WorkerSelectionService::set_external_load`](crate::WorkerSelectionService::set_external_load)):
-//!   every policy counts them as it counts its own bookings.
+//!   they count as in-flight requests, for the load policies and the
+//!   admission limits (the `kv` cost reads in-flight requests only with a
+//!   `decode_active_request_weight` above 0, and its default is 0). This
+//!   router's own bookings are read as each engine's answer arrives.
 //! * **Staleness**: a worker's figures older than
 //!   [`staleness`](EngineMetricsConfig::staleness) (its reads fail, time
 //!   out, or carry none of the names) stop counting: its busy mark and
@@ -200,12 +203,19 @@ struct Applied {
     load: Option<(EngineLoad, Instant)>,
     busy: bool,
     external: u64,
+    /// The worker's first rank's row when this was applied: a worker
+    /// removed and added again (a new row, no busy mark, no outside load)
+    /// starts over.
+    row: Option<crate::RankRow>,
 }
 
 /// Reads the engines' metrics every `config.interval` and applies them,
 /// until the task is aborted.
 pub async fn run(core: Arc<RouterCore>, upstream: Upstream, config: EngineMetricsConfig, metrics: EngineLoadMetrics) {
     let mut applied: HashMap<WorkerId, Applied> = HashMap::new();
+    // The URL of each worker read last time, to drop its gauges when it
+    // leaves.
+    let mut urls: HashMap<WorkerId, String> = HashMap::new();
     let timeout = config.interval.max(Duration::from_millis(100)).min(config.staleness);
     let mut tick = tokio::time::interval(config.interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -215,20 +225,32 @@ pub async fn run(core: Arc<RouterCore>, upstream: Upstream, config: EngineMetric
         let mut reads = Vec::with_capacity(view.workers().len());
         for worker in view.workers() {
             let (worker, upstream) = (worker.clone(), upstream.clone());
+            let service = core.service.clone();
             reads.push(tokio::spawn(async move {
                 let read = upstream
                     .get(&worker, "/metrics", timeout, MAX_ENGINE_METRICS_BYTES)
                     .await;
-                (worker, read)
+                // The requests held on the worker now, as the engine's
+                // figures arrive (not after every other read).
+                let held: Option<u64> = service
+                    .worker_status(worker.id)
+                    .map(|s| s.ranks.iter().map(|r| u64::from(r.active_requests)).sum());
+                (worker, read, held)
             }));
         }
         let now = Instant::now();
         let mut present = Vec::with_capacity(reads.len());
         for r in reads {
-            let Ok((worker, read)) = r.await else { continue };
+            let Ok((worker, read, held)) = r.await else { continue };
             present.push(worker.id);
             let label = || vec![("worker", worker.url.as_str().to_owned())];
             let state = applied.entry(worker.id).or_default();
+            let row = core.service.rank_row(WorkerWithDpRank::new(worker.id, worker.dp.0));
+            if row != state.row {
+                state.busy = false;
+                state.external = 0;
+                state.row = row;
+            }
             let outcome = match read.as_deref().map(|b| EngineLoad::parse(&String::from_utf8_lossy(b))) {
                 Ok(Some(load)) => {
                     state.load = Some((load, now));
@@ -261,39 +283,55 @@ pub async fn run(core: Arc<RouterCore>, upstream: Upstream, config: EngineMetric
                 state.busy = busy;
                 metrics.busy.get_or_create(&label()).set(i64::from(busy));
             }
-            let external = match (fresh, core.service.worker_status(worker.id)) {
-                (Some(l), Some(status)) => {
-                    let held: u64 = status.ranks.iter().map(|r| u64::from(r.active_requests)).sum();
+            let external = match (fresh, held) {
+                (Some(l), Some(held)) => {
                     let own = held.saturating_sub(state.external);
                     ((l.waiting + l.running) as u64).saturating_sub(own)
                 }
                 _ => 0,
             };
             if external != state.external {
-                if set_external(&core, worker.id, worker.dp, external) {
-                    state.external = external;
-                }
+                // Ranks written or not, what they now hold is `external`
+                // where written and 0 where the rank is gone.
+                set_external(&core, worker.id, worker.dp, external);
+                state.external = external;
                 metrics
                     .external
                     .get_or_create(&label())
                     .set(i64::try_from(state.external).unwrap_or(i64::MAX));
             }
         }
-        applied.retain(|id, _| present.contains(id));
+        applied.retain(|id, _| {
+            let keep = present.contains(id);
+            if !keep {
+                if let Some(url) = urls.get(id) {
+                    let labels = vec![("worker", url.clone())];
+                    for family in [&metrics.waiting, &metrics.running, &metrics.kv_usage] {
+                        family.remove(&labels);
+                    }
+                    metrics.external.remove(&labels);
+                    metrics.busy.remove(&labels);
+                }
+            }
+            keep
+        });
+        for id in &present {
+            if let Some(w) = view.get(*id) {
+                urls.insert(*id, w.url.as_str().to_owned());
+            }
+        }
+        urls.retain(|id, _| present.contains(id));
     }
 }
 
 /// Spreads `requests` over the worker's ranks (`dp`: first rank, count).
-fn set_external(core: &RouterCore, worker: WorkerId, dp: (u32, u32), requests: u64) -> bool {
+fn set_external(core: &RouterCore, worker: WorkerId, dp: (u32, u32), requests: u64) {
     let (start, count) = (dp.0, dp.1.max(1));
-    let mut all = true;
     for i in 0..count {
         let share = requests / u64::from(count) + u64::from(u64::from(i) < requests % u64::from(count));
-        all &= core
-            .service
+        core.service
             .set_external_load(WorkerWithDpRank::new(worker, start + i), share);
     }
-    all
 }
 
 #[cfg(test)]

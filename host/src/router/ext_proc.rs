@@ -8,8 +8,8 @@
 //! What a stream goes through:
 //!
 //! 1. **Request headers.** `:path` says which OpenAI shape the body has
-//!    (`/v1/chat/completions`, else completions; a body with `messages`
-//!    is chat whatever the path). The proxy's subset hint, when its
+//!    (ending in `/chat/completions`: chat; in `/completions`:
+//!    completions; any other path: chat when the body has `messages`). The proxy's subset hint, when its
 //!    metadata carries one (namespace [`SUBSET_HINT_NAMESPACE`], key
 //!    [`SUBSET_HINT_KEY`], a list of `ip:port`), limits the choice to
 //!    those endpoints.
@@ -44,7 +44,9 @@
 //! 4. **The endpoint served.** When the proxy reports where it sent the
 //!    request (the response header [`SERVED_KEY`], or the same key in the
 //!    `envoy.lb` namespace of its metadata) and that is another worker,
-//!    the booking moves there (`selkie_ext_proc_served_elsewhere_total`).
+//!    the booking moves there (`selkie_ext_proc_served_elsewhere_total`;
+//!    a worker at its admission limit cannot take it: the booking stays,
+//!    counted in `selkie_ext_proc_move_refused_total`).
 //! 5. **The response.** Its headers answer adds `x-selkie-worker` and,
 //!    when the policy read cache overlaps,
 //!    `x-selkie-predicted-cached-tokens`; the booking's prefill completes
@@ -137,11 +139,13 @@ enum Trigger {
 pub struct PickerMetrics {
     streams: Family<Vec<(&'static str, &'static str)>, Counter>,
     served_elsewhere: Counter,
+    move_refused: Counter,
 }
 
 impl PickerMetrics {
     /// Registers them (`selkie_ext_proc_streams_total{outcome}`,
-    /// `selkie_ext_proc_served_elsewhere_total`).
+    /// `selkie_ext_proc_served_elsewhere_total`,
+    /// `selkie_ext_proc_move_refused_total`).
     pub fn register(&self, registry: &mut prometheus_client::registry::Registry) {
         registry.register(
             "selkie_ext_proc_streams",
@@ -152,6 +156,11 @@ impl PickerMetrics {
             "selkie_ext_proc_served_elsewhere",
             "Requests the proxy sent to another endpoint than the picker's first (the booking moved)",
             self.served_elsewhere.clone(),
+        );
+        registry.register(
+            "selkie_ext_proc_move_refused",
+            "Requests the proxy served elsewhere whose booking could not move there (that worker at its admission limit, or gone)",
+            self.move_refused.clone(),
         );
     }
 
@@ -302,7 +311,8 @@ impl PickerInner {
                 let ending = if clean && s.response_headers_seen && !s.response_body_started {
                     Ending::Complete
                 } else {
-                    self.core.metrics.client_disconnected();
+                    // Counted in selkie_client_disconnects_total by the
+                    // lifecycle.
                     Ending::ClientGone
                 };
                 d.choice.lifecycle.end(ending);
@@ -588,7 +598,10 @@ impl PickerInner {
             Ok(()) => {
                 self.metrics.served_elsewhere.inc();
             }
-            Err(e) => tracing::debug!(served = first, %e, "the booking stays where it was"),
+            Err(e) => {
+                self.metrics.move_refused.inc();
+                tracing::warn!(served = first, %e, "the proxy served another endpoint, which refused the booking: it stays");
+            }
         }
     }
 

@@ -378,15 +378,17 @@ impl RouterCore {
         out
     }
 
-    /// Moves `choice`'s booking to `worker` (its best rank now), where the
-    /// proxy says it sent the request.
+    /// Moves `choice`'s booking to `worker` (its best rank now, else its
+    /// first), where the proxy says it sent the request: the request is
+    /// there whatever the filters say, so a busy mark does not stop the
+    /// move; only the worker's admission limit does (the booking then
+    /// stays where it was).
     pub fn moved_to(&self, choice: &mut Choice, worker: Arc<WorkerEntry>) -> Result<(), ApiError> {
         let req = SelectionRequest::new(choice.retry.tokens).pinned_to_worker(worker.id);
         let next = self
             .service
             .peek(&req)
-            .map_err(|e| ApiError::from_selection(&e))?
-            .worker;
+            .map_or(WorkerWithDpRank::new(worker.id, worker.dp.0), |p| p.worker);
         choice
             .lifecycle
             .retarget(next)

@@ -258,8 +258,11 @@ impl WorkerSelectionService {
     /// Sets load on `worker`'s rank that this service did not book: for
     /// example the requests an engine reports running or waiting beyond
     /// the ones booked here (`selkie serve` scrapes them from the engines'
-    /// metrics). Every policy and the admission limits count it as they
-    /// count this service's bookings; `requests` of 0 takes it back.
+    /// metrics). It counts as in-flight requests, as this service's
+    /// bookings do: for the load policies and the admission limits (the
+    /// KV cost reads in-flight requests only through
+    /// `decode_active_request_weight`, 0 by default); `requests` of 0
+    /// takes it back.
     ///
     /// It is written where replica sync writes its peers' load, so it is
     /// refused while a replica sync is attached (use one or the other).

@@ -44,11 +44,33 @@ pub struct Booked<H: Deref<Target = WorkerSelectionService>> {
 }
 
 /// A booking that borrows the service ([`WorkerSelectionService::select`]).
+///
+/// Its methods are [`Booked`]'s, in the order a router calls them:
+/// [`worker`](Booked::worker) (where to send the request),
+/// [`explanation`](Booked::explanation) (why),
+/// [`prefill_complete`](Booked::prefill_complete) (at the first token),
+/// [`add_output_block`](Booked::add_output_block) (each time the output
+/// fills a KV block), [`retarget`](Booked::retarget) (the request moved to
+/// another rank), and [`finish`](Booked::finish) or drop (the request
+/// ended: the booking is released once).
+///
+/// ```
+/// use selkie::{SelectionRequest, ServiceConfig, WorkerRecord, WorkerSelectionPolicy, WorkerSelectionService};
+/// let service = WorkerSelectionService::new(WorkerSelectionPolicy::least_loaded(), ServiceConfig::default());
+/// service.add_worker(WorkerRecord::new(1))?;
+/// let mut selection = service.select(&SelectionRequest::new(100))?;
+/// assert_eq!(selection.worker().worker_id, 1);
+/// selection.prefill_complete();
+/// selection.add_output_block()?;
+/// selection.finish();
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 pub type Selection<'s> = Booked<&'s WorkerSelectionService>;
 
 /// A booking that owns an `Arc` of the service
 /// ([`WorkerSelectionService::select_owned`]): `'static`, `Send`, for a
-/// request served on another task or thread.
+/// request served on another task or thread. Its methods are [`Booked`]'s
+/// (see [`Selection`]).
 pub type OwnedSelection = Booked<Arc<WorkerSelectionService>>;
 
 impl<H: Deref<Target = WorkerSelectionService>> Booked<H> {
