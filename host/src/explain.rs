@@ -170,8 +170,12 @@ impl Why {
 }
 
 impl Explanation {
-    /// Runner-up cost minus chosen cost (negative when sampling took a
-    /// costlier row); `None` without a runner-up.
+    /// Runner-up cost minus chosen cost; `None` without a runner-up.
+    /// Negative when the choice was not the cheapest row: softmax
+    /// sampling ([`Branch::KvSoftmax`]) took a costlier one, or a switching
+    /// margin kept the request on the rank holding its prefix
+    /// ([`Branch::KvHeld`], at any temperature), a costlier one within the
+    /// margin.
     pub fn margin(&self) -> Option<f64> {
         self.runner_up.map(|(_, c)| c - self.cost)
     }

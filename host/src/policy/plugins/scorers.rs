@@ -64,6 +64,10 @@ impl Default for PrefillParameters {
 /// `prefill_load_scale`; 0 when the request's prompt is not tracked as
 /// prefill load. The cached part is what [`CacheCreditScorer`] credits back.
 ///
+/// It charges the whole prompt, cached or not: a composed policy with
+/// `prefill` and without `cache-credit` ignores every cache. Compose them
+/// together (as the default KV cost does) unless that is the aim.
+///
 /// ```
 /// use selkie::*;
 /// let scorer = PrefillScorer::new(PrefillParameters { prefill_load_scale: 2.0 })?;
