@@ -134,12 +134,47 @@ enum Trigger {
     Trailers,
 }
 
+/// How a stream ended for the picker (the `outcome` label).
+#[derive(Clone, Copy)]
+enum Outcome {
+    Routed,
+    Refused,
+    BrokenBeforeDecision,
+}
+
+impl Outcome {
+    const ALL: [Outcome; 3] = [Outcome::Routed, Outcome::Refused, Outcome::BrokenBeforeDecision];
+
+    const fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Routed => "routed",
+            Outcome::Refused => "refused",
+            Outcome::BrokenBeforeDecision => "broken_before_decision",
+        }
+    }
+}
+
 /// The picker door's counters.
-#[derive(Clone, Default)]
+#[derive(Clone)]
 pub struct PickerMetrics {
     streams: Family<Vec<(&'static str, &'static str)>, Counter>,
+    /// `streams`' counters, one per [`Outcome`], looked up once.
+    outcomes: [Counter; 3],
     served_elsewhere: Counter,
     move_refused: Counter,
+}
+
+impl Default for PickerMetrics {
+    fn default() -> Self {
+        let streams = Family::<Vec<(&'static str, &'static str)>, Counter>::default();
+        let outcomes = Outcome::ALL.map(|o| streams.get_or_create(&vec![("outcome", o.as_str())]).clone());
+        PickerMetrics {
+            streams,
+            outcomes,
+            served_elsewhere: Counter::default(),
+            move_refused: Counter::default(),
+        }
+    }
 }
 
 impl PickerMetrics {
@@ -164,8 +199,8 @@ impl PickerMetrics {
         );
     }
 
-    fn stream(&self, outcome: &'static str) {
-        self.streams.get_or_create(&vec![("outcome", outcome)]).inc();
+    fn stream(&self, outcome: Outcome) {
+        self.outcomes[outcome as usize].inc();
     }
 }
 
@@ -318,7 +353,7 @@ impl PickerInner {
                 d.choice.lifecycle.end(ending);
             }
             Some(_) => {}
-            None if !s.refused => self.metrics.stream("broken_before_decision"),
+            None if !s.refused => self.metrics.stream(Outcome::BrokenBeforeDecision),
             None => {}
         }
     }
@@ -511,7 +546,7 @@ impl PickerInner {
             destination.push(',');
             destination.push_str(w.url.authority());
         }
-        self.metrics.stream("routed");
+        self.metrics.stream(Outcome::Routed);
         self.core.metrics.answered("ext_proc", 200);
         self.core.metrics.request_bytes(body.len());
         let metadata = Struct {
@@ -615,7 +650,7 @@ impl PickerInner {
         let status = e.reason.status();
         self.core.metrics.refused(e.reason);
         self.core.metrics.answered("ext_proc", status);
-        self.metrics.stream("refused");
+        self.metrics.stream(Outcome::Refused);
         let mut set = vec![header_option("content-type", "application/json")];
         if e.reason.retry_after() {
             set.push(header_option("retry-after", &self.retry_after_secs.to_string()));
