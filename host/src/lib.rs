@@ -79,3 +79,9 @@ pub mod sim;
 
 #[cfg(feature = "serve")]
 pub mod router;
+
+/// The repository README's Rust examples, compiled and run with the
+/// crate's doctests (`cargo test -p selkie --doc`).
+#[cfg(doctest)]
+#[doc = include_str!("../../README.md")]
+pub struct RepositoryReadme;
