@@ -180,6 +180,8 @@ pub fn run_policy(
     seed: u64,
     progress: &mut dyn FnMut(usize),
 ) -> Result<PolicyRun, SimError> {
+    // Checked before the bounds, which walk every worker of the fleet.
+    fleet.validate()?;
     let bounds = HitBounds::of(workload, fleet);
     run_policy_within(registry, choice, workload, fleet, &bounds, seed, progress)
 }

@@ -308,6 +308,8 @@ pub fn tune(
     threads: usize,
     progress: &(dyn Fn(usize) + Sync),
 ) -> Result<Vec<Trial>, SimError> {
+    // Checked before the bounds, which walk every worker of the fleet.
+    fleet.validate()?;
     let bounds = HitBounds::of(workload, fleet);
     let run = |w: &KvWeights| {
         run_policy_within(
