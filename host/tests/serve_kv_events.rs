@@ -1,8 +1,9 @@
 //! `selkie serve --kv-events` end to end: publishers that connect like
 //! vLLM's send recorded vLLM 0.32 messages over real ZMQ sockets; the
 //! router's choices and `/metrics` show them. Gaps with and without a
-//! replay endpoint (a ROUTER stub answering as vLLM's), an engine restart
-//! at sequence 0, bad frames, a block-size mismatch, and a worker that
+//! replay endpoint (a ROUTER stub answering as vLLM's), engine restarts
+//! (at sequence 0, and with their first message lost), duplicates, bad
+//! frames, a block-size mismatch, and a worker that
 //! refuses connections.
 
 mod support;
@@ -34,6 +35,19 @@ fn message(frames: Vec<Vec<u8>>) -> ZmqMessage {
 
 fn frames(seq: u64, payload: &[u8]) -> ZmqMessage {
     message(vec![b"kv".to_vec(), seq.to_be_bytes().to_vec(), payload.to_vec()])
+}
+
+/// A recorded message with its timestamp replaced: what another engine
+/// process sends for the same events.
+fn restamped(payload: &[u8], ts: f64) -> Vec<u8> {
+    let rmpv::Value::Array(mut fields) = rmpv::decode::read_value(&mut &payload[..]).unwrap() else {
+        panic!("a payload is an array")
+    };
+    fields[0] = rmpv::Value::F64(ts);
+    let v = rmpv::Value::Array(fields);
+    let mut out = Vec::new();
+    rmpv::encode::write_value(&mut out, &v).unwrap();
+    out
 }
 
 /// The tokens of the first recorded prompt (512 tokens, 16 blocks of 32).
@@ -197,6 +211,35 @@ async fn engine_events_over_zmq_drive_overlaps_and_metrics() {
     .await;
     assert_eq!(scrape(&r).await.value("selkie_kv_events_restarts_total", &wb), 1.0);
 
+    // The restarted process stores the prompt again (message 1); then it
+    // restarts once more, and its message 0 goes out before the router's
+    // socket joins: the first one heard is 1 again, with other bytes. A
+    // restart, not a duplicate: b's blocks are dropped.
+    pub_b.send(frames(1, SEQ0)).await.unwrap();
+    eventually("b's store after its restart", async || {
+        scrape(&r).await.value("selkie_kv_index_blocks", "") == 16.0
+    })
+    .await;
+    pub_b.send(frames(1, SEQ1)).await.unwrap();
+    eventually("b's second restart, its message 0 lost", async || {
+        scrape(&r).await.value("selkie_kv_events_restarts_total", &wb) == 2.0
+    })
+    .await;
+    // The same message read twice is a duplicate, not a third restart.
+    pub_b.send(frames(1, SEQ1)).await.unwrap();
+    eventually("b's duplicate", async || {
+        scrape(&r).await.value("selkie_kv_events_duplicates_total", &wb) == 1.0
+    })
+    .await;
+    let s = scrape(&r).await;
+    assert_eq!(s.value("selkie_kv_events_restarts_total", &wb), 2.0);
+    // Message 1's store chains under a parent of the process before: gone.
+    assert_eq!(
+        s.value("selkie_kv_index_blocks", ""),
+        0.0,
+        "the blocks before the restart are dropped"
+    );
+
     // A store of 16-token blocks to a router of 32: refused, counted.
     let other = rmpv::Value::Array(vec![
         rmpv::Value::F64(0.0),
@@ -347,9 +390,10 @@ async fn a_connecting_subscriber_waits_for_the_engine_and_follows_its_restart() 
         })
         .await;
         eventually(&format!("engine process {life}'s store indexed"), async || {
-            // Sequence 0 (each process numbers from 0), resent until the
-            // router has connected and subscribed.
-            engine.send(frames(0, SEQ0)).await.unwrap();
+            // Sequence 0 (each process numbers from 0, with its own
+            // timestamps), resent until the router has connected and
+            // subscribed.
+            engine.send(frames(0, &restamped(SEQ0, f64::from(life)))).await.unwrap();
             let s = scrape(&r).await;
             s.value("selkie_kv_index_blocks", "") == 16.0 && s.value("selkie_kv_events_messages_total", &wa) > seen
         })

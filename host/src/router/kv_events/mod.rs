@@ -63,11 +63,15 @@
 //!   reports: new prefixes count from their first block on; a store under
 //!   a parent the router dropped is refused until that prefix is stored
 //!   again; `AllBlocksCleared` or an engine restart starts the rank clean;
-//! * 0 after any other number: the engine restarted (a new process): the
-//!   rank's blocks are dropped and the message applied to the empty rank
-//!   (`selkie_kv_events_restarts_total`);
-//! * otherwise at or below the last: a duplicate, ignored
-//!   (`selkie_kv_events_duplicates_total`).
+//! * at or below the last, with the bytes already read under that number:
+//!   a duplicate (read through two sockets), ignored
+//!   (`selkie_kv_events_duplicates_total`);
+//! * at or below the last, with other bytes: the engine restarted (a new
+//!   process, whose first messages may have gone out before the router's
+//!   socket joined): the rank's blocks are dropped and the message applied
+//!   to the empty rank (`selkie_kv_events_restarts_total`). The router
+//!   keeps the digests of the latest [`RECENT_MESSAGES`] messages per
+//!   endpoint to tell the two apart.
 //!
 //! An engine reports a block once computed; until a prompt's first token,
 //! the router credits it to the rank it was sent to (at most the 256
@@ -113,6 +117,9 @@
 //! | `selkie_kv_events_unreachable_total` | `worker` | times the worker refused a connection and its blocks were dropped |
 
 pub mod chain;
+mod sequence;
+pub use sequence::RECENT_MESSAGES;
+use sequence::{Place, Sequence};
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -122,6 +129,7 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::registry::Registry;
 use tokio::sync::mpsc;
+use xxhash_rust::xxh3::xxh3_64;
 use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
 
 pub use crate::engine_events::{decode_frames, decode_payload, EngineEvent, EventBatch, FrameError, StoredBlocks};
@@ -776,7 +784,7 @@ async fn open(
         connect,
         topic: spec.topic.clone(),
         replay: spec.replay.clone(),
-        last: None,
+        sequence: Sequence::new(),
         metrics: metrics.clone(),
         tx: tx.clone(),
     };
@@ -850,7 +858,7 @@ struct Subscriber {
     connect: Option<String>,
     topic: String,
     replay: Option<String>,
-    last: Option<u64>,
+    sequence: Sequence,
     metrics: KvEventMetrics,
     tx: mpsc::Sender<Ingested>,
 }
@@ -920,6 +928,7 @@ impl Subscriber {
                 }
             };
             let frames: Vec<_> = msg.into_vec();
+            let digest = payload_digest(&frames);
             let batch = match decode_frames(&frames) {
                 Ok(b) => b,
                 Err(e) => {
@@ -928,7 +937,7 @@ impl Subscriber {
                     continue;
                 }
             };
-            if self.accept(batch).await.is_err() {
+            if self.accept(batch, digest).await.is_err() {
                 return;
             }
         }
@@ -962,24 +971,24 @@ impl Subscriber {
         }
     }
 
-    /// Places `batch` in the sequence (replaying a gap when possible) and
-    /// queues it. Errs when the ingester is gone.
-    async fn accept(&mut self, batch: EventBatch) -> Result<(), ()> {
+    /// Places `batch` (whose payload's digest is `digest`) in the sequence,
+    /// replaying a gap when possible, and queues it. Errs when the ingester
+    /// is gone.
+    async fn accept(&mut self, batch: EventBatch, digest: u64) -> Result<(), ()> {
         let label = worker_label(&self.worker);
-        let continuity = match self.last {
-            None => Continuity::Next,
-            Some(_) if batch.seq == 0 => {
+        let continuity = match self.sequence.place(batch.seq, digest) {
+            Place::Next => Continuity::Next,
+            Place::Restart => {
                 self.metrics.restarts.get_or_create(&label).inc();
                 Continuity::Restart
             }
-            Some(last) if batch.seq <= last => {
+            Place::Duplicate => {
                 self.metrics.duplicates.get_or_create(&label).inc();
                 return Ok(());
             }
-            Some(last) if batch.seq == last + 1 => Continuity::Next,
-            Some(last) => {
+            Place::Gap { from } => {
                 self.metrics.gaps.get_or_create(&label).inc();
-                if self.replay_gap(last + 1, batch.seq).await? {
+                if self.replay_gap(from, batch.seq).await? {
                     Continuity::Next
                 } else {
                     self.metrics.replay_failures.get_or_create(&label).inc();
@@ -987,11 +996,12 @@ impl Subscriber {
                 }
             }
         };
-        self.send(batch, continuity).await
+        self.send(batch, digest, continuity).await
     }
 
-    async fn send(&mut self, batch: EventBatch, continuity: Continuity) -> Result<(), ()> {
-        self.last = Some(batch.seq);
+    async fn send(&mut self, batch: EventBatch, digest: u64, continuity: Continuity) -> Result<(), ()> {
+        self.sequence
+            .record(batch.seq, digest, continuity == Continuity::Restart);
         let msg = Ingested {
             worker: self.worker.clone(),
             batch,
@@ -1022,12 +1032,12 @@ impl Subscriber {
         let mut complete = true;
         for batch in batches {
             match batch {
-                Ok(b) if b.seq == expected => {
+                Ok((b, digest)) if b.seq == expected => {
                     expected += 1;
                     self.metrics.replayed.get_or_create(&worker_label(&self.worker)).inc();
-                    self.send(b, Continuity::Next).await?;
+                    self.send(b, digest, Continuity::Next).await?;
                 }
-                Ok(b) if b.seq < expected => {}
+                Ok((b, _)) if b.seq < expected => {}
                 Ok(_) => {
                     complete = false;
                     break;
@@ -1043,13 +1053,20 @@ impl Subscriber {
     }
 }
 
+/// The digest of a message's payload (its last frame), which tells a
+/// duplicate from a restarted engine's message of the same number.
+fn payload_digest(frames: &[bytes::Bytes]) -> u64 {
+    frames.last().map_or(0, |payload| xxh3_64(payload))
+}
+
 /// Asks a replay endpoint for the messages `from..until` and reads its
-/// answers up to the end marker (or `until`).
+/// answers up to the end marker (or `until`), each with its payload's
+/// digest.
 async fn fetch_replay(
     endpoint: &str,
     from: u64,
     until: u64,
-) -> Result<Vec<Result<EventBatch, FrameError>>, zeromq::ZmqError> {
+) -> Result<Vec<Result<(EventBatch, u64), FrameError>>, zeromq::ZmqError> {
     let mut socket = zeromq::DealerSocket::new();
     if binds(endpoint) {
         socket.bind(endpoint).await?;
@@ -1082,7 +1099,8 @@ async fn fetch_replay(
         if seq == END_SEQ {
             break;
         }
-        out.push(decode_payload(payload).map(|(dp_rank, events)| EventBatch { seq, dp_rank, events }));
+        let digest = xxh3_64(payload);
+        out.push(decode_payload(payload).map(|(dp_rank, events)| (EventBatch { seq, dp_rank, events }, digest)));
         if seq + 1 >= until {
             break;
         }
