@@ -1,6 +1,8 @@
 //! The worker-selection config file: which policy, with which parameters,
 //! for each role (aggregated, prefill, decode). YAML (read with
-//! `serde-saphyr`) or TOML.
+//! `serde-saphyr`; the crate's `yaml` feature, on by default) or TOML (the
+//! `toml` feature). A build without a format's feature refuses its files
+//! with [`ConfigError::FormatNotBuilt`], naming the feature.
 //!
 //! ```yaml
 //! aggregated: cache-heavy        # an instance name, or "default" (the kv policy)
@@ -38,6 +40,9 @@
 //! instances); [`WorkerSelectionConfig::resolve`]
 //! builds the factory through a [`WorkerSelectionPolicyRegistry`], which checks
 //! the type names and parameters. This module does no selection.
+
+// Without a format to read, the parser's parts are unused.
+#![cfg_attr(not(any(feature = "yaml", feature = "toml")), allow(dead_code))]
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -209,14 +214,16 @@ struct RawInstance {
 
 impl WorkerSelectionConfig {
     /// Parses YAML (bounded first: see the module docs). An empty text is
-    /// an empty config.
+    /// an empty config. Feature `yaml` (on by default).
+    #[cfg(feature = "yaml")]
     pub fn from_yaml_str(text: &str) -> Result<Self, ConfigError> {
         check_bounds(text, true)?;
         let raw: Option<RawConfig> = serde_saphyr::from_str(text).map_err(|e| parse_error("YAML", e))?;
         Self::resolve_raw(raw.unwrap_or_default())
     }
 
-    /// Parses TOML (bounded first: see the module docs).
+    /// Parses TOML (bounded first: see the module docs). Feature `toml`.
+    #[cfg(feature = "toml")]
     pub fn from_toml_str(text: &str) -> Result<Self, ConfigError> {
         check_bounds(text, false)?;
         let raw: RawConfig = toml::from_str(text).map_err(|e| parse_error("TOML", e))?;
@@ -224,7 +231,9 @@ impl WorkerSelectionConfig {
     }
 
     /// Reads a file: `.toml` is TOML, anything else YAML. A file over
-    /// [`MAX_CONFIG_BYTES`] is refused before it is read.
+    /// [`MAX_CONFIG_BYTES`] is refused before it is read; a file whose
+    /// format this build does not read is refused with
+    /// [`ConfigError::FormatNotBuilt`].
     pub fn from_path(path: impl AsRef<Path>) -> Result<Self, ConfigError> {
         let path = path.as_ref();
         let io = |source| ConfigError::Io {
@@ -238,15 +247,34 @@ impl WorkerSelectionConfig {
                 limit: MAX_CONFIG_BYTES,
             });
         }
+        let toml = path.extension().is_some_and(|e| e.eq_ignore_ascii_case("toml"));
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Io {
             path: path.to_owned(),
             source,
         })?;
-        if path.extension().is_some_and(|e| e.eq_ignore_ascii_case("toml")) {
-            Self::from_toml_str(&text)
-        } else {
-            Self::from_yaml_str(&text)
+        Self::parse_as(&text, toml).unwrap_or_else(|| {
+            let (format, feature) = if toml { ("TOML", "toml") } else { ("YAML", "yaml") };
+            Err(ConfigError::FormatNotBuilt {
+                path: path.to_owned(),
+                format,
+                feature,
+            })
+        })
+    }
+
+    /// `text` parsed as TOML or YAML; `None` when this build does not read
+    /// that format.
+    fn parse_as(text: &str, toml: bool) -> Option<Result<Self, ConfigError>> {
+        #[cfg(feature = "toml")]
+        if toml {
+            return Some(Self::from_toml_str(text));
         }
+        #[cfg(feature = "yaml")]
+        if !toml {
+            return Some(Self::from_yaml_str(text));
+        }
+        let _ = (text, toml);
+        None
     }
 
     fn resolve_raw(raw: RawConfig) -> Result<Self, ConfigError> {

@@ -350,6 +350,17 @@ pub enum DiscoveryError {
         #[source]
         source: std::io::Error,
     },
+    /// The discovery file's format is one this build of selkie does not
+    /// read: its feature (`toml`) is off.
+    #[error("cannot read discovery file {path}: {format} discovery files need selkie's `{feature}` feature")]
+    FormatNotBuilt {
+        /// The file.
+        path: PathBuf,
+        /// `"TOML"`.
+        format: &'static str,
+        /// The cargo feature that reads it.
+        feature: &'static str,
+    },
     /// The discovery file could not be parsed.
     #[error("cannot parse discovery file {path}: {message}")]
     Parse {
@@ -486,6 +497,7 @@ impl DiscoveryError {
             Self::DuplicateInSnapshot { .. } => "duplicate_in_snapshot",
             Self::Io { .. } => "io",
             Self::Parse { .. } => "parse",
+            Self::FormatNotBuilt { .. } => "format_not_built",
             Self::EmptyFile { .. } => "empty_file",
             Self::FileTooLarge { .. } => "file_too_large",
             Self::FileRecordParse { .. } => "file_record_parse",
@@ -693,6 +705,17 @@ pub enum ConfigError {
         /// The parser's error (its message names the line and column).
         #[source]
         source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// The file's format is one this build of selkie does not read: its
+    /// feature (`yaml`, on by default, or `toml`) is off.
+    #[error("cannot read config file {path}: {format} config files need selkie's `{feature}` feature")]
+    FormatNotBuilt {
+        /// The file.
+        path: PathBuf,
+        /// `"YAML"` or `"TOML"`.
+        format: &'static str,
+        /// The cargo feature that reads it.
+        feature: &'static str,
     },
     /// The text is longer than a config may be (checked before parsing).
     #[error("worker-selection config is {len} bytes, over the limit of {limit}")]

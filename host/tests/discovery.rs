@@ -201,15 +201,27 @@ fn file_source_json_and_toml_reload_on_change() {
         &toml,
         "[[workers]]\nworker_id = 7\ndata_parallel_start_rank = 2\ncapacity_weight = 2.0\n",
     );
-    let snap = FileDiscovery::new(&toml).poll().unwrap().unwrap();
-    assert_eq!(
-        (
-            snap[0].worker_id,
-            snap[0].data_parallel_start_rank,
-            snap[0].capacity_weight
-        ),
-        (7, 2, 2.0)
-    );
+    #[cfg(feature = "toml")]
+    {
+        let snap = FileDiscovery::new(&toml).poll().unwrap().unwrap();
+        assert_eq!(
+            (
+                snap[0].worker_id,
+                snap[0].data_parallel_start_rank,
+                snap[0].capacity_weight
+            ),
+            (7, 2, 2.0)
+        );
+    }
+    // Without the `toml` feature, a TOML file is refused, naming it.
+    #[cfg(not(feature = "toml"))]
+    {
+        let got = FileDiscovery::new(&toml).poll();
+        assert!(
+            matches!(&got, Err(DiscoveryError::FormatNotBuilt { path, feature: "toml", .. }) if *path == toml),
+            "{got:?}"
+        );
+    }
 
     assert!(matches!(
         FileDiscovery::new(dir.join("missing.json")).poll(),
@@ -258,7 +270,12 @@ fn discovery_files_give_workers_their_state() {
     .unwrap();
     let toml = dir.join("w.toml");
     std::fs::write(&toml, "[[workers]]\nworker_id = 1\nstate = \"draining\"\n[[workers]]\nworker_id = 2\nstate = \"cordoned\"\n[[workers]]\nworker_id = 3\n").unwrap();
-    for path in [&json, &toml] {
+    let paths = if cfg!(feature = "toml") {
+        vec![&json, &toml]
+    } else {
+        vec![&json]
+    };
+    for path in paths {
         let records = FileDiscovery::new(path).poll().unwrap().unwrap();
         let states: Vec<_> = records.iter().map(|r| r.state).collect();
         assert_eq!(

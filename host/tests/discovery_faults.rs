@@ -9,6 +9,12 @@ use selkie::*;
 
 const CAPACITY: u32 = FLEET_GROUPS as u32 * 8;
 
+/// Whether this build reads the file `name` (TOML needs the `toml`
+/// feature).
+fn toml_built(name: &str) -> bool {
+    cfg!(feature = "toml") || !name.ends_with(".toml")
+}
+
 fn service() -> WorkerSelectionService {
     WorkerSelectionService::new(
         WorkerSelectionPolicy::least_loaded(),
@@ -257,7 +263,10 @@ fn a_bad_record_in_a_discovery_file_holds_back_no_other_change() {
             "[[workers]]\nworker_id = 2\n[[workers]]\nworker_id = 3\ncolour = \"blue\"\n\
              [[workers]]\nworker_id = 4\ncapacity_weight = 0.0\n",
         ),
-    ] {
+    ]
+    .into_iter()
+    .filter(|(name, ..)| toml_built(name))
+    {
         let path = dir.join(name);
         let s = service();
         let mut source = FileDiscovery::new(&path);
@@ -357,7 +366,10 @@ fn an_empty_discovery_file_is_refused_and_an_explicit_empty_list_is_not() {
         ("b.toml", "  \n# nothing\n"),
         ("c.json", "{}"),
         ("d.json", " \n"),
-    ] {
+    ]
+    .into_iter()
+    .filter(|(name, _)| toml_built(name))
+    {
         let path = dir.join(name);
         std::fs::write(&path, text).unwrap();
         let got = FileDiscovery::new(&path).poll();
@@ -370,7 +382,10 @@ fn an_empty_discovery_file_is_refused_and_an_explicit_empty_list_is_not() {
         ("e.toml", "workers = []\n"),
         ("f.json", r#"{"workers": []}"#),
         ("g.json", "[]"),
-    ] {
+    ]
+    .into_iter()
+    .filter(|(name, _)| toml_built(name))
+    {
         let path = dir.join(name);
         std::fs::write(&path, text).unwrap();
         assert_eq!(FileDiscovery::new(&path).poll().unwrap(), Some(vec![]), "{name}");
@@ -586,9 +601,12 @@ fn a_deeply_nested_config_fails_fast() {
         matches!(e, ConfigError::TooManyCollections { count, limit: MAX_CONFIG_COLLECTIONS } if count == MAX_CONFIG_COLLECTIONS + 1),
         "{e}"
     );
-    let toml = format!("a = {}", "[".repeat(80_000));
-    let e = WorkerSelectionConfig::from_toml_str(&toml).unwrap_err();
-    assert!(matches!(e, ConfigError::TooDeep { .. }), "{e}");
+    #[cfg(feature = "toml")]
+    {
+        let toml = format!("a = {}", "[".repeat(80_000));
+        let e = WorkerSelectionConfig::from_toml_str(&toml).unwrap_err();
+        assert!(matches!(e, ConfigError::TooDeep { .. }), "{e}");
+    }
     // Over the size limit, whatever the content.
     let big = format!("# {}\n", "x".repeat(MAX_CONFIG_BYTES));
     let e = WorkerSelectionConfig::from_yaml_str(&big).unwrap_err();

@@ -171,10 +171,11 @@ fn config_file_chooses_a_policy_per_role_in_yaml_and_toml() {
         overlap_score_credit: 0.5,
         ..KvRouterConfig::default()
     };
-    for cfg in [
-        WorkerSelectionConfig::from_yaml_str(YAML).unwrap(),
-        WorkerSelectionConfig::from_toml_str(TOML).unwrap(),
-    ] {
+    #[allow(unused_mut)]
+    let mut configs = vec![WorkerSelectionConfig::from_yaml_str(YAML).unwrap()];
+    #[cfg(feature = "toml")]
+    configs.push(WorkerSelectionConfig::from_toml_str(TOML).unwrap());
+    for cfg in configs {
         assert_eq!(cfg.instance_names(), vec!["cache-heavy", "pinned"]);
         let part = RoutingPartitionRef {
             model: "llama",
@@ -206,10 +207,22 @@ fn config_files_on_disk() {
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::write(dir.join("p.yaml"), YAML).unwrap();
     std::fs::write(dir.join("p.toml"), TOML).unwrap();
+    #[cfg(feature = "toml")]
     assert_eq!(
         WorkerSelectionConfig::from_path(dir.join("p.yaml")).unwrap(),
         WorkerSelectionConfig::from_path(dir.join("p.toml")).unwrap()
     );
+    // A build without the `toml` feature refuses TOML files, naming it.
+    #[cfg(not(feature = "toml"))]
+    {
+        let e = WorkerSelectionConfig::from_path(dir.join("p.toml")).unwrap_err();
+        assert!(
+            matches!(e, ConfigError::FormatNotBuilt { format: "TOML", feature: "toml", ref path } if path == &dir.join("p.toml")),
+            "{e:?}"
+        );
+        assert!(e.to_string().contains("need selkie's `toml` feature"), "{e}");
+        assert!(WorkerSelectionConfig::from_path(dir.join("p.yaml")).is_ok());
+    }
     assert!(matches!(
         WorkerSelectionConfig::from_path(dir.join("none.yaml")),
         Err(ConfigError::Io { .. })
@@ -251,9 +264,12 @@ fn malformed_configs_are_refused() {
         };
         assert!(ok, "{text:?}: {e:?}");
     }
-    let e = WorkerSelectionConfig::from_toml_str("aggregated = ").unwrap_err();
-    assert!(matches!(e, ConfigError::Parse { format: "TOML", .. }), "{e:?}");
-    assert!(std::error::Error::source(&e).is_some());
+    #[cfg(feature = "toml")]
+    {
+        let e = WorkerSelectionConfig::from_toml_str("aggregated = ").unwrap_err();
+        assert!(matches!(e, ConfigError::Parse { format: "TOML", .. }), "{e:?}");
+        assert!(std::error::Error::source(&e).is_some());
+    }
     let cfg =
         WorkerSelectionConfig::from_yaml_str("aggregated: a\ninstances:\n  - { name: a, type: fastest }").unwrap();
     assert!(matches!(

@@ -167,6 +167,7 @@ struct JsonFile<'a> {
 }
 
 /// A TOML discovery file, its records still tables (with where they start).
+#[cfg(feature = "toml")]
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct TomlFile {
@@ -202,33 +203,14 @@ pub(crate) fn parse_workers(text: &str, toml: bool, path: &Path) -> Result<Vec<F
     };
     let empty = || DiscoveryError::EmptyFile { path: path.to_owned() };
     if toml {
-        let file = toml::from_str::<TomlFile>(text).map_err(|e| err(e.to_string()))?;
-        return file
-            .workers
-            .ok_or_else(empty)?
-            .into_iter()
-            .map(|spanned| {
-                let line = line_of(text, spanned.span().start);
-                let table = spanned.into_inner();
-                let worker_id = table
-                    .get("worker_id")
-                    .and_then(toml::Value::as_integer)
-                    .and_then(|id| WorkerId::try_from(id).ok())
-                    .ok_or_else(|| {
-                        err(format!(
-                            "the record at line {line} names no worker (an integer `worker_id`)"
-                        ))
-                    })?;
-                let parsed = toml::Value::Table(table)
-                    .try_into::<WorkerRecord>()
-                    .map_err(|e| e.to_string());
-                Ok(FileRecord {
-                    worker_id,
-                    line,
-                    parsed,
-                })
-            })
-            .collect();
+        #[cfg(feature = "toml")]
+        return parse_toml_workers(text, path);
+        #[cfg(not(feature = "toml"))]
+        return Err(DiscoveryError::FormatNotBuilt {
+            path: path.to_owned(),
+            format: "TOML",
+            feature: "toml",
+        });
     }
     let raw = match text.trim_start_matches([' ', '\t', '\n', '\r']).as_bytes().first() {
         None => return Err(empty()),
@@ -268,6 +250,42 @@ pub(crate) fn parse_workers(text: &str, toml: bool, path: &Path) -> Result<Vec<F
                 })?
                 .worker_id;
             let parsed = serde_json::from_str::<WorkerRecord>(record.get()).map_err(|e| at(&e));
+            Ok(FileRecord {
+                worker_id,
+                line,
+                parsed,
+            })
+        })
+        .collect()
+}
+
+/// A TOML discovery file's records (see [`parse_workers`]).
+#[cfg(feature = "toml")]
+fn parse_toml_workers(text: &str, path: &Path) -> Result<Vec<FileRecord>, DiscoveryError> {
+    let err = |message: String| DiscoveryError::Parse {
+        path: path.to_owned(),
+        message,
+    };
+    let empty = || DiscoveryError::EmptyFile { path: path.to_owned() };
+    let file = toml::from_str::<TomlFile>(text).map_err(|e| err(e.to_string()))?;
+    file.workers
+        .ok_or_else(empty)?
+        .into_iter()
+        .map(|spanned| {
+            let line = line_of(text, spanned.span().start);
+            let table = spanned.into_inner();
+            let worker_id = table
+                .get("worker_id")
+                .and_then(toml::Value::as_integer)
+                .and_then(|id| WorkerId::try_from(id).ok())
+                .ok_or_else(|| {
+                    err(format!(
+                        "the record at line {line} names no worker (an integer `worker_id`)"
+                    ))
+                })?;
+            let parsed = toml::Value::Table(table)
+                .try_into::<WorkerRecord>()
+                .map_err(|e| e.to_string());
             Ok(FileRecord {
                 worker_id,
                 line,

@@ -111,7 +111,11 @@ fn fleet_service(policy: WorkerSelectionPolicy) -> WorkerSelectionService {
 /// Parses, registers, resolves and builds; panics on any deviation.
 pub fn check(input: &Input) {
     let parsed = match std::str::from_utf8(&input.bytes) {
+        #[cfg(feature = "toml")]
         Ok(text) if input.toml => WorkerSelectionConfig::from_toml_str(text),
+        // TOML is read only with the `toml` feature.
+        #[cfg(not(feature = "toml"))]
+        Ok(_) if input.toml => return,
         Ok(text) => WorkerSelectionConfig::from_yaml_str(text),
         // Not UTF-8: only the file path can see these bytes.
         Err(_) => return,
