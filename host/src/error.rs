@@ -158,6 +158,37 @@ pub enum SelectionError {
         /// The prompt's blocks or tokens.
         limit: u64,
     },
+    /// The request carries more block hashes
+    /// ([`prompt_blocks`](crate::SelectionRequest::prompt_blocks)) than its
+    /// prompt has blocks at the service's block size: they were cut at a
+    /// smaller block size (only
+    /// [`check_request`](crate::WorkerSelectionService::check_request)
+    /// reports this).
+    #[error(
+        "the request carries {hashes} block hashes, past its prompt's {limit} blocks of {block_size} tokens (hashed at \
+         another block size than the service's?)"
+    )]
+    PromptBlocksPastPrompt {
+        /// The block hashes the request carries.
+        hashes: u64,
+        /// The prompt's blocks at the service's block size.
+        limit: u64,
+        /// The service's block size.
+        block_size: u32,
+    },
+    /// The policy reads cache overlaps, not block hashes, and the request
+    /// carries block hashes only
+    /// ([`with_prompt_blocks`](crate::SelectionRequest::with_prompt_blocks),
+    /// no overlaps): nothing would look them up, and every worker's cost
+    /// would tie.
+    #[error(
+        "the {policy} policy reads cache overlaps, not block hashes: look the request's prompt_blocks up in a KV \
+         index and pass its overlaps (with_row_overlaps or with_overlaps), or leave prompt_blocks off"
+    )]
+    PromptBlocksUnused {
+        /// The policy's name.
+        policy: &'static str,
+    },
     /// The policy broke its contract or failed.
     #[error(transparent)]
     Policy(#[from] WorkerSelectionPolicyError),
@@ -199,6 +230,8 @@ impl SelectionError {
             Self::StaleRowLayout { .. } => "stale_row_layout",
             Self::OverlapColumnTooShort { .. } => "overlap_column_too_short",
             Self::OverlapPastPrompt { .. } => "overlap_past_prompt",
+            Self::PromptBlocksPastPrompt { .. } => "prompt_blocks_past_prompt",
+            Self::PromptBlocksUnused { .. } => "prompt_blocks_unused",
             Self::Policy(p) => p.reason(),
         }
     }

@@ -618,6 +618,23 @@ impl WorkerSelectionPolicy {
         }
     }
 
+    /// Whether the policy may read a request's
+    /// [`prompt_blocks`](crate::SelectionRequest::prompt_blocks): the
+    /// prefix-hash policy does, a composed policy's plugins may, the others
+    /// do not (a router need not hash prompts for them). The `kv` policy
+    /// reads cache overlaps instead, and refuses a request that carries
+    /// block hashes and no overlaps
+    /// ([`SelectionError::PromptBlocksUnused`](crate::SelectionError::PromptBlocksUnused)).
+    ///
+    /// ```
+    /// use selkie::*;
+    /// assert!(!WorkerSelectionPolicy::kv(KvRouterConfig::default(), WorkerType::Aggregated).reads_prompt_blocks());
+    /// assert!(WorkerSelectionPolicy::prefix_hash(PrefixHashConfig::default()).unwrap().reads_prompt_blocks());
+    /// ```
+    pub fn reads_prompt_blocks(&self) -> bool {
+        matches!(self.kind, PolicyKind::PrefixHash(_) | PolicyKind::Composed(_))
+    }
+
     /// Whether this is the direct policy, which needs a pinned request.
     #[inline]
     pub(crate) fn is_direct(&self) -> bool {

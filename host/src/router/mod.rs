@@ -209,12 +209,11 @@ impl Server {
             metrics.clone(),
             config.index_ttl,
             config.limits.max_index_blocks,
-        );
+        )?;
         let kv_events = if config.kv_events.is_empty() && !kv_events::labelled(&table) {
             None
         } else {
             let (ingester, overlaps) = kv_events::EventIngester::new(
-                config.block_size,
                 config.kv_hash.clone(),
                 config.limits.max_index_blocks,
                 service,
@@ -222,7 +221,7 @@ impl Server {
                 kv_metrics.clone(),
             );
             let ingester = ingester.with_router_metrics(metrics);
-            core = core.with_overlaps(Box::new(overlaps));
+            core = core.with_overlaps(Box::new(overlaps))?;
             Some(kv_events::start(&config.kv_events, ingester, kv_metrics).await?)
         };
         let core = Arc::new(core);

@@ -25,7 +25,7 @@ use std::cell::RefCell;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::error::{ApiError, Refusal};
+use super::error::{ApiError, Refusal, ServeError};
 use super::lifecycle::Lifecycle;
 use super::metrics::Metrics;
 use super::overlaps::{LearnedOverlaps, OverlapSource, Recorded};
@@ -93,6 +93,11 @@ struct Retry {
 
 impl RouterCore {
     /// The core over `service`'s policy, its index sized by the arguments.
+    ///
+    /// The service's block size is the one source: the router's own
+    /// overlap index takes it, and `prompts` (and its engine hash chain, if
+    /// any) must cut blocks of it, or the core is refused
+    /// ([`ServeError::BlockSizeMismatch`]).
     pub fn new(
         service: Arc<WorkerSelectionService>,
         table: Arc<WorkerTable>,
@@ -100,14 +105,15 @@ impl RouterCore {
         metrics: Arc<Metrics>,
         index_ttl: Duration,
         max_index_blocks: usize,
-    ) -> Self {
+    ) -> Result<Self, ServeError> {
+        prompts.check_block_size(service.config().block_size)?;
         let policy = service.policy();
         let reads = Reads {
             overlaps: policy.required_worker_inputs().contains(WorkerInputs::CACHE),
             blocks: policy.name() == "prefix-hash",
         };
         let block_size = service.config().block_size;
-        RouterCore {
+        Ok(RouterCore {
             overlaps: reads.overlaps.then(|| {
                 Box::new(LearnedOverlaps::new(block_size, index_ttl, max_index_blocks)) as Box<dyn OverlapSource>
             }),
@@ -117,16 +123,25 @@ impl RouterCore {
             metrics,
             reads,
             block_size,
-        }
+        })
     }
 
     /// Takes cache overlaps from `source` (when the policy reads them)
-    /// instead of the router's own decisions.
-    pub fn with_overlaps(mut self, source: Box<dyn OverlapSource>) -> Self {
+    /// instead of the router's own decisions. A source whose
+    /// [`block_size`](OverlapSource::block_size) is not the service's is
+    /// refused ([`ServeError::BlockSizeMismatch`]).
+    pub fn with_overlaps(mut self, source: Box<dyn OverlapSource>) -> Result<Self, ServeError> {
+        if let Some(block_size) = source.block_size().filter(|&b| b != self.block_size) {
+            return Err(ServeError::BlockSizeMismatch {
+                part: "overlap source",
+                block_size,
+                service: self.block_size,
+            });
+        }
         if self.reads.overlaps {
             self.overlaps = Some(source);
         }
-        self
+        Ok(self)
     }
 
     /// Whether the policy reads prompts (so they are tokenized and hashed).

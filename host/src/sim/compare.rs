@@ -214,14 +214,14 @@ pub fn run_policy_within(
             .map(|s| ServiceRouter::new(s, fleet).with_session_affinity(choice.session_affinity))
             .collect();
         let mut router = ReplicatedRouter::new(replicas, fleet.sync_delay_ms);
-        let record = simulate(workload, fleet, &mut router, progress);
+        let record = simulate(workload, fleet, &mut router, progress)?;
         router.flush();
         debug_assert_eq!(router.outstanding(), 0, "every booking is released");
         record
     } else {
         let service = service(0)?;
         let mut router = ServiceRouter::new(&service, fleet).with_session_affinity(choice.session_affinity);
-        let record = simulate(workload, fleet, &mut router, progress);
+        let record = simulate(workload, fleet, &mut router, progress)?;
         debug_assert_eq!(router.outstanding(), 0, "every booking is released");
         record
     };
