@@ -784,6 +784,63 @@ pub enum ConfigError {
         /// Defined instance names.
         available: String,
     },
+    /// The config's `block_size` is 0 or past
+    /// [`MAX_CONFIG_BLOCK_SIZE`](crate::MAX_CONFIG_BLOCK_SIZE) (or a block
+    /// size to resolve it at is).
+    #[error("block_size must be within 1 ..= {limit}, got {value}")]
+    InvalidBlockSize {
+        /// The block size given.
+        value: u32,
+        /// The largest accepted.
+        limit: u32,
+    },
+    /// The config states the block size its lengths are in, and was
+    /// resolved without the service's
+    /// ([`resolve`](crate::WorkerSelectionConfig::resolve)): resolve it with
+    /// [`resolve_at`](crate::WorkerSelectionConfig::resolve_at).
+    #[error(
+        "the config's lengths are in blocks of {block_size} tokens: resolve it at the service's block size \
+         (resolve_at), which converts them"
+    )]
+    BlockSizeUnresolved {
+        /// The config's block size.
+        block_size: u32,
+    },
+    /// A whole number of blocks of the config's block size is not a whole
+    /// number of the service's.
+    #[error(
+        "instance {instance:?}: {field} = {value} blocks of {from} tokens is not a whole number of blocks of {to} \
+         tokens"
+    )]
+    BlockSizeNotWhole {
+        /// The instance.
+        instance: String,
+        /// The parameter (`prefix_blocks` or `required_cache_hits`).
+        field: String,
+        /// Its value, in blocks of `from` tokens.
+        value: u64,
+        /// The config's block size.
+        from: u32,
+        /// The service's.
+        to: u32,
+    },
+    /// An instance of another block size than the service's uses a policy,
+    /// scorer or picker type that is not built in: which of its parameters
+    /// are lengths in blocks is unknown, so they cannot be converted.
+    #[error(
+        "instance {instance:?}: {plugin} is not built in, so its parameters cannot be converted from blocks of \
+         {from} tokens to blocks of {to}: write the config at block_size {to}"
+    )]
+    BlockSizeUnknownUnits {
+        /// The instance.
+        instance: String,
+        /// `policy type "x"`, `scorer type "x"` or `picker type "x"`.
+        plugin: String,
+        /// The config's block size.
+        from: u32,
+        /// The service's.
+        to: u32,
+    },
     /// Building the instance's policy failed.
     #[error(transparent)]
     Registry(#[from] RegistryError),

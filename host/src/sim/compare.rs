@@ -142,9 +142,12 @@ impl PolicyChoice {
     }
 
     /// Every instance of a worker-selection config file, labelled
-    /// `config:NAME`.
-    pub fn from_config(path: &Path) -> Result<Vec<Self>, SimError> {
-        let config = WorkerSelectionConfig::from_path(path)?;
+    /// `config:NAME`, for a workload of `block_size`-token blocks: a file
+    /// that states another block size has its lengths in blocks converted
+    /// to `block_size` ([`WorkerSelectionConfig::at_block_size`]); one
+    /// that states none is read as it is.
+    pub fn from_config(path: &Path, block_size: u32) -> Result<Vec<Self>, SimError> {
+        let config = WorkerSelectionConfig::from_path(path)?.at_block_size(block_size)?;
         Ok(config
             .instance_names()
             .into_iter()
