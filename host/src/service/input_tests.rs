@@ -44,14 +44,20 @@ fn store(index: &mut KvIndex, hasher: &KvBlockHasher, tokens: &[u32]) {
         .unwrap();
 }
 
+/// A kv service of 16, and an index and hasher of `block_size` in which
+/// worker 2 holds the first 256 tokens of a 512-token prompt.
+fn half_held(block_size: u32) -> (WorkerSelectionService, KvBlockHasher, KvIndex, Vec<u32>) {
+    let (hasher, mut index) = (KvBlockHasher::new(block_size), KvIndex::new(block_size));
+    let prompt: Vec<u32> = (0..512).collect();
+    store(&mut index, &hasher, &prompt[..256]);
+    (kv_service(), hasher, index, prompt)
+}
+
 /// Worker 2's KV cost for a 512-token prompt whose first 256 tokens it
 /// holds, as an index and hasher of 16 report them to a service of 16.
 #[test]
 fn an_index_of_the_service_block_size_counts_its_blocks() {
-    let service = kv_service();
-    let (hasher, mut index) = (KvBlockHasher::new(16), KvIndex::new(16));
-    let prompt: Vec<u32> = (0..512).collect();
-    store(&mut index, &hasher, &prompt[..256]);
+    let (service, hasher, mut index, prompt) = half_held(16);
     index.sync_rows(service.row_layout(), |r| service.rank_row(r)).unwrap();
     let mut out = KvOverlaps::new();
     let columns = index.overlaps_for_tokens(&hasher, &prompt, &mut out).unwrap();
@@ -65,10 +71,7 @@ fn an_index_of_the_service_block_size_counts_its_blocks() {
 
 #[test]
 fn an_index_of_another_block_size_is_refused() {
-    let service = kv_service();
-    let (hasher, mut index) = (KvBlockHasher::new(32), KvIndex::new(32));
-    let prompt: Vec<u32> = (0..512).collect();
-    store(&mut index, &hasher, &prompt[..256]);
+    let (service, hasher, mut index, prompt) = half_held(32);
     let err = index
         .sync_rows(service.row_layout(), |r| service.rank_row(r))
         .unwrap_err();
