@@ -52,7 +52,7 @@
 //! [`WorkerSelectionConfig::resolve_at`], which **converts** every length
 //! to the service's blocks, keeping its tokens:
 //! `value * config block size / service block size` (230.27 blocks of 512
-//! tokens are 7,368.64 blocks of 16, the same 117,898 tokens). A length
+//! tokens are 7,368.64 blocks of 16, the same 117,898.24 tokens). A length
 //! that is a real number is converted exactly when both block sizes are
 //! powers of two (as a router's always is), else rounded to the nearest
 //! `f64`; one that is a whole number of blocks (`prefix_blocks`,

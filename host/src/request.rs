@@ -417,8 +417,12 @@ pub struct SelectionRequest<'a> {
     /// itself 0, no cache preference, by default). A row's hits are its
     /// overlap's `device_blocks`.
     pub required_cache_hits: u32,
-    /// The prompt's block hashes, in order (as the KV index hashes them):
-    /// the prefix-hash policy keys the request by the leading ones.
+    /// The prompt's block hashes, in order (as the KV index hashes them,
+    /// at the service's block size): the prefix-hash policy keys the
+    /// request by the leading ones. Nothing looks them up in a KV index:
+    /// the `kv` policy reads overlaps, and refuses a request that carries
+    /// hashes and no overlaps
+    /// ([`SelectionError::PromptBlocksUnused`](crate::SelectionError::PromptBlocksUnused)).
     pub prompt_blocks: &'a [u64],
     /// The prefix-hash policy's key, when the caller hashes the prompt
     /// itself (takes precedence over [`prompt_blocks`](Self::prompt_blocks)).
@@ -535,7 +539,13 @@ impl<'a> SelectionRequest<'a> {
     }
 
     /// Sets the prompt's block hashes, in order (the prefix-hash policy
-    /// keys the request by its configured number of leading blocks).
+    /// keys the request by its configured number of leading blocks). For
+    /// the `kv` policy, look them up in a
+    /// [`KvIndex`](crate::kv_index::KvIndex) and pass its overlaps
+    /// ([`with_row_overlaps`](Self::with_row_overlaps)) instead: it refuses
+    /// hashes without overlaps
+    /// ([`SelectionError::PromptBlocksUnused`](crate::SelectionError::PromptBlocksUnused)).
+    /// See [`WorkerSelectionPolicy::reads_prompt_blocks`](crate::WorkerSelectionPolicy::reads_prompt_blocks).
     pub fn with_prompt_blocks(mut self, blocks: &'a [u64]) -> Self {
         self.prompt_blocks = blocks;
         self

@@ -409,7 +409,12 @@ impl WorkerSelectionPolicy {
     }
 
     /// The default KV cost policy, with the switching margin of
-    /// `config` if it has one.
+    /// `config` if it has one. It reads the request's cache overlaps
+    /// ([`SelectionRequest::with_row_overlaps`](crate::SelectionRequest::with_row_overlaps)
+    /// from a [`KvIndex`](crate::kv_index::KvIndex), or
+    /// [`with_overlaps`](crate::SelectionRequest::with_overlaps)); a
+    /// request that carries block hashes and no overlaps is refused
+    /// ([`SelectionError::PromptBlocksUnused`](crate::SelectionError::PromptBlocksUnused)).
     pub fn kv(config: KvRouterConfig, worker_type: WorkerType) -> Self {
         let dwell = if config.has_switch_margin() {
             (0..crate::fleet::KernelFleet::CAPACITY)
