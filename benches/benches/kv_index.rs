@@ -88,7 +88,9 @@ fn main() {
                     .apply(&KvEvent::new(rank, 0, KvEventData::Cleared))
                     .expect("cleared");
             }
-            index.sync_rows(service.row_layout(), |r| service.row_of(r));
+            index
+                .sync_rows(service.row_layout(), |r| service.row_of(r))
+                .expect("the index has the service's block size");
             let t = Instant::now();
             for (rank, id, parent, blocks) in &events {
                 let data = KvEventData::Stored {

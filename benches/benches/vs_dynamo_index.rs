@@ -299,7 +299,9 @@ impl Fleet {
                 .apply(&KvEvent::new(WorkerWithDpRank::new(r.worker, 0), r.id, data))
                 .expect("the fleet's events are in order");
             if r.id == 0 {
-                index.sync_rows(service.row_layout(), |rank| service.row_of(rank));
+                index
+                    .sync_rows(service.row_layout(), |rank| service.row_of(rank))
+                    .expect("the index has the service's block size");
             }
         }
     }
@@ -555,7 +557,9 @@ fn main() -> ExitCode {
         });
 
         // Parity of every answer, then the query times.
-        index.sync_rows(service.row_layout(), |r| service.row_of(r));
+        index
+            .sync_rows(service.row_layout(), |r| service.row_of(r))
+            .expect("the index has the service's block size");
         let rows: Vec<usize> = (0..workers as u64)
             .map(|w| service.row_of(WorkerWithDpRank::new(w, 0)).expect("a row per worker"))
             .collect();

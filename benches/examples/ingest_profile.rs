@@ -228,7 +228,9 @@ fn measured_build(
             .apply(&KvEvent::new(WorkerWithDpRank::new(*w, 0), *id, data))
             .expect("in order");
         if *id == 0 && place {
-            index.sync_rows(service.row_layout(), |r| service.row_of(r));
+            index
+                .sync_rows(service.row_layout(), |r| service.row_of(r))
+                .expect("the index has the service's block size");
         }
     }
     index

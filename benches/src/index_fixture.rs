@@ -109,7 +109,9 @@ impl IndexFixture {
                 });
             }
         }
-        index.sync_rows(service.row_layout(), |r| service.row_of(r));
+        index
+            .sync_rows(service.row_layout(), |r| service.row_of(r))
+            .expect("the index has the service's block size");
         let mut prompt = system;
         prompt.extend(tokens(1 + 1, SHARED_BLOCKS * bs));
         prompt.extend(tokens(u32::MAX / 2, PROMPT_TOKENS - prompt.len() as u32));

@@ -358,7 +358,9 @@ fn run(stream: &Stream, seed: u64, off_by_one: bool) -> Result<Tally, String> {
             }
         }
         if step % query_every == 0 {
-            index.sync_rows(layout, |r| service.row_of(r));
+            index
+                .sync_rows(layout, |r| service.row_of(r))
+                .expect("the index has the service's block size");
             let mut local = prompts.local[rng.below(prompts.local.len() as u64) as usize].clone();
             local.truncate(rng.below(local.len() as u64 + 1) as usize);
             if !local.is_empty() && rng.below(4) == 0 {

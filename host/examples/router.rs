@@ -78,7 +78,7 @@ fn main() -> Result<(), Box<dyn Error>> {
     let mut prompt = system_prompt.clone();
     prompt.extend(5_000..5_040);
     let mut overlaps = KvOverlaps::new();
-    index.sync_rows(service.row_layout(), |rank| service.rank_row(rank));
+    index.sync_rows(service.row_layout(), |rank| service.rank_row(rank))?;
     let request_overlaps = index.overlaps_for_tokens(&hasher, &prompt, &mut overlaps)?;
     let request = SelectionRequest::new(prompt.len()).with_row_overlaps(request_overlaps);
     let mut selection = service.select(&request)?;
@@ -106,7 +106,7 @@ fn main() -> Result<(), Box<dyn Error>> {
     //    blocks more to prefill on every rank, and goes by load alone.
     let evicted: Vec<u64> = blocks.iter().map(|b| b.block_hash).collect();
     index.apply(&KvEvent::new(cached_rank, 1, KvEventData::Removed { blocks: &evicted }))?;
-    index.sync_rows(service.row_layout(), |rank| service.rank_row(rank));
+    index.sync_rows(service.row_layout(), |rank| service.rank_row(rank))?;
     let request_overlaps = index.overlaps_for_tokens(&hasher, &prompt, &mut overlaps)?;
     let request = SelectionRequest::new(prompt.len()).with_row_overlaps(request_overlaps);
     let selection = service.select(&request)?;

@@ -158,6 +158,37 @@ pub enum SelectionError {
         /// The prompt's blocks or tokens.
         limit: u64,
     },
+    /// The request carries more block hashes
+    /// ([`prompt_blocks`](crate::SelectionRequest::prompt_blocks)) than its
+    /// prompt has blocks at the service's block size: they were cut at a
+    /// smaller block size (only
+    /// [`check_request`](crate::WorkerSelectionService::check_request)
+    /// reports this).
+    #[error(
+        "the request carries {hashes} block hashes, past its prompt's {limit} blocks of {block_size} tokens (hashed at \
+         another block size than the service's?)"
+    )]
+    PromptBlocksPastPrompt {
+        /// The block hashes the request carries.
+        hashes: u64,
+        /// The prompt's blocks at the service's block size.
+        limit: u64,
+        /// The service's block size.
+        block_size: u32,
+    },
+    /// The policy reads cache overlaps, not block hashes, and the request
+    /// carries block hashes only
+    /// ([`with_prompt_blocks`](crate::SelectionRequest::with_prompt_blocks),
+    /// no overlaps): nothing would look them up, and every worker's cost
+    /// would tie.
+    #[error(
+        "the {policy} policy reads cache overlaps, not block hashes: look the request's prompt_blocks up in a KV \
+         index and pass its overlaps (with_row_overlaps or with_overlaps), or leave prompt_blocks off"
+    )]
+    PromptBlocksUnused {
+        /// The policy's name.
+        policy: &'static str,
+    },
     /// The policy broke its contract or failed.
     #[error(transparent)]
     Policy(#[from] WorkerSelectionPolicyError),
@@ -199,6 +230,8 @@ impl SelectionError {
             Self::StaleRowLayout { .. } => "stale_row_layout",
             Self::OverlapColumnTooShort { .. } => "overlap_column_too_short",
             Self::OverlapPastPrompt { .. } => "overlap_past_prompt",
+            Self::PromptBlocksPastPrompt { .. } => "prompt_blocks_past_prompt",
+            Self::PromptBlocksUnused { .. } => "prompt_blocks_unused",
             Self::Policy(p) => p.reason(),
         }
     }
@@ -773,6 +806,63 @@ pub enum ConfigError {
         name: String,
         /// Defined instance names.
         available: String,
+    },
+    /// The config's `block_size` is 0 or past
+    /// [`MAX_CONFIG_BLOCK_SIZE`](crate::MAX_CONFIG_BLOCK_SIZE) (or a block
+    /// size to resolve it at is).
+    #[error("block_size must be within 1 ..= {limit}, got {value}")]
+    InvalidBlockSize {
+        /// The block size given.
+        value: u32,
+        /// The largest accepted.
+        limit: u32,
+    },
+    /// The config states the block size its lengths are in, and was
+    /// resolved without the service's
+    /// ([`resolve`](crate::WorkerSelectionConfig::resolve)): resolve it with
+    /// [`resolve_at`](crate::WorkerSelectionConfig::resolve_at).
+    #[error(
+        "the config's lengths are in blocks of {block_size} tokens: resolve it at the service's block size \
+         (resolve_at), which converts them"
+    )]
+    BlockSizeUnresolved {
+        /// The config's block size.
+        block_size: u32,
+    },
+    /// A whole number of blocks of the config's block size is not a whole
+    /// number of the service's.
+    #[error(
+        "instance {instance:?}: {field} = {value} blocks of {from} tokens is not a whole number of blocks of {to} \
+         tokens"
+    )]
+    BlockSizeNotWhole {
+        /// The instance.
+        instance: String,
+        /// The parameter (`prefix_blocks` or `required_cache_hits`).
+        field: String,
+        /// Its value, in blocks of `from` tokens.
+        value: u64,
+        /// The config's block size.
+        from: u32,
+        /// The service's.
+        to: u32,
+    },
+    /// An instance of another block size than the service's uses a policy,
+    /// scorer or picker type that is not built in: which of its parameters
+    /// are lengths in blocks is unknown, so they cannot be converted.
+    #[error(
+        "instance {instance:?}: {plugin} is not built in, so its parameters cannot be converted from blocks of \
+         {from} tokens to blocks of {to}: write the config at block_size {to}"
+    )]
+    BlockSizeUnknownUnits {
+        /// The instance.
+        instance: String,
+        /// `policy type "x"`, `scorer type "x"` or `picker type "x"`.
+        plugin: String,
+        /// The config's block size.
+        from: u32,
+        /// The service's.
+        to: u32,
     },
     /// Building the instance's policy failed.
     #[error(transparent)]

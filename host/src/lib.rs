@@ -24,7 +24,8 @@ mod service;
 mod types;
 
 pub use config::{
-    WorkerSelectionConfig, WorkerSelectionInstance, MAX_CONFIG_BYTES, MAX_CONFIG_COLLECTIONS, MAX_CONFIG_DEPTH,
+    WorkerSelectionConfig, WorkerSelectionInstance, MAX_CONFIG_BLOCK_SIZE, MAX_CONFIG_BYTES, MAX_CONFIG_COLLECTIONS,
+    MAX_CONFIG_DEPTH,
 };
 pub use discovery::{
     BusyThresholds, DeviceKind, Discovery, FileDiscovery, InMemoryDiscovery, RefreshReport, SyncReport, WorkerRecord,

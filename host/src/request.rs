@@ -21,8 +21,9 @@ use crate::types::{WorkerId, WorkerWithDpRank};
 pub use selkie_kernel::worker::WorkerOverlap;
 
 /// The service's row layout at one moment: which epoch of the row
-/// assignment (worker rank -> row) it is, and how many rows a per-row
-/// column must cover.
+/// assignment (worker rank -> row) it is, how many rows a per-row
+/// column must cover, and the service's block size (the tokens of the
+/// blocks its columns count, [`ServiceConfig::block_size`](crate::ServiceConfig::block_size)).
 ///
 /// Read it with
 /// [`WorkerSelectionService::row_layout`](crate::WorkerSelectionService::row_layout)
@@ -33,13 +34,35 @@ pub use selkie_kernel::worker::WorkerOverlap;
 /// so a row given to another worker in between never credits the wrong
 /// worker. The epoch changes only when a worker rank gets or loses a row
 /// (workers added or removed, ranks changed), not on state or load changes.
+///
+/// The block size travels with the layout so that a KV index meets the
+/// service's where it syncs to its rows:
+/// [`KvIndex::sync_rows`](crate::kv_index::KvIndex::sync_rows) refuses a
+/// layout whose block size is not the index's, before any query could
+/// count its blocks in the service's.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct RowLayout {
     pub(crate) epoch: u64,
-    pub(crate) rows: usize,
+    /// At most the fleet's capacity (16,384 rows).
+    rows: u32,
+    block_size: u32,
 }
 
 impl RowLayout {
+    /// The layout of epoch `epoch` over `rows` rows (at most `u32::MAX`,
+    /// far past any fleet) of blocks of `block_size` tokens.
+    pub(crate) const fn new(epoch: u64, rows: usize, block_size: u32) -> Self {
+        RowLayout {
+            epoch,
+            rows: if rows > u32::MAX as usize {
+                u32::MAX
+            } else {
+                rows as u32
+            },
+            block_size,
+        }
+    }
+
     /// The epoch of the row assignment.
     pub fn epoch(&self) -> u64 {
         self.epoch
@@ -48,7 +71,13 @@ impl RowLayout {
     /// Rows every column of a [`RowOverlaps`] must cover (at least; longer
     /// columns are fine). It only grows within one epoch.
     pub fn rows(&self) -> usize {
-        self.rows
+        self.rows as usize
+    }
+
+    /// Tokens per block of the service the layout is of
+    /// ([`ServiceConfig::block_size`](crate::ServiceConfig::block_size)).
+    pub fn block_size(&self) -> u32 {
+        self.block_size
     }
 }
 
@@ -388,8 +417,12 @@ pub struct SelectionRequest<'a> {
     /// itself 0, no cache preference, by default). A row's hits are its
     /// overlap's `device_blocks`.
     pub required_cache_hits: u32,
-    /// The prompt's block hashes, in order (as the KV index hashes them):
-    /// the prefix-hash policy keys the request by the leading ones.
+    /// The prompt's block hashes, in order (as the KV index hashes them,
+    /// at the service's block size): the prefix-hash policy keys the
+    /// request by the leading ones. Nothing looks them up in a KV index:
+    /// the `kv` policy reads overlaps, and refuses a request that carries
+    /// hashes and no overlaps
+    /// ([`SelectionError::PromptBlocksUnused`](crate::SelectionError::PromptBlocksUnused)).
     pub prompt_blocks: &'a [u64],
     /// The prefix-hash policy's key, when the caller hashes the prompt
     /// itself (takes precedence over [`prompt_blocks`](Self::prompt_blocks)).
@@ -506,7 +539,13 @@ impl<'a> SelectionRequest<'a> {
     }
 
     /// Sets the prompt's block hashes, in order (the prefix-hash policy
-    /// keys the request by its configured number of leading blocks).
+    /// keys the request by its configured number of leading blocks). For
+    /// the `kv` policy, look them up in a
+    /// [`KvIndex`](crate::kv_index::KvIndex) and pass its overlaps
+    /// ([`with_row_overlaps`](Self::with_row_overlaps)) instead: it refuses
+    /// hashes without overlaps
+    /// ([`SelectionError::PromptBlocksUnused`](crate::SelectionError::PromptBlocksUnused)).
+    /// See [`WorkerSelectionPolicy::reads_prompt_blocks`](crate::WorkerSelectionPolicy::reads_prompt_blocks).
     pub fn with_prompt_blocks(mut self, blocks: &'a [u64]) -> Self {
         self.prompt_blocks = blocks;
         self

@@ -37,7 +37,9 @@ impl Router {
     /// that the index sees a worker that left and came back).
     fn sync(&mut self) {
         let service = &self.service;
-        self.index.sync_rows(service.row_layout(), |r| service.rank_row(r));
+        self.index
+            .sync_rows(service.row_layout(), |r| service.rank_row(r))
+            .expect("the index has the service's block size");
     }
 
     fn store(

@@ -91,7 +91,9 @@ fn fleet(index: &mut KvIndex) -> WorkerSelectionService {
     for w in 0..4 {
         service.add_worker(WorkerRecord::new(w)).expect("a new worker");
     }
-    index.sync_rows(service.row_layout(), |r| service.row_of(r));
+    index
+        .sync_rows(service.row_layout(), |r| service.row_of(r))
+        .expect("the index has the service's block size");
     service
 }
 
@@ -227,7 +229,9 @@ fn memory_comes_back_after_a_clear() {
             .expect("a chain");
         parent = run.last().copied();
     }
-    index.sync_rows(service.row_layout(), |r| service.row_of(r));
+    index
+        .sync_rows(service.row_layout(), |r| service.row_of(r))
+        .expect("the index has the service's block size");
     let held = live() - heap0;
     index
         .apply(&KvEvent::new(worker, 40, KvEventData::Cleared))

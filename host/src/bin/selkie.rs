@@ -71,7 +71,9 @@ struct TuneArgs {
     /// weights included.
     #[arg(long, default_value_t = 48)]
     trials: usize,
-    /// Where the winner is written, as a worker-selection config file.
+    /// Where the winner is written, as a worker-selection config file that
+    /// states the workload's block size (`block_size`): a router or a
+    /// simulation of another block size converts its lengths in blocks.
     #[arg(long, value_name = "FILE", default_value = "tuned.yaml")]
     out: PathBuf,
 }
@@ -163,7 +165,9 @@ struct SimulateArgs {
     #[arg(long = "policy", value_name = "NAME")]
     policies: Vec<String>,
     /// Also simulate every policy instance of this worker-selection config
-    /// file (YAML, or TOML when the name ends in `.toml`).
+    /// file (YAML, or TOML when the name ends in `.toml`); a file that
+    /// states another `block_size` than the workload's has its lengths in
+    /// blocks converted to the workload's.
     #[arg(long, value_name = "FILE")]
     config: Option<PathBuf>,
     /// Also simulate each policy with requests carrying their multi-turn
@@ -429,7 +433,7 @@ fn simulate(args: SimulateArgs) -> Result<(), SimError> {
             .collect::<Result<_, _>>()?
     };
     if let Some(path) = &args.config {
-        choices.extend(PolicyChoice::from_config(path)?);
+        choices.extend(PolicyChoice::from_config(path, workload.block_size)?);
     }
     // Every policy, the config file's included, also runs with sessions.
     if let Some(mode) = args.session_affinity.as_deref() {
@@ -747,7 +751,7 @@ fn tune(args: TuneArgs) -> Result<(), SimError> {
     writeln!(out, "\non the second half (requests the search did not see):").map_err(stdout_err)?;
     write!(out, "{}", render_table(&tested)).map_err(stdout_err)?;
     let mut file = BufWriter::new(file);
-    file.write_all(winner.config_yaml("tuned").as_bytes())
+    file.write_all(winner.config_yaml("tuned", train.block_size).as_bytes())
         .and_then(|()| file.flush())
         .map_err(io_err(&args.out))?;
     writeln!(

@@ -48,7 +48,7 @@ impl KvIndex {
                 });
             }
         }
-        let rows = self.layout.map_or(0, |l| l.rows);
+        let rows = self.layout.map_or(0, |l| l.rows());
         // What the placed ranks hold, and how many they are (read only
         // while this one holds nothing, so counts nothing in `held`).
         let (peers_hold, placed, few_awaiting) = (self.held, self.placed, self.awaiting_count <= FIRST_ROOM_AWAITING);
@@ -286,7 +286,7 @@ impl KvIndex {
     /// rank marked departed starts a new incarnation first: what it
     /// reported since its worker left was its old engine's.
     pub(super) fn place(&mut self, rank: WorkerWithDpRank, row: u32, tenure: Option<u64>, report: bool) {
-        let rows = self.layout.map_or(0, |l| l.rows);
+        let rows = self.layout.map_or(0, |l| l.rows());
         let Some(state) = self.ranks.get_mut(&rank) else { return };
         debug_assert!(state.row.is_none(), "placing a placed rank");
         if state.awaiting != 0 {

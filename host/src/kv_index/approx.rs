@@ -41,13 +41,13 @@ pub const DEFAULT_APPROX_TTL: Duration = Duration::from_secs(120);
 ///
 /// // Per request: sync to the service's rows (cheap when they did not
 /// // change), query, route, then record the decision.
-/// index.sync_rows(service.row_layout(), |rank| service.row_of(rank));
+/// index.sync_rows(service.row_layout(), |rank| service.row_of(rank))?;
 /// let columns = index.overlaps_for_tokens(&hasher, &prompt, &mut out, now)?;
 /// let chosen = service.select(&SelectionRequest::new(prompt.len()).with_row_overlaps(columns))?;
-/// index.record_tokens(chosen.worker(), &hasher, &prompt, now);
+/// index.record_tokens(chosen.worker(), &hasher, &prompt, now)?;
 ///
 /// // The next request with the same prompt scores its 32 blocks there.
-/// index.sync_rows(service.row_layout(), |rank| service.row_of(rank));
+/// index.sync_rows(service.row_layout(), |rank| service.row_of(rank))?;
 /// let columns = index.overlaps_for_tokens(&hasher, &prompt, &mut out, now)?;
 /// let row = service.row_of(chosen.worker()).unwrap();
 /// assert_eq!(columns.device_blocks[row], 32.0);
@@ -124,9 +124,19 @@ impl ApproxKvIndex {
         &self.index
     }
 
-    /// Places the index on the service's rows (see [`KvIndex::sync_rows`]).
-    pub fn sync_rows<A: RowAnswer>(&mut self, layout: RowLayout, row_of: impl FnMut(WorkerWithDpRank) -> A) {
-        self.index.sync_rows(layout, row_of);
+    /// Places the index on the service's rows (see [`KvIndex::sync_rows`],
+    /// which refuses a layout of another block size).
+    pub fn sync_rows<A: RowAnswer>(
+        &mut self,
+        layout: RowLayout,
+        row_of: impl FnMut(WorkerWithDpRank) -> A,
+    ) -> Result<(), KvQueryError> {
+        self.index.sync_rows(layout, row_of)
+    }
+
+    /// Tokens per block.
+    pub fn block_size(&self) -> u32 {
+        self.index.block_size()
     }
 
     /// Forgets every record of `worker_id` (a worker that left the fleet);
@@ -149,13 +159,23 @@ impl ApproxKvIndex {
         self.hashes = hashes;
     }
 
-    /// [`record`](Self::record) for a prompt given by its tokens.
-    pub fn record_tokens(&mut self, rank: WorkerWithDpRank, hasher: &KvBlockHasher, tokens: &[u32], now: Instant) {
+    /// [`record`](Self::record) for a prompt given by its tokens; a hasher
+    /// of another block size than the index's is refused
+    /// ([`KvQueryError::HasherBlockSize`]), recording nothing.
+    pub fn record_tokens(
+        &mut self,
+        rank: WorkerWithDpRank,
+        hasher: &KvBlockHasher,
+        tokens: &[u32],
+        now: Instant,
+    ) -> Result<(), KvQueryError> {
+        self.index.check_hasher(hasher)?;
         let mut local = std::mem::take(&mut self.local);
         local.clear();
         hasher.local_hashes(tokens, &mut local);
         self.record(rank, &local, now);
         self.local = local;
+        Ok(())
     }
 
     fn record_chain(&mut self, rank: WorkerWithDpRank, local: &[u64], seq: &[u64], now: Instant) {
@@ -288,7 +308,9 @@ mod tests {
 
     fn synced(index: &mut ApproxKvIndex) {
         let rows = [A, B];
-        index.sync_rows(RowLayout { epoch: 1, rows: 2 }, |r| rows.iter().position(|&x| x == r));
+        index
+            .sync_rows(RowLayout::new(1, 2, 16), |r| rows.iter().position(|&x| x == r))
+            .unwrap();
     }
 
     /// Device blocks of rows A and B for a query by local hashes.

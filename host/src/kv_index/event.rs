@@ -265,4 +265,32 @@ pub enum KvQueryError {
     /// ([`KvIndex::sync_rows`](super::KvIndex::sync_rows)).
     #[error("the KV index has no row layout yet: call sync_rows with the service's layout first")]
     NoRowLayout,
+    /// The service's block size is not the index's: every overlap would
+    /// count blocks of one size as blocks of the other. Build the index with
+    /// the service's [`ServiceConfig::block_size`](crate::ServiceConfig::block_size).
+    /// Reported by [`KvIndex::sync_rows`](super::KvIndex::sync_rows), which
+    /// then changes nothing.
+    #[error(
+        "the KV index counts blocks of {index} tokens but the service blocks of {service}: build the index with the \
+         service's block size"
+    )]
+    BlockSizeMismatch {
+        /// The index's block size.
+        index: u32,
+        /// The service's ([`RowLayout::block_size`](crate::RowLayout::block_size)).
+        service: u32,
+    },
+    /// The hasher's block size is not the index's: the request's blocks
+    /// would not be the blocks the index holds. Reported by the queries and
+    /// records that take a hasher.
+    #[error(
+        "the block hasher cuts blocks of {hasher} tokens but the KV index holds blocks of {index}: hash with the \
+         index's block size"
+    )]
+    HasherBlockSize {
+        /// The hasher's block size.
+        hasher: u32,
+        /// The index's.
+        index: u32,
+    },
 }

@@ -225,6 +225,14 @@ impl MidKeys {
 impl KvBlockHasher {
     /// Hashing for blocks of `block_size` tokens, no LoRA adapter, no cache
     /// namespace. A `block_size` of 0 gives no blocks.
+    ///
+    /// The block size is the service's
+    /// ([`ServiceConfig::block_size`](crate::ServiceConfig::block_size)) and
+    /// the KV index's: [`KvIndex::overlaps_for_tokens`](super::KvIndex::overlaps_for_tokens)
+    /// refuses a hasher of another size than the index's, and
+    /// [`check_request`](crate::WorkerSelectionService::check_request)
+    /// refuses more block hashes than the prompt has blocks at the
+    /// service's size (hashes cut at a smaller block size).
     pub const fn new(block_size: u32) -> Self {
         KvBlockHasher {
             block_size,

@@ -38,7 +38,7 @@
 //! // Per request: bring the index to the service's rows (cheap when they
 //! // did not change), query, select.
 //! let mut overlaps = KvOverlaps::new();
-//! index.sync_rows(service.row_layout(), |rank| service.rank_row(rank));
+//! index.sync_rows(service.row_layout(), |rank| service.rank_row(rank))?;
 //! let columns = index.overlaps_for_tokens(&hasher, &prompt, &mut overlaps)?;
 //! let row = service.row_of(WorkerWithDpRank::new(2, 0)).unwrap();
 //! assert_eq!(columns.device_blocks[row], 4.0);
@@ -46,6 +46,24 @@
 //! assert_eq!(service.select(&request)?.worker(), WorkerWithDpRank::new(2, 0));
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
+//!
+//! # One block size
+//!
+//! The service's block size ([`ServiceConfig::block_size`](crate::ServiceConfig::block_size),
+//! 16 by default) is the one source: build the index and the hasher with
+//! it (`KvIndex::new(service.config().block_size)`). Each checks it where
+//! it meets the other, before any overlap is counted in the wrong blocks:
+//!
+//! * [`KvIndex::sync_rows`] takes the service's [`RowLayout`], which
+//!   carries the service's block size, and refuses a layout whose block
+//!   size is not the index's ([`KvQueryError::BlockSizeMismatch`]);
+//! * [`KvIndex::overlaps_for_tokens`] (and [`ApproxKvIndex::record_tokens`])
+//!   refuse a [`KvBlockHasher`] of another block size
+//!   ([`KvQueryError::HasherBlockSize`]).
+//!
+//! Queries by hashes ([`KvIndex::overlaps`],
+//! [`KvIndex::overlaps_for_local_hashes`]) take the hashes as given: hash
+//! them with a hasher of the index's block size.
 //!
 //! # Semantics
 //!
@@ -442,8 +460,12 @@ impl std::fmt::Debug for KvIndex {
 }
 
 impl KvIndex {
-    /// An empty index for blocks of `block_size` tokens (the size only
-    /// turns device blocks into the cached-token estimate of a query).
+    /// An empty index for blocks of `block_size` tokens: the service's
+    /// ([`ServiceConfig::block_size`](crate::ServiceConfig::block_size)),
+    /// which [`sync_rows`](Self::sync_rows) checks, and the hasher's, which
+    /// [`overlaps_for_tokens`](Self::overlaps_for_tokens) checks (see the
+    /// module documentation). The size also turns device blocks into the
+    /// cached-token estimate of a query.
     pub fn new(block_size: u32) -> Self {
         KvIndex {
             block_size,
@@ -603,8 +625,44 @@ impl KvIndex {
     /// documentation). Ranks without a row for longer than the bound
     /// ([`with_awaiting_rank_ttl`](Self::with_awaiting_rank_ttl)) are
     /// dropped.
-    pub fn sync_rows<A: RowAnswer>(&mut self, layout: RowLayout, mut row_of: impl FnMut(WorkerWithDpRank) -> A) {
-        self.sync_rows_at(layout, |rank| row_of(rank).row_and_tenure(), Instant::now(), true);
+    ///
+    /// This is where the index meets the service, so this is where their
+    /// block sizes are checked: a layout whose
+    /// [`block_size`](RowLayout::block_size) is not the index's is refused
+    /// with [`KvQueryError::BlockSizeMismatch`], changing nothing (the
+    /// check runs when the layout is new to the index, not on the
+    /// repeated syncs to a layout already synced).
+    pub fn sync_rows<A: RowAnswer>(
+        &mut self,
+        layout: RowLayout,
+        mut row_of: impl FnMut(WorkerWithDpRank) -> A,
+    ) -> Result<(), KvQueryError> {
+        self.sync_rows_at(layout, |rank| row_of(rank).row_and_tenure(), Instant::now(), true)
+    }
+
+    /// Refuses `layout` if its block size is not the index's.
+    fn check_layout(&self, layout: RowLayout) -> Result<(), KvQueryError> {
+        if layout.block_size() == self.block_size {
+            Ok(())
+        } else {
+            Err(KvQueryError::BlockSizeMismatch {
+                index: self.block_size,
+                service: layout.block_size(),
+            })
+        }
+    }
+
+    /// Refuses `hasher` if its block size is not the index's.
+    #[inline]
+    pub(crate) fn check_hasher(&self, hasher: &KvBlockHasher) -> Result<(), KvQueryError> {
+        if hasher.block_size() == self.block_size {
+            Ok(())
+        } else {
+            Err(KvQueryError::HasherBlockSize {
+                hasher: hasher.block_size(),
+                index: self.block_size,
+            })
+        }
     }
 
     /// [`sync_rows`](Self::sync_rows) at `now`, reporting through
@@ -616,7 +674,10 @@ impl KvIndex {
         mut row_of: impl FnMut(WorkerWithDpRank) -> Option<(usize, Option<u64>)>,
         now: Instant,
         report: bool,
-    ) {
+    ) -> Result<(), KvQueryError> {
+        if self.layout != Some(layout) {
+            self.check_layout(layout)?;
+        }
         self.syncs += 1;
         let mut answer = |rank| {
             row_of(rank)
@@ -663,6 +724,7 @@ impl KvIndex {
         self.stamp_awaiting(now);
         self.expire_awaiting(now, report);
         self.blocks.shrink(self.block_capacity);
+        Ok(())
     }
 
     /// Drops the blocks of every rank of `worker_id` (the worker left the

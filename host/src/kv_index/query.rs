@@ -119,7 +119,7 @@ impl KvOverlaps {
 
     /// Sizes the columns for `layout` and zeroes what the last query wrote.
     fn reset(&mut self, layout: RowLayout) {
-        let rows = layout.rows;
+        let rows = layout.rows();
         let (start, end) = std::mem::take(&mut self.touched);
         // Device and cached values are cleared once the next query's first
         // block is known (`clear_stale`); host and disk now, if written.
@@ -216,13 +216,15 @@ impl KvIndex {
     /// hashed as the walk goes, as by
     /// [`overlaps_for_local_hashes`](Self::overlaps_for_local_hashes): none
     /// past the first block no row holds (for a prompt nobody holds, only
-    /// the first).
+    /// the first). A hasher of another block size than the index's is
+    /// refused ([`KvQueryError::HasherBlockSize`]).
     pub fn overlaps_for_tokens<'o>(
         &self,
         hasher: &KvBlockHasher,
         tokens: &[u32],
         out: &'o mut KvOverlaps,
     ) -> Result<RowOverlaps<'o>, KvQueryError> {
+        self.check_hasher(hasher)?;
         let layout = self.layout.ok_or(KvQueryError::NoRowLayout)?;
         out.reset(layout);
         let (mut block, mut parent) = (0, None);

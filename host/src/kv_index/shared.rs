@@ -31,7 +31,7 @@
 //! // The event thread: apply, sync rows when the layout moves, publish.
 //! let stored = KvEventData::Stored { parent: None, blocks: &blocks };
 //! writer.apply(&KvEvent::new(WorkerWithDpRank::new(7, 0), 0, stored))?;
-//! writer.sync_rows(service.row_layout(), |rank| service.row_of(rank));
+//! writer.sync_rows(service.row_layout(), |rank| service.row_of(rank))?;
 //! writer.publish();
 //!
 //! // Any query thread, with its own columns.
@@ -180,9 +180,14 @@ impl KvIndexWriter {
         self.copies.write(|index| index.apply(event))
     }
 
-    /// Places the index on the service's rows (as [`KvIndex::sync_rows`]);
+    /// Places the index on the service's rows (as [`KvIndex::sync_rows`],
+    /// refusing a layout of another block size, which changes nothing);
     /// readers see the new rows after the next [`publish`](Self::publish).
-    pub fn sync_rows<A: RowAnswer>(&mut self, layout: RowLayout, mut row_of: impl FnMut(WorkerWithDpRank) -> A) {
+    pub fn sync_rows<A: RowAnswer>(
+        &mut self,
+        layout: RowLayout,
+        mut row_of: impl FnMut(WorkerWithDpRank) -> A,
+    ) -> Result<(), KvQueryError> {
         let start = self.rows.len();
         let answers = &mut self.rows;
         let now = Instant::now();
@@ -197,12 +202,13 @@ impl KvIndexWriter {
                 now,
                 true,
             )
-        });
+        })?;
         self.log.push(Op::SyncRows {
             layout,
             rows: start..self.rows.len(),
             now,
         });
+        Ok(())
     }
 
     /// Drops every rank of a worker (as [`KvIndex::remove_worker`]);
@@ -304,7 +310,8 @@ fn replay(
             now,
         } => {
             let answers: HashMap<WorkerWithDpRank, RowAndTenure> = rows[range.clone()].iter().copied().collect();
-            index.sync_rows_at(*layout, |rank| answers.get(&rank).copied().flatten(), *now, false);
+            // Both copies have the block size the first sync checked.
+            let _ = index.sync_rows_at(*layout, |rank| answers.get(&rank).copied().flatten(), *now, false);
         }
         Op::RemoveWorker(worker_id) => {
             index.remove_worker_reporting(*worker_id, false);

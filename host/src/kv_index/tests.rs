@@ -12,7 +12,7 @@ const W2: WorkerWithDpRank = WorkerWithDpRank::new(2, 0);
 const W1R1: WorkerWithDpRank = WorkerWithDpRank::new(1, 1);
 
 fn layout(epoch: u64, rows: usize) -> RowLayout {
-    RowLayout { epoch, rows }
+    RowLayout::new(epoch, rows, 16)
 }
 
 /// An index and the fleet it is synced to (rank `i` on row `i`).
@@ -38,8 +38,13 @@ impl std::ops::DerefMut for Fx {
 }
 
 fn index_on(ranks: &[WorkerWithDpRank]) -> Fx {
+    index_of(16, ranks)
+}
+
+/// [`index_on`] for blocks of `block_size` tokens (the layout's too).
+fn index_of(block_size: u32, ranks: &[WorkerWithDpRank]) -> Fx {
     let mut fx = Fx {
-        index: KvIndex::new(16),
+        index: KvIndex::new(block_size),
         ranks: Vec::new(),
         epoch: 0,
         out: KvOverlaps::new(),
@@ -55,7 +60,10 @@ fn sync(fx: &mut Fx, epoch: u64, ranks: &[WorkerWithDpRank]) {
     fx.epoch = epoch;
     let rows: HashMap<WorkerWithDpRank, usize> = ranks.iter().enumerate().map(|(i, &r)| (r, i)).collect();
     fx.index
-        .sync_rows(layout(epoch, ranks.len()), |r| rows.get(&r).copied());
+        .sync_rows(RowLayout::new(epoch, ranks.len(), fx.index.block_size()), |r| {
+            rows.get(&r).copied()
+        })
+        .unwrap();
 }
 
 /// Blocks `(engine hash, local hash)`.
@@ -332,7 +340,7 @@ fn queries_by_tokens_local_and_sequence_hashes_agree() {
         hasher.sequence_hashes(&tokens, &mut seq);
         assert_eq!(local.len(), 5, "hasher {h}");
         // W1 holds the first 3 blocks, W2 all 5 (the walk reaches the end).
-        let mut index = index_on(&[W1, W2]);
+        let mut index = index_of(hasher.block_size(), &[W1, W2]);
         for (rank, held) in [(W1, 3), (W2, 5)] {
             let pairs: Vec<(u64, u64)> = local
                 .iter()
@@ -1097,8 +1105,8 @@ fn shared_equals_plain(bound: usize) {
             );
         }
         if step % 7 == 0 {
-            writer.sync_rows(layout, |r| rows.get(&r).copied());
-            plain.sync_rows(layout, |r| rows.get(&r).copied());
+            writer.sync_rows(layout, |r| rows.get(&r).copied()).unwrap();
+            plain.sync_rows(layout, |r| rows.get(&r).copied()).unwrap();
             assert!(writer.unpublished() > 0);
             writer.publish();
             assert_eq!(writer.unpublished(), 0);
@@ -1127,7 +1135,9 @@ fn shared_equals_plain(bound: usize) {
             },
         ))
         .unwrap();
-    writer.sync_rows(layout, |r| rows.get(&r).copied().or((r.worker_id == 900).then_some(0)));
+    writer
+        .sync_rows(layout, |r| rows.get(&r).copied().or((r.worker_id == 900).then_some(0)))
+        .unwrap();
     assert!(reader
         .overlaps_for_local_hashes(&[77], &mut out)
         .unwrap()
@@ -1148,7 +1158,7 @@ fn shared_equals_plain(bound: usize) {
 fn queries_run_while_the_writer_publishes() {
     let rank = WorkerWithDpRank::new(1, 0);
     let (mut writer, reader) = shared(16);
-    writer.sync_rows(layout(1, 1), |r| (r == rank).then_some(0));
+    writer.sync_rows(layout(1, 1), |r| (r == rank).then_some(0)).unwrap();
     writer.publish();
     const BLOCKS: u64 = 64;
     let local: Vec<u64> = (0..BLOCKS).map(|j| 500 + j).collect();
@@ -1178,7 +1188,7 @@ fn queries_run_while_the_writer_publishes() {
         writer
             .apply(&KvEvent::new(rank, j, KvEventData::Stored { parent, blocks: &block }))
             .unwrap();
-        writer.sync_rows(layout(1, 1), |r| (r == rank).then_some(0));
+        writer.sync_rows(layout(1, 1), |r| (r == rank).then_some(0)).unwrap();
         writer.publish();
     }
     for r in readers {
@@ -1265,7 +1275,7 @@ fn ranks_awaiting_a_row_are_bounded_in_number_and_age() {
     let layout = layout(1, 1);
     let none = |_| None;
     let t0 = Instant::now();
-    index.sync_rows_at(layout, none, t0, true);
+    index.sync_rows_at(layout, none, t0, true).unwrap();
     let r = |w| WorkerWithDpRank::new(w, 0);
     for w in 1..=4 {
         store(&mut index, r(w), 5, Device, None, &[(w, w)]).unwrap();
@@ -1274,20 +1284,30 @@ fn ranks_awaiting_a_row_are_bounded_in_number_and_age() {
     assert_eq!((index.awaiting_rank_count(), index.held_blocks()), (3, 3));
     assert_eq!(index.rank_blocks(r(1), Device), 0);
     assert_eq!(index.stats().awaiting_ranks_dropped, 1);
-    index.sync_rows_at(layout, none, t0 + Duration::from_secs(10), true);
+    index
+        .sync_rows_at(layout, none, t0 + Duration::from_secs(10), true)
+        .unwrap();
     store(&mut index, r(5), 5, Device, None, &[(5, 5)]).unwrap();
     // Ranks 2..=4 were first found without a row at 10 s, rank 5 at 30 s.
-    index.sync_rows_at(layout, none, t0 + Duration::from_secs(30), true);
+    index
+        .sync_rows_at(layout, none, t0 + Duration::from_secs(30), true)
+        .unwrap();
     assert_eq!(index.awaiting_rank_count(), 3, "rank 2 dropped for rank 5");
-    index.sync_rows_at(layout, none, t0 + Duration::from_secs(69), true);
+    index
+        .sync_rows_at(layout, none, t0 + Duration::from_secs(69), true)
+        .unwrap();
     assert_eq!(index.awaiting_rank_count(), 3);
-    index.sync_rows_at(layout, none, t0 + Duration::from_secs(70), true);
+    index
+        .sync_rows_at(layout, none, t0 + Duration::from_secs(70), true)
+        .unwrap();
     assert_eq!(
         (index.awaiting_rank_count(), index.held_blocks()),
         (1, 1),
         "ranks 3 and 4 waited 60 s"
     );
-    index.sync_rows_at(layout, none, t0 + Duration::from_secs(90), true);
+    index
+        .sync_rows_at(layout, none, t0 + Duration::from_secs(90), true)
+        .unwrap();
     assert_eq!(
         (index.awaiting_rank_count(), index.rank_count(), index.held_blocks()),
         (0, 0, 0)
@@ -1296,11 +1316,13 @@ fn ranks_awaiting_a_row_are_bounded_in_number_and_age() {
     // Rank 5's next event is a first one: any id.
     store(&mut index, r(5), 2, Device, None, &[(5, 5)]).unwrap();
     // A rank that gets a row in time keeps its blocks, whatever it waited.
-    index.sync_rows_at(
-        layout,
-        |rank| (rank == r(5)).then_some((0, None)),
-        t0 + Duration::from_secs(200),
-        true,
-    );
+    index
+        .sync_rows_at(
+            layout,
+            |rank| (rank == r(5)).then_some((0, None)),
+            t0 + Duration::from_secs(200),
+            true,
+        )
+        .unwrap();
     assert_eq!((index.awaiting_rank_count(), index.held_blocks()), (0, 1));
 }

@@ -105,7 +105,15 @@ pub(crate) struct OverlapView<'a> {
     pub(crate) scattered: bool,
 }
 
-pub(crate) fn overlap_view<'a>(env: &Env<'a>, o: &'a mut OverlapColumns) -> Result<OverlapView<'a>, SelectionError> {
+///
+/// `refused_by`: the policy that refuses a request carrying block hashes
+/// and no overlaps at all (it reads overlaps, not hashes), checked only
+/// where no overlap was written, so never on a request that has some.
+pub(crate) fn overlap_view<'a>(
+    env: &Env<'a>,
+    o: &'a mut OverlapColumns,
+    refused_by: Option<&'static str>,
+) -> Result<OverlapView<'a>, SelectionError> {
     let rows = env.rows;
     if let Some(r) = env.req.row_overlaps {
         let found = env.reg.layout_epoch();
@@ -133,6 +141,14 @@ pub(crate) fn overlap_view<'a>(env: &Env<'a>, o: &'a mut OverlapColumns) -> Resu
         });
     }
     let any = scatter_overlaps(env, o);
+    if !any {
+        if let Some(policy) = refused_by {
+            if env.req.overlaps.is_empty() && !env.req.prompt_blocks.is_empty() {
+                // Nothing was written: nothing to reset.
+                return Err(SelectionError::PromptBlocksUnused { policy });
+            }
+        }
+    }
     let o = &*o;
     Ok(OverlapView {
         device: col(any, &o.device, rows),
@@ -243,7 +259,7 @@ fn with_kernel_inputs<R>(
     let columns = rank_columns(env, inputs, isl.div_ceil(block_size.get()), added, observed);
     let kreq = KvRequest::new(isl, block_size, env.req.track_prefill_tokens, role(worker_type))
         .with_added_decode_blocks(columns.uniform_added);
-    let view = overlap_view(env, overlap)?;
+    let view = overlap_view(env, overlap, Some("kv"))?;
     let shared = shared_hits_column(env, inputs, view.device, shared_hits).or(view.shared);
     let kover = KvOverlap {
         device_blocks: view.device,

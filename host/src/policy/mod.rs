@@ -409,7 +409,12 @@ impl WorkerSelectionPolicy {
     }
 
     /// The default KV cost policy, with the switching margin of
-    /// `config` if it has one.
+    /// `config` if it has one. It reads the request's cache overlaps
+    /// ([`SelectionRequest::with_row_overlaps`](crate::SelectionRequest::with_row_overlaps)
+    /// from a [`KvIndex`](crate::kv_index::KvIndex), or
+    /// [`with_overlaps`](crate::SelectionRequest::with_overlaps)); a
+    /// request that carries block hashes and no overlaps is refused
+    /// ([`SelectionError::PromptBlocksUnused`](crate::SelectionError::PromptBlocksUnused)).
     pub fn kv(config: KvRouterConfig, worker_type: WorkerType) -> Self {
         let dwell = if config.has_switch_margin() {
             (0..crate::fleet::KernelFleet::CAPACITY)
@@ -616,6 +621,23 @@ impl WorkerSelectionPolicy {
                 ReadyRows::Scan
             }
         }
+    }
+
+    /// Whether the policy may read a request's
+    /// [`prompt_blocks`](crate::SelectionRequest::prompt_blocks): the
+    /// prefix-hash policy does, a composed policy's plugins may, the others
+    /// do not (a router need not hash prompts for them). The `kv` policy
+    /// reads cache overlaps instead, and refuses a request that carries
+    /// block hashes and no overlaps
+    /// ([`SelectionError::PromptBlocksUnused`](crate::SelectionError::PromptBlocksUnused)).
+    ///
+    /// ```
+    /// use selkie::*;
+    /// assert!(!WorkerSelectionPolicy::kv(KvRouterConfig::default(), WorkerType::Aggregated).reads_prompt_blocks());
+    /// assert!(WorkerSelectionPolicy::prefix_hash(PrefixHashConfig::default()).unwrap().reads_prompt_blocks());
+    /// ```
+    pub fn reads_prompt_blocks(&self) -> bool {
+        matches!(self.kind, PolicyKind::PrefixHash(_) | PolicyKind::Composed(_))
     }
 
     /// Whether this is the direct policy, which needs a pinned request.

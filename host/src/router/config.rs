@@ -28,7 +28,9 @@ pub enum PolicySpec {
         parameters: WorkerSelectionPolicyParameters,
     },
     /// A worker-selection config file (what `selkie tune` writes): the
-    /// policy its `aggregated` role selects.
+    /// policy its `aggregated` role selects, its lengths in blocks
+    /// converted to [`ServeConfig::block_size`] when the file states
+    /// another block size.
     ConfigFile(PathBuf),
 }
 

@@ -99,6 +99,24 @@ pub enum ServeError {
     /// The async runtime or a thread could not start.
     #[error("cannot start the runtime: {0}")]
     Runtime(std::io::Error),
+    /// A part of the router counts blocks of another size than its
+    /// selection service ([`ServiceConfig::block_size`](crate::ServiceConfig::block_size)):
+    /// its overlaps or block hashes would be read in the service's blocks.
+    /// Refused where the part meets the service
+    /// ([`RouterCore::new`](super::RouterCore::new),
+    /// [`RouterCore::with_overlaps`](super::RouterCore::with_overlaps)).
+    #[error(
+        "the {part} counts blocks of {block_size} tokens but the selection service blocks of {service}: build it \
+         with the service's block size"
+    )]
+    BlockSizeMismatch {
+        /// `prompt hasher`, `engine hash chain` or `overlap source`.
+        part: &'static str,
+        /// Its block size.
+        block_size: u32,
+        /// The service's.
+        service: u32,
+    },
 }
 
 /// Every reason the router refuses a request or cuts it short, with its

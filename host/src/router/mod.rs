@@ -85,13 +85,16 @@ const PARTITION: &str = "selkie-serve";
 /// How long a worker's `/v1/models` may take.
 const MODELS_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
 
-/// Builds the policy `spec` names, through the built-in registry.
-pub fn build_policy(spec: &PolicySpec) -> Result<WorkerSelectionPolicy, ServeError> {
+/// Builds the policy `spec` names, through the built-in registry, for a
+/// service of `block_size`-token blocks: a config file that states another
+/// block size has its lengths in blocks converted to `block_size`
+/// ([`WorkerSelectionConfig::resolve_at`]).
+pub fn build_policy(spec: &PolicySpec, block_size: u32) -> Result<WorkerSelectionPolicy, ServeError> {
     let registry = WorkerSelectionPolicyRegistry::new();
     let factory = match spec {
         PolicySpec::Named { name, parameters } => registry.factory(name, parameters)?,
         PolicySpec::ConfigFile(path) => {
-            WorkerSelectionConfig::from_path(path)?.resolve(&registry, WorkerType::Aggregated)?
+            WorkerSelectionConfig::from_path(path)?.resolve_at(&registry, WorkerType::Aggregated, block_size)?
         }
     };
     Ok(factory(
@@ -135,7 +138,7 @@ impl Server {
     /// serving. Must be called inside a multi-threaded tokio runtime.
     pub async fn start(config: ServeConfig) -> Result<Server, ServeError> {
         config.validate(open_files_limit())?;
-        let policy = build_policy(&config.policy)?;
+        let policy = build_policy(&config.policy, config.block_size)?;
         let tokenizer = config
             .tokenizer
             .as_deref()
@@ -209,12 +212,11 @@ impl Server {
             metrics.clone(),
             config.index_ttl,
             config.limits.max_index_blocks,
-        );
+        )?;
         let kv_events = if config.kv_events.is_empty() && !kv_events::labelled(&table) {
             None
         } else {
             let (ingester, overlaps) = kv_events::EventIngester::new(
-                config.block_size,
                 config.kv_hash.clone(),
                 config.limits.max_index_blocks,
                 service,
@@ -222,7 +224,7 @@ impl Server {
                 kv_metrics.clone(),
             );
             let ingester = ingester.with_router_metrics(metrics);
-            core = core.with_overlaps(Box::new(overlaps));
+            core = core.with_overlaps(Box::new(overlaps))?;
             Some(kv_events::start(&config.kv_events, ingester, kv_metrics).await?)
         };
         let core = Arc::new(core);

@@ -66,6 +66,14 @@ pub trait OverlapSource: Send + Sync {
     /// engine that died lost its cache; one that restarts tells again).
     /// The default keeps what the source holds.
     fn unreachable(&self, _worker: crate::WorkerId) {}
+
+    /// The block size the source counts overlaps in, if it has one:
+    /// [`RouterCore::with_overlaps`](super::RouterCore::with_overlaps)
+    /// refuses a source of another block size than the service's. The
+    /// default, `None`, is not checked.
+    fn block_size(&self) -> Option<u32> {
+        None
+    }
 }
 
 /// The most requests whose prompts are credited to their ranks while
@@ -198,7 +206,11 @@ impl OverlapSource for LearnedOverlaps {
         out: &'o mut KvOverlaps,
     ) -> Option<RowOverlaps<'o>> {
         let mut l = self.lock();
-        l.index.sync_rows(service.row_layout(), |rank| service.row_of(rank));
+        // A source of another block size than the service's has no
+        // overlaps for it (`RouterCore::with_overlaps` refuses it).
+        l.index
+            .sync_rows(service.row_layout(), |rank| service.row_of(rank))
+            .ok()?;
         l.index.overlaps(sequence, out, Instant::now()).ok()
     }
 
@@ -233,6 +245,10 @@ impl OverlapSource for LearnedOverlaps {
 
     fn blocks(&self) -> usize {
         self.lock().index.recorded_blocks()
+    }
+
+    fn block_size(&self) -> Option<u32> {
+        Some(self.lock().index.block_size())
     }
 }
 

@@ -174,6 +174,32 @@ impl PromptHasher {
         self
     }
 
+    /// Tokens per block: the block hasher's and, with one, the engine hash
+    /// chain's (the first that differs from `service`'s is refused by
+    /// [`RouterCore::new`](super::RouterCore::new)).
+    pub fn block_size(&self) -> u32 {
+        self.hasher.block_size()
+    }
+
+    /// Refuses a hasher or an engine hash chain whose block size is not
+    /// `service`'s.
+    pub(crate) fn check_block_size(&self, service: u32) -> Result<(), ServeError> {
+        let parts = [
+            ("prompt hasher", Some(self.hasher.block_size())),
+            ("engine hash chain", self.engine_chain.as_ref().map(|c| c.block_size())),
+        ];
+        for (part, size) in parts {
+            if let Some(block_size) = size.filter(|&b| b != service) {
+                return Err(ServeError::BlockSizeMismatch {
+                    part,
+                    block_size,
+                    service,
+                });
+            }
+        }
+        Ok(())
+    }
+
     /// Loads a tokenizer file.
     pub fn load_tokenizer(path: &Path) -> Result<Tokenizer, ServeError> {
         Tokenizer::from_file(path).map_err(|e| ServeError::Tokenizer {

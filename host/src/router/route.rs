@@ -25,7 +25,7 @@ use std::cell::RefCell;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::error::{ApiError, Refusal};
+use super::error::{ApiError, Refusal, ServeError};
 use super::lifecycle::Lifecycle;
 use super::metrics::Metrics;
 use super::overlaps::{LearnedOverlaps, OverlapSource, Recorded};
@@ -93,6 +93,11 @@ struct Retry {
 
 impl RouterCore {
     /// The core over `service`'s policy, its index sized by the arguments.
+    ///
+    /// The service's block size is the one source: the router's own
+    /// overlap index takes it, and `prompts` (and its engine hash chain, if
+    /// any) must cut blocks of it, or the core is refused
+    /// ([`ServeError::BlockSizeMismatch`]).
     pub fn new(
         service: Arc<WorkerSelectionService>,
         table: Arc<WorkerTable>,
@@ -100,14 +105,15 @@ impl RouterCore {
         metrics: Arc<Metrics>,
         index_ttl: Duration,
         max_index_blocks: usize,
-    ) -> Self {
+    ) -> Result<Self, ServeError> {
+        prompts.check_block_size(service.config().block_size)?;
         let policy = service.policy();
         let reads = Reads {
             overlaps: policy.required_worker_inputs().contains(WorkerInputs::CACHE),
             blocks: policy.name() == "prefix-hash",
         };
         let block_size = service.config().block_size;
-        RouterCore {
+        Ok(RouterCore {
             overlaps: reads.overlaps.then(|| {
                 Box::new(LearnedOverlaps::new(block_size, index_ttl, max_index_blocks)) as Box<dyn OverlapSource>
             }),
@@ -117,16 +123,25 @@ impl RouterCore {
             metrics,
             reads,
             block_size,
-        }
+        })
     }
 
     /// Takes cache overlaps from `source` (when the policy reads them)
-    /// instead of the router's own decisions.
-    pub fn with_overlaps(mut self, source: Box<dyn OverlapSource>) -> Self {
+    /// instead of the router's own decisions. A source whose
+    /// [`block_size`](OverlapSource::block_size) is not the service's is
+    /// refused ([`ServeError::BlockSizeMismatch`]).
+    pub fn with_overlaps(mut self, source: Box<dyn OverlapSource>) -> Result<Self, ServeError> {
+        if let Some(block_size) = source.block_size().filter(|&b| b != self.block_size) {
+            return Err(ServeError::BlockSizeMismatch {
+                part: "overlap source",
+                block_size,
+                service: self.block_size,
+            });
+        }
         if self.reads.overlaps {
             self.overlaps = Some(source);
         }
-        self
+        Ok(self)
     }
 
     /// Whether the policy reads prompts (so they are tokenized and hashed).
@@ -461,4 +476,74 @@ impl RouterCore {
 enum Owned {
     Text(String),
     Chat(Box<serde_json::value::RawValue>),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::router::kv_events::Sha256CborChain;
+    use crate::router::{build_policy, Limits, PolicySpec};
+    use crate::{KvRouterConfig, ServiceConfig, WorkerSelectionPolicy, WorkerType};
+
+    fn core(service: &Arc<WorkerSelectionService>, prompts: PromptHasher) -> Result<RouterCore, ServeError> {
+        let metrics = Arc::new(Metrics::new("kv", &Limits::default()));
+        let table = Arc::new(WorkerTable::new());
+        RouterCore::new(service.clone(), table, prompts, metrics, Duration::from_secs(60), 1_000)
+    }
+
+    fn prompts(block_size: u32) -> PromptHasher {
+        PromptHasher::new(block_size, None, None, 1 << 20, 1 << 20)
+    }
+
+    #[test]
+    fn parts_of_another_block_size_than_the_service_are_refused() {
+        let service = Arc::new(WorkerSelectionService::new(
+            WorkerSelectionPolicy::kv(KvRouterConfig::default(), WorkerType::Aggregated),
+            ServiceConfig::default(),
+        ));
+        let refused = |r: Result<RouterCore, ServeError>| match r {
+            Err(ServeError::BlockSizeMismatch {
+                part,
+                block_size,
+                service,
+            }) => (part, block_size, service),
+            Err(e) => panic!("{e}"),
+            Ok(_) => panic!("accepted"),
+        };
+        assert_eq!(refused(core(&service, prompts(32))), ("prompt hasher", 32, 16));
+        let chained = prompts(16).with_engine_chain(Sha256CborChain::new(32, None));
+        assert_eq!(refused(core(&service, chained)), ("engine hash chain", 32, 16));
+        let learned = |bs| Box::new(LearnedOverlaps::new(bs, Duration::from_secs(60), 10));
+        let ok = || core(&service, prompts(16)).unwrap();
+        assert_eq!(refused(ok().with_overlaps(learned(32))), ("overlap source", 32, 16));
+        assert!(ok().with_overlaps(learned(16)).is_ok());
+        assert_eq!(
+            ServeError::BlockSizeMismatch {
+                part: "overlap source",
+                block_size: 32,
+                service: 16
+            }
+            .to_string(),
+            "the overlap source counts blocks of 32 tokens but the selection service blocks of 16: build it with the \
+             service's block size"
+        );
+    }
+
+    #[test]
+    fn a_config_of_another_block_size_is_converted_to_the_routers() {
+        let dir = std::env::temp_dir().join(format!("selkie-route-bs-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("tuned.yaml");
+        let yaml = "block_size: 512\naggregated: t\ninstances:\n  - { name: t, type: kv, parameters: { switch_margin: 2.5 } }\n";
+        std::fs::write(&path, yaml).unwrap();
+        let spec = PolicySpec::ConfigFile(path);
+        let at_16 = build_policy(&spec, 16).unwrap();
+        assert_eq!(
+            at_16.kv_router_config().switch_margin,
+            80.0,
+            "2.5 blocks of 512 tokens are 80 of 16"
+        );
+        assert_eq!(build_policy(&spec, 512).unwrap().kv_router_config().switch_margin, 2.5);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }

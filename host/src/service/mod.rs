@@ -24,6 +24,8 @@
 //! a discovery source into a service on its own thread.
 
 mod fast;
+#[cfg(test)]
+mod input_tests;
 mod poller;
 #[cfg(feature = "nats")]
 mod replica;
@@ -78,7 +80,15 @@ pub use selection::{Booked, FleetHandle, OwnedSelection, Preview, RankStatus, Se
 /// Settings of a [`WorkerSelectionService`].
 #[derive(Clone, Debug, PartialEq)]
 pub struct ServiceConfig {
-    /// Tokens per KV block (default 16).
+    /// Tokens per KV block (default 16): the one source of the block size.
+    /// A [`KvIndex`](crate::kv_index::KvIndex) and a
+    /// [`KvBlockHasher`](crate::kv_index::KvBlockHasher) are built with it;
+    /// each is checked against it where they meet: the index's
+    /// [`sync_rows`](crate::kv_index::KvIndex::sync_rows) refuses the
+    /// service's [`row_layout`](WorkerSelectionService::row_layout) of
+    /// another block size, its token queries refuse a hasher of another,
+    /// and [`check_request`](WorkerSelectionService::check_request) refuses
+    /// overlaps and block hashes past the prompt at this size.
     pub block_size: u32,
     /// Busy thresholds for workers whose record has none.
     pub default_busy_thresholds: BusyThresholds,
@@ -439,10 +449,7 @@ impl WorkerSelectionService {
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn row_layout(&self) -> RowLayout {
-        self.with_snapshot(|reg| RowLayout {
-            epoch: reg.layout_epoch(),
-            rows: reg.scan_rows(),
-        })
+        self.with_snapshot(|reg| RowLayout::new(reg.layout_epoch(), reg.scan_rows(), self.config.block_size))
     }
 
     /// The row of a worker rank in the current layout, the index of its
@@ -570,10 +577,17 @@ impl WorkerSelectionService {
     /// prompt's blocks (`ceil(isl_tokens / block_size)`) and its
     /// `cached_tokens` at most `isl_tokens`, for the entries of
     /// [`overlaps`](SelectionRequest::overlaps) and for every row of
-    /// [`row_overlaps`](SelectionRequest::row_overlaps). A selection does
+    /// [`row_overlaps`](SelectionRequest::row_overlaps). The request's
+    /// [`prompt_blocks`](SelectionRequest::prompt_blocks) must be at most
+    /// the prompt's blocks too (more are hashes cut at a smaller block
+    /// size: [`SelectionError::PromptBlocksPastPrompt`]). A selection does
     /// not check this (it costs a pass over the overlaps): an overlap built
     /// for another block size is scored as it is. Call it where requests are
     /// built, in tests or while bringing a router up.
+    ///
+    /// Overlaps from a [`KvIndex`](crate::kv_index::KvIndex) are in the
+    /// service's blocks by construction: the index refuses to sync to a
+    /// service of another block size.
     ///
     /// ```
     /// use selkie::*;
@@ -593,6 +607,13 @@ impl WorkerSelectionService {
     pub fn check_request(&self, req: &SelectionRequest<'_>) -> Result<(), SelectionError> {
         let blocks = req.request_blocks(self.config.block_size);
         let tokens = req.isl_tokens as u64;
+        if req.prompt_blocks.len() as u64 > blocks {
+            return Err(SelectionError::PromptBlocksPastPrompt {
+                hashes: req.prompt_blocks.len() as u64,
+                limit: blocks,
+                block_size: self.config.block_size,
+            });
+        }
         let check =
             |worker: Option<WorkerWithDpRank>, row: Option<usize>, column: &'static str, value: u64, limit: u64| {
                 if value > limit {

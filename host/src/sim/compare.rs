@@ -142,9 +142,12 @@ impl PolicyChoice {
     }
 
     /// Every instance of a worker-selection config file, labelled
-    /// `config:NAME`.
-    pub fn from_config(path: &Path) -> Result<Vec<Self>, SimError> {
-        let config = WorkerSelectionConfig::from_path(path)?;
+    /// `config:NAME`, for a workload of `block_size`-token blocks: a file
+    /// that states another block size has its lengths in blocks converted
+    /// to `block_size` ([`WorkerSelectionConfig::at_block_size`]); one
+    /// that states none is read as it is.
+    pub fn from_config(path: &Path, block_size: u32) -> Result<Vec<Self>, SimError> {
+        let config = WorkerSelectionConfig::from_path(path)?.at_block_size(block_size)?;
         Ok(config
             .instance_names()
             .into_iter()
@@ -216,14 +219,14 @@ pub fn run_policy_within(
             .map(|s| ServiceRouter::new(s, fleet).with_session_affinity(choice.session_affinity))
             .collect();
         let mut router = ReplicatedRouter::new(replicas, fleet.sync_delay_ms);
-        let record = simulate(workload, fleet, &mut router, progress);
+        let record = simulate(workload, fleet, &mut router, progress)?;
         router.flush();
         debug_assert_eq!(router.outstanding(), 0, "every booking is released");
         record
     } else {
         let service = service(0)?;
         let mut router = ServiceRouter::new(&service, fleet).with_session_affinity(choice.session_affinity);
-        let record = simulate(workload, fleet, &mut router, progress);
+        let record = simulate(workload, fleet, &mut router, progress)?;
         debug_assert_eq!(router.outstanding(), 0, "every booking is released");
         record
     };

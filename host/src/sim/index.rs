@@ -13,6 +13,11 @@ use crate::kv_index::{KvEvent, KvEventData, KvIndex, KvOverlaps, StoredBlock};
 use crate::request::RowLayout;
 use crate::types::WorkerWithDpRank;
 
+/// The block size of the index and of its layout. The trace's block ids
+/// stand for the token blocks, so the block size only scales the
+/// cached-token estimate, which the simulator does not read.
+const BLOCK_SIZE: u32 = 1;
+
 /// The index of a simulated fleet of `rows` ranks: rank `r` is row `r`.
 #[derive(Debug)]
 pub struct OverlapIndex {
@@ -26,11 +31,10 @@ pub struct OverlapIndex {
 impl OverlapIndex {
     /// An empty index of `rows` ranks.
     pub fn new(rows: usize) -> Self {
-        // The trace's block ids stand for the token blocks, so the block
-        // size only scales the cached-token estimate, which the simulator
-        // does not read.
-        let mut index = KvIndex::new(1);
-        index.sync_rows(RowLayout { epoch: 1, rows }, row_of(rows));
+        let mut index = KvIndex::new(BLOCK_SIZE);
+        // The layout is the index's own (its block size included): the
+        // sync cannot be refused.
+        let _ = index.sync_rows(RowLayout::new(1, rows, BLOCK_SIZE), row_of(rows));
         OverlapIndex {
             rows,
             index,
@@ -76,13 +80,9 @@ impl OverlapIndex {
         out.clear();
         // Ranks seen for the first time since the last query get their row
         // (the layout itself never changes).
-        self.index.sync_rows(
-            RowLayout {
-                epoch: 1,
-                rows: self.rows,
-            },
-            row_of(self.rows),
-        );
+        let _ = self
+            .index
+            .sync_rows(RowLayout::new(1, self.rows, BLOCK_SIZE), row_of(self.rows));
         let columns = self
             .index
             .overlaps_for_local_hashes(hashes, &mut self.out)

@@ -77,6 +77,19 @@ pub enum SimError {
     /// A bad command-line value.
     #[error("{0}")]
     Usage(String),
+    /// The router's service counts blocks of another size than the
+    /// workload's ([`simulate`](run::simulate) refuses it before routing
+    /// any request).
+    #[error(
+        "the workload's blocks are of {workload} tokens but the router's service counts blocks of {router}: build \
+         the service with the workload's block size"
+    )]
+    BlockSizeMismatch {
+        /// The workload's block size.
+        workload: u32,
+        /// The router's ([`Router::block_size`](router::Router::block_size)).
+        router: u32,
+    },
     /// A number of the scenario, a trace or the command line outside what
     /// the simulator accepts (see [`limits`]).
     #[error("{field} = {value}: {bound}")]

@@ -72,4 +72,10 @@ pub trait Router {
     fn advance_to(&mut self, now_ms: f64) {
         let _ = now_ms;
     }
+    /// The block size the router counts overlaps in, if it has one (a
+    /// selection service's): [`simulate`](super::run::simulate) refuses a
+    /// workload of another. Default: `None`, any workload.
+    fn block_size(&self) -> Option<u32> {
+        None
+    }
 }

@@ -14,6 +14,7 @@ use super::engine::{Engine, StepEvent, TimingModel};
 use super::index::OverlapIndex;
 use super::router::{RouteRequest, Router, RowOverlap};
 use super::workload::Workload;
+use super::SimError;
 
 /// KV cache tokens of a typical GPU worker, the capacity a trace replays
 /// with when none is given: an 8B-parameter model (Llama 3.1 8B: 32 layers,
@@ -340,12 +341,22 @@ pub const LOAD_SAMPLES: usize = 240;
 
 /// Runs `workload` on `fleet` with `router`. `progress` is called with the
 /// number of requests routed so far, every 64 arrivals and at the end.
+///
+/// A router whose service counts blocks of another size than the
+/// workload's ([`Router::block_size`]) is refused before any request is
+/// routed ([`SimError::BlockSizeMismatch`]).
 pub fn simulate(
     workload: &Workload,
     fleet: &FleetSpec,
     router: &mut dyn Router,
     progress: &mut dyn FnMut(usize),
-) -> RunRecord {
+) -> Result<RunRecord, SimError> {
+    if let Some(b) = router.block_size().filter(|&b| b != workload.block_size) {
+        return Err(SimError::BlockSizeMismatch {
+            workload: workload.block_size,
+            router: b,
+        });
+    }
     let rows = fleet.rows();
     let reqs = &workload.requests;
     let bs = workload.block_size;
@@ -530,7 +541,7 @@ pub fn simulate(
     for row in 0..rows {
         touch(row, makespan, &engines, &mut load_area, &mut last_change);
     }
-    RunRecord {
+    Ok(RunRecord {
         requests: records,
         makespan_ms: makespan,
         load_area,
@@ -539,7 +550,7 @@ pub fn simulate(
         failures,
         first_failure,
         herd_window_ms: fleet.herd_window_ms(),
-    }
+    })
 }
 
 /// Starts a step on an idle engine, if it has work, and records admissions.

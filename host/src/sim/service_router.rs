@@ -66,6 +66,10 @@ pub struct ServiceRouter<'s> {
     /// The first row of each worker (0-based).
     first_rows: Vec<usize>,
     block_size: u32,
+    /// Whether requests carry their block hashes (only to a policy that
+    /// may read them: the `kv` policy refuses hashes without overlaps, as a
+    /// request whose blocks no cache holds has).
+    prompt_blocks: bool,
     overlaps: Vec<WorkerOverlap>,
     bookings: HashMap<u64, Selection<'s>>,
     /// Bookings of peer replicas, applied here when they arrive.
@@ -90,6 +94,7 @@ impl<'s> ServiceRouter<'s> {
             ranks,
             first_rows,
             block_size: service.config().block_size,
+            prompt_blocks: service.policy().reads_prompt_blocks(),
             overlaps: Vec::with_capacity(fleet.rows()),
             bookings: HashMap::new(),
             mirrored: HashMap::new(),
@@ -150,6 +155,10 @@ impl<'s> ServiceRouter<'s> {
 }
 
 impl Router for ServiceRouter<'_> {
+    fn block_size(&self) -> Option<u32> {
+        Some(self.block_size)
+    }
+
     fn select(&mut self, request: &RouteRequest<'_>) -> Result<Routed, RouteError> {
         let mut overlaps = std::mem::take(&mut self.overlaps);
         overlaps.clear();
@@ -161,7 +170,7 @@ impl Router for ServiceRouter<'_> {
         );
         let mut req = SelectionRequest::new(request.input_tokens as usize)
             .with_overlaps(&overlaps)
-            .with_prompt_blocks(request.prompt_blocks)
+            .with_prompt_blocks(if self.prompt_blocks { request.prompt_blocks } else { &[] })
             .with_expected_output_tokens(request.output_tokens);
         if let (Some(mode), Some(session)) = (self.affinity, request.session) {
             let name = self
@@ -269,6 +278,10 @@ impl<'s> ReplicatedRouter<'s> {
 }
 
 impl Router for ReplicatedRouter<'_> {
+    fn block_size(&self) -> Option<u32> {
+        self.replicas.first().and_then(ServiceRouter::block_size)
+    }
+
     fn select(&mut self, request: &RouteRequest<'_>) -> Result<Routed, RouteError> {
         let i = self.next % self.replicas.len();
         self.next = self.next.wrapping_add(1);

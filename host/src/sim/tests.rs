@@ -489,3 +489,35 @@ fn stale_replicas_herd_and_power_of_two_herds_less() {
     };
     assert_eq!(run(&PolicyChoice::builtin("least-loaded"), workload, &alone).1, one);
 }
+
+/// A service that counts blocks of another size than the workload's is
+/// refused before any request is routed (its overlaps would be read in the
+/// wrong blocks).
+#[test]
+fn a_router_of_another_block_size_than_the_workload_is_refused() {
+    use super::run::simulate;
+    use super::service_router::{fleet_service, ServiceRouter};
+    let workload = shared_prefix_workload(20, 1);
+    let fleet = fleet(2, 1);
+    let kv = || crate::WorkerSelectionPolicy::kv(crate::KvRouterConfig::default(), crate::WorkerType::Aggregated);
+    let service = fleet_service(kv(), &fleet, 32, 7).unwrap();
+    let mut router = ServiceRouter::new(&service, &fleet);
+    let err = simulate(&workload, &fleet, &mut router, &mut |_| {}).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            super::SimError::BlockSizeMismatch {
+                workload: 16,
+                router: 32
+            }
+        ),
+        "{err}"
+    );
+    let service = fleet_service(kv(), &fleet, 16, 7).unwrap();
+    let mut router = ServiceRouter::new(&service, &fleet);
+    let record = simulate(&workload, &fleet, &mut router, &mut |_| {}).unwrap();
+    assert_eq!(
+        record.failures, 0,
+        "the kv policy routes every request, cached prefix or not"
+    );
+}

@@ -147,10 +147,16 @@ impl KvWeights {
     }
 
     /// A worker-selection config file (YAML) whose one instance, `name`, is
-    /// the `kv` policy with these weights.
-    pub fn config_yaml(&self, name: &str) -> String {
+    /// the `kv` policy with these weights, tuned on a workload of
+    /// `block_size`-token blocks: the file states that block size, and a
+    /// service of another converts the lengths in blocks (`switch_margin`,
+    /// `decode_active_request_weight`) to its own (see
+    /// [`WorkerSelectionConfig`](crate::WorkerSelectionConfig)).
+    pub fn config_yaml(&self, name: &str, block_size: u32) -> String {
         format!(
-            "# Written by `selkie tune`.\naggregated: {name}\ninstances:\n  - name: {name}\n    type: kv\n    parameters:\n      \
+            "# Written by `selkie tune`. Lengths are in blocks of block_size tokens; a router or simulation of\n\
+             # another block size converts them to its own blocks (the same tokens).\nblock_size: {block_size}\n\
+             aggregated: {name}\ninstances:\n  - name: {name}\n    type: kv\n    parameters:\n      \
              overlap_score_credit: {:?}\n      prefill_load_scale: {:?}\n      decode_active_request_weight: {:?}\n      \
              router_temperature: {:?}\n      switch_margin: {:?}\n      switch_margin_relative: {:?}\n      \
              max_dwell: {}\n",
@@ -465,6 +471,33 @@ mod tests {
     /// The written config file builds the same policy through the config
     /// path.
     #[test]
+    fn the_written_config_states_its_block_size() {
+        let w = KvWeights {
+            switch_margin: 230.27,
+            decode_active_request_weight: 2.0,
+            ..KvWeights::default()
+        };
+        let yaml = w.config_yaml("tuned", 512);
+        assert!(yaml.contains("\nblock_size: 512\n"), "{yaml}");
+        let config = crate::WorkerSelectionConfig::from_yaml_str(&yaml).unwrap();
+        assert_eq!(config.block_size(), Some(512));
+        // Simulated (or routed) at 16 tokens a block: the same tokens.
+        let dir = std::env::temp_dir().join(format!("selkie-tune-bs-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("tuned.yaml");
+        std::fs::write(&path, &yaml).unwrap();
+        let at_16 = PolicyChoice::from_config(&path, 16).unwrap();
+        let kv: KvRouterConfig = at_16[0].parameters.deserialize().unwrap();
+        assert_eq!(
+            (kv.switch_margin, kv.decode_active_request_weight),
+            (230.27 * 32.0, 64.0)
+        );
+        let at_512 = PolicyChoice::from_config(&path, 512).unwrap();
+        assert_eq!(at_512[0].parameters, w.parameters());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
     fn the_winner_is_written_as_a_config_the_simulator_reads() {
         let w = KvWeights {
             overlap_score_credit: 2.5,
@@ -478,8 +511,8 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("selkie-tune-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("tuned.yaml");
-        std::fs::write(&path, w.config_yaml("tuned")).unwrap();
-        let choices = PolicyChoice::from_config(&path).unwrap();
+        std::fs::write(&path, w.config_yaml("tuned", 16)).unwrap();
+        let choices = PolicyChoice::from_config(&path, 16).unwrap();
         assert_eq!(choices.len(), 1);
         assert_eq!(choices[0].label, "config:tuned");
         assert_eq!(choices[0].parameters, w.parameters());

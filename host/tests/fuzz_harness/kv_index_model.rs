@@ -502,8 +502,12 @@ pub fn check(input: &Input) {
                 let mut seqs = Vec::new();
                 sequence_hashes_of(&locals, &mut seqs);
                 let layout = service.row_layout();
-                plain.sync_rows(layout, |r| service.rank_row(r));
-                writer.sync_rows(layout, |r| service.rank_row(r));
+                plain
+                    .sync_rows(layout, |r| service.rank_row(r))
+                    .expect("the index has the service's block size");
+                writer
+                    .sync_rows(layout, |r| service.rank_row(r))
+                    .expect("the index has the service's block size");
                 writer.publish();
                 model.sync();
                 let got = plain.overlaps_for_local_hashes(&locals, &mut out).expect("synced");

@@ -136,6 +136,13 @@ pub fn check(input: &Input) {
             | ConfigError::DuplicateInstance { .. }
             | ConfigError::UnknownInstance { .. },
         ) => return,
+        Err(ConfigError::InvalidBlockSize { value, limit }) => {
+            assert!(
+                (value == 0 || value > limit) && limit == MAX_CONFIG_BLOCK_SIZE,
+                "block_size {value} refused within 1 ..= {limit}"
+            );
+            return;
+        }
         // The bounds checked before parsing: only for text past them.
         Err(ConfigError::TooLarge { len, limit }) => {
             assert!(len > limit && limit == MAX_CONFIG_BYTES, "too large: {len} > {limit}");
@@ -172,8 +179,27 @@ pub fn check(input: &Input) {
         }
     }
     for role in [WorkerType::Aggregated, WorkerType::Prefill, WorkerType::Decode] {
-        let factory = match config.resolve(&registry, role) {
+        // A file that states its block size is resolved at the service's
+        // (16, the fleet's), never without it.
+        let resolved = match config.block_size() {
+            Some(b) => {
+                let plain = config.resolve(&registry, role);
+                assert!(
+                    matches!(plain, Err(ConfigError::BlockSizeUnresolved { block_size }) if block_size == b),
+                    "resolve without a block size: {:?}",
+                    plain.err()
+                );
+                config.resolve_at(&registry, role, 16)
+            }
+            None => config.resolve(&registry, role),
+        };
+        let factory = match resolved {
             Ok(f) => f,
+            // Lengths that do not convert to blocks of 16, or a custom
+            // type's, whose units are unknown.
+            Err(ConfigError::BlockSizeNotWhole { to: 16, .. } | ConfigError::BlockSizeUnknownUnits { to: 16, .. }) => {
+                continue
+            }
             Err(ConfigError::Registry(RegistryError::UnknownType { name, available })) => {
                 assert!(!registry.names().contains(&name), "{name:?} is registered: {available}");
                 continue;

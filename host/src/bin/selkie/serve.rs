@@ -68,7 +68,8 @@ pub struct ServeArgs {
     #[arg(long, value_name = "NAME", default_value = "kv", conflicts_with = "config")]
     policy: String,
     /// A worker-selection config file (what `selkie tune` writes): the
-    /// policy of its `aggregated` role.
+    /// policy of its `aggregated` role. A file that states `block_size` has
+    /// its lengths in blocks converted to --block-size blocks.
     #[arg(long, value_name = "FILE")]
     config: Option<PathBuf>,
     /// Tokens per KV block: prompts are hashed in blocks of this size.

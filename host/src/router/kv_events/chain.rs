@@ -80,6 +80,11 @@ impl Sha256CborChain {
         }
     }
 
+    /// Tokens per block (at least 1).
+    pub fn block_size(&self) -> u32 {
+        self.block_size as u32
+    }
+
     /// Writes the engine's 64-bit hash of each whole block of `tokens` to
     /// `out` (cleared first).
     pub fn block_hashes(&self, tokens: &[u32], out: &mut Vec<u64>) {

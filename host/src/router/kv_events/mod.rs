@@ -395,6 +395,10 @@ impl OverlapSource for EventOverlaps {
         self.blocks.load(Ordering::Relaxed)
     }
 
+    fn block_size(&self) -> Option<u32> {
+        Some(self.block_size)
+    }
+
     fn unreachable(&self, worker: crate::WorkerId) {
         if let Ok(mut w) = self.down.workers.lock() {
             w.push(worker);
@@ -424,17 +428,19 @@ pub struct EventIngester {
 }
 
 impl EventIngester {
-    /// An ingester for blocks of `block_size` tokens keyed as `hashing`
-    /// says, holding at most `max_blocks`, and the overlap source reading
-    /// what it writes.
+    /// An ingester for blocks of the service's block size
+    /// ([`ServiceConfig::block_size`](crate::ServiceConfig::block_size), the
+    /// one source: the index, its hasher and the check of every engine
+    /// store take it from there) keyed as `hashing` says, holding at most
+    /// `max_blocks`, and the overlap source reading what it writes.
     pub fn new(
-        block_size: u32,
         hashing: KvHashing,
         max_blocks: usize,
         service: Arc<WorkerSelectionService>,
         table: Arc<WorkerTable>,
         metrics: KvEventMetrics,
     ) -> (Self, EventOverlaps) {
+        let block_size = service.config().block_size;
         let (writer, reader) = shared_with(|| KvIndex::new(block_size).with_max_blocks(max_blocks));
         let blocks = Arc::new(AtomicUsize::new(0));
         let down = Arc::new(WorkersDown::default());
@@ -656,7 +662,9 @@ impl EventIngester {
         let layout = self.service.row_layout();
         if self.writer.unpublished() > 0 || self.writer_layout() != Some(layout) {
             let service = &self.service;
-            self.writer.sync_rows(layout, |rank| service.rank_row(rank));
+            // The index was built with the service's block size (`new`),
+            // the one sync_rows checks: it cannot refuse.
+            let _ = self.writer.sync_rows(layout, |rank| service.rank_row(rank));
             self.writer.publish();
             let held = self.writer.held_blocks();
             self.blocks.store(held, Ordering::Relaxed);

@@ -276,7 +276,6 @@ fn ingester(
     service.add_worker(WorkerRecord::new(id)).unwrap();
     let metrics = KvEventMetrics::default();
     let (i, o) = EventIngester::new(
-        block_size,
         hashing,
         1 << 20,
         service.clone(),
