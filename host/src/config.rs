@@ -663,13 +663,15 @@ mod tests {
             230.27
         );
         // TOML states it the same way.
-        let toml =
-            "block_size = 512\n[[instances]]\nname = \"tuned\"\ntype = \"kv\"\nparameters = { switch_margin = 2.0 }\n";
-        let from_toml = WorkerSelectionConfig::from_toml_str(toml).unwrap();
-        assert_eq!(
-            kv_parameters(&from_toml.at_block_size(64).unwrap(), "tuned").switch_margin,
-            16.0
-        );
+        #[cfg(feature = "toml")]
+        {
+            let toml = "block_size = 512\n[[instances]]\nname = \"tuned\"\ntype = \"kv\"\nparameters = { switch_margin = 2.0 }\n";
+            let from_toml = WorkerSelectionConfig::from_toml_str(toml).unwrap();
+            assert_eq!(
+                kv_parameters(&from_toml.at_block_size(64).unwrap(), "tuned").switch_margin,
+                16.0
+            );
+        }
     }
 
     #[test]
