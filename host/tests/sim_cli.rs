@@ -91,8 +91,8 @@ fn prints_the_table_and_writes_plots() {
     );
     // Every column, its header on two lines.
     for needle in [
-        "KV hit  missed  uncached  of pooled   missed    TTFT    TTFT  latency",
-        "     %       %         %          %  reuse %  p50 ms  p99 ms   p99 ms",
+        "KV hit  missed  uncached    % of   missed    TTFT    TTFT  latency",
+        "     %       %         %  pooled  reuse %  p50 ms  p99 ms   p99 ms",
         "  load      load        select  select",
         "    CV  max/mean  herd  p50 µs  p99 µs  failed",
         "round-robin",
@@ -737,7 +737,10 @@ fn a_pooled_bound_of_zero_prints_no_nan() {
     let out = selkie(&["simulate", "--requests", "1", "--policy", "random"]);
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
-    assert!(stdout.contains("of pooled"), "{stdout}");
+    assert!(
+        stdout.contains("%  pooled  reuse %"),
+        "the share of pooled column: {stdout}"
+    );
     assert!(!stdout.contains("NaN"), "{stdout}");
 }
 

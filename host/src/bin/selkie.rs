@@ -173,7 +173,8 @@ struct SimulateArgs {
     /// `hard`: always it).
     #[arg(long, value_name = "MODE", value_parser = ["soft", "hard"])]
     session_affinity: Option<String>,
-    /// Write SVG plots (TTFT distribution, per-worker load) into DIR.
+    /// Write SVG plots into DIR: the TTFT distribution of every policy, and
+    /// per policy the busiest, mean and least busy worker's load over time.
     #[arg(long, value_name = "DIR")]
     plots: Option<PathBuf>,
     /// Write the reports as JSON (one object per policy) to FILE.

@@ -23,8 +23,12 @@ use super::engine::output_parent;
 use super::run::{FleetSpec, RunRecord};
 use super::workload::Workload;
 
-/// Upper bounds of a workload's prompt-token hit rate, from its requests
-/// alone (no timing, no routing): what no policy on the fleet can beat.
+/// References for a workload's prompt-token hit rate, from its requests
+/// alone (no timing, no routing): [`unlimited`](Self::unlimited) is an
+/// upper bound no policy can beat; [`pooled`](Self::pooled) is what one
+/// LRU cache of the fleet's capacity serves, which a policy can pass by a
+/// little (LRU is not the best eviction), so a share of it can read above
+/// 100%.
 #[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
 pub struct HitBounds {
     /// One cache of unlimited size shared by the whole fleet: every block
@@ -282,8 +286,8 @@ static GROUPS: [&[Column]; 4] = [
             cell: |r| num(r.cached_nowhere * 100.0, 1),
         },
         Column {
-            top: "of pooled",
-            bottom: "%",
+            top: "% of",
+            bottom: "pooled",
             cell: |r| num(r.share_of_pooled * 100.0, 1),
         },
         Column {
@@ -350,10 +354,11 @@ static GROUPS: [&[Column]; 4] = [
 /// `-`.
 ///
 /// Every column is shown, in tables of at most [`OUTPUT_WIDTH`] characters
-/// with the policy label repeated in each: with labels of up to 25
+/// with the policy label repeated in each: with labels of up to 28
 /// characters, two (where the prompt tokens came from, time to first token
 /// and latency; then load, herding, selection time and refusals); with
-/// longer labels, more. Headers take two lines (`KV hit` over `%`).
+/// longer labels, more. Headers take two lines, read down (`KV hit` over
+/// `%`, `% of` over `pooled`).
 pub fn render_table(reports: &[PolicyReport]) -> String {
     let label_width = reports
         .iter()
@@ -542,6 +547,7 @@ mod tests {
         };
         for (label, tables) in [
             ("device-aware-weighted", 2),
+            ("device-aware-weighted +soft", 2),
             ("kv margin 30%", 2),
             ("kv:{switch_margin_relative: 0.3, max_dwell: 2}", 3),
             ("kv:{switch_margin_relative: 0.3, router_temperature: 0.11}", 4),
