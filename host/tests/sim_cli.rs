@@ -529,7 +529,7 @@ fn tune_writes_a_config_the_simulator_reads() {
         "{stdout}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let wide: Vec<&str> = stdout.lines().filter(|l| l.chars().count() > 100).collect();
+    let wide = wide_lines(&stdout);
     assert!(wide.is_empty(), "lines over 100 characters: {wide:#?}");
     for needle in [
         "6 candidate weights of the kv policy on the first 200 requests",
@@ -751,10 +751,14 @@ fn simulate_output_fits_in_100_columns() {
     let out = selkie(&["simulate", "--requests", "200"]);
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
-    let wide: Vec<(usize, &str)> = stdout
-        .lines()
+    let wide = wide_lines(&stdout);
+    assert!(wide.is_empty(), "lines over 100 characters: {wide:#?}\nin\n{stdout}");
+}
+
+/// The lines of `text` over 100 characters, with their lengths.
+fn wide_lines(text: &str) -> Vec<(usize, &str)> {
+    text.lines()
         .map(|l| (l.chars().count(), l))
         .filter(|(n, _)| *n > 100)
-        .collect();
-    assert!(wide.is_empty(), "lines over 100 characters: {wide:#?}\nin\n{stdout}");
+        .collect()
 }

@@ -265,87 +265,36 @@ struct Column {
     cell: fn(&PolicyReport) -> String,
 }
 
+/// A column headed `top` over `bottom`, its cells by `cell`.
+const fn col(top: &'static str, bottom: &'static str, cell: fn(&PolicyReport) -> String) -> Column {
+    Column { top, bottom, cell }
+}
+
 /// The columns, in groups kept in one table while the width allows: where
 /// the prompt tokens came from, how fast requests were served, how evenly
 /// the load spread, and selkie's own time (with the refusals).
 static GROUPS: [&[Column]; 4] = [
     &[
-        Column {
-            top: "KV hit",
-            bottom: "%",
-            cell: |r| num(r.hit_rate * 100.0, 1),
-        },
-        Column {
-            top: "missed",
-            bottom: "%",
-            cell: |r| num(r.missed_elsewhere * 100.0, 1),
-        },
-        Column {
-            top: "uncached",
-            bottom: "%",
-            cell: |r| num(r.cached_nowhere * 100.0, 1),
-        },
-        Column {
-            top: "% of",
-            bottom: "pooled",
-            cell: |r| num(r.share_of_pooled * 100.0, 1),
-        },
-        Column {
-            top: "missed",
-            bottom: "reuse %",
-            cell: |r| num(r.missed_reuse * 100.0, 1),
-        },
+        col("KV hit", "%", |r| num(r.hit_rate * 100.0, 1)),
+        col("missed", "%", |r| num(r.missed_elsewhere * 100.0, 1)),
+        col("uncached", "%", |r| num(r.cached_nowhere * 100.0, 1)),
+        col("% of", "pooled", |r| num(r.share_of_pooled * 100.0, 1)),
+        col("missed", "reuse %", |r| num(r.missed_reuse * 100.0, 1)),
     ],
     &[
-        Column {
-            top: "TTFT",
-            bottom: "p50 ms",
-            cell: |r| num(r.ttft_p50_ms, 0),
-        },
-        Column {
-            top: "TTFT",
-            bottom: "p99 ms",
-            cell: |r| num(r.ttft_p99_ms, 0),
-        },
-        Column {
-            top: "latency",
-            bottom: "p99 ms",
-            cell: |r| num(r.latency_p99_ms, 0),
-        },
+        col("TTFT", "p50 ms", |r| num(r.ttft_p50_ms, 0)),
+        col("TTFT", "p99 ms", |r| num(r.ttft_p99_ms, 0)),
+        col("latency", "p99 ms", |r| num(r.latency_p99_ms, 0)),
     ],
     &[
-        Column {
-            top: "load",
-            bottom: "CV",
-            cell: |r| num(r.load_cv, 3),
-        },
-        Column {
-            top: "load",
-            bottom: "max/mean",
-            cell: |r| num(r.load_max_over_mean, 2),
-        },
-        Column {
-            top: "",
-            bottom: "herd",
-            cell: |r| r.herd.to_string(),
-        },
+        col("load", "CV", |r| num(r.load_cv, 3)),
+        col("load", "max/mean", |r| num(r.load_max_over_mean, 2)),
+        col("", "herd", |r| r.herd.to_string()),
     ],
     &[
-        Column {
-            top: "select",
-            bottom: "p50 µs",
-            cell: |r| num(r.select_p50_ns / 1000.0, 2),
-        },
-        Column {
-            top: "select",
-            bottom: "p99 µs",
-            cell: |r| num(r.select_p99_ns / 1000.0, 2),
-        },
-        Column {
-            top: "",
-            bottom: "failed",
-            cell: |r| r.failed.to_string(),
-        },
+        col("select", "p50 µs", |r| num(r.select_p50_ns / 1000.0, 2)),
+        col("select", "p99 µs", |r| num(r.select_p99_ns / 1000.0, 2)),
+        col("", "failed", |r| r.failed.to_string()),
     ],
 ];
 

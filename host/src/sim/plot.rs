@@ -29,6 +29,20 @@ fn err(path: &Path) -> impl Fn(String) -> PlotError + '_ {
     }
 }
 
+/// Draws the labels of `chart`'s series at `position`, on a white box.
+fn draw_legend<'a, CT: plotters::coord::CoordTranslate>(
+    chart: &mut ChartContext<'a, SVGBackend<'a>, CT>,
+    position: SeriesLabelPosition,
+) -> Result<(), String> {
+    chart
+        .configure_series_labels()
+        .position(position)
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .draw()
+        .map_err(|x| x.to_string())
+}
+
 /// The rows of each worker of `fleet`.
 fn worker_rows(fleet: &FleetSpec) -> Vec<std::ops::Range<usize>> {
     (0..fleet.workers.max(1))
@@ -123,13 +137,7 @@ pub fn plot_load(path: &Path, title: &str, fleet: &FleetSpec, run: &RunRecord) -
             .label(label)
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(width)));
     }
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::UpperRight)
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .draw()
-        .map_err(|x| e(x.to_string()))?;
+    draw_legend(&mut chart, SeriesLabelPosition::UpperRight).map_err(&e)?;
     root.present().map_err(|x| e(x.to_string()))
 }
 
@@ -195,12 +203,6 @@ pub fn plot_ttft(path: &Path, title: &str, reports: &[PolicyReport]) -> Result<(
             .label(label)
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], Palette99::pick(i).stroke_width(2)));
     }
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::LowerRight)
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .draw()
-        .map_err(|x| e(x.to_string()))?;
+    draw_legend(&mut chart, SeriesLabelPosition::LowerRight).map_err(&e)?;
     root.present().map_err(|x| e(x.to_string()))
 }
