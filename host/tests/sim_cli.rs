@@ -48,8 +48,7 @@ fn readme_main_job_prints_the_comparison_table() {
     );
     let labels = [
         "kv T=0 ",
-        "kv T=0.5",
-        "kv T=1",
+        "kv margin 30% ",
         "round-robin",
         "random",
         "least-loaded",
@@ -58,13 +57,12 @@ fn readme_main_job_prints_the_comparison_table() {
         "prefix-hash",
     ];
     for label in labels {
-        let row = stdout
-            .lines()
-            .find(|l| l.starts_with(label))
-            .unwrap_or_else(|| panic!("no row {label:?}\n{stdout}"));
-        assert!(row.trim_end().ends_with(" 0"), "requests refused: {row}");
+        // Its rows, one per table; the last table ends with the refusals.
+        let rows: Vec<&str> = stdout.lines().filter(|l| l.starts_with(label)).collect();
+        assert_eq!(rows.len(), 2, "two tables, a row {label:?} in each:\n{stdout}");
+        assert!(rows[1].trim_end().ends_with(" 0"), "requests refused: {}", rows[1]);
     }
-    assert!(stdout.contains("best KV hit rate:      prefix-hash\n"), "{stdout}");
+    assert!(stdout.contains("best KV hit rate:      kv margin 30%\n"), "{stdout}");
 }
 
 #[test]
@@ -91,12 +89,12 @@ fn prints_the_table_and_writes_plots() {
         "{stdout}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    // Every column, its header on two lines.
     for needle in [
-        "KV hit %",
-        "TTFT p99 ms",
-        "missed reuse %",
-        "of pooled %",
-        "select p50 µs",
+        "KV hit  missed  uncached    % of   missed    TTFT    TTFT  latency",
+        "     %       %         %  pooled  reuse %  p50 ms  p99 ms   p99 ms",
+        "  load      load        select  select",
+        "    CV  max/mean  herd  p50 µs  p99 µs  failed",
         "round-robin",
         "kv T=0.5",
         "best KV hit rate",
@@ -115,6 +113,16 @@ fn prints_the_table_and_writes_plots() {
     for file in ["ttft.svg", "load-round-robin.svg", "load-kv_T_0.5.svg"] {
         let svg = std::fs::read_to_string(dir.join(file)).unwrap_or_else(|e| panic!("{file}: {e}"));
         assert!(svg.starts_with("<svg") && svg.contains("polyline"), "{file}");
+        if file.starts_with("load") {
+            for label in [
+                "busiest worker",
+                "mean of the 4 workers",
+                "least busy worker",
+                "peak of this run",
+            ] {
+                assert!(svg.contains(label), "{file}: no {label:?}");
+            }
+        }
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -195,7 +203,7 @@ fn bad_input_is_an_error_not_a_panic() {
     ]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("bogus"), "{out:?}");
-    assert!(!String::from_utf8_lossy(&out.stdout).contains("KV hit %"), "{out:?}");
+    assert!(!String::from_utf8_lossy(&out.stdout).contains("KV hit"), "{out:?}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -216,7 +224,7 @@ fn refused(args: &[&str], needle: &str) {
         "{args:?}: {needle:?} not in {stderr}"
     );
     assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
-    assert!(!stdout.contains("KV hit %"), "{args:?} simulated:\n{stdout}");
+    assert!(!stdout.contains("KV hit"), "{args:?} simulated:\n{stdout}");
 }
 
 /// Every number the simulator used to raise silently, run anyway, loop on
@@ -336,12 +344,20 @@ fn outputs_are_checked_first_and_traces_read_back_exactly() {
         "no-such-dir",
     );
     let trace = dir.join("written.jsonl");
-    let args = ["--requests", "300", "--workers", "4"];
-    let mut write = vec!["--write-trace", trace.to_str().unwrap()];
-    write.extend_from_slice(&args);
-    let mut all = vec!["simulate", "--policy", "random"];
-    all.extend_from_slice(&write);
-    let generated = selkie(&all);
+    let (generated_json, replayed_json) = (dir.join("generated.json"), dir.join("replayed.json"));
+    let generated = selkie(&[
+        "simulate",
+        "--policy",
+        "random",
+        "--write-trace",
+        trace.to_str().unwrap(),
+        "--requests",
+        "300",
+        "--workers",
+        "4",
+        "--json",
+        generated_json.to_str().unwrap(),
+    ]);
     assert!(generated.status.success(), "{generated:?}");
     // The scenario's cache (a replayed trace would default to a real
     // worker's).
@@ -355,23 +371,22 @@ fn outputs_are_checked_first_and_traces_read_back_exactly() {
         "65536",
         "--trace",
         trace.to_str().unwrap(),
+        "--json",
+        replayed_json.to_str().unwrap(),
     ]);
     assert!(replayed.status.success(), "{replayed:?}");
-    let row = |out: &Output| {
-        String::from_utf8_lossy(&out.stdout)
-            .lines()
-            .find(|l| l.starts_with("random"))
-            .map(str::to_owned)
-            .unwrap_or_default()
-    };
-    // The same requests at the same times: the same row, up to the
+    // The same requests at the same times: the same report, up to the
     // measured selection times.
-    let cut = |r: String| {
-        let cells: Vec<&str> = r.split_whitespace().collect();
-        cells[..cells.len().saturating_sub(3)].join(" ")
+    let report = |path: &PathBuf| {
+        let text = std::fs::read_to_string(path).unwrap();
+        let mut json: serde_json::Value = serde_json::from_str(&text).unwrap();
+        let report = json[0].as_object_mut().expect("one report");
+        assert!(report.remove("select_p50_ns").is_some() && report.remove("select_p99_ns").is_some());
+        json
     };
-    assert_eq!(cut(row(&generated)), cut(row(&replayed)));
-    assert!(!cut(row(&replayed)).is_empty());
+    let (generated, replayed) = (report(&generated_json), report(&replayed_json));
+    assert_eq!(generated, replayed);
+    assert_eq!(generated[0]["routed"], 300);
     // Read with another block size, it is refused, not misread.
     refused(
         &["--trace", trace.to_str().unwrap(), "--trace-block-size", "512"],
@@ -431,11 +446,9 @@ fn cache_capacity_is_given_in_tokens_and_traces_default_to_a_real_worker() {
         all.extend_from_slice(args);
         let out = selkie(&all);
         assert!(out.status.success(), "{out:?}");
-        String::from_utf8_lossy(&out.stdout)
-            .lines()
-            .next()
-            .unwrap_or_default()
-            .to_owned()
+        // The lines above the table, a wrapped line's continuation joined.
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        stdout.split("\n\n").next().unwrap_or_default().replace("\n  ", " ")
     };
     let typical = selkie::sim::run::TYPICAL_WORKER_KV_TOKENS;
     let h = header(&["--trace", t]);
@@ -493,7 +506,8 @@ fn session_affinity_applies_to_config_policies() {
 }
 
 /// `selkie tune` searches, reports both halves and writes a config file the
-/// simulator (and a router) reads; bad arguments are refused before it runs.
+/// simulator (and a router) reads, every line of its output within 100
+/// columns; bad arguments are refused before it runs.
 #[test]
 fn tune_writes_a_config_the_simulator_reads() {
     let dir = scratch("tune");
@@ -515,6 +529,8 @@ fn tune_writes_a_config_the_simulator_reads() {
         "{stdout}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    let wide = wide_lines(&stdout);
+    assert!(wide.is_empty(), "lines over 100 characters: {wide:#?}");
     for needle in [
         "6 candidate weights of the kv policy on the first 200 requests",
         "(default)",
@@ -721,6 +737,28 @@ fn a_pooled_bound_of_zero_prints_no_nan() {
     let out = selkie(&["simulate", "--requests", "1", "--policy", "random"]);
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
-    assert!(stdout.contains("of pooled %"), "{stdout}");
+    assert!(
+        stdout.contains("%  pooled  reuse %"),
+        "the share of pooled column: {stdout}"
+    );
     assert!(!stdout.contains("NaN"), "{stdout}");
+}
+
+/// Every line `selkie simulate` prints (the default scenario and policy
+/// set) fits a terminal of 100 columns.
+#[test]
+fn simulate_output_fits_in_100_columns() {
+    let out = selkie(&["simulate", "--requests", "200"]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    let wide = wide_lines(&stdout);
+    assert!(wide.is_empty(), "lines over 100 characters: {wide:#?}\nin\n{stdout}");
+}
+
+/// The lines of `text` over 100 characters, with their lengths.
+fn wide_lines(text: &str) -> Vec<(usize, &str)> {
+    text.lines()
+        .map(|l| (l.chars().count(), l))
+        .filter(|(n, _)| *n > 100)
+        .collect()
 }

@@ -20,8 +20,8 @@ use {
     selkie::sim::compare::{run_policy_within, PolicyChoice, PolicyRun},
     selkie::sim::limits::{above_zero_option, MAX_BLOCK_SIZE, MAX_RATE_PER_S},
     selkie::sim::memory::{self, parse_bytes, MemoryLimit},
-    selkie::sim::metrics::{render_table, HitBounds, PolicyReport},
-    selkie::sim::plot::{load_y_max, plot_load, plot_ttft},
+    selkie::sim::metrics::{render_table, wrap, HitBounds, PolicyReport, OUTPUT_WIDTH},
+    selkie::sim::plot::{plot_load, plot_ttft},
     selkie::sim::run::TYPICAL_WORKER_KV_TOKENS,
     selkie::sim::scenario::{Scenario, ScenarioName},
     selkie::sim::trace::{read_trace_within, write_trace},
@@ -161,7 +161,9 @@ struct SimulateArgs {
     /// Policies to compare (repeatable): a registry type name (`kv`,
     /// `least-loaded`, ...), `kv@TEMPERATURE`, or `TYPE:{PARAMETERS}` with
     /// inline YAML parameters (`kv:{overlap_score_credit: 2}`). Default: every built-in
-    /// (except `direct`) and `kv` at temperatures 0, 0.5 and 1.
+    /// (except `direct`), `kv` at temperature 0 (`kv T=0`) and `kv` with a
+    /// relative switching margin of 30% (`kv margin 30%`, spelled
+    /// `kv:{switch_margin_relative: 0.3}`).
     #[arg(long = "policy", value_name = "NAME")]
     policies: Vec<String>,
     /// Also simulate every policy instance of this worker-selection config
@@ -175,7 +177,8 @@ struct SimulateArgs {
     /// `hard`: always it).
     #[arg(long, value_name = "MODE", value_parser = ["soft", "hard"])]
     session_affinity: Option<String>,
-    /// Write SVG plots (TTFT distribution, per-worker load) into DIR.
+    /// Write SVG plots into DIR: the TTFT distribution of every policy, and
+    /// per policy the busiest, mean and least busy worker's load over time.
     #[arg(long, value_name = "DIR")]
     plots: Option<PathBuf>,
     /// Write the reports as JSON (one object per policy) to FILE.
@@ -466,24 +469,26 @@ fn simulate(args: SimulateArgs) -> Result<(), SimError> {
         )
     )
     .map_err(stdout_err)?;
-    writeln!(
-        out,
-        "{n} requests over {span_s:.1} s ({:.0} req/s), mean prompt {:.0} tokens; {} {} through the selection service",
+    let line = format!(
+        "{n} requests over {span_s:.1} s ({:.0} req/s), mean prompt {:.0} tokens\nrouted through the selection service \
+         by {}",
         n as f64 / span_s.max(1e-9),
         prompt_tokens as f64 / n.max(1) as f64,
-        choices.len(),
-        if choices.len() == 1 { "policy" } else { "policies" }
-    )
-    .map_err(stdout_err)?;
+        match choices.len() {
+            1 => "1 policy".to_owned(),
+            k => format!("each of {k} policies"),
+        }
+    );
+    writeln!(out, "{}", wrap(&line, OUTPUT_WIDTH)).map_err(stdout_err)?;
     let bounds = HitBounds::of(&workload, &fleet);
-    writeln!(
-        out,
-        "hit-rate bounds: {:.1}% with one unlimited cache for the fleet, {:.1}% pooled (one LRU cache of the fleet's {} blocks)",
+    let line = format!(
+        "hit-rate bounds: {:.1}% with one unlimited cache for the fleet,\n                 {:.1}% pooled (one LRU cache \
+         of the fleet's {} blocks)",
         bounds.unlimited * 100.0,
         bounds.pooled * 100.0,
         bounds.pooled_blocks
-    )
-    .map_err(stdout_err)?;
+    );
+    writeln!(out, "{}", wrap(&line, OUTPUT_WIDTH)).map_err(stdout_err)?;
     out.flush().map_err(stdout_err)?;
 
     // The bar appears only once the run has taken more than a second.
@@ -527,7 +532,7 @@ fn simulate(args: SimulateArgs) -> Result<(), SimError> {
     let reports: Vec<PolicyReport> = runs.iter().map(|r| r.report.clone()).collect();
     write!(out, "\n{}", render_table(&reports)).map_err(stdout_err)?;
     if let Some(first) = runs.iter().find_map(|r| r.record.first_failure.as_ref()) {
-        writeln!(out, "first refusal: {first}").map_err(stdout_err)?;
+        writeln!(out, "{}", wrap(&format!("first refusal: {first}"), OUTPUT_WIDTH)).map_err(stdout_err)?;
     }
     if let Some((path, file)) = json.take() {
         serde_json::to_writer_pretty(BufWriter::new(file), &reports)
@@ -536,7 +541,6 @@ fn simulate(args: SimulateArgs) -> Result<(), SimError> {
     if let Some(dir) = &args.plots {
         let ttft = dir.join("ttft.svg");
         plot_ttft(&ttft, &format!("time to first token, {source}"), &reports)?;
-        let y_max = load_y_max(&fleet, runs.iter().map(|r| &r.record));
         for run in &runs {
             let name: String = run
                 .report
@@ -555,7 +559,6 @@ fn simulate(args: SimulateArgs) -> Result<(), SimError> {
                 &format!("requests in flight per worker, {}", run.report.policy),
                 &fleet,
                 &run.record,
-                y_max,
             )?;
         }
         writeln!(out, "plots written to {}", dir.display()).map_err(stdout_err)?;
@@ -566,7 +569,7 @@ fn simulate(args: SimulateArgs) -> Result<(), SimError> {
 
 #[cfg(feature = "sim")]
 /// The first lines of a run's output: what runs on which fleet (and its
-/// worker classes).
+/// worker classes), wrapped at [`OUTPUT_WIDTH`].
 fn fleet_lines(
     command: &str,
     source: &str,
@@ -576,7 +579,7 @@ fn fleet_lines(
     capacity_note: &str,
 ) -> String {
     let mut text = format!(
-        "selkie {command}: {source}, seed {seed}: {} workers x {} DP ranks, a KV cache of {} tokens per rank ({} blocks of \
+        "selkie {command}: {source}, seed {seed}\n{} workers x {} DP ranks, a KV cache of {} tokens per rank ({} blocks of \
          {block_size}{capacity_note}){}",
         fleet.workers,
         fleet.dp_size,
@@ -615,7 +618,7 @@ fn fleet_lines(
             fleet.herd_window_ms()
         ));
     }
-    text
+    wrap(&text, OUTPUT_WIDTH)
 }
 
 #[cfg(feature = "sim")]
@@ -673,14 +676,14 @@ fn tune(args: TuneArgs) -> Result<(), SimError> {
         )
     )
     .map_err(stdout_err)?;
-    writeln!(
-        out,
-        "{} candidate weights of the kv policy on the first {} requests, on {threads} threads; the winner and the defaults on the last {}",
+    let line = format!(
+        "{} candidate weights of the kv policy on the first {} requests, on {threads} threads;\nthe winner and the \
+         defaults on the last {}",
         args.trials,
         train.requests.len(),
         test.requests.len()
-    )
-    .map_err(stdout_err)?;
+    );
+    writeln!(out, "{}", wrap(&line, OUTPUT_WIDTH)).map_err(stdout_err)?;
     out.flush().map_err(stdout_err)?;
     let bar = ProgressBar::with_draw_target(Some(args.trials as u64), ProgressDrawTarget::hidden());
     bar.set_style(
@@ -708,30 +711,40 @@ fn tune(args: TuneArgs) -> Result<(), SimError> {
     bar.finish_and_clear();
 
     // The five best, and the defaults below them when they are not among
-    // them.
-    let shown = trials
+    // them, each named in the table by its rank: the weights are listed
+    // above it, a table row has no room for them.
+    let shown: Vec<(usize, &selkie::sim::tune::Trial)> = trials
         .iter()
+        .enumerate()
         .take(5)
-        .chain(trials.iter().skip(5).filter(|t| t.is_default));
-    let best: Vec<PolicyReport> = shown
-        .map(|t| {
-            let mut r = t.report.clone();
-            r.policy = format!(
-                "{}{}",
-                weights_label(&t.weights),
-                if t.is_default { " (default)" } else { "" }
-            );
-            r
-        })
+        .chain(trials.iter().enumerate().skip(5).filter(|(_, t)| t.is_default))
         .collect();
+    let rank =
+        |i: usize, t: &selkie::sim::tune::Trial| format!("#{}{}", i + 1, if t.is_default { " (default)" } else { "" });
     writeln!(
         out,
         "\nbest candidates on the first half (score {:.3} .. {:.3}; the defaults score 2):",
         trials[0].score,
-        trials[best.len().min(5) - 1].score
+        trials[shown.len().min(5) - 1].score
     )
     .map_err(stdout_err)?;
-    write!(out, "{}", render_table(&best)).map_err(stdout_err)?;
+    for &(i, t) in &shown {
+        let line = format!(
+            "{:<4} {}{}",
+            format!("#{}", i + 1),
+            weights_label(&t.weights),
+            if t.is_default { " (default)" } else { "" }
+        );
+        writeln!(out, "{}", wrap(&line, OUTPUT_WIDTH)).map_err(stdout_err)?;
+    }
+    let best: Vec<PolicyReport> = shown
+        .iter()
+        .map(|&(i, t)| PolicyReport {
+            policy: rank(i, t),
+            ..t.report.clone()
+        })
+        .collect();
+    write!(out, "\n{}", render_table(&best)).map_err(stdout_err)?;
 
     let winner = trials[0].weights;
     let bounds = HitBounds::of(&test, &fleet);
@@ -754,14 +767,13 @@ fn tune(args: TuneArgs) -> Result<(), SimError> {
     file.write_all(winner.config_yaml("tuned", train.block_size).as_bytes())
         .and_then(|()| file.flush())
         .map_err(io_err(&args.out))?;
-    writeln!(
-        out,
-        "\n{} written to {} (`selkie simulate --config {}`, or a router's worker-selection config)",
+    let line = format!(
+        "{} written to {} (`selkie simulate --config {}`, or a router's worker-selection config)",
         weights_label(&winner),
         args.out.display(),
         args.out.display()
-    )
-    .map_err(stdout_err)?;
+    );
+    writeln!(out, "\n{}", wrap(&line, OUTPUT_WIDTH)).map_err(stdout_err)?;
     writeln!(out, "tuned in {:.1} s", started.elapsed().as_secs_f64()).map_err(stdout_err)?;
     out.flush().map_err(stdout_err)
 }

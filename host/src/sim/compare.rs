@@ -1,8 +1,8 @@
 //! Running one workload under several policies: the policy set
-//! ([`PolicyChoice`]: every built-in, the `kv` policy at several
-//! temperatures, and the instances of a config file), each built through the
-//! host's [`WorkerSelectionPolicyRegistry`] and simulated against a fresh
-//! fleet with the same seed.
+//! ([`PolicyChoice`]: every built-in, the `kv` policy with and without a
+//! switching margin, and the instances of a config file), each built through
+//! the host's [`WorkerSelectionPolicyRegistry`] and simulated against a
+//! fresh fleet with the same seed.
 
 use std::path::Path;
 
@@ -17,8 +17,13 @@ use super::service_router::{fleet_service, ReplicatedRouter, ServiceRouter};
 use super::workload::Workload;
 use super::SimError;
 
-/// Temperatures at which the default `kv` policy is simulated.
-pub const KV_TEMPERATURES: [f64; 3] = [0.0, 0.5, 1.0];
+/// The relative switching margin of the `kv` variant in the default policy
+/// set (`kv:{switch_margin_relative: 0.3}`, labelled `kv margin 30%`): a
+/// request stays on the worker holding its longest cached prefix unless
+/// another is cheaper by more than 30% of that worker's cost. This is the
+/// setting the README's stability section recommends; the `kv` policy's own
+/// default is no margin.
+pub const DEFAULT_SET_SWITCH_MARGIN_RELATIVE: f64 = 0.3;
 
 /// One policy to simulate: a registry type name and its parameters.
 #[derive(Clone, Debug)]
@@ -62,10 +67,45 @@ impl PolicyChoice {
         }
     }
 
-    /// Every built-in that can route requests that do not name their worker
-    /// (all but `direct`), with `kv` at each of [`KV_TEMPERATURES`].
+    /// The `kv` policy with its default weights and a relative switching
+    /// margin of `relative` (`switch_margin_relative`), labelled
+    /// `kv margin 30%` for 0.3.
+    ///
+    /// ```
+    /// use selkie::sim::compare::PolicyChoice;
+    /// let margin = PolicyChoice::kv_with_relative_margin(0.3);
+    /// assert_eq!(margin.label, "kv margin 30%");
+    /// let spelled = PolicyChoice::parse("kv:{switch_margin_relative: 0.3}").unwrap();
+    /// assert_eq!(margin.parameters, spelled.parameters);
+    /// ```
+    pub fn kv_with_relative_margin(relative: f64) -> Self {
+        #[derive(serde::Serialize)]
+        struct Margin {
+            switch_margin_relative: f64,
+        }
+        let parameters = WorkerSelectionPolicyParameters::from_serialize(&Margin {
+            switch_margin_relative: relative,
+        })
+        .expect("a struct serializes as a mapping");
+        PolicyChoice {
+            // Rounded, so that 0.3 reads 30, not 30.000000000000004.
+            label: format!("kv margin {}%", (relative * 1e8).round() / 1e6),
+            policy_type: "kv".to_owned(),
+            parameters,
+            session_affinity: None,
+        }
+    }
+
+    /// The default policy set of `selkie simulate`: every built-in that can
+    /// route requests that do not name their worker (all but `direct`), the
+    /// `kv` policy at temperature 0 (its defaults, `kv T=0`) and with the
+    /// relative switching margin [`DEFAULT_SET_SWITCH_MARGIN_RELATIVE`]
+    /// (`kv margin 30%`).
     pub fn builtins() -> Vec<Self> {
-        let mut v: Vec<Self> = KV_TEMPERATURES.iter().map(|&t| Self::kv_at(t)).collect();
+        let mut v = vec![
+            Self::kv_at(0.0),
+            Self::kv_with_relative_margin(DEFAULT_SET_SWITCH_MARGIN_RELATIVE),
+        ];
         for name in [
             "round-robin",
             "random",

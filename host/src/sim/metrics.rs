@@ -23,8 +23,12 @@ use super::engine::output_parent;
 use super::run::{FleetSpec, RunRecord};
 use super::workload::Workload;
 
-/// Upper bounds of a workload's prompt-token hit rate, from its requests
-/// alone (no timing, no routing): what no policy on the fleet can beat.
+/// References for a workload's prompt-token hit rate, from its requests
+/// alone (no timing, no routing): [`unlimited`](Self::unlimited) is an
+/// upper bound no policy can beat; [`pooled`](Self::pooled) is what one
+/// LRU cache of the fleet's capacity serves, which a policy can pass by a
+/// little (LRU is not the best eviction), so a share of it can read above
+/// 100%.
 #[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
 pub struct HitBounds {
     /// One cache of unlimited size shared by the whole fleet: every block
@@ -244,72 +248,132 @@ fn num(value: f64, decimals: usize) -> String {
     }
 }
 
-/// The comparison table, one row per policy, followed by which policy is
-/// best on each column; a value that is not a number is shown as `-`.
+/// The widest line, in characters, the simulator's text output is laid out
+/// for: [`render_table`] spreads its columns over as many tables as it takes
+/// to stay within it, and [`wrap`] breaks prose lines at it. A policy label
+/// longer than the width less one column cannot fit; its rows are as wide as
+/// it takes.
+pub const OUTPUT_WIDTH: usize = 100;
+
+/// One column of the comparison table: its header, on two lines, and its
+/// cell of a report.
+struct Column {
+    /// The header's upper line (empty for a one-word header).
+    top: &'static str,
+    /// The header's lower line.
+    bottom: &'static str,
+    cell: fn(&PolicyReport) -> String,
+}
+
+/// A column headed `top` over `bottom`, its cells by `cell`.
+const fn col(top: &'static str, bottom: &'static str, cell: fn(&PolicyReport) -> String) -> Column {
+    Column { top, bottom, cell }
+}
+
+/// The columns, in groups kept in one table while the width allows: where
+/// the prompt tokens came from, how fast requests were served, how evenly
+/// the load spread, and selkie's own time (with the refusals).
+static GROUPS: [&[Column]; 4] = [
+    &[
+        col("KV hit", "%", |r| num(r.hit_rate * 100.0, 1)),
+        col("missed", "%", |r| num(r.missed_elsewhere * 100.0, 1)),
+        col("uncached", "%", |r| num(r.cached_nowhere * 100.0, 1)),
+        col("% of", "pooled", |r| num(r.share_of_pooled * 100.0, 1)),
+        col("missed", "reuse %", |r| num(r.missed_reuse * 100.0, 1)),
+    ],
+    &[
+        col("TTFT", "p50 ms", |r| num(r.ttft_p50_ms, 0)),
+        col("TTFT", "p99 ms", |r| num(r.ttft_p99_ms, 0)),
+        col("latency", "p99 ms", |r| num(r.latency_p99_ms, 0)),
+    ],
+    &[
+        col("load", "CV", |r| num(r.load_cv, 3)),
+        col("load", "max/mean", |r| num(r.load_max_over_mean, 2)),
+        col("", "herd", |r| r.herd.to_string()),
+    ],
+    &[
+        col("select", "p50 µs", |r| num(r.select_p50_ns / 1000.0, 2)),
+        col("select", "p99 µs", |r| num(r.select_p99_ns / 1000.0, 2)),
+        col("", "failed", |r| r.failed.to_string()),
+    ],
+];
+
+/// The comparison, one row per policy in each table, followed by which
+/// policy is best on each measure; a value that is not a number is shown as
+/// `-`.
+///
+/// Every column is shown, in tables of at most [`OUTPUT_WIDTH`] characters
+/// with the policy label repeated in each: with labels of up to 28
+/// characters, two (where the prompt tokens came from, time to first token
+/// and latency; then load, herding, selection time and refusals); with
+/// longer labels, more. Headers take two lines, read down (`KV hit` over
+/// `%`, `% of` over `pooled`).
 pub fn render_table(reports: &[PolicyReport]) -> String {
-    let headers = [
-        "policy",
-        "KV hit %",
-        "missed %",
-        "uncached %",
-        "of pooled %",
-        "TTFT p50 ms",
-        "TTFT p99 ms",
-        "latency p99 ms",
-        "load CV",
-        "load max/mean",
-        "missed reuse %",
-        "herd",
-        "select p50 µs",
-        "select p99 µs",
-        "failed",
-    ];
-    let rows: Vec<[String; 15]> = reports
+    let label_width = reports
         .iter()
-        .map(|r| {
-            [
-                r.policy.clone(),
-                num(r.hit_rate * 100.0, 1),
-                num(r.missed_elsewhere * 100.0, 1),
-                num(r.cached_nowhere * 100.0, 1),
-                num(r.share_of_pooled * 100.0, 1),
-                num(r.ttft_p50_ms, 0),
-                num(r.ttft_p99_ms, 0),
-                num(r.latency_p99_ms, 0),
-                num(r.load_cv, 3),
-                num(r.load_max_over_mean, 2),
-                num(r.missed_reuse * 100.0, 1),
-                r.herd.to_string(),
-                num(r.select_p50_ns / 1000.0, 2),
-                num(r.select_p99_ns / 1000.0, 2),
-                r.failed.to_string(),
-            ]
-        })
-        .collect();
-    let mut widths: Vec<usize> = headers.iter().map(|h| h.chars().count()).collect();
-    for row in &rows {
-        for (w, cell) in widths.iter_mut().zip(row) {
-            *w = (*w).max(cell.chars().count());
+        .map(|r| r.policy.chars().count())
+        .fold("policy".len(), usize::max);
+    let room = OUTPUT_WIDTH.saturating_sub(label_width);
+    // Each column with its cells and width, packed into tables: a group
+    // moves to a new table whole when it fits there, else column by column.
+    let mut tables: Vec<Vec<(&Column, Vec<String>, usize)>> = vec![Vec::new()];
+    let mut used = 0;
+    for group in &GROUPS {
+        let columns: Vec<(&Column, Vec<String>, usize)> = group
+            .iter()
+            .map(|c| {
+                let cells: Vec<String> = reports.iter().map(c.cell).collect();
+                let width = cells
+                    .iter()
+                    .map(|s| s.chars().count())
+                    .chain([c.top.chars().count(), c.bottom.chars().count()])
+                    .max()
+                    .unwrap_or(0);
+                (c, cells, width)
+            })
+            .collect();
+        let group_width: usize = columns.iter().map(|c| 2 + c.2).sum();
+        if used > 0 && used + group_width > room {
+            tables.push(Vec::new());
+            used = 0;
+        }
+        for column in columns {
+            if used > 0 && used + 2 + column.2 > room {
+                tables.push(Vec::new());
+                used = 0;
+            }
+            used += 2 + column.2;
+            tables.last_mut().expect("one table at least").push(column);
         }
     }
+
     let mut out = String::new();
-    let line = |out: &mut String, cells: &mut dyn Iterator<Item = &str>| {
-        for (i, (cell, w)) in cells.zip(&widths).enumerate() {
-            let pad = w - cell.chars().count();
-            if i == 0 {
-                let _ = write!(out, "{cell}{}", " ".repeat(pad));
-            } else {
-                let _ = write!(out, "  {}{cell}", " ".repeat(pad));
-            }
+    for (i, table) in tables.iter().enumerate() {
+        if i > 0 {
+            out.push('\n');
         }
+        let line = |out: &mut String, label: &str, cells: &mut dyn Iterator<Item = (&str, usize)>| {
+            let mut text = format!("{label}{}", " ".repeat(label_width - label.chars().count()));
+            for (cell, width) in cells {
+                let _ = write!(text, "  {}{cell}", " ".repeat(width - cell.chars().count()));
+            }
+            out.push_str(text.trim_end());
+            out.push('\n');
+        };
+        if table.iter().any(|c| !c.0.top.is_empty()) {
+            line(&mut out, "", &mut table.iter().map(|c| (c.0.top, c.2)));
+        }
+        line(&mut out, "policy", &mut table.iter().map(|c| (c.0.bottom, c.2)));
+        let total = label_width + table.iter().map(|c| 2 + c.2).sum::<usize>();
+        out.push_str(&"-".repeat(total));
         out.push('\n');
-    };
-    line(&mut out, &mut headers.iter().copied());
-    let total: usize = widths.iter().sum::<usize>() + 2 * (widths.len() - 1);
-    out.push_str(&"-".repeat(total));
-    out.push('\n');
-    for row in &rows {
-        line(&mut out, &mut row.iter().map(String::as_str));
+        for (row, report) in reports.iter().enumerate() {
+            line(
+                &mut out,
+                &report.policy,
+                &mut table.iter().map(|c| (c.1[row].as_str(), c.2)),
+            );
+        }
     }
     if reports.len() > 1 {
         out.push('\n');
@@ -326,17 +390,49 @@ pub fn render_table(reports: &[PolicyReport]) -> String {
             r.map_or("-", |r| r.policy.as_str())
         };
         let _ = writeln!(out, "best KV hit rate:      {}", best(&|r| r.hit_rate, true));
-        let _ = writeln!(
-            out,
-            "best TTFT p50 / p99:   {} / {}",
-            best(&|r| r.ttft_p50_ms, false),
-            best(&|r| r.ttft_p99_ms, false)
-        );
+        let _ = writeln!(out, "best TTFT p50:         {}", best(&|r| r.ttft_p50_ms, false));
+        let _ = writeln!(out, "best TTFT p99:         {}", best(&|r| r.ttft_p99_ms, false));
         let _ = writeln!(out, "best latency p99:      {}", best(&|r| r.latency_p99_ms, false));
         let _ = writeln!(out, "most even load (CV):   {}", best(&|r| r.load_cv, false));
         let _ = writeln!(out, "least missed reuse:    {}", best(&|r| r.missed_reuse, false));
         let _ = writeln!(out, "least herding:         {}", best(&|r| f64::from(r.herd), false));
         let _ = writeln!(out, "fastest selection p50: {}", best(&|r| r.select_p50_ns, false));
+    }
+    out
+}
+
+/// `text` with each of its lines broken at spaces into lines of at most
+/// `width` characters, the continuations indented two spaces more than the
+/// line; a word longer than the width stays whole on a line of its own.
+///
+/// ```
+/// use selkie::sim::metrics::wrap;
+/// assert_eq!(wrap("one two three\n four five", 8), "one two\n  three\n four\n   five");
+/// assert_eq!(wrap("short", 8), "short");
+/// ```
+pub fn wrap(text: &str, width: usize) -> String {
+    let mut out = String::new();
+    for (i, line) in text.split('\n').enumerate() {
+        if i > 0 {
+            out.push('\n');
+        }
+        let words = line.trim_start_matches(' ');
+        let indent = line.len() - words.len();
+        out.push_str(&line[..indent]);
+        let mut len = indent;
+        for (k, word) in words.split(' ').enumerate() {
+            let word_len = word.chars().count();
+            if k > 0 && len + 1 + word_len > width {
+                out.push('\n');
+                out.push_str(&" ".repeat(indent + 2));
+                len = indent + 2;
+            } else if k > 0 {
+                out.push(' ');
+                len += 1;
+            }
+            out.push_str(word);
+            len += word_len;
+        }
     }
     out
 }
@@ -383,6 +479,49 @@ mod tests {
         assert!(table.contains("best KV hit rate:      steady\n"), "{table}");
         let table = render_table(&[report("greedy", 0.9, 0), report("steady", 0.5, 0)]);
         assert!(table.contains("best KV hit rate:      greedy\n"), "{table}");
+    }
+
+    /// Every line of every table is at most `OUTPUT_WIDTH` characters and
+    /// every policy's row shows all 14 values across the tables: two tables
+    /// with the default set's labels, more with longer ones.
+    #[test]
+    fn tables_fit_the_width_and_keep_every_column() {
+        let values_per_row = |table: &str, label: &str| -> usize {
+            table
+                .lines()
+                .filter_map(|l| l.strip_prefix(label))
+                .filter(|rest| rest.starts_with("  "))
+                .map(|rest| rest.split_whitespace().count())
+                .sum()
+        };
+        for (label, tables) in [
+            ("device-aware-weighted", 2),
+            ("device-aware-weighted +soft", 2),
+            ("kv margin 30%", 2),
+            ("kv:{switch_margin_relative: 0.3, max_dwell: 2}", 3),
+            ("kv:{switch_margin_relative: 0.3, router_temperature: 0.11}", 4),
+        ] {
+            let reports = [report(label, 0.625, 0), report("random", 1.0, 40)];
+            let table = render_table(&reports);
+            let wide: Vec<&str> = table.lines().filter(|l| l.chars().count() > OUTPUT_WIDTH).collect();
+            assert!(wide.is_empty(), "{label}: {wide:#?}");
+            assert_eq!(
+                table.matches("\npolicy ").count() + usize::from(table.starts_with("policy ")),
+                tables,
+                "{table}"
+            );
+            for l in [label, "random"] {
+                assert_eq!(values_per_row(&table, l), 14, "{l}:\n{table}");
+            }
+            for needle in ["KV hit", "reuse %", "p99 ms", "max/mean", "herd", "p50 µs", "failed"] {
+                assert!(table.contains(needle), "{needle:?} not in\n{table}");
+            }
+            assert!(table.contains(&format!("best KV hit rate:      {label}\n")), "{table}");
+        }
+        // A label too long for any column beside it still shows them all.
+        let long = "x".repeat(OUTPUT_WIDTH);
+        let table = render_table(&[report(&long, 0.5, 0)]);
+        assert_eq!(values_per_row(&table, &long), 14, "{table}");
     }
 
     /// Herding counts, per rank, the arrivals within one window.

@@ -1,5 +1,6 @@
-//! SVG plots of a comparison: per-worker load over time for each policy, and
-//! the distribution (CDF) of time to first token per policy.
+//! SVG plots of a comparison: the workers' load over time for each policy
+//! (busiest, mean and least busy worker), and the distribution (CDF) of
+//! time to first token per policy.
 //!
 //! Uses `plotters` with only its SVG backend and line series, so no font or
 //! image libraries are built. This module only draws what it is given.
@@ -28,15 +29,18 @@ fn err(path: &Path) -> impl Fn(String) -> PlotError + '_ {
     }
 }
 
-/// The most requests any worker (its ranks summed) held at a load sample of
-/// any of `runs`: the common y scale of their load plots, so that policies
-/// compare at a glance.
-pub fn load_y_max<'a>(fleet: &FleetSpec, runs: impl IntoIterator<Item = &'a RunRecord>) -> f64 {
-    let spans = worker_rows(fleet);
-    runs.into_iter()
-        .flat_map(|r| &r.load_samples)
-        .flat_map(|s| spans.iter().map(|span| s[span.clone()].iter().sum::<u32>()))
-        .fold(1, u32::max) as f64
+/// Draws the labels of `chart`'s series at `position`, on a white box.
+fn draw_legend<'a, CT: plotters::coord::CoordTranslate>(
+    chart: &mut ChartContext<'a, SVGBackend<'a>, CT>,
+    position: SeriesLabelPosition,
+) -> Result<(), String> {
+    chart
+        .configure_series_labels()
+        .position(position)
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .draw()
+        .map_err(|x| x.to_string())
 }
 
 /// The rows of each worker of `fleet`.
@@ -49,23 +53,58 @@ fn worker_rows(fleet: &FleetSpec) -> Vec<std::ops::Range<usize>> {
         .collect()
 }
 
-/// Writes the in-flight requests of every worker (its ranks summed) over
-/// time during `run` to `path`, on a y axis up to `y_max` (see
-/// [`load_y_max`]; the run's own maximum if smaller values would be cut).
-pub fn plot_load(path: &Path, title: &str, fleet: &FleetSpec, run: &RunRecord, y_max: f64) -> Result<(), PlotError> {
-    let e = err(path);
-    let series: Vec<Vec<(f64, f64)>> = worker_rows(fleet)
-        .into_iter()
-        .map(|span| {
-            run.sample_times_ms
+/// The load of a run's fleet at each of its load samples, summarised over
+/// the workers (a worker's load: the requests in flight on its ranks).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct LoadBands {
+    /// When each sample was taken, in seconds.
+    pub times_s: Vec<f64>,
+    /// The busiest worker's load at each sample (not always the same
+    /// worker).
+    pub busiest: Vec<f64>,
+    /// The mean load of the workers at each sample.
+    pub mean: Vec<f64>,
+    /// The least busy worker's load at each sample.
+    pub least: Vec<f64>,
+    /// The most requests any worker held at any sample.
+    pub peak: u32,
+}
+
+impl LoadBands {
+    /// The bands of `run` on `fleet`.
+    pub fn of(fleet: &FleetSpec, run: &RunRecord) -> Self {
+        let spans = worker_rows(fleet);
+        let mut bands = LoadBands::default();
+        for (&t, sample) in run.sample_times_ms.iter().zip(&run.load_samples) {
+            let loads: Vec<u32> = spans
                 .iter()
-                .zip(&run.load_samples)
-                .map(|(&t, s)| (t / 1000.0, s[span.clone()].iter().sum::<u32>() as f64))
-                .collect()
-        })
-        .collect();
-    let t_max = run.sample_times_ms.last().copied().unwrap_or(0.0) / 1000.0;
-    let y_max = series.iter().flatten().map(|p| p.1).fold(y_max.max(1.0), f64::max);
+                .map(|span| sample.get(span.clone()).map_or(0, |s| s.iter().sum()))
+                .collect();
+            let busiest = loads.iter().copied().max().unwrap_or(0);
+            bands.times_s.push(t / 1000.0);
+            bands.busiest.push(f64::from(busiest));
+            bands
+                .mean
+                .push(loads.iter().map(|&l| f64::from(l)).sum::<f64>() / loads.len().max(1) as f64);
+            bands.least.push(f64::from(loads.iter().copied().min().unwrap_or(0)));
+            bands.peak = bands.peak.max(busiest);
+        }
+        bands
+    }
+}
+
+/// Writes the load of `run`'s workers over time to `path`: at each sample,
+/// the busiest worker's requests in flight (its ranks summed), the mean
+/// over the workers and the least busy worker's, as three labelled lines.
+/// The gap between the top and bottom lines is the imbalance; the y axis
+/// runs to this run's own peak (named in its description), so a policy
+/// whose workers never hold more than 2 requests is drawn on a scale to 2,
+/// not to another policy's peak.
+pub fn plot_load(path: &Path, title: &str, fleet: &FleetSpec, run: &RunRecord) -> Result<(), PlotError> {
+    let e = err(path);
+    let bands = LoadBands::of(fleet, run);
+    let t_max = bands.times_s.last().copied().unwrap_or(0.0);
+    let y_max = f64::from(bands.peak.max(1));
     let root = SVGBackend::new(path, (960, 540)).into_drawing_area();
     root.fill(&WHITE).map_err(|x| e(x.to_string()))?;
     let mut chart = ChartBuilder::on(&root)
@@ -78,15 +117,27 @@ pub fn plot_load(path: &Path, title: &str, fleet: &FleetSpec, run: &RunRecord, y
     chart
         .configure_mesh()
         .x_desc("time (s)")
-        .y_desc("requests in flight per worker")
+        .y_desc(format!(
+            "requests in flight per worker (axis to the peak of this run, {})",
+            bands.peak
+        ))
         .draw()
         .map_err(|x| e(x.to_string()))?;
-    for (w, points) in series.into_iter().enumerate() {
-        let color = Palette99::pick(w).stroke_width(1);
+    let workers = fleet.workers.max(1);
+    let lines = [
+        (&bands.busiest, "busiest worker".to_owned(), RED, 1),
+        (&bands.mean, format!("mean of the {workers} workers"), BLACK, 2),
+        (&bands.least, "least busy worker".to_owned(), BLUE, 1),
+    ];
+    for (values, label, color, width) in lines {
+        let points = bands.times_s.iter().copied().zip(values.iter().copied());
         chart
-            .draw_series(LineSeries::new(points, color))
-            .map_err(|x| e(x.to_string()))?;
+            .draw_series(LineSeries::new(points, color.stroke_width(width)))
+            .map_err(|x| e(x.to_string()))?
+            .label(label)
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(width)));
     }
+    draw_legend(&mut chart, SeriesLabelPosition::UpperRight).map_err(&e)?;
     root.present().map_err(|x| e(x.to_string()))
 }
 
@@ -152,12 +203,6 @@ pub fn plot_ttft(path: &Path, title: &str, reports: &[PolicyReport]) -> Result<(
             .label(label)
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], Palette99::pick(i).stroke_width(2)));
     }
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::LowerRight)
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .draw()
-        .map_err(|x| e(x.to_string()))?;
+    draw_legend(&mut chart, SeriesLabelPosition::LowerRight).map_err(&e)?;
     root.present().map_err(|x| e(x.to_string()))
 }

@@ -306,11 +306,12 @@ fn worker_classes_change_speed_cache_and_what_the_policies_see() {
     assert_ne!((ll.hit_rate, ll.ttft_p99_ms), (da.hit_rate, da.ttft_p99_ms));
 }
 
-/// Identical TTFT distributions share one labelled curve; every load plot
-/// of a comparison uses the same y scale.
+/// Identical TTFT distributions share one labelled curve; a load plot
+/// draws the busiest, mean and least busy worker, labelled, on a y axis to
+/// its own run's peak.
 #[test]
-fn plots_show_identical_curves_once_and_share_the_load_scale() {
-    use super::plot::{load_y_max, plot_load, plot_ttft};
+fn plots_show_identical_curves_once_and_load_to_the_runs_own_peak() {
+    use super::plot::{plot_load, plot_ttft, LoadBands};
     let w = shared_prefix_workload(300, 11);
     let f = fleet(4, 1);
     let (ll, _) = run(&PolicyChoice::builtin("least-loaded"), &w, &f);
@@ -344,29 +345,67 @@ fn plots_show_identical_curves_once_and_share_the_load_scale() {
             .record
         })
         .collect();
-    let y_max = load_y_max(&f, &runs);
-    let own: Vec<f64> = runs.iter().map(|r| load_y_max(&f, [r])).collect();
-    assert_eq!(y_max, own[0].max(own[1]));
-    assert_ne!(own[0], own[1], "the two runs peak differently (the case this checks)");
-    // The y axis's tick labels (right-aligned text) of a load plot.
-    let y_ticks = |r: &super::run::RunRecord, y: f64| {
+    let bands: Vec<LoadBands> = runs.iter().map(|r| LoadBands::of(&f, r)).collect();
+    assert_ne!(
+        bands[0].peak, bands[1].peak,
+        "the two runs peak differently (the case this checks)"
+    );
+    // A plot's legend and its y axis's tick labels (right-aligned text).
+    let plot = |r: &super::run::RunRecord| {
         let path = dir.join("load.svg");
-        plot_load(&path, "load", &f, r, y).unwrap();
+        plot_load(&path, "load", &f, r).unwrap();
         let svg = std::fs::read_to_string(&path).unwrap();
         let lines: Vec<&str> = svg.lines().collect();
-        lines
+        let ticks: Vec<f64> = lines
             .windows(2)
             .filter(|l| l[0].contains("text-anchor=\"end\""))
-            .map(|l| l[1].trim().to_owned())
-            .collect::<Vec<_>>()
+            .filter_map(|l| l[1].trim().parse().ok())
+            .collect();
+        (svg, ticks)
     };
-    assert_eq!(y_ticks(&runs[0], y_max), y_ticks(&runs[1], y_max), "one scale");
-    assert_ne!(
-        y_ticks(&runs[0], own[0]),
-        y_ticks(&runs[1], own[1]),
-        "own scales differ"
-    );
+    for (r, b) in runs.iter().zip(&bands) {
+        let (svg, ticks) = plot(r);
+        for label in [
+            "busiest worker",
+            "mean of the 4 workers",
+            "least busy worker",
+            &format!("axis to the peak of this run, {}", b.peak),
+        ] {
+            assert!(svg.contains(label), "no {label:?} in the plot");
+        }
+        // The axis runs to the peak and 5% above, no further.
+        let top = ticks.iter().copied().fold(0.0, f64::max);
+        let peak = f64::from(b.peak);
+        assert!(
+            top <= peak * 1.05 && top >= peak * 0.75,
+            "peak {peak}, highest tick {top}: {ticks:?}"
+        );
+    }
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The bands of a load plot: per sample, the busiest worker (its ranks
+/// summed), the mean and the least busy, and the run's peak.
+#[test]
+fn load_bands_summarise_the_workers_at_each_sample() {
+    use super::plot::LoadBands;
+    let f = fleet(2, 2);
+    let record = super::run::RunRecord {
+        requests: Vec::new(),
+        makespan_ms: 20.0,
+        load_area: vec![0.0; 4],
+        sample_times_ms: vec![0.0, 1000.0, 2000.0],
+        load_samples: vec![vec![0, 0, 0, 0], vec![1, 2, 0, 1], vec![0, 1, 4, 1]],
+        failures: 0,
+        first_failure: None,
+        herd_window_ms: 10.0,
+    };
+    let b = LoadBands::of(&f, &record);
+    assert_eq!(b.times_s, vec![0.0, 1.0, 2.0]);
+    assert_eq!(b.busiest, vec![0.0, 3.0, 5.0]);
+    assert_eq!(b.mean, vec![0.0, 2.0, 3.0]);
+    assert_eq!(b.least, vec![0.0, 1.0, 1.0]);
+    assert_eq!(b.peak, 5);
 }
 
 /// A class with its own DP ranks: rows follow the workers' ranks, the
