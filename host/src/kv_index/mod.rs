@@ -652,16 +652,23 @@ impl KvIndex {
         }
     }
 
-    /// Refuses `hasher` if its block size is not the index's.
+    /// Refuses `hasher` if its block size is not the index's (one
+    /// comparison on a query's path; the error is built out of line).
     #[inline]
     pub(crate) fn check_hasher(&self, hasher: &KvBlockHasher) -> Result<(), KvQueryError> {
         if hasher.block_size() == self.block_size {
             Ok(())
         } else {
-            Err(KvQueryError::HasherBlockSize {
-                hasher: hasher.block_size(),
-                index: self.block_size,
-            })
+            Err(self.hasher_mismatch(hasher))
+        }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn hasher_mismatch(&self, hasher: &KvBlockHasher) -> KvQueryError {
+        KvQueryError::HasherBlockSize {
+            hasher: hasher.block_size(),
+            index: self.block_size,
         }
     }
 

@@ -301,7 +301,7 @@ pub(crate) fn device_aware(
     };
     if required > 0 {
         if env.req.row_overlaps.is_some() {
-            let view = super::kv::overlap_view(env, &mut s.overlap, None)?;
+            let view = super::kv::overlap_view::<false>(env, &mut s.overlap)?;
             if let Some(device) = view.device {
                 for (h, &d) in hits.iter_mut().zip(device) {
                     *h = d as u32;

@@ -68,7 +68,7 @@ pub(crate) fn materialize(env: &Env<'_>, s: &mut Scratch, inputs: WorkerInputs) 
     } = s;
     let columns = super::rank_inputs::rank_columns(env, inputs, request_blocks as u32, added, observed);
     let view = if want_cache {
-        Some(super::kv::overlap_view(env, overlap, None)?)
+        Some(super::kv::overlap_view::<false>(env, overlap)?)
     } else {
         None
     };

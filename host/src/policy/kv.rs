@@ -45,6 +45,12 @@ use crate::types::WorkerType;
 /// is cleared by `reset`: row by row from a list when the entries are few
 /// against the rows, else the written columns whole (the kernel's
 /// `clear_column`, cheaper than keeping the list).
+///
+/// Inlined into each instance of [`overlap_view`] (the `kv` policy's and
+/// the others'), as it was into the one instance there was before the
+/// `kv` policy got its own: a call here costs a keyed selection about ten
+/// instructions.
+#[inline(always)]
 pub(crate) fn scatter_overlaps(env: &Env<'_>, o: &mut OverlapColumns) -> bool {
     let limit = o.device.len().min(env.rows);
     let overlaps = env.req.overlaps;
@@ -106,13 +112,13 @@ pub(crate) struct OverlapView<'a> {
 }
 
 ///
-/// `refused_by`: the policy that refuses a request carrying block hashes
-/// and no overlaps at all (it reads overlaps, not hashes), checked only
-/// where no overlap was written, so never on a request that has some.
-pub(crate) fn overlap_view<'a>(
+/// `KV`: the caller is the `kv` policy, which refuses a request carrying
+/// block hashes and no overlaps at all (it reads overlaps, not hashes),
+/// checked only where no overlap was written, so never on a request that
+/// has some.
+pub(crate) fn overlap_view<'a, const KV: bool>(
     env: &Env<'a>,
     o: &'a mut OverlapColumns,
-    refused_by: Option<&'static str>,
 ) -> Result<OverlapView<'a>, SelectionError> {
     let rows = env.rows;
     if let Some(r) = env.req.row_overlaps {
@@ -141,13 +147,9 @@ pub(crate) fn overlap_view<'a>(
         });
     }
     let any = scatter_overlaps(env, o);
-    if !any {
-        if let Some(policy) = refused_by {
-            if env.req.overlaps.is_empty() && !env.req.prompt_blocks.is_empty() {
-                // Nothing was written: nothing to reset.
-                return Err(SelectionError::PromptBlocksUnused { policy });
-            }
-        }
+    if KV && !any && env.req.overlaps.is_empty() && !env.req.prompt_blocks.is_empty() {
+        // Nothing was written: nothing to reset.
+        return Err(SelectionError::PromptBlocksUnused { policy: "kv" });
     }
     let o = &*o;
     Ok(OverlapView {
@@ -259,7 +261,7 @@ fn with_kernel_inputs<R>(
     let columns = rank_columns(env, inputs, isl.div_ceil(block_size.get()), added, observed);
     let kreq = KvRequest::new(isl, block_size, env.req.track_prefill_tokens, role(worker_type))
         .with_added_decode_blocks(columns.uniform_added);
-    let view = overlap_view(env, overlap, Some("kv"))?;
+    let view = overlap_view::<true>(env, overlap)?;
     let shared = shared_hits_column(env, inputs, view.device, shared_hits).or(view.shared);
     let kover = KvOverlap {
         device_blocks: view.device,
