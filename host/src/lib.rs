@@ -41,7 +41,7 @@ pub use error::{
     BookingError, ConfigError, DiscoveryError, PluginKind, RegistryError, SelectionError, UnavailableReason,
     WorkerSelectionPolicyError, WorkerSelectionPolicyProviderError,
 };
-pub use explain::{Branch, Explanation, Route};
+pub use explain::{Branch, CostTerms, Explanation, Route};
 pub use fleet::{KernelFleet, FLEET_GROUPS};
 pub use kv_index::{KvBlockHasher, KvEvent, KvEventData, KvEventError, KvIndex, KvOverlaps, StorageTier, StoredBlock};
 pub use plugin::{

@@ -61,19 +61,12 @@ fn load<'s>(s: &'s WorkerSelectionService, held: &mut Vec<Selection<'s>>) {
     }
 }
 
-#[test]
-fn kv_terms_sum_to_the_default_kv_cost() {
-    let kv = service(WorkerSelectionPolicy::kv(
-        KvRouterConfig::default(),
-        WorkerType::Aggregated,
-    ));
-    let terms = service(composed(YAML_KV_TERMS, &WorkerSelectionPolicyRegistry::new()));
-    let (mut a, mut b) = (Vec::new(), Vec::new());
-    load(&kv, &mut a);
-    load(&terms, &mut b);
+const TAINTS: [(&str, f32); 1] = [("gpu=h200", 0.7)];
+
+/// Overlaps within the prompt's 20 blocks (320 tokens), on every tier.
+fn overlaps() -> [WorkerOverlap; 4] {
     let w = |id, rank| WorkerWithDpRank::new(id, rank);
-    // Overlaps within the prompt's 20 blocks (320 tokens), on every tier.
-    let overlaps = [
+    [
         WorkerOverlap {
             worker: w(1, 0),
             device_blocks: 12,
@@ -106,18 +99,36 @@ fn kv_terms_sum_to_the_default_kv_cost() {
             shared_blocks: 0,
             cached_tokens: 288,
         },
-    ];
-    let taints = [("gpu=h200", 0.7f32)];
-    let requests = [
-        SelectionRequest::new(320).with_overlaps(&overlaps),
+    ]
+}
+
+/// Requests over `overlaps`: plain, with preferred taints, a short prompt
+/// its overlaps exceed, and without prefill tracking.
+fn requests(overlaps: &[WorkerOverlap]) -> [SelectionRequest<'_>; 4] {
+    [
+        SelectionRequest::new(320).with_overlaps(overlaps),
         SelectionRequest::new(320)
-            .with_overlaps(&overlaps)
-            .with_preferred_taints(&taints),
+            .with_overlaps(overlaps)
+            .with_preferred_taints(&TAINTS),
         SelectionRequest::new(77).with_overlaps(&overlaps[3..]),
         SelectionRequest::new(320)
-            .with_overlaps(&overlaps)
+            .with_overlaps(overlaps)
             .with_track_prefill_tokens(false),
-    ];
+    ]
+}
+
+#[test]
+fn kv_terms_sum_to_the_default_kv_cost() {
+    let kv = service(WorkerSelectionPolicy::kv(
+        KvRouterConfig::default(),
+        WorkerType::Aggregated,
+    ));
+    let terms = service(composed(YAML_KV_TERMS, &WorkerSelectionPolicyRegistry::new()));
+    let (mut a, mut b) = (Vec::new(), Vec::new());
+    load(&kv, &mut a);
+    load(&terms, &mut b);
+    let overlaps = overlaps();
+    let requests = requests(&overlaps);
     for (i, req) in requests.iter().enumerate() {
         let expected: HashMap<_, _> = kv.costs(req).unwrap().into_iter().collect();
         let got = terms.costs(req).unwrap();
@@ -130,6 +141,108 @@ fn kv_terms_sum_to_the_default_kv_cost() {
             );
         }
     }
+}
+
+const YAML_KV_PARTS: &str = "aggregated: parts
+instances:
+  - name: parts
+    type: composed
+    parameters:
+      scorers: [{ type: prefill }, { type: cache-credit }, { type: decode }]
+      picker: { type: argmin, parameters: { seed: 1 } }
+";
+
+/// Within the `f32` cost's rounding of the `f64` terms' sum: relative to the
+/// terms' magnitude.
+#[track_caller]
+fn assert_sums_to(terms: CostTerms, cost: f64, what: &str) {
+    let magnitude: f64 = terms.iter().map(|(_, v)| v.abs()).sum();
+    assert!(
+        (terms.sum() - cost).abs() <= 1e-5 * magnitude.max(1.0),
+        "{what}: terms {terms} sum to {}, cost {cost}",
+        terms.sum()
+    );
+}
+
+/// An explained KV choice splits the chosen row's and the runner-up's cost
+/// into the formula's terms, by the built-in scorers' names; they sum to
+/// the cost, and where the formula's clamp does not bite they are the
+/// scorers' own values. A composed policy's terms are its scorers'.
+#[test]
+fn explanations_split_the_kv_cost_into_terms_that_sum_to_it() {
+    let kv = service(WorkerSelectionPolicy::kv(
+        KvRouterConfig::default(),
+        WorkerType::Aggregated,
+    ));
+    let registry = WorkerSelectionPolicyRegistry::new();
+    let parts = service(composed(YAML_KV_PARTS, &registry));
+    let nested = service(composed(YAML_KV_TERMS, &registry));
+    assert_eq!(parts.policy().name(), "prefill+cache-credit+decode/argmin");
+    assert_eq!(
+        nested.policy().name(),
+        "preferred-taints(prefill+decode+cache-credit)/argmin"
+    );
+    let (mut a, mut b, mut c) = (Vec::new(), Vec::new(), Vec::new());
+    load(&kv, &mut a);
+    load(&parts, &mut b);
+    load(&nested, &mut c);
+    let overlaps = overlaps();
+    for (i, req) in requests(&overlaps).iter().enumerate() {
+        let peeked = kv.peek(req).unwrap().explanation;
+        let selected = kv.select(&req.explained()).unwrap().explanation();
+        for e in [peeked, selected] {
+            let what = format!("request {i}: {e}");
+            let terms = e.terms.unwrap_or_else(|| panic!("{what}: no terms"));
+            let names: Vec<&str> = terms.iter().map(|(n, _)| n).collect();
+            if i == 1 {
+                assert_eq!(
+                    names,
+                    ["prefill", "cache-credit", "decode", "preferred-taints"],
+                    "{what}"
+                );
+            } else {
+                assert_eq!(names, ["prefill", "cache-credit", "decode"], "{what}");
+            }
+            assert_sums_to(terms, e.cost, &what);
+            let (_, runner_up) = e.runner_up.unwrap_or_else(|| panic!("{what}: no runner-up"));
+            assert_sums_to(e.runner_up_terms.expect("runner-up terms"), runner_up, &what);
+            assert!(e.to_string().contains(" (prefill "), "{what}");
+        }
+        // The plain prompt's overlaps lie within it: the formula's terms
+        // are the scorers', rank by rank.
+        if i == 0 {
+            let pinned = req.pinned_to_rank(peeked.chosen);
+            let scored = parts.peek(&pinned).unwrap().explanation.terms.expect("composed terms");
+            for (name, value) in terms_of(peeked) {
+                let want = scored.get(name).expect(name);
+                assert!(
+                    (value - want).abs() <= 1e-5 * want.abs().max(1.0),
+                    "{name}: kv {value}, scorer {want}"
+                );
+            }
+        }
+        let e = nested.peek(req).unwrap().explanation;
+        let terms = e.terms.expect("composed terms");
+        assert_eq!(terms.iter().map(|(n, _)| n).collect::<Vec<_>>(), ["preferred-taints"]);
+        assert_sums_to(terms, e.cost, &format!("request {i}: {e}"));
+        // Every row's terms, as `costs` gives their sums.
+        for s in [&kv, &parts] {
+            let costs = s.costs(req).unwrap();
+            let terms = s.cost_terms(req).unwrap();
+            assert_eq!(terms.len(), costs.len(), "request {i}");
+            for ((w, t), (v, cost)) in terms.iter().zip(&costs) {
+                assert_eq!(w, v, "request {i}");
+                assert_sums_to(*t, *cost, &format!("request {i}, {w}"));
+            }
+        }
+    }
+    // The load modes' cost is one number: no terms.
+    let least = service(WorkerSelectionPolicy::least_loaded());
+    assert!(least.cost_terms(&SelectionRequest::new(64)).unwrap().is_empty());
+}
+
+fn terms_of(e: Explanation) -> Vec<(&'static str, f64)> {
+    e.terms.map_or_else(Vec::new, |t| t.iter().collect())
 }
 
 struct Fixed(&'static [f64]);

@@ -141,7 +141,7 @@ fn dynamo_style_policy_spreads_by_active_requests() {
     for id in 1..=3 {
         assert_eq!(held.iter().filter(|h| h.worker().worker_id == id).count(), 2);
     }
-    assert_eq!(held[0].explanation().branch, Branch::CustomPicker);
+    assert_eq!(held[0].explanation().branch, Branch::Picker);
 }
 
 #[test]
@@ -414,4 +414,106 @@ fn picker_view_has_index_aligned_columns_for_declared_inputs_only() {
     assert_eq!(s.select(&SelectionRequest::new(1)).unwrap().worker().worker_id, 3);
     let _c = s.select(&SelectionRequest::new(200).pinned_to_worker(3)).unwrap();
     assert_eq!(s.select(&SelectionRequest::new(1)).unwrap().worker().worker_id, 2);
+}
+
+/// A policy built in code is named after its scorers and picker unless it
+/// is given a name, and its explanations name the picker that chose: a
+/// built-in one by its own name, a user's by its trait's `name`.
+#[test]
+fn a_composed_policy_is_named_after_its_parts_and_explains_its_picker() {
+    let scorers = || -> Vec<Box<dyn WorkerScorer>> {
+        vec![
+            Box::new(PrefillScorer::new(PrefillParameters::default()).unwrap()),
+            Box::new(CacheCreditScorer::new(CacheCreditParameters::default()).unwrap()),
+            Box::new(DecodeScorer::new(DecodeParameters::default()).unwrap()),
+        ]
+    };
+    let argmin = policy(scorers(), Box::new(ArgminPicker::new(SeedParameters { seed: Some(3) })));
+    assert_eq!(argmin.name(), "prefill+cache-credit+decode/argmin");
+    let s = fleet(argmin, 3);
+    let e = s.select(&SelectionRequest::new(64).explained()).unwrap().explanation();
+    assert_eq!(e.policy, "prefill+cache-credit+decode/argmin");
+    let text = e.to_string();
+    assert!(
+        text.starts_with("prefill+cache-credit+decode/argmin chose ") && text.contains(" via argmin "),
+        "{text}"
+    );
+    assert!(!text.contains("custom"), "{text}");
+
+    // Named: the name given; a user's picker by the name it reports.
+    let named = fleet(policy(scorers(), Box::new(Fixed(0))).with_name("my-policy"), 2);
+    let text = named.peek(&SelectionRequest::new(64)).unwrap().explanation.to_string();
+    assert!(
+        text.starts_with("my-policy chose ") && text.contains(" via fixed "),
+        "{text}"
+    );
+    // Without a name of its own, a picker reports its type's name.
+    let text = fleet(policy(vec![], Box::new(MinCost)), 1)
+        .peek(&SelectionRequest::new(64))
+        .unwrap()
+        .explanation
+        .to_string();
+    assert!(
+        text.starts_with("plugins::MinCost chose ") && text.contains(" via plugins::MinCost "),
+        "{text}"
+    );
+}
+
+/// An explained choice of a composed policy splits the chosen row's and the
+/// runner-up's cost into each scorer's contribution, by the scorer's name;
+/// a plain selection computes none of it.
+#[test]
+fn a_composed_explanation_splits_the_cost_by_scorer() {
+    struct ById;
+    impl WorkerScorer for ById {
+        fn name(&self) -> &'static str {
+            "by-id"
+        }
+        fn score(&self, _: &WorkerSelectionContext<'_>, c: WorkerCandidates<'_>, costs: &mut [f64]) -> R<()> {
+            for (cost, c) in costs.iter_mut().zip(c.iter()) {
+                *cost = c.worker().worker_id as f64 * 0.1;
+            }
+            Ok(())
+        }
+    }
+    struct Half;
+    impl WorkerScorer for Half {
+        fn name(&self) -> &'static str {
+            "half"
+        }
+        fn score(&self, _: &WorkerSelectionContext<'_>, _: WorkerCandidates<'_>, costs: &mut [f64]) -> R<()> {
+            costs.fill(0.5);
+            Ok(())
+        }
+    }
+    let s = fleet(policy(vec![Box::new(ById), Box::new(Half)], Box::new(MinCost)), 3);
+    let close = |a: f64, b: f64| (a - b).abs() <= 1e-12 * a.abs().max(1.0);
+    let peeked = s.peek(&SelectionRequest::new(1)).unwrap().explanation;
+    let selected = s.select(&SelectionRequest::new(1).explained()).unwrap().explanation();
+    for e in [peeked, selected] {
+        let terms = e.terms.expect("an explained composed choice has its terms");
+        let got: Vec<(&str, f64)> = terms.iter().collect();
+        assert_eq!(got, [("by-id", 0.1), ("half", 0.5)], "{e}");
+        assert!(close(terms.sum(), e.cost), "{e}");
+        let runner_up = e.runner_up_terms.expect("and the runner-up's");
+        assert_eq!(runner_up.get("by-id"), Some(0.2), "{e}");
+        assert!(close(runner_up.sum(), e.runner_up.unwrap().1), "{e}");
+        let text = e.to_string();
+        assert!(
+            text.contains("at cost 0.6000 (by-id 0.1000 + half 0.5000)")
+                && text.contains("at 0.7000 (by-id 0.2000 + half 0.5000)"),
+            "{text}"
+        );
+    }
+    let plain = s.select(&SelectionRequest::new(1)).unwrap().explanation();
+    assert_eq!((plain.terms, plain.runner_up_terms), (None, None));
+    // The service keeps the last explained selections' terms: an old
+    // booking keeps its runner-up, its terms are gone.
+    let held = s.select(&SelectionRequest::new(1).explained()).unwrap();
+    assert!(held.explanation().terms.is_some());
+    for _ in 0..Explanation::TERMS_KEPT {
+        drop(s.select(&SelectionRequest::new(1).explained()).unwrap());
+    }
+    let e = held.explanation();
+    assert!(e.terms.is_none() && e.runner_up.is_some(), "{e}");
 }

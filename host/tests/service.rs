@@ -261,7 +261,8 @@ fn explanation_prints_cost_runner_up_margin_and_branch() {
     assert_eq!(e.margin(), Some(4.0));
     assert_eq!(
         e.to_string(),
-        "kv chose 2/dp0 via kv-minimum (Policy) at cost 12.0000 among 2 candidates; runner-up 1/dp0 at 16.0000, margin 4.0000"
+        "kv chose 2/dp0 via kv-minimum (Policy) at cost 12.0000 (prefill 8.0000 + cache-credit -4.0000 + decode 8.0000) \
+         among 2 candidates; runner-up 1/dp0 at 16.0000 (prefill 8.0000 + cache-credit 0.0000 + decode 8.0000), margin 4.0000"
     );
     // Without `explained`, no runner-up (no extra pass).
     assert_eq!(

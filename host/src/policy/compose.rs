@@ -16,6 +16,11 @@
 //! every registry; custom ones are registered by name next to them. Without
 //! scorers every cost is 0; without a picker the picker is `argmin`.
 //!
+//! The policy is named after its parts' type names, as a policy built in
+//! code is after its parts' own names: the one above is
+//! `prefill+my-scorer/softmax`, and `preferred-taints` shows the scorers it
+//! multiplies, `preferred-taints(prefill+decode)/argmin`.
+//!
 //! Like the policy providers, a scorer or picker provider reads its
 //! parameters once, when the config is resolved, and returns a factory
 //! called once per routing partition. This module only builds: it must not
@@ -111,17 +116,30 @@ fn provider_error(kind: PluginKind, plugin_type: &str, source: WorkerSelectionPo
 
 /// A scorer of a resolved `composed` policy.
 enum ScorerNode {
-    Factory(WorkerScorerFactory),
+    /// A scorer type's factory, and the type's name.
+    Factory(WorkerScorerFactory, String),
     PreferredTaints(Vec<ScorerNode>),
 }
 
 impl ScorerNode {
     fn build(&self, c: &KvRouterConfig, t: WorkerType, p: RoutingPartitionRef<'_>) -> Box<dyn WorkerScorer> {
         match self {
-            ScorerNode::Factory(f) => f(c, t, p),
+            ScorerNode::Factory(f, _) => f(c, t, p),
             ScorerNode::PreferredTaints(inner) => Box::new(PreferredTaintScorer::new(
                 inner.iter().map(|n| n.build(c, t, p)).collect(),
             )),
+        }
+    }
+
+    /// Its part of the policy's derived name: the type's name, with
+    /// `preferred-taints`' inner scorers in brackets.
+    fn label(&self) -> String {
+        match self {
+            ScorerNode::Factory(_, name) => name.clone(),
+            ScorerNode::PreferredTaints(inner) => {
+                let inner: Vec<String> = inner.iter().map(ScorerNode::label).collect();
+                format!("preferred-taints({})", inner.join("+"))
+            }
         }
     }
 }
@@ -191,7 +209,7 @@ impl PluginTypes {
                 provider(p).map_err(fail)?
             }
         };
-        Ok(ScorerNode::Factory(factory))
+        Ok(ScorerNode::Factory(factory, name.to_owned()))
     }
 
     fn picker(&self, spec: &PluginSpec) -> Result<WorkerPickerFactory, RegistryError> {
@@ -248,10 +266,13 @@ impl PluginTypes {
                     Box::new(ArgminPicker::new(SeedParameters::default())) as Box<dyn WorkerPicker>
                 }),
             };
+            let labels: Vec<String> = scorers.iter().map(ScorerNode::label).collect();
+            let picker_type = params.picker.as_ref().map_or("argmin", |p| p.plugin_type.as_str());
+            let name = super::names::derived(labels.iter().map(String::as_str), picker_type);
             Ok(Arc::new(
                 move |c: &KvRouterConfig, t: WorkerType, part: RoutingPartitionRef<'_>| {
                     let scorers = scorers.iter().map(|s| s.build(c, t, part)).collect();
-                    WorkerSelectionPolicy::new(*c, t, scorers, picker(c, t, part)).with_name("composed")
+                    WorkerSelectionPolicy::new(*c, t, scorers, picker(c, t, part)).with_name(name)
                 },
             ) as super::WorkerSelectionPolicyFactory)
         })

@@ -12,6 +12,9 @@
 //! 4. The picker; a row past the table is
 //!    [`WorkerSelectionPolicyError::InvalidPickerRow`].
 //!
+//! An explained choice also keeps each scorer's contributions (one more
+//! copy per scorer), for its explanation's terms.
+//!
 //! Every plugin call runs under `catch_unwind`: a panic becomes
 //! [`WorkerSelectionPolicyError::PluginPanicked`] for this request only.
 //! Buffers come from the thread's scratch; nothing is allocated once warm.
@@ -22,7 +25,7 @@ use super::scratch::Scratch;
 use super::{Choice, Composed, Env};
 use crate::contain::contain_message;
 use crate::error::{PluginKind, SelectionError, WorkerSelectionPolicyError};
-use crate::explain::Branch;
+use crate::explain::{Branch, CostTerms};
 use crate::filter::for_each_row;
 use crate::plugin::{
     CandidateData, PickerColumns, ScoredWorkerCandidate, WorkerCacheInput, WorkerCandidate, WorkerCandidates,
@@ -140,6 +143,7 @@ pub(crate) fn score(env: &Env<'_>, s: &mut Scratch, c: &Composed) -> Result<(), 
         filtered,
         total,
         contrib,
+        terms,
         ..
     } = s;
     if !c.filters.is_empty() {
@@ -168,6 +172,7 @@ pub(crate) fn score(env: &Env<'_>, s: &mut Scratch, c: &Composed) -> Result<(), 
     }
     total.clear();
     total.resize(n, 0.0);
+    terms.clear();
     for (scorer_index, scorer) in c.scorers.iter().enumerate() {
         contrib.clear();
         contrib.resize(n, f64::NAN);
@@ -188,8 +193,36 @@ pub(crate) fn score(env: &Env<'_>, s: &mut Scratch, c: &Composed) -> Result<(), 
             }
             *t = sum;
         }
+        if env.explain {
+            terms.extend_from_slice(contrib);
+        }
     }
     Ok(())
+}
+
+/// The contributions of each scorer to the cost of candidate `i`, as the
+/// last explained [`score`] kept them.
+pub(crate) fn terms_at(s: &Scratch, c: &Composed, i: usize) -> Option<CostTerms> {
+    let n = s.candidates.len();
+    if i >= n || s.terms.len() != n * c.scorers.len() {
+        return None;
+    }
+    let mut t = CostTerms::new();
+    for (k, scorer) in c.scorers.iter().enumerate() {
+        t.push(scorer.name, s.terms[k * n + i]);
+    }
+    Some(t)
+}
+
+/// [`terms_at`] of the candidates in `row` and in `runner_up`.
+pub(crate) fn terms(
+    s: &Scratch,
+    c: &Composed,
+    row: usize,
+    runner_up: Option<usize>,
+) -> Option<(CostTerms, Option<CostTerms>)> {
+    let of = |row: usize| terms_at(s, c, s.candidates.iter().position(|cand| cand.row == row)?);
+    Some((of(row)?, runner_up.and_then(of)))
 }
 
 pub(crate) fn choose(env: &Env<'_>, s: &mut Scratch, c: &Composed) -> Result<Choice, SelectionError> {
@@ -247,7 +280,7 @@ pub(crate) fn choose(env: &Env<'_>, s: &mut Scratch, c: &Composed) -> Result<Cho
         row: cands[pick].row,
         cost: total[pick],
         runner_up,
-        branch: Branch::CustomPicker,
+        branch: Branch::Picker,
         candidates: n,
         temperature: 0.0,
     })

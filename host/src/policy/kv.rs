@@ -5,6 +5,9 @@
 //! prefers taints and is not pinned), apply per-request overrides, then let
 //! the kernel write one `f32` cost per row and pick. Nothing here allocates.
 //!
+//! An explained choice's terms (`terms`) are the kernel's `f64` formula
+//! for the chosen and the runner-up rows, on the same inputs read again.
+//!
 //! With a switching margin (`KvRouterConfig::switch_margin`,
 //! `switch_margin_relative`), the eligible row holding the request's
 //! longest cached prefix keeps the request unless the cheapest row is
@@ -18,8 +21,8 @@ use std::sync::atomic::{AtomicU32, Ordering};
 
 use selkie_kernel::kernels::keyed::scatter_keyed;
 use selkie_kernel::kernels::kv_cost::{
-    kv_cost, kv_cost_argmin, preferred_taint_multiplier as kernel_multiplier, CostRange, KvCostConfig, KvCostError,
-    KvLoad, KvOverlap, KvRequest, WorkerRole,
+    kv_cost, kv_cost_argmin, kv_cost_f64_rows, preferred_taint_multiplier as kernel_multiplier, CostRange,
+    KvCostConfig, KvCostError, KvCostF64, KvLoad, KvOverlap, KvRequest, WorkerRole,
 };
 use selkie_kernel::kernels::pick::{explain, pick_in_range};
 use selkie_kernel::kernels::KernelError;
@@ -30,7 +33,7 @@ use super::rank_inputs::{rank_columns, rank_inputs, shared_hits_column};
 use super::scratch::{OverlapColumns, Scratch};
 use super::{Choice, Env, KvRouterConfig};
 use crate::error::{SelectionError, WorkerSelectionPolicyError};
-use crate::explain::Branch;
+use crate::explain::{Branch, CostTerms};
 use crate::filter::for_each_row;
 use crate::types::WorkerType;
 
@@ -309,6 +312,69 @@ fn column_costs(
         kv_cost(kcfg, kreq, load, kover, mask, costs)
     })?
     .map_err(|_| SelectionError::InvalidRequest("KV cost inputs rejected by the kernel"))
+}
+
+/// The KV cost of each of `rows` split into the formula's terms, into
+/// `out` (one per row; the kernel's `f64` formula, on the inputs the cost
+/// was computed from, read again): `prefill`, `cache-credit`, `decode` (its
+/// decode blocks and per-request weight, as the `decode` scorer counts
+/// them) and, when the request's preferred taints apply, `preferred-taints`.
+/// Inputs the cost would refuse are refused alike.
+fn rows_terms(
+    env: &Env<'_>,
+    s: &mut Scratch,
+    cfg: &KvRouterConfig,
+    worker_type: WorkerType,
+    rows: &[usize],
+    out: &mut [KvCostF64],
+) -> Result<impl Fn(&KvCostF64) -> CostTerms, SelectionError> {
+    let kcfg = effective_config(cfg, env);
+    let mask = env.mask;
+    with_kernel_inputs(env, s, &kcfg, worker_type, |kreq, load, kover, _| {
+        kv_cost_f64_rows(&kcfg, kreq, load, kover, mask, rows, out)
+    })?
+    .map_err(|_| SelectionError::InvalidRequest("KV cost inputs rejected by the kernel"))?;
+    let taints = !env.pinned && !env.req.preferred_taints.is_empty();
+    Ok(move |c: &KvCostF64| {
+        let mut t = CostTerms::new();
+        t.push("prefill", c.terms.prefill);
+        t.push("cache-credit", c.terms.credit);
+        t.push("decode", c.terms.decode + c.terms.requests);
+        if taints {
+            t.push("preferred-taints", c.terms.taint);
+        }
+        t
+    })
+}
+
+/// The terms ([`rows_terms`]) of `row` and of `runner_up`.
+pub(crate) fn terms(
+    env: &Env<'_>,
+    s: &mut Scratch,
+    cfg: &KvRouterConfig,
+    worker_type: WorkerType,
+    row: usize,
+    runner_up: Option<usize>,
+) -> Option<(CostTerms, Option<CostTerms>)> {
+    let both = [row, runner_up.unwrap_or(row)];
+    let rows = &both[..1 + usize::from(runner_up.is_some())];
+    let mut out = [KvCostF64::default(); 2];
+    let named = rows_terms(env, s, cfg, worker_type, rows, &mut out).ok()?;
+    Some((named(&out[0]), runner_up.map(|_| named(&out[1]))))
+}
+
+/// The terms ([`rows_terms`]) of every row of `env.mask`, with its row.
+pub(crate) fn all_terms(
+    env: &Env<'_>,
+    s: &mut Scratch,
+    cfg: &KvRouterConfig,
+    worker_type: WorkerType,
+) -> Result<Vec<(usize, CostTerms)>, SelectionError> {
+    let mut rows = Vec::new();
+    for_each_row(env.mask, env.rows, |r| rows.push(r));
+    let mut out = vec![KvCostF64::default(); rows.len()];
+    let named = rows_terms(env, s, cfg, worker_type, &rows, &mut out)?;
+    Ok(rows.into_iter().zip(&out).map(|(r, c)| (r, named(c))).collect())
 }
 
 /// Temperature 0 without an explanation: the kernel's cost and argmin in

@@ -14,6 +14,7 @@
 //! * `registry`: the policy registry, which builds a policy by type name
 //!   ([`WorkerSelectionPolicyRegistry`]).
 //! * `scratch`: the per-thread buffers the policies fill.
+//! * `names`: the names composed policies derive from their parts.
 //!
 //! A policy is built once per routing partition and shared by every thread
 //! of the service; it holds no per-request state. A policy offers `choose`
@@ -25,6 +26,7 @@ pub(crate) mod builtin;
 mod compose;
 pub(crate) mod composed;
 pub(crate) mod kv;
+mod names;
 pub(crate) mod plugins;
 pub(crate) mod prefix_hash;
 pub(crate) mod rank_inputs;
@@ -332,6 +334,7 @@ impl Drawn {
             runner_up: None,
             candidates: self.candidates as u32,
             temperature: 0.0,
+            terms: 0,
         }
     }
 }
@@ -353,6 +356,40 @@ impl WorkerSelectionPolicy {
     /// `WorkerSelectionPolicy::new`). `config` is kept for the context (its
     /// temperature is the default a picker may read); `worker_type` is the
     /// pool's role.
+    ///
+    /// Its [`name`](Self::name), in explanations, metrics and logs, is
+    /// derived from its parts' [`WorkerScorer::name`]s and
+    /// [`WorkerPicker::name`]: `scorer+scorer/picker` (see
+    /// [`MAX_DERIVED_NAMES`](Self::MAX_DERIVED_NAMES)); name it with
+    /// [`with_name`](Self::with_name). Its explanations say which picker
+    /// chose ([`Explanation::via`](crate::Explanation::via)) and, when
+    /// explained, each scorer's part of the cost
+    /// ([`Explanation::terms`](crate::Explanation::terms)).
+    ///
+    /// ```
+    /// use selkie::*;
+    /// let parts = || -> Result<(Vec<Box<dyn WorkerScorer>>, Box<dyn WorkerPicker>), WorkerSelectionPolicyProviderError> {
+    ///     Ok((
+    ///         vec![
+    ///             Box::new(PrefillScorer::new(PrefillParameters::default())?),
+    ///             Box::new(CacheCreditScorer::new(CacheCreditParameters::default())?),
+    ///         ],
+    ///         Box::new(ArgminPicker::new(SeedParameters::default())),
+    ///     ))
+    /// };
+    /// let (scorers, picker) = parts()?;
+    /// let policy = WorkerSelectionPolicy::new(KvRouterConfig::default(), WorkerType::Aggregated, scorers, picker);
+    /// assert_eq!(policy.name(), "prefill+cache-credit/argmin");
+    /// let (scorers, picker) = parts()?;
+    /// let policy = WorkerSelectionPolicy::new(KvRouterConfig::default(), WorkerType::Aggregated, scorers, picker)
+    ///     .with_name("cache-aware");
+    /// let service = WorkerSelectionService::new(policy, ServiceConfig::default());
+    /// service.add_worker(WorkerRecord::new(1))?;
+    /// let e = service.peek(&SelectionRequest::new(64))?.explanation;
+    /// assert_eq!((e.policy, e.via()), ("cache-aware", "argmin"));
+    /// assert!(e.to_string().starts_with("cache-aware chose 1/dp0 via argmin (Policy) at cost 4.0000 (prefill 4.0000 + cache-credit"));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn new(
         config: KvRouterConfig,
         worker_type: WorkerType,
@@ -362,7 +399,9 @@ impl WorkerSelectionPolicy {
         Self::new_with_filters(config, worker_type, Vec::new(), scorers, picker)
     }
 
-    /// A custom policy from ordered filters, additive scorers and a picker.
+    /// A custom policy from ordered filters, additive scorers and a picker,
+    /// named as by [`new`](Self::new) (the filters are not part of the
+    /// name).
     pub fn new_with_filters(
         config: KvRouterConfig,
         worker_type: WorkerType,
@@ -384,6 +423,7 @@ impl WorkerSelectionPolicy {
             .map(|f| f.inputs)
             .chain(scorers.iter().map(|s| s.inputs))
             .fold(picker.inputs, |a, b| a | b);
+        let name = names::derived(scorers.iter().map(|s| s.name), picker.name);
         WorkerSelectionPolicy {
             kind: PolicyKind::Composed(Composed {
                 filters,
@@ -392,7 +432,7 @@ impl WorkerSelectionPolicy {
                 inputs,
             }),
             worker_type,
-            name: "custom",
+            name,
             config,
             dwell: Box::default(),
         }
@@ -495,9 +535,25 @@ impl WorkerSelectionPolicy {
         self
     }
 
-    /// The policy's name.
+    /// The most distinct names composed policies built without one derive
+    /// from their parts in one process (each is kept for the life of the
+    /// process, once). A composed policy that would derive one more is named
+    /// `composed`, and a warning is logged.
+    pub const MAX_DERIVED_NAMES: usize = 1024;
+
+    /// The policy's name: a built-in's type name (`kv`, `least-loaded`,
+    /// ...), or a composed policy's, given ([`with_name`](Self::with_name))
+    /// or derived from its parts (see [`new`](Self::new)).
     pub fn name(&self) -> &'static str {
         self.name
+    }
+
+    /// A composed policy's picker's name.
+    pub(crate) fn picker_name(&self) -> Option<&'static str> {
+        match &self.kind {
+            PolicyKind::Composed(c) => Some(c.picker.name),
+            _ => None,
+        }
     }
 
     /// The pool's role.
@@ -534,7 +590,7 @@ impl std::fmt::Debug for WorkerSelectionPolicy {
 
 use crate::discovery::registry::WorkerRegistry;
 use crate::error::SelectionError;
-use crate::explain::{Branch, Route, Why};
+use crate::explain::{Branch, CostTerms, Route, Why};
 use crate::filter::for_each_row;
 use crate::fleet::{HostFleet, FLEET_GROUPS};
 use crate::plugin::WorkerSelectionContext;
@@ -644,6 +700,62 @@ impl WorkerSelectionPolicy {
     #[inline]
     pub(crate) fn is_direct(&self) -> bool {
         matches!(self.kind, PolicyKind::Direct)
+    }
+
+    /// The cost of `choice`'s row and of its runner-up split into terms,
+    /// for an explained choice (`env` and `s` as `choose` left them): the
+    /// KV formula's, worked out again for the two rows; a composed policy's
+    /// scorers' contributions, kept by `choose` when `env.explain`. `None`
+    /// for the other policies. Out of line: only explained choices call it.
+    #[cold]
+    #[inline(never)]
+    pub(crate) fn terms(
+        &self,
+        env: &Env<'_>,
+        s: &mut Scratch,
+        choice: &Choice,
+    ) -> Option<(CostTerms, Option<CostTerms>)> {
+        let runner_up = choice.runner_up.map(|(row, _)| row);
+        match &self.kind {
+            PolicyKind::Kv(c) => kv::terms(env, s, c, self.worker_type, choice.row, runner_up),
+            PolicyKind::Composed(c) => composed::terms(s, c, choice.row, runner_up),
+            _ => None,
+        }
+    }
+
+    /// Appends every row of `env.mask` that the policy would consider, with
+    /// its cost split into terms, to `out` (unsorted): the KV formula's
+    /// terms for the KV policy, each scorer's contribution for a composed
+    /// policy (after its filters; `env.explain` must be set, for the
+    /// scorers' contributions to be kept); nothing for the other policies,
+    /// whose cost is one number. Books nothing (the slow path of
+    /// `WorkerSelectionService::cost_terms`).
+    pub(crate) fn cost_terms(
+        &self,
+        env: &Env<'_>,
+        s: &mut Scratch,
+        out: &mut Vec<(WorkerWithDpRank, CostTerms)>,
+    ) -> Result<(), SelectionError> {
+        let reg = env.reg;
+        match &self.kind {
+            PolicyKind::Kv(c) => {
+                for (r, t) in kv::all_terms(env, s, c, self.worker_type)? {
+                    if let Some(m) = reg.row(r) {
+                        out.push((m.worker(), t));
+                    }
+                }
+            }
+            PolicyKind::Composed(c) => {
+                composed::score(env, s, c)?;
+                for (i, cand) in s.candidates.iter().enumerate() {
+                    if let Some(t) = composed::terms_at(s, c, i) {
+                        out.push((cand.worker, t));
+                    }
+                }
+            }
+            _ => {}
+        }
+        Ok(())
     }
 
     /// Appends every row of `env.mask` that the policy would consider, with

@@ -422,7 +422,7 @@ impl WorkerSelectionPolicyRegistry {
     /// let yaml = "aggregated: mine\ninstances:\n  - name: mine\n    type: composed\n    parameters:\n      scorers: [{ type: busy, parameters: { weight: 2 } }, { type: decode }]\n      picker: { type: softmax, parameters: { temperature: 0.5 } }\n";
     /// let factory = WorkerSelectionConfig::from_yaml_str(yaml)?.resolve(&registry, WorkerType::Aggregated)?;
     /// let policy = factory(&KvRouterConfig::default(), WorkerType::Aggregated, RoutingPartitionRef::model("m"));
-    /// assert_eq!(policy.name(), "composed");
+    /// assert_eq!(policy.name(), "busy+decode/softmax");
     /// assert_eq!(policy.required_worker_inputs(), WorkerInputs::LOAD);
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```

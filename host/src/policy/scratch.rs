@@ -146,6 +146,11 @@ pub(crate) struct Scratch {
     pub(crate) filtered: Vec<CandidateData>,
     pub(crate) total: Vec<f64>,
     pub(crate) contrib: Vec<f64>,
+    /// An explained composed choice's contributions, scorer by scorer
+    /// (`scorer * candidates + candidate`).
+    pub(crate) terms: Vec<f64>,
+    /// The last explained choice's cost terms (`WorkerSelectionPolicy::terms`).
+    pub(crate) explained: Option<crate::explain::Terms>,
     pub(crate) scored: Vec<ScoredWorkerCandidate>,
     pub(crate) loads: Vec<WorkerLoadInput>,
     pub(crate) caches: Vec<WorkerCacheInput>,

@@ -42,7 +42,7 @@ use prometheus_client::registry::{Metric, Registry};
 use super::error::Refusal;
 use super::prompt::Unhashed;
 use super::Limits;
-use crate::{Branch, WorkerSelectionService};
+use crate::WorkerSelectionService;
 
 type Labels = Vec<(&'static str, String)>;
 
@@ -240,13 +240,14 @@ impl Metrics {
         self.requests.get_or_create(&RequestLabels { endpoint, status }).inc();
     }
 
-    /// A selection took `seconds` and went to `branch`.
-    pub fn selected(&self, branch: Branch, seconds: f64) {
+    /// A selection took `seconds` and went `via` a branch or a composed
+    /// policy's picker ([`Explanation::via`](crate::Explanation::via)).
+    pub fn selected(&self, via: &'static str, seconds: f64) {
         self.select_seconds.observe(seconds);
         self.selections
             .get_or_create(&SelectionLabels {
                 policy: self.policy,
-                branch: branch.as_str(),
+                branch: via,
             })
             .inc();
     }

@@ -257,7 +257,7 @@ impl RouterCore {
             (Some(_), Some(_)) => Some(held * self.block_size as usize),
             _ => None,
         };
-        self.metrics.selected(booking.explanation().branch, seconds);
+        self.metrics.selected(booking.explanation().via(), seconds);
         let mut in_flight = None;
         if let (Some(source), Some(b)) = (&self.overlaps, &blocks) {
             match source.chosen(rank, b, held) {

@@ -14,7 +14,7 @@ use std::ops::Deref;
 use selkie_kernel::fleet::Booking;
 use selkie_kernel::{mask, Rng};
 
-use super::run::{refused, Plan, RngSlot};
+use super::run::{refused, why, Plan, RngSlot};
 use super::selection::{Booked, FleetHandle};
 use super::WorkerSelectionService;
 use crate::discovery::registry::WorkerRegistry;
@@ -94,7 +94,7 @@ impl WorkerSelectionService {
         match Booking::new_for_slot_with_active(FleetHandle(handle()), meta.handle.slot, load) {
             Ok((booking, found)) => Some(Ok(match pick {
                 Pick::Drawn(drawn) => self.booked_why(booking, drawn.why(found), meta, traced),
-                Pick::Chosen(choice) => self.booked(booking, &choice, None, meta, Route::Policy, traced),
+                Pick::Chosen(choice) => self.booked_why(booking, why(&choice, None, Route::Policy, 0), meta, traced),
             })),
             Err(e) => {
                 refused(&self.rejections, &e);

@@ -186,6 +186,8 @@ pub struct WorkerSelectionService {
     block_shift: Option<(u32, u64)>,
     selections: Counter,
     rejections: Rejections,
+    /// The cost terms of the last explained selections.
+    explained: crate::explain::TermsLog,
     /// Booking sync with other router replicas (feature `nats`).
     #[cfg(feature = "nats")]
     replica: replica::ReplicaLink,
@@ -202,6 +204,7 @@ impl WorkerSelectionService {
             id: SERVICE_IDS.fetch_add(1, Ordering::Relaxed),
             selections: metrics::counter!("selkie_selections_total", "policy" => policy.name()),
             rejections: Rejections::register(),
+            explained: crate::explain::TermsLog::new(),
             sessions: SessionTable::new(config.session_idle_timeout, config.max_sessions),
             refused: Mutex::new(None),
             seed_counter: AtomicU64::new(0),
@@ -669,14 +672,46 @@ impl WorkerSelectionService {
     /// apply; session affinity does not. For debugging and tests: it
     /// allocates the result.
     pub fn costs(&self, req: &SelectionRequest<'_>) -> Result<Vec<(WorkerWithDpRank, f64)>, SelectionError> {
-        self.with_snapshot(|reg| self.costs_with(reg, req))
+        self.with_snapshot(|reg| self.costs_with(reg, req, false, |env, s, out| self.policy.costs(env, s, out)))
     }
 
-    fn costs_with(
+    /// Every eligible row's cost split into its terms, as
+    /// [`costs`](Self::costs) gives their sums, in worker order: the KV
+    /// formula's for the `kv` policy, each scorer's contribution for a
+    /// composed one (see [`CostTerms`](crate::CostTerms)); empty for the
+    /// load modes, whose cost is one number. For debugging and tests: it
+    /// allocates the result, and works the KV terms out in `f64` row by row.
+    ///
+    /// ```
+    /// use selkie::*;
+    /// let policy = WorkerSelectionPolicy::kv(KvRouterConfig::default(), WorkerType::Aggregated);
+    /// let service = WorkerSelectionService::new(policy, ServiceConfig::default());
+    /// service.add_worker(WorkerRecord::new(1))?;
+    /// service.add_worker(WorkerRecord::new(2))?;
+    /// let overlaps = [WorkerOverlap::device(WorkerWithDpRank::new(2, 0), 12, 16)];
+    /// let request = SelectionRequest::new(256).with_overlaps(&overlaps);
+    /// let terms = service.cost_terms(&request)?;
+    /// assert_eq!(terms[1].0, WorkerWithDpRank::new(2, 0));
+    /// assert_eq!(terms[1].1.to_string(), "prefill 16.0000 + cache-credit -12.0000 + decode 16.0000");
+    /// assert_eq!(terms[1].1.sum(), service.costs(&request)?[1].1);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn cost_terms(
+        &self,
+        req: &SelectionRequest<'_>,
+    ) -> Result<Vec<(WorkerWithDpRank, crate::CostTerms)>, SelectionError> {
+        self.with_snapshot(|reg| self.costs_with(reg, req, true, |env, s, out| self.policy.cost_terms(env, s, out)))
+    }
+
+    /// Runs `f` (`costs` or `cost_terms` of the policy) on the eligible
+    /// rows of `req`; `explain`: the policy keeps what it explains with.
+    fn costs_with<T>(
         &self,
         reg: &WorkerRegistry,
         req: &SelectionRequest<'_>,
-    ) -> Result<Vec<(WorkerWithDpRank, f64)>, SelectionError> {
+        explain: bool,
+        f: impl FnOnce(&Env<'_>, &mut Scratch, &mut Vec<(WorkerWithDpRank, T)>) -> Result<(), SelectionError>,
+    ) -> Result<Vec<(WorkerWithDpRank, T)>, SelectionError> {
         with_scratch(|s| {
             let rows = reg.scan_rows();
             s.prepare(rows);
@@ -697,13 +732,15 @@ impl WorkerSelectionService {
                     aux,
                 )
             };
-            let result = outcome.and_then(|outcome| self.costs_on(reg, req, s, &mask, rows, outcome.pinned));
+            let result =
+                outcome.and_then(|outcome| self.costs_on(reg, req, s, &mask, rows, outcome.pinned, explain, f));
             s.mask = mask;
             result
         })
     }
 
-    fn costs_on(
+    #[allow(clippy::too_many_arguments)]
+    fn costs_on<T>(
         &self,
         reg: &WorkerRegistry,
         req: &SelectionRequest<'_>,
@@ -711,7 +748,9 @@ impl WorkerSelectionService {
         mask: &[u64],
         rows: usize,
         pinned: bool,
-    ) -> Result<Vec<(WorkerWithDpRank, f64)>, SelectionError> {
+        explain: bool,
+        f: impl FnOnce(&Env<'_>, &mut Scratch, &mut Vec<(WorkerWithDpRank, T)>) -> Result<(), SelectionError>,
+    ) -> Result<Vec<(WorkerWithDpRank, T)>, SelectionError> {
         {
             let ctx = WorkerSelectionContext {
                 request: req,
@@ -729,10 +768,10 @@ impl WorkerSelectionService {
                 ctx: &ctx,
                 rows,
                 pinned,
-                explain: false,
+                explain,
             };
             let mut out = Vec::new();
-            self.policy.costs(&env, s, &mut out)?;
+            f(&env, s, &mut out)?;
             out.sort_by_key(|(w, _)| *w);
             Ok(out)
         }

@@ -312,11 +312,13 @@ impl WorkerSelectionService {
             self.with_snapshot(|reg| {
                 self.check_basics(req)?;
                 let mut rng = self.preview_rng();
-                let r = with_scratch(|s| self.run_with(reg, req, true, s, &mut rng, &|| self, None));
-                match r? {
-                    Outcome::Previewed(p) => Ok(p),
+                with_scratch(|s| match self.run_with(reg, req, true, s, &mut rng, &|| self, None)? {
+                    Outcome::Previewed(worker, why) => Ok(Preview {
+                        worker,
+                        explanation: why.explain(&self.policy, worker, || 1.0, s.explained.take()),
+                    }),
                     Outcome::Booked(_) => unreachable!("a preview books nothing"),
-                }
+                })
             })
         })
     }
@@ -400,7 +402,7 @@ impl WorkerSelectionService {
         self.keep_rng(rng);
         *out = Some(match r {
             Ok(Outcome::Booked(booked)) => Ok(booked),
-            Ok(Outcome::Previewed(_)) => unreachable!("a selection books"),
+            Ok(Outcome::Previewed(..)) => unreachable!("a selection books"),
             Err(e) => {
                 self.failed(&e);
                 Err(e)
@@ -477,22 +479,9 @@ impl WorkerSelectionService {
         }
     }
 
-    /// A booking made: counts it and wraps it (the general path binds the
-    /// request's session; a request on the fast path has none).
-    #[inline(always)]
-    pub(super) fn booked<H: Deref<Target = Self>>(
-        &self,
-        booking: Booking<FleetHandle<H>, FLEET_GROUPS>,
-        choice: &Choice,
-        runner_up: Option<(WorkerWithDpRank, f64)>,
-        meta: &RowMeta,
-        route: Route,
-        traced: bool,
-    ) -> Booked<H> {
-        self.booked_why(booking, why(choice, runner_up, route), meta, traced)
-    }
-
-    /// [`booked`](Self::booked) with the choice's [`Why`] as it is kept.
+    /// A booking made: counts it and wraps it with the choice's [`Why`] as
+    /// it is kept (the general path binds the request's session; a request
+    /// on the fast path has none).
     #[inline(always)]
     pub(super) fn booked_why<H: Deref<Target = Self>>(
         &self,
@@ -656,7 +645,8 @@ impl WorkerSelectionService {
         // One choice; a policy that refuses the soft session's worker (a
         // custom filter, say) gets the rest of the fleet instead. Other
         // errors (a plugin's panic or NaN cost) are the request's, as
-        // without a session.
+        // without a session. An explained choice comes with its cost's
+        // terms, worked out on the inputs it was made on.
         let mut choose = |mask: &mut [u64],
                           list: Option<&[u32]>,
                           s: &mut Scratch,
@@ -686,14 +676,17 @@ impl WorkerSelectionService {
                         leave_soft(mask, &s.rest, soft_row.take().unwrap_or_default());
                         *route = Route::Policy;
                     }
-                    r => return r,
+                    Ok(choice) => {
+                        if explain {
+                            s.explained = self.policy.terms(&env, s, &choice);
+                        }
+                        return Ok(choice);
+                    }
+                    Err(e) => return Err(e),
                 }
             }
         };
         let runner_up = |choice: &Choice| choice.runner_up.and_then(|(r, c)| reg.row(r).map(|m| (m.worker(), c)));
-        let explanation = |choice: &Choice, worker, route| {
-            why(choice, runner_up(choice), route).explain(self.policy.name(), worker, || 1.0)
-        };
         if preview {
             loop {
                 let choice = choose(mask, list, s, &mut soft_row, &mut route)?;
@@ -709,8 +702,7 @@ impl WorkerSelectionService {
                     continue;
                 }
                 tracing::debug!(worker = %worker, branch = choice.branch.as_str(), "previewed");
-                let explanation = explanation(&choice, worker, route);
-                return Ok(Outcome::Previewed(Preview { worker, explanation }));
+                return Ok(Outcome::Previewed(worker, why(&choice, runner_up(&choice), route, 0)));
             }
         }
         // The soft session's try does not count against the attempts, and
@@ -756,13 +748,19 @@ impl WorkerSelectionService {
         match (booked, picked) {
             (Ok(booking), Some((choice, meta))) => {
                 let runner_up = runner_up(&choice);
+                // An explained selection's terms are kept by the service
+                // under a key; a plain one's key is 0.
+                let terms = if explain { self.keep_terms(s) } else { 0 };
                 if let Some(sess) = req.session {
                     self.sessions
                         .bind(sess.id, meta.worker(), now.unwrap_or_else(Instant::now));
                 }
-                Ok(Outcome::Booked(
-                    self.booked(booking, &choice, runner_up, meta, route, true),
-                ))
+                Ok(Outcome::Booked(self.booked_why(
+                    booking,
+                    why(&choice, runner_up, route, terms),
+                    meta,
+                    true,
+                )))
             }
             (booked, _) => {
                 if let Err(SelectError::BadPick { row }) = booked {
@@ -771,6 +769,15 @@ impl WorkerSelectionService {
                 Err(overloaded(pin))
             }
         }
+    }
+
+    /// Keeps the explained choice's terms the scratch holds (if any) in
+    /// the service's log; returns their key (0: none). Out of line: a
+    /// plain selection does not move them.
+    #[cold]
+    #[inline(never)]
+    fn keep_terms(&self, s: &mut Scratch) -> u64 {
+        s.explained.take().map_or(0, |t| self.explained.put(t))
     }
 }
 
@@ -782,7 +789,7 @@ pub(super) fn refused(rejections: &Rejections, e: &BookError) {
 
 /// The explanation's parts a booking keeps (see [`Why`]).
 #[inline(always)]
-fn why(choice: &Choice, runner_up: Option<(WorkerWithDpRank, f64)>, route: Route) -> Why {
+pub(super) fn why(choice: &Choice, runner_up: Option<(WorkerWithDpRank, f64)>, route: Route, terms: u64) -> Why {
     debug_assert!(choice.candidates <= crate::fleet::HostFleet::CAPACITY);
     Why {
         route,
@@ -793,6 +800,7 @@ fn why(choice: &Choice, runner_up: Option<(WorkerWithDpRank, f64)>, route: Route
         // Rows the policy chose from: at most the fleet's 16,384.
         candidates: choice.candidates as u32,
         temperature: choice.temperature,
+        terms,
     }
 }
 
@@ -833,7 +841,11 @@ pub(super) struct Plan {
 
 pub(super) enum Outcome<H: Deref<Target = WorkerSelectionService>> {
     Booked(Booked<H>),
-    Previewed(Preview),
+    /// The worker a selection would choose and why, its cost's terms left
+    /// in the scratch (`Scratch::explained`): the explanation, with its
+    /// terms the largest part of a preview, is built by `run_peek`, so
+    /// every selection's outcome stays the size of a booking.
+    Previewed(WorkerWithDpRank, Why),
 }
 
 #[cfg(test)]

@@ -82,11 +82,17 @@ impl<H: Deref<Target = WorkerSelectionService>> Booked<H> {
     /// Why this worker was chosen (built on request from what the
     /// booking keeps, and for an O(1) draw the worker's capacity weight as
     /// the fleet holds it now: a few copies and one read, no allocation).
+    /// The runner-up and the cost's terms only for an explained request
+    /// ([`SelectionRequest::explained`](crate::SelectionRequest::explained);
+    /// the terms while the service keeps them: see [`Explanation`]).
     pub fn explanation(&self) -> Explanation {
         let service = &self.booking.fleet().0;
-        self.why.explain(service.policy.name(), self.worker, || {
-            service.inv_weight(self.booking.row())
-        })
+        self.why.explain(
+            &service.policy,
+            self.worker,
+            || service.inv_weight(self.booking.row()),
+            service.explained.get(self.why.terms),
+        )
     }
 
     /// Prefill tokens still booked.

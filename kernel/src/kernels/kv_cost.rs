@@ -83,7 +83,7 @@ pub(crate) use fused::kv_cost_argmin_on;
 pub(crate) use fused::FEW_TIE_CELLS;
 pub use fused::{kv_cost_argmin, kv_cost_argmin_reference, KvChoice};
 pub use inputs::{KvLoad, KvOverlap, KvRequest, WorkerRole};
-pub use parity::{kv_cost_f64_reference, KvCostF64, KV_COST_PARITY_ULPS};
+pub use parity::{kv_cost_f64_reference, kv_cost_f64_rows, KvCostF64, KvCostTerms, KV_COST_PARITY_ULPS};
 
 use crate::lanes::{F32Source, U32Source, LANES};
 use crate::mask::{contains, group_bits};

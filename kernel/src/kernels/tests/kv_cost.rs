@@ -597,6 +597,32 @@ proptest! {
         prop_assert_eq!(range, ref_range);
     }
 
+    /// Each row's terms sum to its `f64` cost, and the listed rows' costs
+    /// and terms are the whole column's.
+    #[test]
+    fn kv_cost_terms_sum_to_the_f64_cost(case in case(false)) {
+        let exact = case.f64_reference();
+        for (r, e) in exact.iter().enumerate() {
+            if e.cost.is_infinite() {
+                prop_assert_eq!(e.terms, KvCostTerms::default(), "row {}", r);
+            } else {
+                let err = (e.terms.sum() - e.cost).abs();
+                prop_assert!(err <= 1e-12 * e.magnitude.max(1.0), "row {}: terms {:?} cost {}", r, e.terms, e.cost);
+                prop_assert!(e.terms.credit <= 0.0, "row {}: credit {}", r, e.terms.credit);
+            }
+        }
+        let rows: Vec<usize> = (0..exact.len() + 2).rev().collect();
+        let mut listed = vec![KvCostF64::default(); rows.len()];
+        kv_cost_f64_rows(&case.config, &case.request, &case.load(), &case.overlap(), &case.mask, &rows, &mut listed).unwrap();
+        for (&r, got) in rows.iter().zip(&listed) {
+            let want = exact.get(r).copied().unwrap_or(KvCostF64 { cost: f64::INFINITY, ..KvCostF64::default() });
+            prop_assert_eq!(*got, want, "row {}", r);
+        }
+        let short = kv_cost_f64_rows(&case.config, &case.request, &case.load(), &case.overlap(), &case.mask, &rows, &mut listed[..1]);
+        let refused = matches!(short, Err(KvCostError::ColumnTooShort { column: KvColumn::Output, .. }));
+        prop_assert!(refused, "{:?}", short);
+    }
+
     #[test]
     fn kv_cost_is_within_the_parity_bound_of_f64(case in case(false)) {
         let (simd, _) = case.simd();
