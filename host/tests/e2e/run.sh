@@ -7,7 +7,8 @@
 #
 # The clients live in a venv of their own (SELKIE_E2E_VENV, default
 # target/e2e-venv; created and `pip install openai grpcio envoy-data-plane`
-# the first time).
+# the first time). SELKIE_SERVE_FEATURES (default `serve`) names the
+# features the router is built with.
 # Everything it starts is stopped when it ends, passing or failing.
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
@@ -17,7 +18,7 @@ if ! "$venv/bin/python" -c "import openai, grpc, envoy_data_plane" 2>/dev/null; 
   [ -x "$venv/bin/pip" ] || python3 -m venv "$venv"
   "$venv/bin/pip" install --quiet --disable-pip-version-check openai grpcio envoy-data-plane
 fi
-cargo build -q -p selkie --features serve --bin selkie --example stub_engine
+cargo build -q -p selkie --features "${SELKIE_SERVE_FEATURES:-serve}" --bin selkie --example stub_engine
 dir=$(mktemp -d)
 pids=()
 cleanup() {

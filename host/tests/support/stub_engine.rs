@@ -411,7 +411,10 @@ impl StubEngine {
 
     /// Lets held streams go on.
     pub fn release(&self) {
-        let _ = self.state.release.send(true);
+        // `send_replace`, not `send`: with no stream held yet (no receiver),
+        // `send` would drop the value, and a request arriving after the
+        // release would then hold until the router's idle timeout.
+        self.state.release.send_replace(true);
     }
 
     /// Requests received (`/v1/models` included).

@@ -118,6 +118,13 @@ pub trait Simd: Copy + Sealed {
     fn load_atomic_in<const I: usize>(self, block: &[crate::lanes::AtomicGroup; 8]) -> Self::U32 {
         self.load_atomic(&block[I])
     }
+    /// Whether a kernel's loops specialized for a call's shape are inlined
+    /// into the kernel's entry point. A backend whose code needs a target
+    /// feature must inline them (the default); the portable backend keeps
+    /// each a function of its own, so a kernel with many shapes is many
+    /// small functions to optimize instead of one very large one.
+    #[doc(hidden)]
+    const INLINE_SHAPES: bool = true;
     /// All-ones in lane `i` where bit `i` of `bits` is set, zeros elsewhere.
     fn lane_mask(self, bits: u8) -> Self::U32;
     /// Whether [`gather_u32`](Self::gather_u32) is one instruction. A
@@ -499,8 +506,16 @@ macro_rules! dispatch {
                     unsafe { entry($($arg),*) }
                 }
                 $crate::simd::Backend::Portable => {
-                    let $s = $crate::simd::Portable;
-                    $body
+                    // Out of line like the AVX2 entry: the caller holds a
+                    // call, not a second copy of the body (inlined into a
+                    // caller, the portable body took LLVM minutes to
+                    // optimize there).
+                    #[inline(never)]
+                    fn entry<$($gen)*>($($arg: $ty),*) -> $ret $(where $($wc)*)? {
+                        let $s = $crate::simd::Portable;
+                        $body
+                    }
+                    entry($($arg),*)
                 }
             }
         }

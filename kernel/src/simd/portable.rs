@@ -60,6 +60,7 @@ impl Simd for Portable {
         const BIT: u32x8 = u32x8::new([1, 2, 4, 8, 16, 32, 64, 128]);
         (u32x8::splat(bits as u32) & BIT).cmp_eq(BIT)
     }
+    const INLINE_SHAPES: bool = false;
     const FAST_GATHER: bool = false;
     #[inline(always)]
     unsafe fn gather_u32(self, base: *const u8, offsets: u32x8) -> u32x8 {

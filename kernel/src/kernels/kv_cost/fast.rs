@@ -228,17 +228,37 @@ impl<'a> Plan<'a> {
     fn run_shape<S: Simd, W: GroupValues>(&self, s: S, cols: Cols<'_, W>, mask: &[u64], job: &mut Job<'_, '_, S>) {
         let bit = |on: bool, bit: u8| if on { bit } else { 0 };
         let shape = bit(self.decode_formula, DECODE) | bit(self.req_on, REQ) | bit(self.scale == 1.0, UNSCALED);
-        match shape {
-            0 => job.run::<W, 0>(s, self, cols, mask),
-            1 => job.run::<W, 1>(s, self, cols, mask),
-            2 => job.run::<W, 2>(s, self, cols, mask),
-            3 => job.run::<W, 3>(s, self, cols, mask),
-            4 => job.run::<W, 4>(s, self, cols, mask),
-            5 => job.run::<W, 5>(s, self, cols, mask),
-            6 => job.run::<W, 6>(s, self, cols, mask),
-            _ => job.run::<W, 7>(s, self, cols, mask),
+        if S::INLINE_SHAPES {
+            match shape {
+                0 => job.run::<W, 0>(s, self, cols, mask),
+                1 => job.run::<W, 1>(s, self, cols, mask),
+                2 => job.run::<W, 2>(s, self, cols, mask),
+                3 => job.run::<W, 3>(s, self, cols, mask),
+                4 => job.run::<W, 4>(s, self, cols, mask),
+                5 => job.run::<W, 5>(s, self, cols, mask),
+                6 => job.run::<W, 6>(s, self, cols, mask),
+                _ => job.run::<W, 7>(s, self, cols, mask),
+            }
+        } else {
+            match shape {
+                0 => out_of_line(|| job.run::<W, 0>(s, self, cols, mask)),
+                1 => out_of_line(|| job.run::<W, 1>(s, self, cols, mask)),
+                2 => out_of_line(|| job.run::<W, 2>(s, self, cols, mask)),
+                3 => out_of_line(|| job.run::<W, 3>(s, self, cols, mask)),
+                4 => out_of_line(|| job.run::<W, 4>(s, self, cols, mask)),
+                5 => out_of_line(|| job.run::<W, 5>(s, self, cols, mask)),
+                6 => out_of_line(|| job.run::<W, 6>(s, self, cols, mask)),
+                _ => out_of_line(|| job.run::<W, 7>(s, self, cols, mask)),
+            }
         }
     }
+}
+
+/// One shape's loop as a function of its own (backends without
+/// [`Simd::INLINE_SHAPES`]).
+#[inline(never)]
+fn out_of_line(run: impl FnOnce()) {
+    run()
 }
 
 /// What a fast loop does with the costs.
