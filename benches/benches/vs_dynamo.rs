@@ -13,8 +13,12 @@
 //! temperature 0 and 0.7. selkie is timed two ways:
 //!
 //! * **public API**: one select + book + release through
-//!   `selkie::WorkerSelectionService` (KV policy, the request's overlaps
-//!   given with `SelectionRequest::with_overlaps`), what a router pays;
+//!   `selkie::WorkerSelectionService` (KV policy), what a router pays, with
+//!   the request's overlaps in two forms: per-row columns
+//!   (`SelectionRequest::with_row_overlaps`, what a KV indexer hands over)
+//!   and **worker-keyed** (`SelectionRequest::with_overlaps`, one entry per
+//!   worker with a hit, in a shuffled order: what a router holding
+//!   Dynamo-style `OverlapScores` passes);
 //! * **kernel path**: the kernel calls alone on a kernel `Fleet` holding the
 //!   same load (eligibility, overlap scatter, `kv_cost`, pick), and the same
 //!   on plain slices.
@@ -50,8 +54,8 @@ use selkie_benches::timing::{batch, Timing};
 
 use selkie_benches::vs_dynamo::report::{self, CoreRow, SelectorRow, Table};
 use selkie_benches::vs_dynamo::{
-    parity, scenarios, Drivers, DynamoFixture, LoadSource, Scenario, SelkieFixture, BLOCK_SIZE, PROMPT_TOKENS,
-    RANDOM_HIT_PERCENT, RANDOM_SEED, TEMPERATURES, WORKER_COUNTS,
+    parity, scenarios, Drivers, DynamoFixture, LoadSource, OverlapForm, Scenario, SelkieFixture, BLOCK_SIZE,
+    PROMPT_TOKENS, RANDOM_HIT_PERCENT, RANDOM_SEED, TEMPERATURES, WORKER_COUNTS,
 };
 
 /// Timed rounds per comparison; each round times one batch of each call.
@@ -143,12 +147,15 @@ fn time_selectors(scenario: &Scenario, drivers: &mut Drivers, t: f32) -> Selecto
     let [fleet, slices] = &mut kernel[..] else {
         unreachable!("one kernel driver per load source")
     };
-    let [dynamo_ns, public_ns, kernel_ns, slices_ns] = TIMING.interleaved([
+    let [dynamo_ns, public_ns, keyed_ns, kernel_ns, slices_ns] = TIMING.interleaved([
         &mut batch(|| {
             black_box(dynamo.select(&selector));
         }),
         &mut batch(|| {
-            black_box(service.select(black_box(t)));
+            black_box(service.select_as(OverlapForm::Rows, black_box(t)));
+        }),
+        &mut batch(|| {
+            black_box(service.select_as(OverlapForm::Keyed, black_box(t)));
         }),
         &mut batch(|| {
             black_box(fleet.select(black_box(t)));
@@ -163,6 +170,7 @@ fn time_selectors(scenario: &Scenario, drivers: &mut Drivers, t: f32) -> Selecto
         temperature: t,
         dynamo_ns,
         public_ns,
+        keyed_ns,
         kernel_ns,
         slices_ns,
     }

@@ -58,13 +58,15 @@ fn a_slightly_wrong_cost_fails_the_check() {
 /// fleet's load fails it, naming a worker.
 #[test]
 fn a_service_holding_other_load_fails_the_check() {
-    use selkie_benches::vs_dynamo::{DynamoFixture, ServiceFixture};
+    use selkie_benches::vs_dynamo::{DynamoFixture, OverlapForm, ServiceFixture};
 
     let dynamo = DynamoFixture::new(&Scenario::random(64, 1));
     let truth = parity::DynamoTruth::new(&dynamo, 64).expect("Dynamo agrees with itself");
     let service = ServiceFixture::new(&Scenario::random(64, 2));
-    match parity::check_service(&truth, &service) {
-        Err(parity::ParityError::Cost { who, .. }) => assert_eq!(who, parity::SERVICE),
-        other => panic!("expected a cost mismatch, got {other:?}"),
+    for form in OverlapForm::ALL {
+        match parity::check_service(&truth, &service, form) {
+            Err(parity::ParityError::Cost { who, .. }) => assert_eq!(who, parity::service_name(form)),
+            other => panic!("expected a cost mismatch ({form:?}), got {other:?}"),
+        }
     }
 }

@@ -33,7 +33,7 @@ pub use self::scenario::{
     CacheHit, Case, Scenario, ScenarioWorker, RANDOM_HIT_PERCENT, RANDOM_MAX_REQUESTS, RANDOM_MAX_REQUEST_BLOCKS,
 };
 pub use self::selkie::{BenchFleet, LoadSource, OverlapHit, SelkieFixture, FLEET_GROUPS};
-pub use self::service::{kv_request, overlap_input, OverlapInput, ServiceFixture};
+pub use self::service::{kv_request, overlap_input, OverlapForm, OverlapInput, ServiceFixture};
 
 /// Prompt length of the fixture's request, in tokens.
 pub const PROMPT_TOKENS: u32 = 2_048;

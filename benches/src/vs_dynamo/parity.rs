@@ -21,7 +21,7 @@
 
 use std::fmt;
 
-use super::{Case, Drivers, DynamoFixture, LoadSource, Scenario, SelkieFixture, ServiceFixture};
+use super::{Case, Drivers, DynamoFixture, LoadSource, OverlapForm, Scenario, SelkieFixture, ServiceFixture};
 
 /// Largest accepted `|selkie - dynamo| / |dynamo|` per worker.
 pub const REL_TOLERANCE: f64 = 1e-6;
@@ -31,8 +31,18 @@ pub const SIGMAS: f64 = 6.0;
 /// The temperature the sampling check uses.
 pub const SAMPLING_TEMPERATURE: f64 = 0.7;
 
-/// How parity reports name selkie's public service.
+/// How parity reports name selkie's public service, overlaps as row columns.
 pub const SERVICE: &str = "selkie/service";
+/// How parity reports name selkie's public service, overlaps keyed by worker.
+pub const SERVICE_KEYED: &str = "selkie/service (worker-keyed)";
+
+/// How parity reports name the service with overlaps in `form`.
+pub fn service_name(form: OverlapForm) -> &'static str {
+    match form {
+        OverlapForm::Rows => SERVICE,
+        OverlapForm::Keyed => SERVICE_KEYED,
+    }
+}
 
 /// What the check found for one scenario.
 #[derive(Clone, Debug)]
@@ -219,11 +229,17 @@ pub fn check_selkie(truth: &DynamoTruth, selkie: &mut SelkieFixture) -> Result<(
     Ok((max_rel_error, pick))
 }
 
-/// Checks 1 and 2 for selkie's public service: returns the largest relative
-/// cost error and the service's temperature-0 pick.
-pub fn check_service(truth: &DynamoTruth, service: &ServiceFixture) -> Result<(f64, u64), ParityError> {
-    let max_rel_error = check_costs(truth, SERVICE, &service.costs())?;
-    let pick = check_minimum(truth, SERVICE, service.select(0.0))?;
+/// Checks 1 and 2 for selkie's public service with the overlaps in `form`:
+/// returns the largest relative cost error and the service's
+/// temperature-0 pick.
+pub fn check_service(
+    truth: &DynamoTruth,
+    service: &ServiceFixture,
+    form: OverlapForm,
+) -> Result<(f64, u64), ParityError> {
+    let who = service_name(form);
+    let max_rel_error = check_costs(truth, who, &service.costs(form))?;
+    let pick = check_minimum(truth, who, service.select_as(form, 0.0))?;
     Ok((max_rel_error, pick))
 }
 
@@ -287,9 +303,11 @@ pub fn check_drivers(scenario: &Scenario, drivers: &mut Drivers, samples: usize)
         max_rel_error = max_rel_error.max(e);
         selkie_picks.push((who(selkie.load_source()), pick));
     }
-    let (e, pick) = check_service(&truth, &drivers.service)?;
-    max_rel_error = max_rel_error.max(e);
-    selkie_picks.push((SERVICE, pick));
+    for form in OverlapForm::ALL {
+        let (e, pick) = check_service(&truth, &drivers.service, form)?;
+        max_rel_error = max_rel_error.max(e);
+        selkie_picks.push((service_name(form), pick));
+    }
     let sampling = if samples == 0 {
         None
     } else {

@@ -17,6 +17,14 @@ use super::Case;
 pub const TARGETS: [(f32, f64, f64); 2] = [(0.0, 50.0, 0.5), (0.7, 30.0, 1.0)];
 /// Smallest fleet the targets apply to.
 pub const TARGET_MIN_WORKERS: usize = 1_024;
+/// Speedup targets of the public API with worker-keyed overlaps: (temperature,
+/// workers, speedup).
+pub const KEYED_TARGETS: [(f32, usize, f64); 4] = [
+    (0.0, 1_024, 30.0),
+    (0.0, 10_000, 50.0),
+    (0.7, 1_024, 20.0),
+    (0.7, 10_000, 30.0),
+];
 
 /// One case of the selector comparison: median ns per call of each side.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -29,8 +37,10 @@ pub struct SelectorRow {
     pub temperature: f32,
     /// Dynamo's `DefaultWorkerSelector::select_worker`.
     pub dynamo_ns: f64,
-    /// selkie's public API: select + book + release.
+    /// selkie's public API: select + book + release, overlaps as row columns.
     pub public_ns: f64,
+    /// The same with the overlaps keyed by worker, in a shuffled order.
+    pub keyed_ns: f64,
     /// selkie's kernel path on a kernel `Fleet`.
     pub kernel_ns: f64,
     /// selkie's kernel path on plain slices.
@@ -41,6 +51,11 @@ impl SelectorRow {
     /// Dynamo over selkie's public API.
     pub fn public_ratio(&self) -> f64 {
         self.dynamo_ns / self.public_ns
+    }
+
+    /// Dynamo over selkie's public API, overlaps keyed by worker.
+    pub fn keyed_ratio(&self) -> f64 {
+        self.dynamo_ns / self.keyed_ns
     }
 
     /// Dynamo over selkie's kernel path (fleet).
@@ -96,6 +111,19 @@ fn target(workers: usize, temperature: f32) -> Option<(f64, f64)> {
         .map(|&(_, speedup, ns)| (speedup, ns))
 }
 
+/// A worker-keyed row's standing against [`KEYED_TARGETS`]; `-` for a fleet
+/// size or temperature without one.
+pub fn keyed_verdict(workers: usize, temperature: f32, ratio: f64) -> String {
+    match KEYED_TARGETS
+        .iter()
+        .find(|&&(t, n, _)| t == temperature && n == workers)
+    {
+        None => "-".into(),
+        Some(&(_, _, speedup)) if ratio >= speedup => format!(">= {speedup}x met"),
+        Some(&(_, _, speedup)) => format!(">= {speedup}x MISSED ({:.1}x short)", speedup / ratio),
+    }
+}
+
 /// The compact summary: every case, Dynamo against selkie's public API.
 /// Full-path rows (`core`) have case `full path` and no target.
 pub fn summary(rows: &[SelectorRow], core: &[CoreRow]) -> String {
@@ -107,9 +135,13 @@ pub fn summary(rows: &[SelectorRow], core: &[CoreRow]) -> String {
         "selkie ns (public API)",
         "ratio",
         "target (public API)",
+        "selkie ns (public API, worker-keyed)",
+        "ratio (worker-keyed)",
+        "target (worker-keyed)",
     ]);
     for r in rows {
         let ratio = r.public_ratio();
+        let keyed = r.keyed_ratio();
         t.row(vec![
             r.case.name().into(),
             r.workers.to_string(),
@@ -118,6 +150,9 @@ pub fn summary(rows: &[SelectorRow], core: &[CoreRow]) -> String {
             ns(r.public_ns),
             times(ratio),
             speedup_verdict(r.workers, r.temperature, ratio),
+            ns(r.keyed_ns),
+            times(keyed),
+            keyed_verdict(r.workers, r.temperature, keyed),
         ]);
     }
     for r in core {
@@ -128,6 +163,9 @@ pub fn summary(rows: &[SelectorRow], core: &[CoreRow]) -> String {
             ns(r.dynamo_ns),
             ns(r.public_ns),
             times(r.ratio()),
+            "-".into(),
+            "-".into(),
+            "-".into(),
             "-".into(),
         ]);
     }
@@ -290,6 +328,10 @@ mod tests {
         assert_eq!(per_worker_verdict(1_000, 0.7, 900.0), "-");
         assert_eq!(per_worker_verdict(2_000, 0.7, 2_000.0), "<= 1 ns/wkr met");
         assert_eq!(per_worker_verdict(2_000, 0.0, 2_000.0), "<= 0.5 ns/wkr MISSED");
+        assert_eq!(keyed_verdict(32, 0.0, 100.0), "-");
+        assert_eq!(keyed_verdict(1_024, 0.0, 30.0), ">= 30x met");
+        assert_eq!(keyed_verdict(10_000, 0.0, 25.0), ">= 50x MISSED (2.0x short)");
+        assert_eq!(keyed_verdict(10_000, 0.7, 31.0), ">= 30x met");
     }
 
     #[test]
@@ -300,6 +342,7 @@ mod tests {
             temperature: 0.7,
             dynamo_ns: 3_000.0,
             public_ns: 100.0,
+            keyed_ns: 200.0,
             kernel_ns: 50.0,
             slices_ns: 40.0,
         };
@@ -313,6 +356,10 @@ mod tests {
         assert_eq!(lines.len(), 4);
         assert!(lines[2].starts_with("| random "), "{s}");
         assert!(lines[2].contains("30.0x") && lines[2].contains(">= 30x met"), "{s}");
+        assert!(
+            lines[2].contains("15.0x") && lines[2].contains(">= 20x MISSED (1.3x short)"),
+            "{s}"
+        );
         assert!(
             lines[3].starts_with("| full path ") && lines[3].ends_with(" - |"),
             "{s}"

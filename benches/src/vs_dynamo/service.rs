@@ -7,11 +7,13 @@
 //! # The overlap input
 //!
 //! [`OverlapInput`], [`overlap_input`] and [`kv_request`] are the one place
-//! that decides how the request's overlaps reach the service (per-row
-//! columns, `RowOverlaps`, through `SelectionRequest::with_row_overlaps`,
-//! as a KV indexer would hand them over). Every selkie-service row of the
-//! benchmark, the parity check included, goes through them, so switching to
-//! another overlap form changes these three items and nothing else.
+//! that decides how the request's overlaps reach the service, in either of
+//! two forms ([`OverlapForm`]): per-row columns (`RowOverlaps`, through
+//! `SelectionRequest::with_row_overlaps`, as a KV indexer would hand them
+//! over), or one `WorkerOverlap` per worker with a cache hit, in a shuffled
+//! order (`SelectionRequest::with_overlaps`, what a router holding
+//! Dynamo-style `OverlapScores` passes). Every selkie-service row of the
+//! benchmark, the parity check included, goes through them.
 //!
 //! # How the load gets there
 //!
@@ -57,15 +59,36 @@ use selkie::{
 };
 
 use super::{Scenario, BLOCK_SIZE, PROMPT_TOKENS};
+use crate::SplitMix64;
 
-/// The request's overlaps as the service takes them fastest: per-row
-/// columns (what a KV indexer produces), for the row layout they were
-/// computed against. Empty columns: nothing cached.
+/// How the request's overlaps reach the service.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OverlapForm {
+    /// Per-row columns for the service's row layout
+    /// (`SelectionRequest::with_row_overlaps`).
+    Rows,
+    /// One `WorkerOverlap` per worker with a hit, keyed by worker id, in a
+    /// shuffled order (`SelectionRequest::with_overlaps`).
+    Keyed,
+}
+
+impl OverlapForm {
+    /// Both forms.
+    pub const ALL: [OverlapForm; 2] = [OverlapForm::Rows, OverlapForm::Keyed];
+}
+
+/// The request's overlaps in both forms: per-row columns (what a KV
+/// indexer produces), for the row layout they were computed against, and
+/// the same hits keyed by worker. Empty: nothing cached.
 pub struct OverlapInput {
     layout: RowLayout,
     device_blocks: Vec<f32>,
     cached_tokens: Vec<f32>,
+    keyed: Vec<WorkerOverlap>,
 }
+
+/// The seed of the keyed overlaps' order.
+const KEYED_ORDER_SEED: u64 = 0x0ede_7ed5;
 
 /// `scenario`'s cache hits in the form [`kv_request`] takes: device blocks
 /// and cached tokens per row of `service`'s current row layout (worker `id`
@@ -74,29 +97,50 @@ pub fn overlap_input(service: &WorkerSelectionService, scenario: Option<&Scenari
     let layout = service.row_layout();
     let mut device_blocks = vec![0.0; layout.rows()];
     let mut cached_tokens = vec![0.0; layout.rows()];
+    let mut keyed = Vec::new();
     for (id, hit) in scenario.into_iter().flat_map(|s| s.hits()) {
-        let row = service
-            .row_of(WorkerWithDpRank::new(first_id + u64::from(id), 0))
-            .expect("every scenario worker has a row");
+        let worker = WorkerWithDpRank::new(first_id + u64::from(id), 0);
+        let row = service.row_of(worker).expect("every scenario worker has a row");
         device_blocks[row] = hit.device_blocks as f32;
         cached_tokens[row] = hit.cached_tokens as f32;
+        keyed.push(WorkerOverlap {
+            worker,
+            device_blocks: hit.device_blocks,
+            cached_tokens: hit.cached_tokens,
+            ..WorkerOverlap::default()
+        });
+    }
+    // A router's overlap map comes in no particular order: Fisher-Yates.
+    let mut rng = SplitMix64::new(KEYED_ORDER_SEED);
+    for i in (1..keyed.len()).rev() {
+        keyed.swap(i, rng.below(i as u64 + 1) as usize);
     }
     OverlapInput {
         layout,
         device_blocks,
         cached_tokens,
+        keyed,
     }
 }
 
-/// The measured request: `isl_tokens` prompt tokens, `overlaps`, the router
-/// temperature. Built per call; it borrows the overlaps and allocates
-/// nothing.
+/// The measured request: `isl_tokens` prompt tokens, `overlaps` in `form`,
+/// the router temperature. Built per call; it borrows the overlaps and
+/// allocates nothing.
 #[inline]
-pub fn kv_request(isl_tokens: u32, overlaps: &OverlapInput, temperature: f32) -> SelectionRequest<'_> {
-    let rows = RowOverlaps::new(overlaps.layout, &overlaps.device_blocks).with_cached_tokens(&overlaps.cached_tokens);
-    SelectionRequest::new(isl_tokens as usize)
-        .with_row_overlaps(rows)
-        .with_temperature(f64::from(temperature))
+pub fn kv_request(
+    isl_tokens: u32,
+    overlaps: &OverlapInput,
+    form: OverlapForm,
+    temperature: f32,
+) -> SelectionRequest<'_> {
+    let request = SelectionRequest::new(isl_tokens as usize);
+    let request = match form {
+        OverlapForm::Rows => request.with_row_overlaps(
+            RowOverlaps::new(overlaps.layout, &overlaps.device_blocks).with_cached_tokens(&overlaps.cached_tokens),
+        ),
+        OverlapForm::Keyed => request.with_overlaps(&overlaps.keyed),
+    };
+    request.with_temperature(f64::from(temperature))
 }
 
 /// A service holding a scenario's load, with the scenario's request.
@@ -200,7 +244,16 @@ impl ServiceFixture {
     /// If the selection fails (no scenario overloads a worker).
     #[inline]
     pub fn select(&self, temperature: f32) -> u64 {
-        let req = kv_request(self.isl_tokens, &self.overlaps, temperature);
+        self.select_as(OverlapForm::Rows, temperature)
+    }
+
+    /// [`select`](Self::select) with the overlaps in `form`.
+    ///
+    /// # Panics
+    /// If the selection fails (no scenario overloads a worker).
+    #[inline]
+    pub fn select_as(&self, form: OverlapForm, temperature: f32) -> u64 {
+        let req = kv_request(self.isl_tokens, &self.overlaps, form, temperature);
         let selection = self.service.select(&req).expect("the service admits every request");
         let worker = selection.worker().worker_id;
         drop(selection);
@@ -210,8 +263,8 @@ impl ServiceFixture {
     /// Every worker's KV cost for the request as the service computes it
     /// (the same costs at every temperature), less the request's own prompt
     /// blocks (see the module docs); index `i` is worker `first_id + i`.
-    pub fn costs(&self) -> Vec<f32> {
-        let req = kv_request(self.isl_tokens, &self.overlaps, 0.0);
+    pub fn costs(&self, form: OverlapForm) -> Vec<f32> {
+        let req = kv_request(self.isl_tokens, &self.overlaps, form, 0.0);
         let shift = self.isl_tokens.div_ceil(BLOCK_SIZE) as f32;
         let costs = self.service.costs(&req).expect("every worker is eligible");
         assert_eq!(costs.len(), self.workers, "one cost per worker");

@@ -51,7 +51,9 @@
 //! in `f64`, as Dynamo does, for the parity tests.
 //!
 //! The `f32` cost differs from Dynamo's `f64` one by at most
-//! [`KV_COST_PARITY_ULPS`]` * 2^-24 * M` (about `1.2e-6 * M`), where `M` is the
+//! [`KV_COST_PARITY_ULPS`]` * 2^-24 * M` (about `1.2e-6 * M`; at least that
+//! many of `f32`'s smallest steps, `2^-149`, where the computation falls in
+//! `f32`'s subnormal range), where `M` is the
 //! *magnitude* of the row's computation: the taint multiplier times the sum of
 //! the absolute values of the terms (`scale * (raw_blocks + each credit term)
 //! + decode + req`; [`KvCostF64::magnitude`]). Every term is produced by at

@@ -76,9 +76,14 @@ impl KvCostTerms {
 
 impl KvCostF64 {
     /// The largest difference [`kv_cost`](super::kv_cost)'s `f32` result may have from
-    /// [`cost`](Self::cost): `KV_COST_PARITY_ULPS * 2^-24 * magnitude`.
+    /// [`cost`](Self::cost): `KV_COST_PARITY_ULPS * 2^-24 * magnitude`, and
+    /// never less than `KV_COST_PARITY_ULPS` times `f32`'s smallest step,
+    /// `2^-149`: a computation in `f32`'s subnormal range has that absolute
+    /// precision, not a relative one (a cost of `5.6e-46` in `f64` is 0 in
+    /// `f32`).
     pub fn tolerance(&self) -> f64 {
-        KV_COST_PARITY_ULPS * libm::ldexp(1.0, -24) * self.magnitude
+        let relative = KV_COST_PARITY_ULPS * libm::ldexp(1.0, -24) * self.magnitude;
+        relative.max(KV_COST_PARITY_ULPS * libm::ldexp(1.0, -149))
     }
 
     /// Whether `cost` (from [`kv_cost`](super::kv_cost)) is within [`tolerance`](Self::tolerance).

@@ -206,6 +206,29 @@ fn bs16() -> NonZeroU32 {
 
 /// Dynamo's own worked example: isl 64 with 96 cached tokens (isl < cached),
 /// 6 device blocks, 16 active prefill tokens, decode 2 + 3 added, scale 2.
+/// In `f32`'s subnormal range the bound is absolute: a row whose `f64` cost
+/// is `5.6e-46` (a proptest case on the portable backend) computes to 0 in
+/// `f32`, its nearest value; the relative bound alone (`6.7e-52`) refused it.
+#[test]
+fn the_parity_bound_has_f32s_smallest_step_as_a_floor() {
+    let tiny = KvCostF64 {
+        cost: 5.630_800_578_738_229e-46,
+        magnitude: 5.630_800_578_738_229e-46,
+        ..KvCostF64::default()
+    };
+    assert!(tiny.admits(0.0));
+    assert!(tiny.admits(f32::from_bits(1)), "the smallest subnormal");
+    assert!(!tiny.admits(1e-40));
+    // In the normal range the bound stays relative.
+    let one = KvCostF64 {
+        cost: 1.0,
+        magnitude: 1.0,
+        ..KvCostF64::default()
+    };
+    assert!(one.admits(1.0 + 1e-6));
+    assert!(!one.admits(1.0 + 1e-5));
+}
+
 #[test]
 fn hand_worked_isl_below_cached_and_tracking_off() {
     let config = KvCostConfig {
