@@ -54,7 +54,7 @@ async fn an_engine_that_dies_mid_stream() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refused_connection_is_retried_once_on_the_next_choice_and_booked_once() {
-    let dead = dead_url();
+    let (dead, _held) = dead_url();
     let b = StubEngine::start(StubConfig::new("b")).await;
     b.set_fault(Fault::HoldAfter(1));
     let server = router(&[dead.clone(), b.url()], |c| {
@@ -103,7 +103,9 @@ async fn a_refused_connection_is_retried_once_on_the_next_choice_and_booked_once
     server.shutdown().await;
 
     // Every worker refuses: 502 after one retry, nothing booked.
-    let server = router(&[dead_url(), dead_url(), dead_url()], |_| {}).await;
+    let dead: Vec<_> = (0..3).map(|_| dead_url()).collect();
+    let urls: Vec<String> = dead.iter().map(|(url, _)| url.clone()).collect();
+    let server = router(&urls, |_| {}).await;
     let r = url(&server);
     let reply = post(&r, "/v1/completions", PLAIN, &[]).await;
     assert_refused(&reply, 502, "upstream_unreachable");
@@ -340,7 +342,12 @@ async fn capacity_refusals_carry_retry_after() {
         let r = r.clone();
         async move { post(&r, "/v1/completions", STREAM, &[]).await }
     });
-    eventually("the engine holds a stream", async || c2.open() == 1).await;
+    // Held by the engine and booked by this router: the stream is the
+    // first request's.
+    eventually("the engine holds a stream", async || {
+        c2.open() == 1 && scrape(&r).await.booked().0 == 1.0
+    })
+    .await;
     let reply = post(&r, "/v1/completions", STREAM, &[]).await;
     assert_refused(&reply, 503, "router_at_capacity");
     assert_eq!(reply.header("retry-after"), Some("1"));

@@ -266,10 +266,13 @@ pub fn tokenizer_and_template(dir: &std::path::Path) -> (PathBuf, PathBuf) {
     (tokenizer_path, template_path)
 }
 
-/// A port on loopback that nothing listens on (connections are refused).
-pub fn dead_url() -> String {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = l.local_addr().unwrap();
-    drop(l);
-    format!("http://{addr}")
+/// A port on loopback that refuses connections, for as long as the returned
+/// socket lives: bound and never listening, so no other server of the test
+/// run (a stub engine, a router) can take the port meanwhile, as one could
+/// a port closed again.
+pub fn dead_url() -> (String, tokio::net::TcpSocket) {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let addr = socket.local_addr().unwrap();
+    (format!("http://{addr}"), socket)
 }
