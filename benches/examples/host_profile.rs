@@ -4,6 +4,7 @@
 //!
 //! `cargo run --release -p selkie-benches --example host_profile -- random 1024 1000`
 //! (mode: random, round-robin, power-of-two, least-loaded, kv, kv-keyed,
+//! kv-keyed-shuffled,
 //! or kv-index: tokens hashed, the KV index queried, then the selection;
 //! then workers and calls).
 
@@ -46,6 +47,7 @@ fn main() {
     }
     let fixture = match mode.as_str() {
         "kv-keyed" => HostFixture::new(Mode::Kv, workers, 0.0).worker_keyed(),
+        "kv-keyed-shuffled" => HostFixture::new(Mode::Kv, workers, 0.0).worker_keyed().shuffled(),
         name => {
             let mode = Mode::ALL
                 .into_iter()
@@ -54,10 +56,12 @@ fn main() {
             HostFixture::new(mode, workers, 0.0)
         }
     };
+    let start = std::time::Instant::now();
     if fixture.mode().plain() {
         measured_plain(&fixture, calls);
     } else {
         measured(&fixture, calls);
     }
-    println!("{mode}: {calls} calls at {workers} workers");
+    let ns = start.elapsed().as_nanos() as f64 / calls.max(1) as f64;
+    println!("{mode}: {calls} calls at {workers} workers, {ns:.0} ns a call");
 }

@@ -185,6 +185,22 @@ impl HostFixture {
         self
     }
 
+    /// The same fixture's worker-keyed overlaps in a shuffled order (a
+    /// fixed Fisher-Yates shuffle): what a router passes when its overlaps
+    /// come from a hash map.
+    pub fn shuffled(mut self) -> Self {
+        let mut state = 0x5e1c_1e00_d1a0_u64;
+        for i in (1..self.overlaps.len()).rev() {
+            state = state
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            let j = ((state >> 33) % (i as u64 + 1)) as usize;
+            self.overlaps.swap(i, j);
+        }
+        self.select_and_release();
+        self
+    }
+
     /// The fixture's mode.
     pub fn mode(&self) -> Mode {
         self.mode

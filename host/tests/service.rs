@@ -421,3 +421,97 @@ fn refused_bookings_are_counted() {
     assert_eq!(refusals[0], refusals[1], "fast and general paths");
     assert!(refusals[0] > 0, "round robin draws the full worker");
 }
+
+/// A booking's prefill tokens are the prompt less the cached tokens of the
+/// worker it booked, whichever way the `kv` policy chose (argmin, softmax
+/// draw, the switching margin's holder) and however the worker-keyed
+/// overlaps were scattered (by the kernel when many, from a list when few):
+/// overlaps in shuffled order, so that no search by worker finds them
+/// sorted. A count past `f32`'s exact integers is booked exactly too.
+#[test]
+fn a_keyed_bookings_prefill_is_its_workers_uncached_tokens() {
+    let workers = 64u64;
+    let configs = [
+        KvRouterConfig::default(),
+        KvRouterConfig {
+            router_temperature: 0.7,
+            ..KvRouterConfig::default()
+        },
+        KvRouterConfig {
+            switch_margin: 1e12,
+            ..KvRouterConfig::default()
+        },
+    ];
+    let service = |config: &KvRouterConfig| {
+        let s = svc(WorkerSelectionPolicy::kv(*config, WorkerType::Aggregated));
+        for id in 0..workers {
+            s.add_worker(WorkerRecord::new(id)).unwrap();
+        }
+        s
+    };
+    let keyed = |ids: &[u64], cached_on: &dyn Fn(u64) -> u32| -> Vec<WorkerOverlap> {
+        ids.iter()
+            .map(|&id| WorkerOverlap {
+                worker: WorkerWithDpRank::new(id, 0),
+                device_blocks: cached_on(id) / 16,
+                cached_tokens: cached_on(id),
+                ..Default::default()
+            })
+            .collect()
+    };
+    // Many entries (the kernel's scatter) and few (the list), in a fixed
+    // shuffle; the bookings are held, so the load moves the choice about.
+    let many: Vec<u64> = (0..workers)
+        .filter(|w| w % 5 != 3)
+        .map(|w| (w * 37) % workers)
+        .collect();
+    let few: Vec<u64> = vec![5, 41, 17];
+    let isl = 8192;
+    let cached_on = |id: u64| (id as u32 * 977) % 4096;
+    for config in &configs {
+        for ids in [&many, &few] {
+            let s = service(config);
+            let overlaps = keyed(ids, &cached_on);
+            let req = SelectionRequest::new(isl).with_overlaps(&overlaps);
+            let mut held = Vec::new();
+            let mut chosen = std::collections::BTreeSet::new();
+            for _ in 0..200 {
+                let b = s.select(&req).unwrap();
+                let id = b.worker().worker_id;
+                let cached = if ids.contains(&id) { cached_on(id) } else { 0 };
+                assert_eq!(
+                    b.prefill_tokens(),
+                    isl as u32 - cached,
+                    "worker {id}, temperature {}, margin {}, {} entries",
+                    config.router_temperature,
+                    config.switch_margin,
+                    ids.len()
+                );
+                chosen.insert(id);
+                held.push(b);
+            }
+            assert!(chosen.len() > 3, "{chosen:?}");
+        }
+        // 16,777,217 cached tokens on worker 5: an f32 holds 16,777,216.
+        // Each booking dropped before the next (the counters cap a
+        // booking's prefill at COUNTER_MAX).
+        let all: Vec<u64> = (0..workers).map(|w| (w * 37) % workers).collect();
+        for ids in [&all, &few] {
+            let s = service(config);
+            let overlaps = keyed(ids, &|id| if id == 5 { 16_777_217 } else { 0 });
+            let req = SelectionRequest::new(20_000_000).with_overlaps(&overlaps);
+            let mut fives = 0;
+            for _ in 0..200 {
+                let b = s.select(&req).unwrap();
+                let (id, prefill) = (b.worker().worker_id, b.prefill_tokens());
+                if id == 5 {
+                    fives += 1;
+                    assert_eq!(prefill, 20_000_000 - 16_777_217);
+                } else {
+                    assert_eq!(prefill, selkie_kernel::fleet::COUNTER_MAX, "worker {id}");
+                }
+            }
+            assert!(fives > 0, "temperature {}", config.router_temperature);
+        }
+    }
+}

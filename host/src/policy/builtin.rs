@@ -16,7 +16,7 @@ use selkie_kernel::Rng;
 use selkie_kernel::fleet::FleetView;
 
 use super::scratch::Scratch;
-use super::{Choice, DeviceAwareConfig, Drawn, Draws, Env, ListDraw};
+use super::{Choice, DeviceAwareConfig, Drawn, Draws, Env, ListDraw, ScatteredTokens};
 use crate::discovery::registry::WorkerRegistry;
 use crate::error::SelectionError;
 use crate::explain::Branch;
@@ -31,6 +31,7 @@ pub(crate) fn choice(row: usize, cost: f64, branch: Branch, candidates: usize) -
         branch,
         candidates,
         temperature: 0.0,
+        cached_tokens: ScatteredTokens::NONE,
     }
 }
 

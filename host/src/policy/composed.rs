@@ -22,7 +22,7 @@
 use selkie_kernel::lanes::{F32Source, U32Source};
 
 use super::scratch::Scratch;
-use super::{Choice, Composed, Env};
+use super::{Choice, Composed, Env, ScatteredTokens};
 use crate::contain::contain_message;
 use crate::error::{PluginKind, SelectionError, WorkerSelectionPolicyError};
 use crate::explain::{Branch, CostTerms};
@@ -283,5 +283,6 @@ pub(crate) fn choose(env: &Env<'_>, s: &mut Scratch, c: &Composed) -> Result<Cho
         branch: Branch::Picker,
         candidates: n,
         temperature: 0.0,
+        cached_tokens: ScatteredTokens::NONE,
     })
 }

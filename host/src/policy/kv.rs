@@ -31,7 +31,7 @@ use selkie_kernel::Rng;
 
 use super::rank_inputs::{rank_columns, rank_inputs, shared_hits_column};
 use super::scratch::{OverlapColumns, Scratch};
-use super::{Choice, Env, KvRouterConfig};
+use super::{Choice, Env, KvRouterConfig, ScatteredTokens};
 use crate::error::{SelectionError, WorkerSelectionPolicyError};
 use crate::explain::{Branch, CostTerms};
 use crate::filter::for_each_row;
@@ -389,8 +389,9 @@ fn choose_minimum(
     let mask = env.mask;
     let result = with_kernel_inputs(env, s, kcfg, worker_type, |kreq, load, kover, _| {
         kv_cost_argmin(kcfg, kreq, load, kover, mask, rng)
+            .map(|c| c.map(|c| (c, ScatteredTokens::new(scattered_tokens(env, kover, c.row)))))
     })?;
-    let choice = match result {
+    let (choice, cached_tokens) = match result {
         Ok(Some(c)) => c,
         Ok(None) => return Err(SelectionError::AllEligibleWorkersOverloaded),
         Err(KvCostError::NonFiniteCost { row }) => return Err(non_finite(row)),
@@ -403,8 +404,26 @@ fn choose_minimum(
         branch: Branch::KvMinimum,
         candidates: env.candidates(),
         temperature: f64::from(kcfg.router_temperature),
+        cached_tokens,
     })
 }
+
+/// The request's cached tokens on `row` as the cost read them, where they
+/// came from worker-keyed overlaps scattered into the scratch (which is
+/// cleared before the booking): `None` for per-row overlaps (the booking
+/// reads their column), for a request without overlaps, and for a count
+/// an `f32` does not hold exactly (at or above 2^24).
+#[inline(always)]
+fn scattered_tokens(env: &Env<'_>, kover: &KvOverlap<'_>, row: usize) -> Option<u32> {
+    if env.req.row_overlaps.is_some() || env.req.overlaps.is_empty() {
+        return None;
+    }
+    let tokens = kover.cached_tokens.and_then(|c| c.get(row)).map_or(0.0, |&t| t);
+    (tokens < F32_EXACT_INTEGERS).then_some(tokens as u32)
+}
+
+/// 2^24: every integer below it is exact in an `f32`.
+const F32_EXACT_INTEGERS: f32 = 16_777_216.0;
 
 /// The eligible row holding the request's longest cached prefix on its
 /// device (most device blocks; ties to the lower cost in `costs`, then the
@@ -485,6 +504,7 @@ fn held_by_margin(env: &Env<'_>, cfg: &KvRouterConfig, costs: &[f32], min: f32, 
         branch: Branch::KvHeld,
         candidates: env.candidates(),
         temperature: 0.0,
+        cached_tokens: ScatteredTokens::NONE,
     })
 }
 
@@ -504,49 +524,57 @@ pub(crate) fn choose(
     if kcfg.router_temperature == 0.0 && !env.explain && !margin {
         return choose_minimum(env, s, rng, &kcfg, worker_type);
     }
-    let range = column_costs(env, s, &kcfg, worker_type)?;
-    let (mask, costs, rows) = (env.mask, &mut s.costs, env.rows);
+    let mask = env.mask;
     let t = kcfg.router_temperature;
-    if margin && range.min.is_finite() && range.max.is_finite() {
-        if let Some(mut held) = held_by_margin(env, cfg, &costs[..rows], range.min, dwell) {
-            held.temperature = f64::from(t);
-            if env.explain {
-                held.runner_up = explain(&costs[..rows], mask, held.row)
-                    .and_then(|o| o.runner_up)
-                    .map(|(r, c)| (r, f64::from(c)));
+    // The pick runs where the cost column is written, before the scratch's
+    // overlap columns are cleared: the chosen row's cached tokens are read
+    // there.
+    with_kernel_inputs(env, s, &kcfg, worker_type, |kreq, load, kover, costs| {
+        let range = kv_cost(&kcfg, kreq, load, kover, mask, costs)
+            .map_err(|_| SelectionError::InvalidRequest("KV cost inputs rejected by the kernel"))?;
+        let costs = &*costs;
+        if margin && range.min.is_finite() && range.max.is_finite() {
+            if let Some(mut held) = held_by_margin(env, cfg, costs, range.min, dwell) {
+                held.temperature = f64::from(t);
+                held.cached_tokens = ScatteredTokens::new(scattered_tokens(env, kover, held.row));
+                if env.explain {
+                    held.runner_up = explain(costs, mask, held.row)
+                        .and_then(|o| o.runner_up)
+                        .map(|(r, c)| (r, f64::from(c)));
+                }
+                return Ok(held);
             }
-            return Ok(held);
         }
-    }
-    // `kv_cost` returned the eligible range while writing the costs: the pick
-    // skips its own finiteness and min/max passes (non-finite ranges fall
-    // back to the checked pick inside `pick_in_range`).
-    let row = match pick_in_range(&costs[..rows], mask, range, t, rng) {
-        Ok(Some(row)) => row,
-        Ok(None) => return Err(SelectionError::AllEligibleWorkersOverloaded),
-        Err(KernelError::NonFiniteCost { row }) => return Err(non_finite(row)),
-        Err(_) => return Err(SelectionError::InvalidRequest("temperature must be finite and >= 0")),
-    };
-    if margin && !env.ctx.is_preview() {
-        // The chosen row won on its cost: its dwell starts again.
-        if let Some(c) = dwell.get(row) {
-            c.store(0, Ordering::Relaxed);
+        // `kv_cost` returned the eligible range while writing the costs: the
+        // pick skips its own finiteness and min/max passes (non-finite ranges
+        // fall back to the checked pick inside `pick_in_range`).
+        let row = match pick_in_range(costs, mask, range, t, rng) {
+            Ok(Some(row)) => row,
+            Ok(None) => return Err(SelectionError::AllEligibleWorkersOverloaded),
+            Err(KernelError::NonFiniteCost { row }) => return Err(non_finite(row)),
+            Err(_) => return Err(SelectionError::InvalidRequest("temperature must be finite and >= 0")),
+        };
+        if margin && !env.ctx.is_preview() {
+            // The chosen row won on its cost: its dwell starts again.
+            if let Some(c) = dwell.get(row) {
+                c.store(0, Ordering::Relaxed);
+            }
         }
-    }
-    let cost = f64::from(costs[row]);
-    let runner_up = if env.explain {
-        explain(&costs[..rows], mask, row)
-            .and_then(|o| o.runner_up)
-            .map(|(r, c)| (r, f64::from(c)))
-    } else {
-        None
-    };
-    Ok(Choice {
-        row,
-        cost,
-        runner_up,
-        branch: if t == 0.0 { Branch::KvMinimum } else { Branch::KvSoftmax },
-        candidates: env.candidates(),
-        temperature: f64::from(t),
-    })
+        let runner_up = if env.explain {
+            explain(costs, mask, row)
+                .and_then(|o| o.runner_up)
+                .map(|(r, c)| (r, f64::from(c)))
+        } else {
+            None
+        };
+        Ok(Choice {
+            row,
+            cost: f64::from(costs[row]),
+            runner_up,
+            branch: if t == 0.0 { Branch::KvMinimum } else { Branch::KvSoftmax },
+            candidates: env.candidates(),
+            temperature: f64::from(t),
+            cached_tokens: ScatteredTokens::new(scattered_tokens(env, kover, row)),
+        })
+    })?
 }

@@ -647,6 +647,36 @@ pub(crate) struct Choice {
     pub(crate) branch: Branch,
     pub(crate) candidates: usize,
     pub(crate) temperature: f64,
+    /// The request's cached tokens on `row` as the policy read them from
+    /// the worker-keyed overlaps it scattered into per-row columns, so the
+    /// booking need not search the overlaps for the row's worker.
+    pub(crate) cached_tokens: ScatteredTokens,
+}
+
+// A choice stays within a cache line (see `ScatteredTokens`).
+const _: () = assert!(std::mem::size_of::<Choice>() <= 64);
+
+/// A request's cached tokens on a chosen row, as a policy read them from
+/// the worker-keyed overlaps it scattered, or [`NONE`](Self::NONE) (the
+/// booking looks them up). Four bytes, in what was padding of a [`Choice`]:
+/// a choice is moved about on every selection, and an `Option<u32>` made it
+/// eight bytes longer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct ScatteredTokens(u32);
+
+impl ScatteredTokens {
+    /// Not read: the booking looks the tokens up.
+    pub(crate) const NONE: Self = Self(u32::MAX);
+
+    /// `tokens` as read (`u32::MAX`, the marker of none, is looked up too).
+    pub(crate) fn new(tokens: Option<u32>) -> Self {
+        Self(tokens.unwrap_or(u32::MAX))
+    }
+
+    /// The tokens read, if any.
+    pub(crate) fn get(self) -> Option<u32> {
+        (self.0 != u32::MAX).then_some(self.0)
+    }
 }
 
 impl WorkerSelectionPolicy {

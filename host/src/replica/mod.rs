@@ -962,7 +962,11 @@ pub struct ReplicaSync {
 
 impl ReplicaSync {
     /// Connects to the NATS server at `url`, subscribes to the options'
-    /// subject and asks the peers for snapshots; returns once subscribed.
+    /// subject and asks the peers for snapshots; returns once the
+    /// subscription is written to the server. The server registers it in
+    /// its own time: a publication by another connection in the meantime
+    /// may miss this replica, which is why it asks the peers for snapshots
+    /// (on its own connection, after the subscription).
     /// Fails if an option is out of range, a credential or TLS file cannot
     /// be used ([`SyncError::Credentials`]), the server refuses the
     /// credentials ([`SyncError::AuthenticationFailed`]), the TLS handshake

@@ -199,8 +199,9 @@ impl SyncLoop {
             .subscribe(subject.clone())
             .await
             .map_err(|e| self.unavailable(format!("cannot subscribe to {subject}: {e}")))?;
-        // The subscription is on the server before anyone is asked for a
-        // snapshot.
+        // The subscription is written before anyone is asked for a
+        // snapshot: the server handles one connection's operations in
+        // order, so the answers find it.
         match tokio::time::timeout(timeout, client.flush()).await {
             Ok(Ok(())) => {}
             Ok(Err(e)) => return Err(self.unavailable(format!("cannot subscribe to {subject}: {e}"))),

@@ -89,7 +89,13 @@ impl WorkerSelectionService {
         let meta = reg.row(row)?;
         let load = match plan.load {
             Some(load) => load,
-            None => self.book_row_load(*req, row, meta.worker()),
+            None => {
+                let cached = match &pick {
+                    Pick::Chosen(choice) => choice.cached_tokens.get(),
+                    Pick::Drawn(_) => None,
+                };
+                self.book_row_load(*req, row, cached, meta.worker())
+            }
         };
         match Booking::new_for_slot_with_active(FleetHandle(handle()), meta.handle.slot, load) {
             Ok((booking, found)) => Some(Ok(match pick {

@@ -410,15 +410,15 @@ impl WorkerSelectionService {
         });
     }
 
-    /// The load a booking of `req` on `row` (`worker`) carries: the decode
+    /// The load a booking of `req` on the chosen row (`worker`) carries: the decode
     /// blocks it adds there (its prompt's blocks, or the rank's
     /// [`AddedBlocks`](crate::AddedBlocks)), and its prefill tokens beyond
     /// the cached ones when the request tracks them.
     #[cfg_attr(not(debug_assertions), inline(always))]
-    pub(super) fn book_load(&self, req: &SelectionRequest<'_>, row: usize, worker: WorkerWithDpRank) -> BookLoad {
+    pub(super) fn book_load(&self, req: &SelectionRequest<'_>, choice: &Choice, worker: WorkerWithDpRank) -> BookLoad {
         match self.uniform_load(req) {
             Some(load) => load,
-            None => self.book_row_load(*req, row, worker),
+            None => self.book_row_load(*req, choice.row, choice.cached_tokens.get(), worker),
         }
     }
 
@@ -455,19 +455,27 @@ impl WorkerSelectionService {
     }
 
     /// [`book_load`](Self::book_load) of a request with per-rank inputs or
-    /// overlaps.
+    /// overlaps: the request's cached tokens on `row` are `cached` where the
+    /// policy read them there ([`Choice::cached_tokens`]), else looked up.
     #[inline(never)]
-    pub(super) fn book_row_load(&self, req: SelectionRequest<'_>, row: usize, worker: WorkerWithDpRank) -> BookLoad {
+    pub(super) fn book_row_load(
+        &self,
+        req: SelectionRequest<'_>,
+        row: usize,
+        cached: Option<u32>,
+        worker: WorkerWithDpRank,
+    ) -> BookLoad {
         let request_blocks = u32::try_from(req.request_blocks(self.config.block_size)).unwrap_or(u32::MAX);
         let decode_blocks = match req.rank_inputs {
             Some(r) => r.added_blocks.on(worker, request_blocks),
             None => request_blocks,
         };
         let prefill = if req.track_prefill_tokens {
-            let cached = match req.row_overlaps {
-                Some(r) => r.cached_tokens_at(row),
-                None if req.overlaps.is_empty() => 0,
-                None => cached_tokens(req.overlaps, worker),
+            let cached = match (req.row_overlaps, cached) {
+                (Some(r), _) => r.cached_tokens_at(row),
+                (None, _) if req.overlaps.is_empty() => 0,
+                (None, Some(tokens)) => tokens as usize,
+                (None, None) => cached_tokens(req.overlaps, worker),
             };
             req.isl_tokens.saturating_sub(cached)
         } else {
@@ -738,7 +746,7 @@ impl WorkerSelectionService {
             let meta = reg
                 .row(choice.row)
                 .ok_or(SelectionError::AllEligibleWorkersOverloaded)?;
-            let load = self.book_load(req, choice.row, meta.worker());
+            let load = self.book_load(req, &choice, meta.worker());
             picked = Some((choice, meta));
             Ok(Some(SlotPick {
                 slot: meta.handle.slot,
