@@ -4,9 +4,9 @@
 //!
 //! `cargo run --release -p selkie-benches --example host_profile -- random 1024 1000`
 //! (mode: random, round-robin, power-of-two, least-loaded, kv, kv-keyed,
-//! kv-keyed-shuffled,
-//! or kv-index: tokens hashed, the KV index queried, then the selection;
-//! then workers and calls).
+//! kv-keyed-shuffled (the keyed overlaps in a fixed shuffled order), or
+//! kv-index: tokens hashed, the KV index queried, then the selection; then
+//! workers and calls). It prints the time a call.
 
 use std::hint::black_box;
 

@@ -388,8 +388,7 @@ fn choose_minimum(
 ) -> Result<Choice, SelectionError> {
     let mask = env.mask;
     let result = with_kernel_inputs(env, s, kcfg, worker_type, |kreq, load, kover, _| {
-        kv_cost_argmin(kcfg, kreq, load, kover, mask, rng)
-            .map(|c| c.map(|c| (c, ScatteredTokens::new(scattered_tokens(env, kover, c.row)))))
+        kv_cost_argmin(kcfg, kreq, load, kover, mask, rng).map(|c| c.map(|c| (c, scattered_tokens(env, kover, c.row))))
     })?;
     let (choice, cached_tokens) = match result {
         Ok(Some(c)) => c,
@@ -410,20 +409,16 @@ fn choose_minimum(
 
 /// The request's cached tokens on `row` as the cost read them, where they
 /// came from worker-keyed overlaps scattered into the scratch (which is
-/// cleared before the booking): `None` for per-row overlaps (the booking
-/// reads their column), for a request without overlaps, and for a count
-/// an `f32` does not hold exactly (at or above 2^24).
+/// cleared before the booking); [`ScatteredTokens::NONE`] for per-row
+/// overlaps (the booking reads their column) and for a request without
+/// overlaps.
 #[inline(always)]
-fn scattered_tokens(env: &Env<'_>, kover: &KvOverlap<'_>, row: usize) -> Option<u32> {
+fn scattered_tokens(env: &Env<'_>, kover: &KvOverlap<'_>, row: usize) -> ScatteredTokens {
     if env.req.row_overlaps.is_some() || env.req.overlaps.is_empty() {
-        return None;
+        return ScatteredTokens::NONE;
     }
-    let tokens = kover.cached_tokens.and_then(|c| c.get(row)).map_or(0.0, |&t| t);
-    (tokens < F32_EXACT_INTEGERS).then_some(tokens as u32)
+    ScatteredTokens::from_column(kover.cached_tokens.and_then(|c| c.get(row)).map_or(0.0, |&t| t))
 }
-
-/// 2^24: every integer below it is exact in an `f32`.
-const F32_EXACT_INTEGERS: f32 = 16_777_216.0;
 
 /// The eligible row holding the request's longest cached prefix on its
 /// device (most device blocks; ties to the lower cost in `costs`, then the
@@ -536,7 +531,7 @@ pub(crate) fn choose(
         if margin && range.min.is_finite() && range.max.is_finite() {
             if let Some(mut held) = held_by_margin(env, cfg, costs, range.min, dwell) {
                 held.temperature = f64::from(t);
-                held.cached_tokens = ScatteredTokens::new(scattered_tokens(env, kover, held.row));
+                held.cached_tokens = scattered_tokens(env, kover, held.row);
                 if env.explain {
                     held.runner_up = explain(costs, mask, held.row)
                         .and_then(|o| o.runner_up)
@@ -574,7 +569,7 @@ pub(crate) fn choose(
             branch: if t == 0.0 { Branch::KvMinimum } else { Branch::KvSoftmax },
             candidates: env.candidates(),
             temperature: f64::from(t),
-            cached_tokens: ScatteredTokens::new(scattered_tokens(env, kover, row)),
+            cached_tokens: scattered_tokens(env, kover, row),
         })
     })?
 }

@@ -668,9 +668,18 @@ impl ScatteredTokens {
     /// Not read: the booking looks the tokens up.
     pub(crate) const NONE: Self = Self(u32::MAX);
 
-    /// `tokens` as read (`u32::MAX`, the marker of none, is looked up too).
-    pub(crate) fn new(tokens: Option<u32>) -> Self {
-        Self(tokens.unwrap_or(u32::MAX))
+    /// 2^24: every integer below it is exact in an `f32`.
+    const F32_EXACT: f32 = 16_777_216.0;
+
+    /// A scattered column's value: [`NONE`](Self::NONE) for a count an
+    /// `f32` does not hold exactly (at or above 2^24; the booking looks it
+    /// up).
+    pub(crate) fn from_column(tokens: f32) -> Self {
+        if tokens < Self::F32_EXACT {
+            Self(tokens as u32)
+        } else {
+            Self::NONE
+        }
     }
 
     /// The tokens read, if any.

@@ -410,8 +410,8 @@ impl WorkerSelectionService {
         });
     }
 
-    /// The load a booking of `req` on the chosen row (`worker`) carries: the decode
-    /// blocks it adds there (its prompt's blocks, or the rank's
+    /// The load a booking of `req` on the chosen row (`worker`) carries:
+    /// the decode blocks it adds there (its prompt's blocks, or the rank's
     /// [`AddedBlocks`](crate::AddedBlocks)), and its prefill tokens beyond
     /// the cached ones when the request tracks them.
     #[cfg_attr(not(debug_assertions), inline(always))]
