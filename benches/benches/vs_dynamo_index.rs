@@ -3,6 +3,7 @@
 //!
 //! ```text
 //! cargo bench -p selkie-benches --features dynamo-core --bench vs_dynamo_index
+//! cargo bench -p selkie-benches --features dynamo-core --bench vs_dynamo_index -- --family
 //! ```
 //!
 //! **Fleets.** 128, 1,024 and 4,096 workers (one DP rank each) holding about
@@ -70,6 +71,17 @@
 //! last run with a query every fourth operation, to selkie's index and to
 //! `RadixTree`, timing every call; afterwards both still answer alike.
 //!
+//! **Generated streams** (`-- --family` runs only these): the family of
+//! `selkie_benches::index_streams`, branching shared prefixes of Zipf
+//! popularity at 8, 200 and 1,000 workers, DP 1 and 2, a decode-heavy
+//! stream and one of events and queries interleaved, with tail, middle,
+//! scattered and duplicate removals, duplicate stores, unknown parents and
+//! clears. selkie's and `RadixTree`'s answers must equal the streams'
+//! per-block model (the bench exits non-zero otherwise);
+//! `ConcurrentRadixTreeCompressed`'s differing answers are counted. Then
+//! ingestion, queries, memory per block and, for the interleaved stream,
+//! events and queries in order.
+//!
 //! Timing: the calls compared take turns in batches of about a millisecond
 //! for 51 rounds; the tables report the median batch time per call and the
 //! ratio of the medians. One run on the machine it runs on: quote the
@@ -95,6 +107,9 @@ use selkie::{
     WorkerType, WorkerWithDpRank,
 };
 use selkie_benches::vs_dynamo::{dynamo_stored, DynamoCore};
+
+#[path = "vs_dynamo_index/family.rs"]
+mod family;
 
 /// Live heap bytes of the whole process.
 static LIVE: AtomicIsize = AtomicIsize::new(0);
@@ -476,6 +491,20 @@ fn main() -> ExitCode {
         .enable_all()
         .build()
         .expect("a current-thread runtime");
+    let family_only = args.iter().any(|a| a == "--family");
+    let family_rows = match family::run(&runtime) {
+        Ok(rows) => rows,
+        Err(e) => {
+            eprintln!("PARITY FAILED: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    if family_only {
+        println!("# selkie's KV index against dynamo-kv-router 1.6.1's indexers: generated streams");
+        println!();
+        family::report(&family_rows);
+        return ExitCode::SUCCESS;
+    }
     let mut index_rows = Vec::new();
     let mut ingest_rows = Vec::new();
     let mut full_path_index = None;
@@ -844,6 +873,8 @@ fn main() -> ExitCode {
             m.ops_per_s, m.event_p50, m.event_p99, m.query_p50, m.query_p99
         );
     }
+    println!();
+    family::report(&family_rows);
     ExitCode::SUCCESS
 }
 

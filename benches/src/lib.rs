@@ -35,6 +35,7 @@ pub fn chain(stream: &mut SplitMix64, n: usize) -> Vec<u64> {
 
 pub mod host_fixture;
 pub mod index_fixture;
+pub mod index_streams;
 pub mod kernel_fixture;
 pub mod timing;
 
