@@ -29,7 +29,11 @@
 
 use std::collections::{HashMap, HashSet};
 
-use selkie::kv_index::next_sequence_hash;
+use selkie::kv_index::{next_sequence_hash, KvEvent, KvEventData, KvEventError, KvIndex, StoredBlock};
+use selkie::{
+    KvRouterConfig, ServiceConfig, WorkerRecord, WorkerSelectionPolicy, WorkerSelectionService, WorkerType,
+    WorkerWithDpRank,
+};
 
 use crate::SplitMix64;
 
@@ -258,6 +262,121 @@ impl Stream {
     /// Ranks credited by a query's expected answer, the most of any query.
     pub fn most_credited(&self) -> usize {
         self.expected.iter().map(Vec::len).max().unwrap_or(0)
+    }
+}
+
+/// A stream's event as selkie's index takes it (its blocks owned here,
+/// borrowed by the [`KvEvent`] it applies).
+pub struct IndexEvent {
+    rank: WorkerWithDpRank,
+    id: u64,
+    data: IndexData,
+}
+
+enum IndexData {
+    Stored(Option<u64>, Vec<StoredBlock>),
+    Removed(Vec<u64>),
+    Cleared,
+}
+
+impl IndexEvent {
+    fn of(e: &StreamEvent) -> IndexEvent {
+        let data = match &e.data {
+            StreamData::Stored { parent, blocks } => IndexData::Stored(
+                *parent,
+                blocks
+                    .iter()
+                    .map(|&(block_hash, tokens_hash)| StoredBlock {
+                        block_hash,
+                        tokens_hash,
+                    })
+                    .collect(),
+            ),
+            StreamData::Removed(hashes) => IndexData::Removed(hashes.clone()),
+            StreamData::Cleared => IndexData::Cleared,
+        };
+        IndexEvent {
+            rank: WorkerWithDpRank::new(e.rank.0, e.rank.1),
+            id: e.id,
+            data,
+        }
+    }
+
+    /// The rank's event id (0: its first event).
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// Applies it to `index` (a store under an unknown parent, or a
+    /// removal naming a block the rank does not hold, is refused in whole
+    /// or in part, as the stream means it to be).
+    pub fn apply(&self, index: &mut KvIndex) -> Result<(), KvEventError> {
+        let data = match &self.data {
+            IndexData::Stored(parent, blocks) => KvEventData::Stored {
+                parent: *parent,
+                blocks,
+            },
+            IndexData::Removed(blocks) => KvEventData::Removed { blocks },
+            IndexData::Cleared => KvEventData::Cleared,
+        };
+        index.apply(&KvEvent::new(self.rank, self.id, data))
+    }
+}
+
+impl Stream {
+    /// Each op's event as selkie's index takes it (`None` for a query).
+    pub fn index_events(&self) -> Vec<Option<IndexEvent>> {
+        self.ops
+            .iter()
+            .map(|op| match op {
+                StreamOp::Event(e) => Some(IndexEvent::of(e)),
+                StreamOp::Query(_) => None,
+            })
+            .collect()
+    }
+
+    /// A `kv` service over the stream's workers and DP ranks.
+    ///
+    /// # Panics
+    /// If the service refuses the fleet.
+    pub fn service(&self, block_size: u32) -> WorkerSelectionService {
+        let service = WorkerSelectionService::new(
+            WorkerSelectionPolicy::kv(KvRouterConfig::default(), WorkerType::Aggregated),
+            ServiceConfig {
+                block_size,
+                seed: Some(7),
+                ..ServiceConfig::default()
+            },
+        );
+        service
+            .sync(
+                (0..self.shape.workers as u64)
+                    .map(|w| WorkerRecord::new(w).with_dp(0, self.shape.dp))
+                    .collect(),
+            )
+            .expect("the fleet has room");
+        service
+    }
+
+    /// Each rank's row in `service`, in the order of [`Stream::ranks`].
+    ///
+    /// # Panics
+    /// If a rank has no row (`service` is not [`Stream::service`]'s).
+    pub fn rows(&self, service: &WorkerSelectionService) -> Vec<usize> {
+        self.ranks
+            .iter()
+            .map(|&(w, d)| service.row_of(WorkerWithDpRank::new(w, d)).expect("a row per rank"))
+            .collect()
+    }
+
+    /// Query `q`'s expected device overlap of every rank, in the order of
+    /// [`Stream::ranks`].
+    pub fn expected_dense(&self, q: usize) -> Vec<u32> {
+        let mut want = vec![0u32; self.ranks.len()];
+        for &(r, n) in &self.expected[q] {
+            want[r as usize] = n;
+        }
+        want
     }
 }
 

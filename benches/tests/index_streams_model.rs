@@ -2,12 +2,8 @@
 //! (`vs_dynamo_index`'s family, small): every query's device overlap, for
 //! every rank, equals the model's.
 
-use selkie::kv_index::{KvEvent, KvEventData, KvIndex, KvOverlaps, StoredBlock};
-use selkie::{
-    KvRouterConfig, ServiceConfig, WorkerRecord, WorkerSelectionPolicy, WorkerSelectionService, WorkerType,
-    WorkerWithDpRank,
-};
-use selkie_benches::index_streams::{Mix, Stream, StreamData, StreamOp, StreamShape, BRANCHING, DECODE_HEAVY};
+use selkie::kv_index::{KvIndex, KvOverlaps};
+use selkie_benches::index_streams::{Mix, Stream, StreamOp, StreamShape, BRANCHING, DECODE_HEAVY};
 
 fn shape(mix: Mix, query_every: usize, seed: u64) -> StreamShape {
     StreamShape {
@@ -25,34 +21,14 @@ fn shape(mix: Mix, query_every: usize, seed: u64) -> StreamShape {
 /// Applies the stream to a fresh index and checks every answer; the first
 /// difference, if any.
 fn check(stream: &Stream) -> Result<(), String> {
-    let service = WorkerSelectionService::new(
-        WorkerSelectionPolicy::kv(KvRouterConfig::default(), WorkerType::Aggregated),
-        ServiceConfig {
-            block_size: 16,
-            ..ServiceConfig::default()
-        },
-    );
-    service
-        .sync(
-            (0..stream.shape.workers as u64)
-                .map(|w| WorkerRecord::new(w).with_dp(0, stream.shape.dp))
-                .collect(),
-        )
-        .unwrap();
-    let rows: Vec<usize> = stream
-        .ranks
-        .iter()
-        .map(|&(w, d)| service.row_of(WorkerWithDpRank::new(w, d)).unwrap())
-        .collect();
+    let service = stream.service(16);
+    let rows = stream.rows(&service);
     let mut index = KvIndex::new(16);
     let mut out = KvOverlaps::new();
     let mut ask = |index: &mut KvIndex, q: usize| -> Result<(), String> {
         index.sync_rows(service.row_layout(), |r| service.row_of(r)).unwrap();
         let columns = index.overlaps_for_local_hashes(&stream.queries[q], &mut out).unwrap();
-        let mut want = vec![0u32; rows.len()];
-        for &(r, n) in &stream.expected[q] {
-            want[r as usize] = n;
-        }
+        let want = stream.expected_dense(q);
         for (r, &row) in rows.iter().enumerate() {
             let got = columns.device_blocks[row] as u32;
             if got != want[r] {
@@ -66,31 +42,13 @@ fn check(stream: &Stream) -> Result<(), String> {
         }
         Ok(())
     };
-    for op in &stream.ops {
-        match op {
-            StreamOp::Query(q) => ask(&mut index, *q)?,
-            StreamOp::Event(e) => {
-                let rank = WorkerWithDpRank::new(e.rank.0, e.rank.1);
-                let blocks: Vec<StoredBlock>;
-                let data = match &e.data {
-                    StreamData::Stored { parent, blocks: b } => {
-                        blocks = b
-                            .iter()
-                            .map(|&(block_hash, tokens_hash)| StoredBlock {
-                                block_hash,
-                                tokens_hash,
-                            })
-                            .collect();
-                        KvEventData::Stored {
-                            parent: *parent,
-                            blocks: &blocks,
-                        }
-                    }
-                    StreamData::Removed(h) => KvEventData::Removed { blocks: h },
-                    StreamData::Cleared => KvEventData::Cleared,
-                };
-                let _ = index.apply(&KvEvent::new(rank, e.id, data));
+    for (op, event) in stream.ops.iter().zip(stream.index_events()) {
+        match (op, event) {
+            (StreamOp::Query(q), _) => ask(&mut index, *q)?,
+            (StreamOp::Event(_), Some(e)) => {
+                let _ = e.apply(&mut index);
             }
+            (StreamOp::Event(_), None) => unreachable!("every event converts"),
         }
     }
     if stream.shape.query_every == 0 {

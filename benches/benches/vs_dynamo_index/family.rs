@@ -13,12 +13,9 @@ use dynamo_kv_router::protocols::{
     RouterEvent,
 };
 use dynamo_kv_router::{ConcurrentRadixTreeCompressed, RadixTree};
-use selkie::kv_index::{KvEvent, KvEventData, KvIndex, KvOverlaps, StoredBlock};
-use selkie::{
-    KvRouterConfig, ServiceConfig, WorkerRecord, WorkerSelectionPolicy, WorkerSelectionService, WorkerType,
-    WorkerWithDpRank,
-};
-use selkie_benches::index_streams::{Stream, StreamData, StreamOp, StreamShape, FAMILY};
+use selkie::kv_index::{KvIndex, KvOverlaps, StoredBlock};
+use selkie::WorkerSelectionService;
+use selkie_benches::index_streams::{IndexEvent, Stream, StreamData, StreamOp, StreamShape, FAMILY};
 use selkie_benches::timing::batch;
 use selkie_benches::vs_dynamo::dynamo_stored;
 
@@ -51,62 +48,6 @@ pub struct FamilyRow {
     mixed_ops: Option<(f64, f64)>,
 }
 
-/// A stream's event as selkie's index takes it (blocks owned here, borrowed
-/// by [`KvEvent`]).
-struct SelkieEvent {
-    rank: WorkerWithDpRank,
-    id: u64,
-    stored: Option<(Option<u64>, Vec<StoredBlock>)>,
-    removed: Vec<u64>,
-}
-
-impl SelkieEvent {
-    fn of(op: &StreamOp) -> Option<SelkieEvent> {
-        let StreamOp::Event(e) = op else {
-            return None;
-        };
-        let rank = WorkerWithDpRank::new(e.rank.0, e.rank.1);
-        let (stored, removed) = match &e.data {
-            StreamData::Stored { parent, blocks } => (
-                Some((
-                    *parent,
-                    blocks
-                        .iter()
-                        .map(|&(block_hash, tokens_hash)| StoredBlock {
-                            block_hash,
-                            tokens_hash,
-                        })
-                        .collect(),
-                )),
-                Vec::new(),
-            ),
-            StreamData::Removed(hashes) => (None, hashes.clone()),
-            // A clear: neither stored nor removed blocks.
-            StreamData::Cleared => (None, Vec::new()),
-        };
-        Some(SelkieEvent {
-            rank,
-            id: e.id,
-            stored,
-            removed,
-        })
-    }
-
-    /// Applies it; whether the index refused it (an unknown parent, a
-    /// removal naming blocks the rank does not hold).
-    fn apply(&self, index: &mut KvIndex) -> bool {
-        let data = match &self.stored {
-            Some((parent, blocks)) => KvEventData::Stored {
-                parent: *parent,
-                blocks,
-            },
-            None if self.removed.is_empty() => KvEventData::Cleared,
-            None => KvEventData::Removed { blocks: &self.removed },
-        };
-        index.apply(&KvEvent::new(self.rank, self.id, data)).is_err()
-    }
-}
-
 /// The stream's event as Dynamo's indexers take it.
 fn dynamo_event(op: &StreamOp) -> Option<RouterEvent> {
     let StreamOp::Event(e) = op else {
@@ -135,43 +76,10 @@ fn dynamo_event(op: &StreamOp) -> Option<RouterEvent> {
     ))
 }
 
-fn service(stream: &Stream) -> WorkerSelectionService {
-    let service = WorkerSelectionService::new(
-        WorkerSelectionPolicy::kv(KvRouterConfig::default(), WorkerType::Aggregated),
-        ServiceConfig {
-            block_size: BLOCK_SIZE,
-            seed: Some(7),
-            ..ServiceConfig::default()
-        },
-    );
-    let dp = stream.shape.dp;
-    service
-        .sync(
-            (0..stream.shape.workers as u64)
-                .map(|w| WorkerRecord::new(w).with_dp(0, dp))
-                .collect(),
-        )
-        .expect("the fleet has room");
-    service
-}
-
-/// Each rank's row.
-fn rows(stream: &Stream, service: &WorkerSelectionService) -> Vec<usize> {
-    stream
-        .ranks
-        .iter()
-        .map(|&(w, d)| service.row_of(WorkerWithDpRank::new(w, d)).expect("a row per rank"))
-        .collect()
-}
-
-/// The first rank whose overlap differs from the model's, in a dense
-/// per-rank answer.
-fn first_difference(expected: &[(u32, u32)], got: impl Fn(usize) -> u32, ranks: usize) -> Option<(usize, u32, u32)> {
-    let mut want = vec![0u32; ranks];
-    for &(r, n) in expected {
-        want[r as usize] = n;
-    }
-    (0..ranks).find_map(|r| {
+/// The first rank whose overlap differs from query `q`'s expected one.
+fn first_difference(stream: &Stream, q: usize, got: impl Fn(usize) -> u32) -> Option<(usize, u32, u32)> {
+    let want = stream.expected_dense(q);
+    (0..want.len()).find_map(|r| {
         let g = got(r);
         (g != want[r]).then_some((r, want[r], g))
     })
@@ -190,11 +98,10 @@ fn dynamo_score(scores: &OverlapScores, rank: (u64, u32)) -> u32 {
 fn check(
     stream: &Stream,
     service: &WorkerSelectionService,
-    selkie_events: &[Option<SelkieEvent>],
+    selkie_events: &[Option<IndexEvent>],
     runtime: &tokio::runtime::Runtime,
 ) -> Result<usize, String> {
-    let rows = rows(stream, service);
-    let n = stream.ranks.len();
+    let rows = stream.rows(service);
     let name = stream.shape.name;
     let mut index = KvIndex::new(BLOCK_SIZE);
     let mut radix = RadixTree::new();
@@ -209,20 +116,19 @@ fn check(
                 .map_err(|e| format!("{name}: sync: {e}"))?;
         }
         let locals = &stream.queries[q];
-        let expected = &stream.expected[q];
         let columns = index
             .overlaps_for_local_hashes(locals, &mut out)
             .map_err(|e| format!("{name}: query {q}: {e}"))?;
         let local: Vec<LocalBlockHash> = locals.iter().map(|&h| LocalBlockHash(h)).collect();
         let a = radix.find_matches(local, false);
-        if let Some((r, want, got)) = first_difference(expected, |r| columns.device_blocks[rows[r]] as u32, n) {
+        if let Some((r, want, got)) = first_difference(stream, q, |r| columns.device_blocks[rows[r]] as u32) {
             return Err(format!(
                 "{name}: query {q}: rank {:?}: the model says {want}, selkie {got} (RadixTree {})",
                 stream.ranks[r],
                 dynamo_score(&a, stream.ranks[r])
             ));
         }
-        if let Some((r, want, got)) = first_difference(expected, |r| dynamo_score(&a, stream.ranks[r]), n) {
+        if let Some((r, want, got)) = first_difference(stream, q, |r| dynamo_score(&a, stream.ranks[r])) {
             return Err(format!(
                 "{name}: query {q}: rank {:?}: the model says {want}, RadixTree {got}",
                 stream.ranks[r]
@@ -239,7 +145,7 @@ fn check(
             StreamOp::Event(e) => {
                 let selkie = selkie.as_ref().expect("an event");
                 unsynced |= e.id == 0;
-                selkie.apply(&mut index);
+                let _ = selkie.apply(&mut index);
                 let event = dynamo_event(op).expect("an event");
                 let _ = radix.apply_event(event.clone());
                 pool.enqueue_event(event).expect("the indexer thread runs");
@@ -266,8 +172,7 @@ fn check(
     for q in final_queries {
         let local: Vec<LocalBlockHash> = stream.queries[q].iter().map(|&h| LocalBlockHash(h)).collect();
         let b = concurrent.find_matches(&local, false);
-        concurrent_differs +=
-            usize::from(first_difference(&stream.expected[q], |r| dynamo_score(&b, stream.ranks[r]), n).is_some());
+        concurrent_differs += usize::from(first_difference(stream, q, |r| dynamo_score(&b, stream.ranks[r])).is_some());
     }
     pool.shutdown();
     if checked != stream.queries.len() {
@@ -276,18 +181,22 @@ fn check(
     Ok(concurrent_differs)
 }
 
-/// Builds selkie's index from the stream's events and syncs its rows;
-/// seconds and refused events.
-fn build_selkie(events: &[Option<SelkieEvent>], service: &WorkerSelectionService) -> (KvIndex, f64, usize) {
+/// Builds selkie's index from the stream's events, synced to the service's
+/// rows after each rank's first event (so that blocks go onto rows as they
+/// are applied, as in a router that syncs before each query); seconds and
+/// refused events.
+fn build_selkie(events: &[Option<IndexEvent>], service: &WorkerSelectionService) -> (KvIndex, f64, usize) {
     let start = Instant::now();
     let mut index = KvIndex::new(BLOCK_SIZE);
     let mut refused = 0;
     for e in events.iter().flatten() {
-        refused += usize::from(e.apply(&mut index));
+        refused += usize::from(e.apply(&mut index).is_err());
+        if e.id() == 0 {
+            index
+                .sync_rows(service.row_layout(), |r| service.row_of(r))
+                .expect("the index has the service's block size");
+        }
     }
-    index
-        .sync_rows(service.row_layout(), |r| service.row_of(r))
-        .expect("the index has the service's block size");
     (index, start.elapsed().as_secs_f64(), refused)
 }
 
@@ -297,8 +206,8 @@ pub fn run(runtime: &tokio::runtime::Runtime) -> Result<Vec<FamilyRow>, String> 
     for shape in &FAMILY {
         progress(format_args!("family: {}: generating", shape.name));
         let stream = Stream::generate(shape);
-        let service = service(&stream);
-        let selkie_events: Vec<Option<SelkieEvent>> = stream.ops.iter().map(SelkieEvent::of).collect();
+        let service = stream.service(BLOCK_SIZE);
+        let selkie_events = stream.index_events();
         progress(format_args!("family: {}: checking every answer", shape.name));
         let concurrent_differs = check(&stream, &service, &selkie_events, runtime)?;
 
@@ -408,7 +317,7 @@ pub fn run(runtime: &tokio::runtime::Runtime) -> Result<Vec<FamilyRow>, String> 
 /// fastest of a few turns taking turns: operations per second, selkie and
 /// RadixTree. selkie syncs its rows before a query when a rank is new
 /// since the last sync, as a router does when its fleet changes.
-fn mixed(stream: &Stream, service: &WorkerSelectionService, selkie_events: &[Option<SelkieEvent>]) -> (f64, f64) {
+fn mixed(stream: &Stream, service: &WorkerSelectionService, selkie_events: &[Option<IndexEvent>]) -> (f64, f64) {
     let locals: Vec<Vec<LocalBlockHash>> = stream
         .queries
         .iter()
@@ -434,8 +343,8 @@ fn mixed(stream: &Stream, service: &WorkerSelectionService, selkie_events: &[Opt
                     black_box(columns.device_blocks.len());
                 }
                 (StreamOp::Event(_), Some(e)) => {
-                    unsynced |= e.id == 0;
-                    black_box(e.apply(&mut index));
+                    unsynced |= e.id() == 0;
+                    let _ = black_box(e.apply(&mut index));
                 }
                 (StreamOp::Event(_), None) => unreachable!("every event was converted"),
             }

@@ -49,9 +49,11 @@ impl KvIndex {
             }
         }
         let rows = self.layout.map_or(0, |l| l.rows());
-        // What the placed ranks hold, and how many they are (read only
-        // while this one holds nothing, so counts nothing in `held`).
-        let (peers_hold, placed, few_awaiting) = (self.held, self.placed, self.awaiting_count <= FIRST_ROOM_AWAITING);
+        // What the ranks hold, and how many they are, placed or awaiting a
+        // row (read only while this one holds nothing, so counts nothing
+        // in `held`).
+        let (peers_hold, placed, awaiting) = (self.held, self.placed, self.awaiting_count);
+        let few_awaiting = awaiting <= FIRST_ROOM_AWAITING;
         let bounded = self.max_blocks != usize::MAX;
         let state = self.ranks.get_mut(&rank).expect("the rank was created by apply");
         // A parent held in any tier: engines move blocks between tiers and
@@ -77,7 +79,9 @@ impl KvIndex {
         // ranks that never get one takes only what it stores).
         let placed_here = state.row.is_some();
         let first_run = if state.blocks.is_empty() && !blocks.is_empty() && (placed_here || few_awaiting) {
-            let peers = placed - usize::from(placed_here);
+            // The other ranks' average: `held` counts the ranks awaiting a
+            // row too, so they count among the peers.
+            let peers = placed - usize::from(placed_here) + awaiting - usize::from(state.awaiting != 0);
             RANK_FIRST_ROOM.max(peers_hold / peers.max(1)).min(self.max_blocks)
         } else {
             0
@@ -298,16 +302,20 @@ impl KvIndex {
             self.restart(rank, report);
             self.held -= held;
         }
-        let (held, placed, max_blocks) = (self.held, self.placed, self.max_blocks);
+        // The other ranks, placed or awaiting a row (`held` counts both).
+        let (held, peers, max_blocks) = (self.held, self.placed + self.awaiting_count, self.max_blocks);
         let state = self.ranks.get_mut(&rank).expect("seen above");
         state.row = Some(row);
         state.tenure = tenure;
         self.placed += 1;
         // A rank that stored blocks while it awaited its row makes the room
-        // a placed rank's first run makes (see `RANK_FIRST_ROOM`) now.
+        // a placed rank's first run makes (see `RANK_FIRST_ROOM`) now: the
+        // other ranks' average, so that a fleet whose ranks all awaited
+        // their rows (their engines reported before the first sync) does
+        // not make each the room of the whole fleet's blocks.
         let own = state.blocks.len();
         if own > 0 {
-            let room = RANK_FIRST_ROOM.max((held - own) / placed.max(1)).min(max_blocks);
+            let room = RANK_FIRST_ROOM.max((held - own) / peers.max(1)).min(max_blocks);
             if state.blocks.capacity() < room {
                 state.blocks.reserve(room - own);
             }

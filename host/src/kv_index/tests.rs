@@ -659,6 +659,42 @@ fn a_late_ranks_first_run_makes_room_for_what_its_peers_hold() {
     assert_eq!(query(&mut index, &[30_001])[2], (1, 0, 0));
 }
 
+/// A fleet whose ranks all report before the router's first sync (its
+/// engines started first): each rank placed at that sync makes the room of
+/// the other ranks' average, not of every block the fleet holds, so the
+/// index takes what it takes when each rank is placed as it reports.
+#[test]
+fn ranks_placed_together_make_the_room_of_their_average() {
+    const RANKS: u64 = 300;
+    let ranks: Vec<WorkerWithDpRank> = (0..RANKS).map(|w| WorkerWithDpRank::new(w, 0)).collect();
+    let build = |sync_each: bool| {
+        let mut index = index_on(&[]);
+        for &rank in &ranks {
+            let base = 1_000_000 * (rank.worker_id + 1);
+            let pairs: Vec<(u64, u64)> = (1..=100).map(|i| (base + i, base + i)).collect();
+            store(&mut index, rank, 0, Device, None, &pairs).unwrap();
+            if sync_each {
+                sync(&mut index, 1, &ranks);
+            }
+        }
+        sync(&mut index, 1, &ranks);
+        let own: Vec<u64> = (1..=100).map(|i| 1_000_000 * RANKS + i).collect();
+        assert_eq!(query(&mut index, &own)[RANKS as usize - 1], (100, 0, 0));
+        let rooms: Vec<usize> = ranks.iter().map(|r| index.index.ranks[r].blocks.capacity()).collect();
+        (index.heap_bytes(), rooms.into_iter().max().unwrap())
+    };
+    let (each, each_room) = build(true);
+    let (together, together_room) = build(false);
+    assert!(
+        together_room <= each_room.max(2 * RANK_FIRST_ROOM),
+        "a rank's room: {together_room} placed together, {each_room} one by one"
+    );
+    assert!(
+        together * 2 <= each * 3,
+        "{together} heap bytes placed together, {each} one by one"
+    );
+}
+
 /// A placed rank's table takes room for `RANK_FIRST_ROOM` blocks at its
 /// first stored run and does not grow again (nor shrink) until it holds
 /// them; a run more and it grows.
