@@ -13,26 +13,23 @@
 //! valgrind --tool=callgrind --toggle-collect='*measured_queries*' \
 //!     target/release/examples/stream_profile 2 1 5000
 //! ```
+//!
+//! A fourth argument, `late`, syncs the rows once, after every event: each
+//! rank waits for its row until then, as when a fleet's engines report
+//! before the router's first sync.
 use std::hint::black_box;
 use std::time::Instant;
 
 use selkie::kv_index::{KvIndex, KvOverlaps};
 use selkie::WorkerSelectionService;
-use selkie_benches::index_streams::{IndexEvent, Stream, FAMILY};
+use selkie_benches::index_streams::{feed, IndexEvent, Stream, FAMILY};
 
 const BLOCK_SIZE: u32 = 16;
 
 #[inline(never)]
 fn measured_build(events: &[Option<IndexEvent>], service: &WorkerSelectionService, late: bool) -> KvIndex {
     let mut index = KvIndex::new(BLOCK_SIZE);
-    for e in events.iter().flatten() {
-        let _ = e.apply(&mut index);
-        if e.id() == 0 && !late {
-            index
-                .sync_rows(service.row_layout(), |r| service.row_of(r))
-                .expect("the index has the service's block size");
-        }
-    }
+    feed(events, &mut index, (!late).then_some(service));
     if late {
         index
             .sync_rows(service.row_layout(), |r| service.row_of(r))

@@ -323,6 +323,27 @@ impl IndexEvent {
     }
 }
 
+/// Applies `events` in order to `index` (queries' `None`s skipped),
+/// syncing it to `service`'s rows after each rank's first event when a
+/// service is given (so that blocks go onto rows as they are applied, as
+/// in a router that syncs before each query); the events refused in whole
+/// or in part.
+///
+/// # Panics
+/// If `service`'s block size is not `index`'s.
+pub fn feed(events: &[Option<IndexEvent>], index: &mut KvIndex, service: Option<&WorkerSelectionService>) -> usize {
+    let mut refused = 0;
+    for e in events.iter().flatten() {
+        refused += usize::from(e.apply(index).is_err());
+        if let (0, Some(service)) = (e.id, service) {
+            index
+                .sync_rows(service.row_layout(), |r| service.row_of(r))
+                .expect("the index has the service's block size");
+        }
+    }
+    refused
+}
+
 impl Stream {
     /// Each op's event as selkie's index takes it (`None` for a query).
     pub fn index_events(&self) -> Vec<Option<IndexEvent>> {
@@ -835,18 +856,9 @@ impl Generator<'_> {
             let Some(t) = self.held_tip(r) else {
                 return false;
             };
+            // Named once per copy, then once more (no longer held then).
             let last = self.model.state[r].tips[t].last().expect("tips are not empty").0;
-            self.removal(r, vec![last]);
-            self.kinds.removals -= 1;
-            let StreamOp::Event(StreamEvent {
-                data: StreamData::Removed(hashes),
-                ..
-            }) = self.ops.last_mut().expect("just pushed")
-            else {
-                unreachable!("a removal was just pushed")
-            };
-            hashes.push(last);
-            self.kinds.removals += 1;
+            self.removal(r, vec![last, last]);
             let tips = &mut self.model.state[r].tips;
             tips[t].pop();
             if tips[t].is_empty() {

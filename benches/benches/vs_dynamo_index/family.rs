@@ -15,11 +15,11 @@ use dynamo_kv_router::protocols::{
 use dynamo_kv_router::{ConcurrentRadixTreeCompressed, RadixTree};
 use selkie::kv_index::{KvIndex, KvOverlaps, StoredBlock};
 use selkie::WorkerSelectionService;
-use selkie_benches::index_streams::{IndexEvent, Stream, StreamData, StreamOp, StreamShape, FAMILY};
+use selkie_benches::index_streams::{feed, IndexEvent, Stream, StreamData, StreamOp, StreamShape, FAMILY};
 use selkie_benches::timing::batch;
 use selkie_benches::vs_dynamo::dynamo_stored;
 
-use super::{live, progress, BLOCK_SIZE, INGEST_TURNS, TIMING};
+use super::{build_concurrent, live, progress, BLOCK_SIZE, INGEST_TURNS, TIMING};
 
 /// One stream's figures.
 pub struct FamilyRow {
@@ -188,15 +188,7 @@ fn check(
 fn build_selkie(events: &[Option<IndexEvent>], service: &WorkerSelectionService) -> (KvIndex, f64, usize) {
     let start = Instant::now();
     let mut index = KvIndex::new(BLOCK_SIZE);
-    let mut refused = 0;
-    for e in events.iter().flatten() {
-        refused += usize::from(e.apply(&mut index).is_err());
-        if e.id() == 0 {
-            index
-                .sync_rows(service.row_layout(), |r| service.row_of(r))
-                .expect("the index has the service's block size");
-        }
-    }
+    let refused = feed(events, &mut index, Some(service));
     (index, start.elapsed().as_secs_f64(), refused)
 }
 
@@ -234,14 +226,8 @@ pub fn run(runtime: &tokio::runtime::Runtime) -> Result<Vec<FamilyRow>, String> 
             let radix_bytes = live() - before;
 
             let before = live();
-            let events: Vec<RouterEvent> = stream.ops.iter().filter_map(dynamo_event).collect();
-            let start = Instant::now();
-            let pool = ThreadPoolIndexer::new(ConcurrentRadixTreeCompressed::new(), 1, BLOCK_SIZE);
-            for e in events {
-                pool.enqueue_event(e).expect("the indexer thread runs");
-            }
-            runtime.block_on(pool.flush_and_wait()).expect("the indexer flushes");
-            concurrent_s = concurrent_s.min(start.elapsed().as_secs_f64());
+            let (pool, s) = build_concurrent(stream.ops.iter().filter_map(dynamo_event).collect(), runtime);
+            concurrent_s = concurrent_s.min(s);
             let concurrent_bytes = live() - before;
             built = Some((index, radix, pool, [selkie_bytes, radix_bytes, concurrent_bytes]));
         }
