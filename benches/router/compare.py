@@ -21,8 +21,10 @@ vllm-router and smg, each with round-robin and its cache-aware policies:
 
 Requests: non-streaming /v1/completions with a text prompt (smg 1.13
 refuses token ids): 64 shared prefixes of about 100 words plus a 16-word
-suffix each, max_tokens 8. selkie gets the word-level tokenizer the tests
-use, so its kv and prefix-hash policies hash every prompt.
+suffix each, max_tokens 8. selkie's kv and prefix-hash run twice: with the
+word-level tokenizer the tests use, and with no tokenizer (`--text-as-bytes`:
+four bytes of text stand for a token, as the peers' cache-aware policies,
+which read text, need no tokenizer); both hash every prompt.
 
 usage: benches/router/compare.py [--peers-venv DIR] [--rate 500] [--duration 10]
                                  [--streams 10000] [--only NAME,...] [--json out.json]
@@ -182,7 +184,9 @@ def main():
         targets = [("direct", None, "")]
         targets += [("selkie round-robin", selkie_cmd("round-robin"), "round-robin"),
                     ("selkie kv", selkie_cmd("kv", tok), "cache-aware"),
-                    ("selkie prefix-hash", selkie_cmd("prefix-hash", tok), "cache-aware")]
+                    ("selkie prefix-hash", selkie_cmd("prefix-hash", tok), "cache-aware"),
+                    ("selkie kv, text as bytes", selkie_cmd("kv", ["--text-as-bytes"]), "cache-aware"),
+                    ("selkie prefix-hash, text as bytes", selkie_cmd("prefix-hash", ["--text-as-bytes"]), "cache-aware")]
         if vr:
             targets += [("vllm-router round_robin", vr_cmd("round_robin"), "round-robin"),
                         ("vllm-router cache_aware", vr_cmd("cache_aware"), "cache-aware"),

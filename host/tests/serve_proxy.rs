@@ -460,3 +460,117 @@ async fn shutdown_finishes_open_streams_and_stops_accepting() {
         "still accepting after shutdown"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serving_threads_share_the_router_its_bounds_and_its_shutdown() {
+    let e = StubEngine::start(StubConfig::new("a")).await;
+    let server = router(&[e.url()], |c| {
+        c.threads = Some(3);
+        c.limits.max_concurrent_requests = 2;
+    })
+    .await;
+    let r = url(&server);
+    let body = r#"{"model":"tiny","prompt":[1,2,3],"max_tokens":4}"#;
+    // Each request on a connection of its own: the kernel spreads them
+    // over the three listeners.
+    for _ in 0..30 {
+        let reply = post(&r, "/v1/completions", body, &[]).await;
+        assert_eq!(reply.status, 200, "{:?}", String::from_utf8_lossy(&reply.body()));
+    }
+    let s = wait_unbooked(&r).await;
+    let per_thread: Vec<f64> = (0..3)
+        .map(|t| s.value("selkie_http_connections_total", &format!("thread=\"{t}\"")))
+        .collect();
+    assert!(
+        per_thread.iter().filter(|&&n| n > 0.0).count() >= 2,
+        "connections by serving thread: {per_thread:?}"
+    );
+    assert!(per_thread.iter().sum::<f64>() >= 30.0, "{per_thread:?}");
+    assert_eq!(s.booked(), (0.0, 0.0, 0.0));
+
+    // Two streams held by the engine fill the router's bound, whichever
+    // threads took them; then every thread refuses.
+    e.set_fault(Fault::HoldAfter(1));
+    let stream = r#"{"model":"tiny","prompt":[1,2,3],"max_tokens":4,"stream":true}"#;
+    let held: Vec<_> = (0..2)
+        .map(|_| {
+            let r = r.clone();
+            tokio::spawn(async move { post(&r, "/v1/completions", stream, &[]).await })
+        })
+        .collect();
+    eventually("the engine holds two streams", async || {
+        e.open() == 2 && scrape(&r).await.booked().0 == 2.0
+    })
+    .await;
+    for _ in 0..12 {
+        let reply = post(&r, "/v1/completions", body, &[]).await;
+        assert_eq!(
+            reply.status, 503,
+            "a thread with a bound of its own let a request through"
+        );
+    }
+    e.release();
+    for h in held {
+        assert_eq!(h.await.unwrap().status, 200);
+    }
+    assert_eq!(wait_unbooked(&r).await.booked(), (0.0, 0.0, 0.0));
+
+    let addr = server.local_addr();
+    server.shutdown().await;
+    for _ in 0..12 {
+        assert!(
+            tokio::net::TcpStream::connect(addr).await.is_err(),
+            "a serving thread still accepts after shutdown"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_a_tokenizer_text_prefixes_keep_their_worker() {
+    let a = StubEngine::start(StubConfig::new("tiny")).await;
+    let b = StubEngine::start(StubConfig::new("tiny")).await;
+    let server = router(&[a.url(), b.url()], |c| {
+        c.policy = PolicySpec::parse("prefix-hash").unwrap();
+        c.text_as_bytes = true;
+    })
+    .await;
+    let r = url(&server);
+    let mut seen = std::collections::BTreeMap::<usize, std::collections::BTreeSet<String>>::new();
+    for round in 0..4 {
+        for prefix in 0..6 {
+            let system = format!("system prompt number {prefix}: ").repeat(12);
+            let completion = serde_json::json!({"model": "tiny", "prompt": format!("{system}question {round}")});
+            let chat = serde_json::json!({"model": "tiny", "messages": [
+                {"role": "system", "content": system}, {"role": "user", "content": format!("question {round}")}]});
+            for (path, body) in [("/v1/completions", completion), ("/v1/chat/completions", chat)] {
+                let reply = post(&r, path, body.to_string(), &[]).await;
+                assert_eq!(reply.status, 200);
+                let worker = reply.header("x-selkie-worker").unwrap().to_owned();
+                seen.entry(prefix * 2 + usize::from(path.contains("chat")))
+                    .or_default()
+                    .insert(worker);
+            }
+        }
+    }
+    for (key, workers) in &seen {
+        assert_eq!(workers.len(), 1, "prompts {key} went to {workers:?}");
+    }
+    let s = wait_unbooked(&r).await;
+    assert_eq!(s.sum("selkie_unhashed_requests_total"), 0.0, "{}", s.text);
+    assert_eq!(s.booked(), (0.0, 0.0, 0.0));
+    server.shutdown().await;
+
+    // Byte pieces stand in for a tokenizer, never beside one.
+    let refused = Server::start(ServeConfig {
+        workers: vec![a.url()],
+        listen: "127.0.0.1:0".parse().unwrap(),
+        text_as_bytes: true,
+        tokenizer: Some("tokenizer.json".into()),
+        ..ServeConfig::default()
+    })
+    .await;
+    let Err(e) = refused else {
+        panic!("started with both a tokenizer and text as bytes")
+    };
+    assert!(e.to_string().contains("--text-as-bytes"), "{e}");
+}

@@ -277,6 +277,16 @@ pub struct ServeConfig {
     pub block_size: u32,
     /// A Hugging Face `tokenizer.json`: text prompts are tokenized with it.
     pub tokenizer: Option<PathBuf>,
+    /// Without a tokenizer, text stands for its tokens four bytes at a time
+    /// (`--text-as-bytes`): text prompts, and chat messages (rendered with
+    /// the chat template when there is one, else their JSON as sent), are
+    /// cut into 4-byte pieces, each one token, and hashed in blocks of
+    /// those. Equal text prefixes get equal blocks, so `prefix-hash` and
+    /// the `kv` policy's own learned overlaps keep prompts that share a
+    /// prefix together with no tokenizer to run; token counts are
+    /// estimates. Not with engines' KV events (their blocks are of real
+    /// tokens) nor with a tokenizer.
+    pub text_as_bytes: bool,
     /// A Jinja chat template: chat messages are rendered with it, then
     /// tokenized.
     pub chat_template: Option<PathBuf>,
@@ -291,7 +301,9 @@ pub struct ServeConfig {
     pub index_ttl: Duration,
     /// The `Retry-After` of a 429 or 503 (default 1 s).
     pub retry_after: Duration,
-    /// Runtime worker threads (default: one per core).
+    /// Serving threads (default: one per core): each a single-threaded
+    /// runtime with its own listener on the same address and its own
+    /// connections to the workers, sharing the router and its bounds.
     pub threads: Option<usize>,
     /// Seed of the policy's random choices (default: from the clock).
     pub seed: Option<u64>,
@@ -330,6 +342,7 @@ impl Default for ServeConfig {
             policy: PolicySpec::default(),
             block_size: 16,
             tokenizer: None,
+            text_as_bytes: false,
             chat_template: None,
             max_active: None,
             models_refresh: Duration::from_secs(30),
@@ -367,6 +380,22 @@ impl ServeConfig {
                 value: "0".into(),
                 bound: "must be at least 1".into(),
             });
+        }
+        if self.text_as_bytes {
+            let other = if self.tokenizer.is_some() {
+                Some("--tokenizer: text is tokenized with it; give one or the other")
+            } else if !self.kv_events.is_empty() {
+                Some("--kv-events: engines' blocks are of their tokens, which byte pieces never match")
+            } else {
+                None
+            };
+            if let Some(why) = other {
+                return Err(ServeError::Invalid {
+                    option: "--text-as-bytes",
+                    value: "on".into(),
+                    bound: format!("not with {why}"),
+                });
+            }
         }
         if self.threads == Some(0) {
             return Err(ServeError::Invalid {

@@ -69,13 +69,21 @@ const HOP_BY_HOP: [&str; 10] = [
 ];
 
 /// The state of the HTTP door.
+///
+/// A router serving on several threads has one door per thread
+/// ([`HttpDoor::sibling`]): each with its own connections to the workers,
+/// all sharing the routing core, the bounds on requests and connections,
+/// and the shutdown.
 pub struct HttpDoor {
     core: Arc<RouterCore>,
     upstream: Upstream,
     limits: Limits,
     inflight: Arc<Semaphore>,
+    connections: Arc<Semaphore>,
     retry_after: HeaderValue,
-    shutting_down: AtomicBool,
+    shutting_down: Arc<AtomicBool>,
+    /// Which serving thread this door is (0: the one that started it).
+    thread: usize,
 }
 
 /// A response body: the router's own, or a worker's passed through.
@@ -214,9 +222,32 @@ impl HttpDoor {
             core,
             upstream,
             inflight: Arc::new(Semaphore::new(limits.max_concurrent_requests)),
+            connections: Arc::new(Semaphore::new(limits.max_connections)),
             limits,
             retry_after: HeaderValue::from(secs),
-            shutting_down: AtomicBool::new(false),
+            shutting_down: Arc::new(AtomicBool::new(false)),
+            thread: 0,
+        }
+    }
+
+    /// The bounds it serves under.
+    pub fn limits(&self) -> &Limits {
+        &self.limits
+    }
+
+    /// The door of serving thread `thread`: this one's core, bounds and
+    /// shutdown, with `upstream`, that thread's own connections to the
+    /// workers.
+    pub fn sibling(&self, upstream: Upstream, thread: usize) -> Self {
+        HttpDoor {
+            core: self.core.clone(),
+            upstream,
+            limits: self.limits.clone(),
+            inflight: self.inflight.clone(),
+            connections: self.connections.clone(),
+            retry_after: self.retry_after.clone(),
+            shutting_down: self.shutting_down.clone(),
+            thread,
         }
     }
 
@@ -543,7 +574,7 @@ pub async fn serve(door: Arc<HttpDoor>, listener: TcpListener, stop: impl std::f
         .timer(TokioTimer::new())
         .max_concurrent_streams(limits.max_streams_per_connection);
     let graceful = GracefulShutdown::new();
-    let connections = Arc::new(Semaphore::new(limits.max_connections));
+    let connections = door.connections.clone();
     tokio::pin!(stop);
     loop {
         let permit = match connections.clone().try_acquire_owned() {
@@ -573,6 +604,7 @@ pub async fn serve(door: Arc<HttpDoor>, listener: TcpListener, stop: impl std::f
             }
         };
         let _ = stream.set_nodelay(true);
+        door.core.metrics.accepted(door.thread);
         let door = door.clone();
         let service = service_fn(move |req| door.clone().handle(req));
         let conn = builder.serve_connection(TokioIo::new(stream), service).into_owned();

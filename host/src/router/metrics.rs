@@ -10,6 +10,7 @@
 //! | metric | labels | what |
 //! |---|---|---|
 //! | `selkie_http_requests_total` | `endpoint`, `status` | requests answered (proxied: the worker's status) |
+//! | `selkie_http_connections_total` | `thread` | connections accepted, by the serving thread that took them |
 //! | `selkie_selections_total` | `policy`, `branch` | selections, by the policy's branch |
 //! | `selkie_selection_seconds` | | time in `select` (histogram) |
 //! | `selkie_inflight_requests` | `worker`, `rank` | requests booked on a rank |
@@ -51,6 +52,12 @@ type Labels = Vec<(&'static str, String)>;
 struct RequestLabels {
     endpoint: &'static str,
     status: u16,
+}
+
+/// `selkie_http_connections_total`'s labels.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ThreadLabels {
+    thread: u32,
 }
 
 /// `selkie_selections_total`'s labels.
@@ -118,6 +125,7 @@ pub const BOUNDS: [&str; 9] = [
 pub struct Metrics {
     registry: Registry,
     requests: Family<RequestLabels, Counter>,
+    connections: Family<ThreadLabels, Counter>,
     selections: Family<SelectionLabels, Counter>,
     policy: &'static str,
     select_seconds: Histogram,
@@ -162,6 +170,11 @@ impl Metrics {
                 &mut r,
                 "selkie_http_requests",
                 "Requests answered, by endpoint and status",
+            ),
+            connections: registered(
+                &mut r,
+                "selkie_http_connections",
+                "Connections accepted, by serving thread",
             ),
             selections: registered(&mut r, "selkie_selections", "Selections, by policy and branch"),
             policy,
@@ -238,6 +251,12 @@ impl Metrics {
     /// A request answered with `status`.
     pub fn answered(&self, endpoint: &'static str, status: u16) {
         self.requests.get_or_create(&RequestLabels { endpoint, status }).inc();
+    }
+
+    /// A connection accepted by serving thread `thread`.
+    pub fn accepted(&self, thread: usize) {
+        let thread = u32::try_from(thread).unwrap_or(u32::MAX);
+        self.connections.get_or_create(&ThreadLabels { thread }).inc();
     }
 
     /// A selection took `seconds` and went `via` a branch or a composed

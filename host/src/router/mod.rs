@@ -66,7 +66,7 @@ pub use http::{DP_RANK_HEADER, WORKER_HEADER};
 pub use lifecycle::{Ending, Lifecycle, TokenScanner, MAX_COUNTED_OUTPUT_TOKENS};
 pub use metrics::{Metrics, UpstreamErrorKind};
 pub use overlaps::{LearnedOverlaps, OverlapSource, Recorded};
-pub use prompt::{ChatTemplate, PromptBlocks, PromptHasher, Unhashed};
+pub use prompt::{text_as_tokens, ChatTemplate, PromptBlocks, PromptHasher, Unhashed, BYTES_PER_TOKEN};
 pub use request::{Endpoint, ParsedRequest, PromptInput};
 pub use route::{Choice, RouterCore, INLINE_TOKENIZE_BYTES};
 pub use workers::{
@@ -113,8 +113,10 @@ pub fn open_files_limit() -> Option<u64> {
 pub struct Server {
     addr: SocketAddr,
     core: Arc<RouterCore>,
-    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    stop: Option<tokio::sync::watch::Sender<bool>>,
     serving: tokio::task::JoinHandle<()>,
+    /// The other serving threads: each says when it has finished.
+    doors: Vec<tokio::sync::oneshot::Receiver<()>>,
     models: tokio::task::JoinHandle<()>,
     poller: Option<DiscoveryPoller>,
     kv_events: Option<kv_events::KvEventTasks>,
@@ -135,7 +137,13 @@ struct PickerDoor {
 impl Server {
     /// Checks `config`, builds the router (policy, tokenizer, template,
     /// the first snapshot of the workers), binds its port and starts
-    /// serving. Must be called inside a multi-threaded tokio runtime.
+    /// serving. Must be called inside a tokio runtime: it serves HTTP on
+    /// that runtime and, with [`threads`](ServeConfig::threads) above 1
+    /// (the default is one per core), on that many more threads, each
+    /// its own single-threaded runtime and listener on the same address
+    /// (`SO_REUSEPORT`: the kernel spreads connections over them) with its
+    /// own connections to the workers. A request is then served start to
+    /// end on one thread, with no hand-over between threads.
     pub async fn start(config: ServeConfig) -> Result<Server, ServeError> {
         config.validate(open_files_limit())?;
         let policy = build_policy(&config.policy, config.block_size)?;
@@ -156,6 +164,9 @@ impl Server {
             config.limits.max_prompt_tokens,
             config.limits.max_tokenize_bytes,
         );
+        if config.text_as_bytes {
+            prompts = prompts.with_text_as_bytes();
+        }
         if let kv_events::KvHashing::EngineSha256Cbor { seed } = &config.kv_hash {
             prompts = prompts.with_engine_chain(kv_events::Sha256CborChain::new(config.block_size, seed.as_deref()));
         }
@@ -215,6 +226,14 @@ impl Server {
         )?;
         let kv_events = if config.kv_events.is_empty() && !kv_events::labelled(&table) {
             None
+        } else if config.text_as_bytes {
+            return Err(ServeError::Invalid {
+                option: "--text-as-bytes",
+                value: "on".into(),
+                bound: "not with workers whose entries name KV event endpoints: engines' blocks are of their tokens, \
+                        which byte pieces never match"
+                    .into(),
+            });
         } else {
             let (ingester, overlaps) = kv_events::EventIngester::new(
                 config.kv_hash.clone(),
@@ -228,17 +247,29 @@ impl Server {
             Some(kv_events::start(&config.kv_events, ingester, kv_metrics).await?)
         };
         let core = Arc::new(core);
-        let listener = tokio::net::TcpListener::bind(config.listen)
-            .await
-            .map_err(|source| ServeError::Bind {
-                addr: config.listen,
-                source,
-            })?;
+        let threads = serving_threads(config.threads);
+        let listener = bind_listener(config.listen, threads > 1).map_err(|source| ServeError::Bind {
+            addr: config.listen,
+            source,
+        })?;
         let addr = listener.local_addr().map_err(|source| ServeError::Bind {
             addr: config.listen,
             source,
         })?;
         let upstream = upstream::Upstream::new(&config.limits);
+        let door = Arc::new(http::HttpDoor::new(
+            core.clone(),
+            upstream.clone(),
+            config.limits.clone(),
+            config.retry_after,
+        ));
+        let (stop, stopped) = tokio::sync::watch::channel(false);
+        let mut doors = Vec::with_capacity(threads - 1);
+        for thread in 1..threads {
+            // A thread that cannot serve stops the start; dropping `stop`
+            // on the way out stops those already serving.
+            doors.push(spawn_door(&door, addr, thread, stopped.clone()).await?);
+        }
         let models = tokio::spawn(refresh_models(core.clone(), upstream.clone(), config.models_refresh));
         let engine_load = config
             .engine_metrics
@@ -248,22 +279,14 @@ impl Server {
             None => None,
             Some(at) => Some(start_picker(at, &core, &config, picker_metrics).await?),
         };
-        let door = Arc::new(http::HttpDoor::new(
-            core.clone(),
-            upstream,
-            config.limits.clone(),
-            config.retry_after,
-        ));
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let serving = tokio::spawn(http::serve(door, listener, async move {
-            let _ = stopped.await;
-        }));
-        tracing::info!(%addr, policy = core.service.policy().name(), "selkie serve: listening");
+        let serving = tokio::spawn(http::serve(door, listener, until_stopped(stopped)));
+        tracing::info!(%addr, threads, policy = core.service.policy().name(), "selkie serve: listening");
         Ok(Server {
             addr,
             core,
             stop: Some(stop),
             serving,
+            doors,
             models,
             poller,
             kv_events,
@@ -291,7 +314,7 @@ impl Server {
     /// timeout, and returns.
     pub async fn shutdown(mut self) {
         if let Some(stop) = self.stop.take() {
-            let _ = stop.send(());
+            let _ = stop.send(true);
         }
         let picker = self.picker.take().map(|p| {
             p.picker.begin_shutdown();
@@ -299,6 +322,9 @@ impl Server {
             (p.serving, p.deadline)
         });
         let _ = (&mut self.serving).await;
+        for door in self.doors.drain(..) {
+            let _ = door.await;
+        }
         if let Some((mut serving, deadline)) = picker {
             if tokio::time::timeout(deadline, &mut serving).await.is_err() {
                 serving.abort();
@@ -314,6 +340,91 @@ impl Server {
         if let Some(p) = self.poller.take() {
             p.stop();
         }
+    }
+}
+
+/// The connections one listening socket may hold unaccepted.
+const LISTEN_BACKLOG: u32 = 1024;
+
+/// How many threads serve HTTP: `threads`, or one per core (always one
+/// where sockets cannot share a port).
+fn serving_threads(threads: Option<usize>) -> usize {
+    if cfg!(unix) {
+        threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+    } else {
+        1
+    }
+}
+
+/// A listening socket on `addr`; `shared` lets other sockets of this
+/// process listen on the same address (`SO_REUSEPORT`).
+fn bind_listener(addr: SocketAddr, shared: bool) -> std::io::Result<tokio::net::TcpListener> {
+    let socket = if addr.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()?
+    } else {
+        tokio::net::TcpSocket::new_v6()?
+    };
+    #[cfg(unix)]
+    {
+        socket.set_reuseaddr(true)?;
+        socket.set_reuseport(shared)?;
+    }
+    #[cfg(not(unix))]
+    let _ = shared;
+    socket.bind(addr)?;
+    socket.listen(LISTEN_BACKLOG)
+}
+
+/// Resolves when the router is told to stop, or dropped.
+async fn until_stopped(mut stop: tokio::sync::watch::Receiver<bool>) {
+    let _ = stop.wait_for(|stopping| *stopping).await;
+}
+
+/// Starts serving thread `thread`: a single-threaded runtime with its own
+/// listener on `addr` and its own connections to the workers, serving
+/// `door`'s router until `stop`. Returns once it listens; its receiver
+/// says when it has finished.
+async fn spawn_door(
+    door: &Arc<http::HttpDoor>,
+    addr: SocketAddr,
+    thread: usize,
+    stop: tokio::sync::watch::Receiver<bool>,
+) -> Result<tokio::sync::oneshot::Receiver<()>, ServeError> {
+    let (listening, ready) = tokio::sync::oneshot::channel::<std::io::Result<()>>();
+    let (finished, done) = tokio::sync::oneshot::channel();
+    let (door, limits) = (door.clone(), door.limits().clone());
+    std::thread::Builder::new()
+        .name(format!("selkie-serve-{thread}"))
+        .spawn(move || {
+            let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+                Ok(r) => r,
+                Err(e) => {
+                    let _ = listening.send(Err(e));
+                    return;
+                }
+            };
+            runtime.block_on(async move {
+                let listener = match bind_listener(addr, true) {
+                    Ok(l) => l,
+                    Err(e) => {
+                        let _ = listening.send(Err(e));
+                        return;
+                    }
+                };
+                let _ = listening.send(Ok(()));
+                let door = Arc::new(door.sibling(upstream::Upstream::new(&limits), thread));
+                http::serve(door, listener, until_stopped(stop)).await;
+            });
+            drop(runtime);
+            let _ = finished.send(());
+        })
+        .map_err(ServeError::Runtime)?;
+    match ready.await {
+        Ok(Ok(())) => Ok(done),
+        Ok(Err(source)) => Err(ServeError::Bind { addr, source }),
+        Err(_) => Err(ServeError::Runtime(std::io::Error::other(format!(
+            "serving thread {thread} ended before it listened"
+        )))),
     }
 }
 
@@ -404,12 +515,14 @@ pub fn run(config: ServeConfig) -> Result<(), ServeError> {
     // The hard limit is as far as an unprivileged process may go.
     let _ = rlimit::increase_nofile_limit(u64::MAX);
     config.validate(open_files_limit())?;
-    let mut builder = tokio::runtime::Builder::new_multi_thread();
-    builder.enable_all().thread_name("selkie-serve");
-    if let Some(n) = config.threads {
-        builder.worker_threads(n);
-    }
-    let runtime = builder.build().map_err(ServeError::Runtime)?;
+    // This thread serves too, beside the router's background work (the
+    // workers' models, KV events, discovery, the picker door); the other
+    // serving threads are the server's own.
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .thread_name("selkie-serve")
+        .build()
+        .map_err(ServeError::Runtime)?;
     let result = runtime.block_on(async {
         let server = Server::start(config).await?;
         eprintln!(

@@ -11,6 +11,11 @@
 //!   `strip()` work as in Hugging Face's renderer), then tokenized without
 //!   adding special tokens (the template writes them).
 //!
+//! * Without a tokenizer, with
+//!   [`text_as_bytes`](super::ServeConfig::text_as_bytes), text stands for
+//!   its tokens [`BYTES_PER_TOKEN`] bytes at a time (chat messages rendered
+//!   with the template when there is one, else their JSON as sent).
+//!
 //! Whole blocks of [`ServeConfig::block_size`](super::ServeConfig::block_size)
 //! tokens are hashed with the KV index's [`KvBlockHasher`]; a partial last
 //! block is not hashed. A prompt that cannot be turned into tokens is not
@@ -25,6 +30,30 @@ use tokenizers::Tokenizer;
 use super::error::ServeError;
 use super::request::PromptInput;
 use crate::kv_index::{sequence_hashes_of, KvBlockHasher};
+
+/// The bytes of text that stand for one token when there is no tokenizer
+/// ([`PromptHasher::with_text_as_bytes`]): about what English text averages
+/// per token with the common subword tokenizers.
+pub const BYTES_PER_TOKEN: usize = 4;
+
+/// `text`'s bytes as token stand-ins, [`BYTES_PER_TOKEN`] to each (the
+/// last zero-padded): two texts share exactly as many leading stand-ins
+/// as they share whole leading pieces.
+///
+/// ```
+/// use selkie::router::text_as_tokens;
+/// assert_eq!(text_as_tokens("abcdef"), vec![u32::from_le_bytes(*b"abcd"), u32::from_le_bytes(*b"ef\0\0")]);
+/// ```
+pub fn text_as_tokens(text: &str) -> Vec<u32> {
+    text.as_bytes()
+        .chunks(BYTES_PER_TOKEN)
+        .map(|piece| {
+            let mut word = [0u8; BYTES_PER_TOKEN];
+            word[..piece.len()].copy_from_slice(piece);
+            u32::from_le_bytes(word)
+        })
+        .collect()
+}
 
 /// Why a request's prompt was not hashed (and so was routed by load).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -132,6 +161,9 @@ pub struct PromptHasher {
     engine_chain: Option<super::kv_events::Sha256CborChain>,
     max_prompt_tokens: usize,
     max_tokenize_bytes: usize,
+    /// Without a tokenizer, text stands for its tokens
+    /// [`BYTES_PER_TOKEN`] bytes at a time.
+    text_as_bytes: bool,
 }
 
 /// A hashed prompt: its token count and its blocks' local and sequence
@@ -164,7 +196,17 @@ impl PromptHasher {
             engine_chain: None,
             max_prompt_tokens,
             max_tokenize_bytes,
+            text_as_bytes: false,
         }
+    }
+
+    /// Without a tokenizer, text prompts and chat messages stand for their
+    /// tokens [`BYTES_PER_TOKEN`] bytes at a time ([`text_as_tokens`]);
+    /// chat messages are rendered with the template when there is one,
+    /// else taken as their JSON. A tokenizer, when given, still decides.
+    pub fn with_text_as_bytes(mut self) -> Self {
+        self.text_as_bytes = true;
+        self
     }
 
     /// Keys blocks by the engine's `sha256_cbor` chain (their `local`
@@ -229,32 +271,48 @@ impl PromptHasher {
             }
             PromptInput::Batch(_) => return Err(Unhashed::BatchPrompt),
             PromptInput::Text(text) => {
-                let tokenizer = self.tokenizer.as_ref().ok_or(Unhashed::NoTokenizer)?;
+                let as_bytes = self.tokenizer.is_none() && self.text_as_bytes;
+                if !as_bytes && self.tokenizer.is_none() {
+                    return Err(Unhashed::NoTokenizer);
+                }
                 if text.len() > self.max_tokenize_bytes {
                     return Err(Unhashed::PromptTooLong);
                 }
-                tokenizer
-                    .encode_fast(text.as_ref(), true)
-                    .map_err(|_| Unhashed::TokenizerFailed)?
-                    .get_ids()
-                    .to_vec()
+                match &self.tokenizer {
+                    Some(tokenizer) => tokenizer
+                        .encode_fast(text.as_ref(), true)
+                        .map_err(|_| Unhashed::TokenizerFailed)?
+                        .get_ids()
+                        .to_vec(),
+                    None => text_as_tokens(text),
+                }
             }
             PromptInput::Chat(messages) => {
-                let (Some(template), Some(tokenizer)) = (&self.template, &self.tokenizer) else {
-                    return Err(Unhashed::NoChatTemplate);
-                };
                 if messages.get().len() > self.max_tokenize_bytes {
                     return Err(Unhashed::PromptTooLong);
                 }
-                let text = template.render(messages).map_err(|_| Unhashed::TemplateFailed)?;
-                if text.len() > self.max_tokenize_bytes {
-                    return Err(Unhashed::PromptTooLong);
+                match (&self.template, &self.tokenizer) {
+                    (Some(template), Some(tokenizer)) => {
+                        let text = template.render(messages).map_err(|_| Unhashed::TemplateFailed)?;
+                        if text.len() > self.max_tokenize_bytes {
+                            return Err(Unhashed::PromptTooLong);
+                        }
+                        tokenizer
+                            .encode_fast(text, false)
+                            .map_err(|_| Unhashed::TokenizerFailed)?
+                            .get_ids()
+                            .to_vec()
+                    }
+                    (Some(template), None) if self.text_as_bytes => {
+                        let text = template.render(messages).map_err(|_| Unhashed::TemplateFailed)?;
+                        if text.len() > self.max_tokenize_bytes {
+                            return Err(Unhashed::PromptTooLong);
+                        }
+                        text_as_tokens(&text)
+                    }
+                    (None, None) if self.text_as_bytes => text_as_tokens(messages.get()),
+                    _ => return Err(Unhashed::NoChatTemplate),
                 }
-                tokenizer
-                    .encode_fast(text, false)
-                    .map_err(|_| Unhashed::TokenizerFailed)?
-                    .get_ids()
-                    .to_vec()
             }
         };
         if ids.len() > self.max_prompt_tokens {
@@ -351,5 +409,54 @@ mod tests {
         let bad = ChatTemplate::new("{{ raise_exception('no system role') }}".into()).unwrap();
         let h = PromptHasher::new(16, Some(word_tokenizer()), Some(bad), 4, 100);
         assert_eq!(h.tokens(&PromptInput::Chat(&raw)), Err(Unhashed::TemplateFailed));
+    }
+
+    #[test]
+    fn without_a_tokenizer_text_stands_for_its_tokens_four_bytes_at_a_time() {
+        // Blocks of 2 stand-ins: 8 bytes of text.
+        let h = PromptHasher::new(2, None, None, 100, 1000).with_text_as_bytes();
+        let shared = "You are a helpful assistant. ";
+        let a = h
+            .blocks(&PromptInput::Text(format!("{shared}Tell me a joke.").into()))
+            .unwrap();
+        let b = h
+            .blocks(&PromptInput::Text(format!("{shared}What is Rust?").into()))
+            .unwrap();
+        assert_eq!(a.tokens, (shared.len() + 15).div_ceil(BYTES_PER_TOKEN));
+        // The 29 shared bytes are 3 whole blocks of 8; the fourth block
+        // already holds bytes of their own.
+        assert_eq!(a.sequence[..3], b.sequence[..3], "a shared prefix, shared blocks");
+        assert_ne!(a.sequence[3], b.sequence[3]);
+        assert_eq!(
+            text_as_tokens("abcdefgh"),
+            vec![u32::from_le_bytes(*b"abcd"), u32::from_le_bytes(*b"efgh")]
+        );
+        assert_eq!(text_as_tokens(""), Vec::<u32>::new());
+
+        // Chat: rendered with the template when there is one, else its JSON.
+        let raw =
+            serde_json::value::RawValue::from_string(r#"[{"role":"user","content":"hello world"}]"#.into()).unwrap();
+        assert_eq!(h.tokens(&PromptInput::Chat(&raw)), Ok(text_as_tokens(raw.get())));
+        let template =
+            ChatTemplate::new("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}".into()).unwrap();
+        let h = PromptHasher::new(2, None, Some(template), 100, 1000).with_text_as_bytes();
+        assert_eq!(
+            h.tokens(&PromptInput::Chat(&raw)),
+            Ok(text_as_tokens("<user>hello world"))
+        );
+
+        // The bounds hold; a tokenizer, when there is one, decides.
+        let h = PromptHasher::new(2, None, None, 2, 1000).with_text_as_bytes();
+        assert_eq!(
+            h.tokens(&PromptInput::Text("123456789".into())),
+            Err(Unhashed::PromptTooLong)
+        );
+        let h = PromptHasher::new(2, None, None, 100, 8).with_text_as_bytes();
+        assert_eq!(
+            h.tokens(&PromptInput::Text("123456789".into())),
+            Err(Unhashed::PromptTooLong)
+        );
+        let h = PromptHasher::new(2, Some(word_tokenizer()), None, 100, 1000).with_text_as_bytes();
+        assert_eq!(h.tokens(&PromptInput::Text("hello world".into())), Ok(vec![1, 2]));
     }
 }

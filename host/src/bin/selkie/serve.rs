@@ -78,6 +78,12 @@ pub struct ServeArgs {
     /// A Hugging Face tokenizer.json: text prompts are tokenized with it.
     #[arg(long, value_name = "FILE")]
     tokenizer: Option<PathBuf>,
+    /// Without a tokenizer: text stands for its tokens four bytes at a
+    /// time (text prompts, and chat messages rendered with the chat
+    /// template or taken as their JSON), so prompts sharing a text prefix
+    /// share blocks. Not with --tokenizer or --kv-events.
+    #[arg(long)]
+    text_as_bytes: bool,
     /// A Jinja chat template: chat messages are rendered with it, then
     /// tokenized.
     #[arg(long, value_name = "FILE")]
@@ -133,7 +139,8 @@ pub struct ServeArgs {
     /// Retry-After of a 429 or 503, in seconds.
     #[arg(long, value_name = "SECS", value_parser = seconds, default_value = "1")]
     retry_after: Duration,
-    /// Runtime threads (default: one per core).
+    /// Serving threads, each with its own listener on the port (default:
+    /// one per core).
     #[arg(long, value_name = "N")]
     threads: Option<usize>,
     /// Seed of the policy's random choices.
@@ -247,6 +254,7 @@ impl ServeArgs {
             policy,
             block_size: self.block_size,
             tokenizer: self.tokenizer,
+            text_as_bytes: self.text_as_bytes,
             chat_template: self.chat_template,
             max_active: self.max_active,
             models_refresh: self.models_refresh,
