@@ -185,8 +185,8 @@ def main():
         targets += [("selkie round-robin", selkie_cmd("round-robin"), "round-robin"),
                     ("selkie kv", selkie_cmd("kv", tok), "cache-aware"),
                     ("selkie prefix-hash", selkie_cmd("prefix-hash", tok), "cache-aware"),
-                    ("selkie kv, text as bytes", selkie_cmd("kv", ["--text-as-bytes"]), "cache-aware"),
-                    ("selkie prefix-hash, text as bytes", selkie_cmd("prefix-hash", ["--text-as-bytes"]), "cache-aware")]
+                    ("selkie kv --text-as-bytes", selkie_cmd("kv", ["--text-as-bytes"]), "cache-aware"),
+                    ("selkie prefix-hash --text-as-bytes", selkie_cmd("prefix-hash", ["--text-as-bytes"]), "cache-aware")]
         if vr:
             targets += [("vllm-router round_robin", vr_cmd("round_robin"), "round-robin"),
                         ("vllm-router cache_aware", vr_cmd("cache_aware"), "cache-aware"),
