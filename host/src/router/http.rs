@@ -230,18 +230,13 @@ impl HttpDoor {
         }
     }
 
-    /// The bounds it serves under.
-    pub fn limits(&self) -> &Limits {
-        &self.limits
-    }
-
     /// The door of serving thread `thread`: this one's core, bounds and
-    /// shutdown, with `upstream`, that thread's own connections to the
-    /// workers.
-    pub fn sibling(&self, upstream: Upstream, thread: usize) -> Self {
+    /// shutdown, with connections to the workers of its own. Must be
+    /// called on that thread's runtime.
+    pub fn sibling(&self, thread: usize) -> Self {
         HttpDoor {
             core: self.core.clone(),
-            upstream,
+            upstream: Upstream::new(&self.limits),
             limits: self.limits.clone(),
             inflight: self.inflight.clone(),
             connections: self.connections.clone(),

@@ -392,7 +392,7 @@ async fn spawn_door(
 ) -> Result<tokio::sync::oneshot::Receiver<()>, ServeError> {
     let (listening, ready) = tokio::sync::oneshot::channel::<std::io::Result<()>>();
     let (finished, done) = tokio::sync::oneshot::channel();
-    let (door, limits) = (door.clone(), door.limits().clone());
+    let door = door.clone();
     std::thread::Builder::new()
         .name(format!("selkie-serve-{thread}"))
         .spawn(move || {
@@ -412,7 +412,7 @@ async fn spawn_door(
                     }
                 };
                 let _ = listening.send(Ok(()));
-                let door = Arc::new(door.sibling(upstream::Upstream::new(&limits), thread));
+                let door = Arc::new(door.sibling(thread));
                 http::serve(door, listener, until_stopped(stop)).await;
             });
             drop(runtime);

@@ -271,54 +271,49 @@ impl PromptHasher {
             }
             PromptInput::Batch(_) => return Err(Unhashed::BatchPrompt),
             PromptInput::Text(text) => {
-                let as_bytes = self.tokenizer.is_none() && self.text_as_bytes;
-                if !as_bytes && self.tokenizer.is_none() {
+                if self.tokenizer.is_none() && !self.text_as_bytes {
                     return Err(Unhashed::NoTokenizer);
                 }
                 if text.len() > self.max_tokenize_bytes {
                     return Err(Unhashed::PromptTooLong);
                 }
-                match &self.tokenizer {
-                    Some(tokenizer) => tokenizer
-                        .encode_fast(text.as_ref(), true)
-                        .map_err(|_| Unhashed::TokenizerFailed)?
-                        .get_ids()
-                        .to_vec(),
-                    None => text_as_tokens(text),
-                }
+                self.text_tokens(text, true)?
             }
             PromptInput::Chat(messages) => {
                 if messages.get().len() > self.max_tokenize_bytes {
                     return Err(Unhashed::PromptTooLong);
                 }
-                match (&self.template, &self.tokenizer) {
-                    (Some(template), Some(tokenizer)) => {
+                let text = match (&self.template, self.tokenizer.is_some() || self.text_as_bytes) {
+                    (Some(template), true) => {
                         let text = template.render(messages).map_err(|_| Unhashed::TemplateFailed)?;
                         if text.len() > self.max_tokenize_bytes {
                             return Err(Unhashed::PromptTooLong);
                         }
-                        tokenizer
-                            .encode_fast(text, false)
-                            .map_err(|_| Unhashed::TokenizerFailed)?
-                            .get_ids()
-                            .to_vec()
+                        std::borrow::Cow::Owned(text)
                     }
-                    (Some(template), None) if self.text_as_bytes => {
-                        let text = template.render(messages).map_err(|_| Unhashed::TemplateFailed)?;
-                        if text.len() > self.max_tokenize_bytes {
-                            return Err(Unhashed::PromptTooLong);
-                        }
-                        text_as_tokens(&text)
-                    }
-                    (None, None) if self.text_as_bytes => text_as_tokens(messages.get()),
+                    (None, true) if self.tokenizer.is_none() => std::borrow::Cow::Borrowed(messages.get()),
                     _ => return Err(Unhashed::NoChatTemplate),
-                }
+                };
+                self.text_tokens(&text, false)?
             }
         };
         if ids.len() > self.max_prompt_tokens {
             return Err(Unhashed::PromptTooLong);
         }
         Ok(ids)
+    }
+
+    /// `text`'s tokens: the tokenizer's (with its special tokens added when
+    /// `special`), or without one the text's bytes ([`text_as_tokens`]).
+    fn text_tokens(&self, text: &str, special: bool) -> Result<Vec<u32>, Unhashed> {
+        match &self.tokenizer {
+            Some(tokenizer) => Ok(tokenizer
+                .encode_fast(text, special)
+                .map_err(|_| Unhashed::TokenizerFailed)?
+                .get_ids()
+                .to_vec()),
+            None => Ok(text_as_tokens(text)),
+        }
     }
 
     /// The prompt's blocks.
