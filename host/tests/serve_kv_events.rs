@@ -308,6 +308,52 @@ async fn workers_file_labels_name_event_endpoints() {
     server.shutdown().await;
 }
 
+/// A router that does not use KV events (none named at start, or text
+/// hashed as bytes) does not follow a label the workers file adds later:
+/// it counts the worker in `selkie_kv_events_labels_unused` and leaves the
+/// endpoint alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn labels_added_to_a_router_without_kv_events_are_counted_not_followed() {
+    let a = StubEngine::start(StubConfig::new("a")).await;
+    for text_as_bytes in [false, true] {
+        let port = free_port();
+        let dir = support::temp_dir(&format!("kv-events-unused-{text_as_bytes}"));
+        let file = dir.join("workers.yaml");
+        let plain = format!("workers:\n  - url: {}\n", a.url());
+        std::fs::write(&file, &plain).unwrap();
+        let server = router(&[], |c| {
+            c.policy = PolicySpec::parse("kv").unwrap();
+            c.block_size = 32;
+            c.workers_file = Some(file.clone());
+            c.text_as_bytes = text_as_bytes;
+        })
+        .await;
+        let r = url(&server);
+        assert_eq!(scrape(&r).await.value("selkie_kv_events_labels_unused", ""), 0.0);
+        std::fs::write(
+            &file,
+            format!("{plain}    labels:\n      kv_events: \"tcp://127.0.0.1:{port},mode=bind\"\n"),
+        )
+        .unwrap();
+        eventually("the label counted as unused", async || {
+            scrape(&r).await.value("selkie_kv_events_labels_unused", "") == 1.0
+        })
+        .await;
+        // Not followed: nothing bound the endpoint's port.
+        tokio::time::sleep(2 * selkie::router::kv_events::LABEL_POLL_PERIOD).await;
+        assert!(
+            std::net::TcpListener::bind(("127.0.0.1", port)).is_ok(),
+            "text as bytes {text_as_bytes}: the router opened the endpoint"
+        );
+        std::fs::write(&file, &plain).unwrap();
+        eventually("the label gone", async || {
+            scrape(&r).await.value("selkie_kv_events_labels_unused", "") == 0.0
+        })
+        .await;
+        server.shutdown().await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_refusing_connections_loses_its_blocks() {
     let a = StubEngine::start(StubConfig::new("a")).await;

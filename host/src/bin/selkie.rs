@@ -35,6 +35,16 @@ use {
     std::time::{Duration, Instant},
 };
 
+/// The command's allocator: mimalloc. A tokenized request makes some
+/// hundreds of small allocations in the `tokenizers` crate, and glibc's
+/// allocator spends about half of that work in its own bookkeeping
+/// (`malloc_consolidate` when a large buffer follows many small frees).
+/// mimalloc is built with transparent huge pages off (`no_thp`): with them
+/// on, a router tokenizing 4,000 requests/s had a p99 latency of 4.6-8.6 ms
+/// where it has 1.6-1.7 ms without.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[cfg(feature = "serve")]
 #[path = "selkie/serve.rs"]
 mod serve;

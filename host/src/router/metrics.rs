@@ -143,6 +143,7 @@ pub struct Metrics {
     disconnects: Counter,
     workers: Gauge,
     index_blocks: Gauge,
+    unused_event_labels: Gauge,
     /// One scrape at a time (a scrape rebuilds the per-rank gauges).
     scraping: std::sync::Mutex<()>,
 }
@@ -243,6 +244,11 @@ impl Metrics {
             ),
             workers: registered(&mut r, "selkie_workers", "Workers in the table"),
             index_blocks: registered(&mut r, "selkie_kv_index_blocks", "Blocks the prefix index holds"),
+            unused_event_labels: registered(
+                &mut r,
+                "selkie_kv_events_labels_unused",
+                "Workers whose kv_events label this router does not follow (it does not use KV events)",
+            ),
             scraping: std::sync::Mutex::new(()),
             registry: r,
         }
@@ -251,6 +257,12 @@ impl Metrics {
     /// A request answered with `status`.
     pub fn answered(&self, endpoint: &'static str, status: u16) {
         self.requests.get_or_create(&RequestLabels { endpoint, status }).inc();
+    }
+
+    /// How many workers name a KV event endpoint this router does not
+    /// follow.
+    pub fn set_unused_event_labels(&self, workers: usize) {
+        self.unused_event_labels.set(i64::try_from(workers).unwrap_or(i64::MAX));
     }
 
     /// A connection accepted by serving thread `thread`.

@@ -122,6 +122,9 @@ pub struct Server {
     kv_events: Option<kv_events::KvEventTasks>,
     picker: Option<PickerDoor>,
     engine_load: Option<tokio::task::JoinHandle<()>>,
+    /// Reports the workers' KV event labels a router without KV events
+    /// does not follow.
+    unused_labels: Option<tokio::task::JoinHandle<()>>,
 }
 
 /// The endpoint picker door, while it serves.
@@ -224,7 +227,21 @@ impl Server {
             config.index_ttl,
             config.limits.max_index_blocks,
         )?;
+        let mut unused_labels = None;
         let kv_events = if config.kv_events.is_empty() && !kv_events::labelled(&table) {
+            // Labels that discovery adds later are not followed: say so.
+            if poller.is_some() {
+                let why = if config.text_as_bytes {
+                    "this router hashes text as bytes (--text-as-bytes), which engines' blocks never match"
+                } else {
+                    "this router started without KV events (no --kv-events, no label at start); restart it to use them"
+                };
+                unused_labels = Some(tokio::spawn(kv_events::report_unused_labels(
+                    table.clone(),
+                    metrics.clone(),
+                    why,
+                )));
+            }
             None
         } else if config.text_as_bytes {
             return Err(ServeError::Invalid {
@@ -292,6 +309,7 @@ impl Server {
             kv_events,
             picker,
             engine_load,
+            unused_labels,
         })
     }
 
@@ -331,6 +349,9 @@ impl Server {
             }
         }
         if let Some(task) = self.engine_load.take() {
+            task.abort();
+        }
+        if let Some(task) = self.unused_labels.take() {
             task.abort();
         }
         self.models.abort();

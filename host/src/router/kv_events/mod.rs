@@ -755,6 +755,37 @@ pub fn labelled(table: &WorkerTable) -> bool {
     table.view().workers().iter().any(|w| w.kv_events.is_some())
 }
 
+/// Follows the workers' `kv_events` labels of a router that does not use
+/// KV events (none were named at start, or it hashes text as bytes): such
+/// a label is not followed, so each labelled worker is logged once at warn
+/// level, saying why, and `metrics` counts them
+/// (`selkie_kv_events_labels_unused`). Checked every
+/// [`LABEL_POLL_PERIOD`], as the labels of a router that follows them.
+pub async fn report_unused_labels(table: Arc<WorkerTable>, metrics: Arc<super::metrics::Metrics>, why: &'static str) {
+    let mut warned = std::collections::HashSet::new();
+    let mut tick = tokio::time::interval(LABEL_POLL_PERIOD);
+    loop {
+        tick.tick().await;
+        let view = table.view();
+        let labelled: std::collections::HashSet<(String, String)> = view
+            .workers()
+            .iter()
+            .filter_map(|w| w.kv_events.as_ref().map(|e| (w.url.as_str().to_owned(), e.clone())))
+            .collect();
+        metrics.set_unused_event_labels(labelled.len());
+        for (worker, endpoint) in &labelled {
+            if warned.insert((worker.clone(), endpoint.clone())) {
+                tracing::warn!(
+                    worker,
+                    endpoint,
+                    "KV events: a worker's kv_events label is not followed: {why}"
+                );
+            }
+        }
+        warned.retain(|key| labelled.contains(key));
+    }
+}
+
 /// Opens `spec`'s socket: its subscriber, to run.
 async fn open(
     spec: &KvEventsSpec,
