@@ -755,6 +755,17 @@ pub fn labelled(table: &WorkerTable) -> bool {
     table.view().workers().iter().any(|w| w.kv_events.is_some())
 }
 
+/// The workers' `kv_events` labels now, each as `WORKER_URL=ENDPOINT` (the
+/// form `--kv-events` takes).
+fn label_specs(table: &WorkerTable) -> std::collections::HashSet<String> {
+    table
+        .view()
+        .workers()
+        .iter()
+        .filter_map(|w| w.kv_events.as_ref().map(|e| format!("{}={e}", w.url.as_str())))
+        .collect()
+}
+
 /// Follows the workers' `kv_events` labels of a router that does not use
 /// KV events (none were named at start, or it hashes text as bytes): such
 /// a label is not followed, so each labelled worker is logged once at warn
@@ -766,23 +777,14 @@ pub async fn report_unused_labels(table: Arc<WorkerTable>, metrics: Arc<super::m
     let mut tick = tokio::time::interval(LABEL_POLL_PERIOD);
     loop {
         tick.tick().await;
-        let view = table.view();
-        let labelled: std::collections::HashSet<(String, String)> = view
-            .workers()
-            .iter()
-            .filter_map(|w| w.kv_events.as_ref().map(|e| (w.url.as_str().to_owned(), e.clone())))
-            .collect();
+        let labelled = label_specs(&table);
         metrics.set_unused_event_labels(labelled.len());
-        for (worker, endpoint) in &labelled {
-            if warned.insert((worker.clone(), endpoint.clone())) {
-                tracing::warn!(
-                    worker,
-                    endpoint,
-                    "KV events: a worker's kv_events label is not followed: {why}"
-                );
+        for label in &labelled {
+            if warned.insert(label.clone()) {
+                tracing::warn!(label, "KV events: a worker's kv_events label is not followed: {why}");
             }
         }
-        warned.retain(|key| labelled.contains(key));
+        warned.retain(|label| labelled.contains(label));
     }
 }
 
@@ -851,12 +853,7 @@ async fn watch_labels(
     loop {
         tick.tick().await;
         while subscribers.try_join_next().is_some() {}
-        let view = table.view();
-        let wanted: std::collections::HashSet<String> = view
-            .workers()
-            .iter()
-            .filter_map(|w| w.kv_events.as_ref().map(|e| format!("{}={e}", w.url.as_str())))
-            .collect();
+        let wanted = label_specs(&table);
         running.retain(|key, _| wanted.contains(key));
         for key in wanted {
             if running.contains_key(&key) {
