@@ -4,8 +4,9 @@
 //! Each row is in one stage while the walk advances: still matching on
 //! device, continuing in host memory, continuing on disk, or done. The
 //! stages are three bitsets over rows; at block `i` the block's row set is
-//! loaded into three masks (rows holding it on device, host, disk) and every
-//! 64 rows move at once:
+//! read as three masks (rows holding it on device, host, disk: a dense set's
+//! own bitsets, a sparse set's rows loaded into scratch) and every 64 rows
+//! move at once:
 //!
 //! ```text
 //! device -> device   if held on device
@@ -21,11 +22,17 @@
 //!
 //! Block 0 starts each row holding it in the stage of its best tier. The
 //! walk stops at the first block no row holds, or when no row is left, and
-//! only visits the words of rows still in a stage. A block held by the same
+//! only visits the words of rows still in a stage; while no row is in the
+//! host or disk stage (the common case), a word that loses no row costs a
+//! load, a mask and a test. A block held by the same
 //! set of rows as the block before (one shared set in the index, compared
 //! by address) moves nothing and costs one comparison. Blocks are hashed as
 //! the walk reaches them (a chunk ahead), so a query by tokens or local
 //! hashes hashes nothing past the block where it stops.
+//!
+//! The walk writes device overlaps; the cached-token estimates (device
+//! blocks times the block size) are written once at its end, over the
+//! words of the rows that held block 0.
 //!
 //! Only rows that held block 0 get a value, so the next query clears just
 //! those, and of those only the rows that do not hold its own block 0 on
@@ -57,6 +64,9 @@ pub struct KvOverlaps {
     lower_tiers: bool,
     /// Stage bitsets: device, host, disk.
     stage: [Vec<u64>; 3],
+    /// Whether a row of the walk may be in the host or disk stage (false:
+    /// those bitsets are zero, and a block only moves rows off device).
+    lower_stage: bool,
     /// The current block's rows: device, host, disk.
     held: [Vec<u64>; 3],
 }
@@ -258,7 +268,33 @@ impl KvIndex {
 
     /// The walk over a request of `blocks` blocks, whose sequence hashes
     /// `next_hash` yields in order (called at most `blocks` times).
-    fn walk(&self, blocks: usize, mut next_hash: impl FnMut() -> u64, out: &mut KvOverlaps) {
+    fn walk(&self, blocks: usize, next_hash: impl FnMut() -> u64, out: &mut KvOverlaps) {
+        // The scratch masks leave `out` for the walk, so that a step can
+        // read them beside `out`'s columns; they are all zero between
+        // blocks and come back zero.
+        let mut held = std::mem::take(&mut out.held);
+        self.walk_blocks(blocks, next_hash, out, &mut held);
+        out.held = held;
+        // The cached-token estimates, device blocks times the block size,
+        // written once per query over the words the walk could give a
+        // value (the others are zero in both columns), not each time rows
+        // leave the device stage.
+        let block_size = self.block_size as f32;
+        let rows = out.device.len().min(out.cached.len());
+        let (start, end) = ((out.touched.0 * 64).min(rows), (out.touched.1 * 64).min(rows));
+        for (c, &d) in out.cached[start..end].iter_mut().zip(&out.device[start..end]) {
+            *c = d * block_size;
+        }
+    }
+
+    /// [`walk`](Self::walk), with the block masks' scratch apart.
+    fn walk_blocks(
+        &self,
+        blocks: usize,
+        mut next_hash: impl FnMut() -> u64,
+        out: &mut KvOverlaps,
+        held: &mut [Vec<u64>; 3],
+    ) {
         let first_id = if blocks == 0 {
             NONE
         } else {
@@ -272,17 +308,19 @@ impl KvIndex {
         let words = out.stage[0].len();
         let (lo, hi) = first.word_span();
         let (mut lo, mut hi) = (lo.min(words), hi.min(words));
-        first.load(&mut out.held, lo, hi);
+        first.load(held, lo, hi);
+        out.lower_stage = false;
+        let [hd, hh, hk] = &*held;
         for w in lo..hi {
-            let [d, h, k] = [out.held[0][w], out.held[1][w], out.held[2][w]];
+            let [d, h, k] = [hd[w], hh[w], hk[w]];
             out.stage[0][w] = d;
             out.stage[1][w] = h & !d;
             out.stage[2][w] = k & !d & !h;
+            out.lower_stage |= (h | k) & !d != 0;
         }
         out.touched = (lo, hi);
         out.clear_stale();
-        first.unload(&mut out.held, lo, hi);
-        let block_size = self.block_size as f32;
+        first.unload(held, lo, hi);
         // The blocks' row sets are looked up a chunk ahead: the lookups of
         // a chunk do not depend on one another, so their cache misses
         // overlap instead of queueing one behind the other. A chunk holds
@@ -319,14 +357,31 @@ impl KvIndex {
                     continue;
                 }
                 prev = id;
+                let at = at as f32;
                 let set = (id != NONE).then(|| self.blocks.rows_of(id));
-                if let Some(set) = set {
-                    set.load(&mut out.held, lo, hi);
-                }
-                let (new_lo, new_hi) = step(at as f32, block_size, out, lo, hi);
-                if let Some(set) = set {
-                    set.unload(&mut out.held, lo, hi);
-                }
+                let (new_lo, new_hi) = match set.map(|set| (set, set.dense_tiers())) {
+                    // A dense set's bitsets are read where they are; the
+                    // words past them (rows added since the set was made)
+                    // hold nothing, as the zero scratch says.
+                    Some((_, Some(tiers))) => {
+                        let end = hi.min(tiers[0].len()).max(lo);
+                        let ours = tiers.map(|t| &t[lo..end]);
+                        let (a_lo, a_hi) = step(at, out, ours, lo, end);
+                        let (b_lo, b_hi) = step(at, out, held.each_ref().map(|h| &h[end..hi]), end, hi);
+                        match (a_lo < a_hi, b_lo < b_hi) {
+                            (true, true) => (a_lo, b_hi),
+                            (true, false) => (a_lo, a_hi),
+                            (false, _) => (b_lo, b_hi),
+                        }
+                    }
+                    Some((set, None)) => {
+                        set.load(held, lo, hi);
+                        let span = step(at, out, held.each_ref().map(|h| &h[lo..hi]), lo, hi);
+                        set.unload(held, lo, hi);
+                        span
+                    }
+                    None => step(at, out, held.each_ref().map(|h| &h[lo..hi]), lo, hi),
+                };
                 if new_lo >= new_hi {
                     return;
                 }
@@ -338,7 +393,6 @@ impl KvIndex {
         for w in lo..hi {
             let [d, h, k] = [out.stage[0][w], out.stage[1][w], out.stage[2][w]];
             set_rows(&mut out.device, d, w, n);
-            set_rows(&mut out.cached, d, w, n * block_size);
             out.lower_tiers |= h | k != 0;
             for_rows(h, w, |r| out.host[r] = n - out.device[r]);
             for_rows(k, w, |r| out.disk[r] = n - out.device[r] - out.host[r]);
@@ -350,36 +404,74 @@ impl KvIndex {
 }
 
 /// One block of the walk, over words `lo..hi`: moves the rows between
-/// stages by the block's masks in `out.held`, writes the overlaps of the
-/// rows that leave a stage, and returns the words still holding a row in
-/// a stage (`lo >= hi` when none does).
+/// stages by the block's device, host and disk masks over those words
+/// (`held`, word `lo` first), writes the overlaps of the rows that leave a
+/// stage, and returns the words still holding a row in a stage (`lo >= hi`
+/// when none does).
 #[inline]
-fn step(i: f32, block_size: f32, out: &mut KvOverlaps, lo: usize, hi: usize) -> (usize, usize) {
+fn step(i: f32, out: &mut KvOverlaps, held: [&[u64]; 3], lo: usize, hi: usize) -> (usize, usize) {
     let KvOverlaps {
         device,
         host,
         disk,
-        cached,
         stage,
-        held,
         lower_tiers,
+        lower_stage,
         ..
     } = out;
     let [sd, sh, sk] = stage;
     let [hd, hh, hk] = held;
     let (mut new_lo, mut new_hi) = (hi, lo);
     // Six slices of one length, indexed alike: no bounds check inside.
-    let n = hi - lo;
-    let (sd, sh, sk) = (&mut sd[lo..hi], &mut sh[lo..hi], &mut sk[lo..hi]);
-    let (hd, hh, hk) = (&hd[lo..hi], &hh[lo..hi], &hk[lo..hi]);
-    let full = device.len().min(cached.len());
+    let n = hi.saturating_sub(lo);
+    let (sd, sh, sk) = (&mut sd[lo..lo + n], &mut sh[lo..lo + n], &mut sk[lo..lo + n]);
+    let (hd, hh, hk) = (&hd[..n], &hh[..n], &hk[..n]);
+    if !*lower_stage {
+        // Every row still in a stage is on device (the common case: host
+        // and disk tiers are rare). Most words lose no row at a block: a
+        // word costs a load, a mask and a test, and only the rows leaving
+        // the device stage read the block's lower tiers.
+        let mut moved = false;
+        for o in 0..n {
+            let (d, dv) = (sd[o], hd[o]);
+            let left_device = d & !dv;
+            if left_device == 0 {
+                continue;
+            }
+            moved = true;
+            let w = lo + o;
+            sd[o] = d & dv;
+            leave_device(device, left_device, d & dv, w, i);
+            let (hv, kv) = (hh[o], hk[o]);
+            let (next_host, next_disk) = (left_device & hv, left_device & !hv & kv);
+            if next_host | next_disk != 0 {
+                sh[o] = next_host;
+                sk[o] = next_disk;
+                *lower_stage = true;
+            }
+        }
+        if !moved {
+            return (lo, hi);
+        }
+        // The words left holding a row in a stage, trimmed from both ends.
+        let alive = |o: usize| sd[o] | sh[o] | sk[o] != 0;
+        let (mut first, mut last) = (0, n);
+        while first < last && !alive(first) {
+            first += 1;
+        }
+        while last > first && !alive(last - 1) {
+            last -= 1;
+        }
+        return if first < last {
+            (lo + first, lo + last)
+        } else {
+            (hi, lo)
+        };
+    }
     for o in 0..n {
         let (d, h, k) = (sd[o], sh[o], sk[o]);
-        if d | h | k == 0 {
-            continue;
-        }
-        let (dv, hv, kv) = (hd[o], hh[o], hk[o]);
         let w = lo + o;
+        let (dv, hv, kv) = (hd[o], hh[o], hk[o]);
         let left_device = d & !dv;
         let left_host = h & !hv;
         let done_disk = k & !kv;
@@ -388,22 +480,7 @@ fn step(i: f32, block_size: f32, out: &mut KvOverlaps, lo: usize, hi: usize) -> 
         let d = d & dv;
         sd[o] = d;
         if left_device != 0 {
-            if left_device & (left_device - 1) == 0 {
-                // One row leaves (the common case where each word holds one
-                // of the prompt's rows): two stores, no call.
-                let r = w * 64 + left_device.trailing_zeros() as usize;
-                device[r] = i;
-                cached[r] = i * block_size;
-            } else if (d | left_device) == u64::MAX && w * 64 + 64 <= full {
-                // Every row of the word was on device: the rows that stay
-                // get a value they overwrite when they leave, so the word
-                // is written whole, without masks.
-                device[w * 64..w * 64 + 64].fill(i);
-                cached[w * 64..w * 64 + 64].fill(i * block_size);
-            } else {
-                set_rows(device, left_device, w, i);
-                set_rows(cached, left_device, w, i * block_size);
-            }
+            leave_device(device, left_device, d, w, i);
         }
         if left_host | done_disk != 0 {
             *lower_tiers = true;
@@ -414,10 +491,29 @@ fn step(i: f32, block_size: f32, out: &mut KvOverlaps, lo: usize, hi: usize) -> 
         sk[o] = next_disk;
         if d | next_host | next_disk != 0 {
             new_lo = new_lo.min(w);
-            new_hi = new_hi.max(w + 1);
+            new_hi = w + 1;
         }
     }
     (new_lo, new_hi)
+}
+
+/// Writes block `i` as the device overlap of the rows of word `w` that
+/// leave the device stage (`left`; `stay` are the word's rows that remain
+/// in it).
+#[inline]
+fn leave_device(device: &mut [f32], left: u64, stay: u64, w: usize, i: f32) {
+    if left & (left - 1) == 0 {
+        // One row leaves (the common case where each word holds one of the
+        // prompt's rows): one store, no call.
+        device[w * 64 + left.trailing_zeros() as usize] = i;
+    } else if (stay | left) == u64::MAX && w * 64 + 64 <= device.len() {
+        // Every row of the word was on device: the rows that stay get a
+        // value they overwrite when they leave, so the word is written
+        // whole, without masks.
+        device[w * 64..w * 64 + 64].fill(i);
+    } else {
+        set_rows(device, left, w, i);
+    }
 }
 
 /// Blocks whose row sets a query looks up at once.

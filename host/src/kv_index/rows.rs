@@ -2,9 +2,10 @@
 //! holds it in: a short sorted list while few rows hold the block, one
 //! bitset per tier once the list would take more memory than the bitsets.
 //!
-//! The query walk ([`super::query`]) reads a set by loading it into three
-//! dense scratch masks (device, host, disk) over the words it still needs,
-//! and unloading it afterwards; nothing here allocates on that path.
+//! The query walk ([`super::query`]) reads a dense set's bitsets in place
+//! and a sparse set by loading it into three dense scratch masks (device,
+//! host, disk) over the words it still needs, unloading it afterwards;
+//! nothing here allocates on that path.
 
 /// Tier bits of a row entry.
 pub(crate) const DEVICE: u8 = 1;
@@ -193,6 +194,22 @@ impl RowSet {
                         mask[lo..end].copy_from_slice(&bits[t * words + lo..t * words + end]);
                     }
                 }
+            }
+        }
+    }
+
+    /// A dense set's device, host and disk bitsets (word 0 first, of one
+    /// length), for reading in place; `None` for a sparse set, which is
+    /// read by [`load`](Self::load).
+    #[inline]
+    pub(crate) fn dense_tiers(&self) -> Option<[&[u64]; 3]> {
+        match self {
+            RowSet::Sparse(_) => None,
+            RowSet::Dense(bits) => {
+                let words = bits.len() / 3;
+                let (device, rest) = bits.split_at(words);
+                let (host, disk) = rest.split_at(words);
+                Some([device, host, &disk[..words]])
             }
         }
     }

@@ -113,12 +113,15 @@ fn remove(
 fn query(fx: &mut Fx, local: &[u64]) -> Vec<(u32, u32, u32)> {
     let (epoch, ranks) = (fx.epoch, fx.ranks.clone());
     sync(fx, epoch, &ranks);
-    let rows = fx
-        .index
-        .overlaps_for_local_hashes(local, &mut fx.out)
-        .expect("synced")
-        .device_blocks
-        .len();
+    let block_size = fx.index.block_size() as f32;
+    let columns = fx.index.overlaps_for_local_hashes(local, &mut fx.out).expect("synced");
+    let (device, cached) = (columns.device_blocks, columns.cached_tokens.expect("written"));
+    // Every row's cached-token estimate is its device blocks' tokens,
+    // including the rows the last query gave a value and this one not.
+    for (row, (&d, &c)) in device.iter().zip(cached).enumerate() {
+        assert_eq!(c, d * block_size, "row {row}: cached tokens against {d} device blocks");
+    }
+    let rows = device.len();
     (0..rows).map(|r| fx.out.tiers(r)).collect()
 }
 
@@ -271,6 +274,38 @@ fn the_walk_hashes_nothing_past_the_first_block_no_row_holds() {
 /// 0..10, ranks 0..70 blocks 10..20 (ranks 0..3 of those in host memory
 /// after), ranks 0..5 blocks 20..30; the query has 30 blocks. Asked twice,
 /// so the second answer also shows the columns were cleared.
+/// A block whose rows turned dense while the fleet had two words of rows
+/// is read after the fleet grew to four: a new rank holding the block
+/// before it, in the words past the set's bitsets, leaves the device stage
+/// there (those words hold nothing of the block).
+#[test]
+fn rows_added_after_a_set_turned_dense_leave_at_it() {
+    let first: Vec<WorkerWithDpRank> = (0..100).map(|w| WorkerWithDpRank::new(w, 0)).collect();
+    let mut fx = index_on(&first);
+    let local: Vec<u64> = (500..503).collect();
+    let mut seq = Vec::new();
+    sequence_hashes_of(&local, &mut seq);
+    let run = |range: std::ops::Range<usize>| -> Vec<(u64, u64)> { range.map(|i| (seq[i], local[i])).collect() };
+    for &rank in &first {
+        store(&mut fx, rank, 0, Device, None, &run(0..3)).unwrap();
+    }
+    // The ranks take their rows (two words' worth) before the fleet grows.
+    sync(&mut fx, 1, &first);
+    let grown: Vec<WorkerWithDpRank> = (0..250).map(|w| WorkerWithDpRank::new(w, 0)).collect();
+    sync(&mut fx, 2, &grown);
+    store(&mut fx, grown[200], 0, Device, None, &run(0..1)).unwrap();
+    assert!(fx.blocks.get(&seq[1]).unwrap().is_dense(), "block 1's rows are dense");
+    let got = query(&mut fx, &local);
+    for (w, &g) in got.iter().enumerate() {
+        let want = match w {
+            0..100 => (3, 0, 0),
+            200 => (1, 0, 0),
+            _ => (0, 0, 0),
+        };
+        assert_eq!(g, want, "rank {w}");
+    }
+}
+
 #[test]
 fn whole_words_leave_the_device_stage_together() {
     let ranks: Vec<WorkerWithDpRank> = (0..200).map(|w| WorkerWithDpRank::new(w, 0)).collect();
