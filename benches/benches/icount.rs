@@ -29,6 +29,9 @@
 //!   hidden from the compiler as a router's is; the others build the
 //!   fixture's request for their mode. The `kv` cases send row-indexed
 //!   overlaps on every worker; `host_kv_keyed_t0` sends them keyed by worker.
+//! * `stream(n)`: a KV index holding every event of `vs_dynamo_index`'s
+//!   generated stream `n`; `index_stream_queries` runs its first 500
+//!   queries.
 //!
 //! Callgrind runs without cache simulation: only instruction counts are
 //! reported and budgeted.
@@ -649,10 +652,51 @@ fn host_kv_index_t0(mut f: Box<IndexFixture>) -> (WorkerWithDpRank, Box<IndexFix
     (worker, f)
 }
 
+/// The KV index's queries on a generated stream of `vs_dynamo_index`'s
+/// family (`benches/src/index_streams.rs`): `stream(0)` branching on 8
+/// workers, `stream(2)` on 1,000; every event applied in setup, as that
+/// bench builds the index. Measured: the stream's first 500 queries (1 to
+/// 160 blocks each, by local hashes), one output reused.
+struct StreamQueries {
+    index: selkie::kv_index::KvIndex,
+    queries: Vec<Vec<u64>>,
+    out: selkie::kv_index::KvOverlaps,
+}
+
+/// Queries a `StreamQueries` case runs.
+const STREAM_QUERIES: usize = 500;
+
+fn stream(which: usize) -> Box<StreamQueries> {
+    use selkie_benches::index_streams::{feed, Stream, FAMILY};
+    let stream = Stream::generate(&FAMILY[which]);
+    let service = stream.service(16);
+    let mut index = selkie::kv_index::KvIndex::new(16);
+    feed(&stream.index_events(), &mut index, Some(&service));
+    let mut out = selkie::kv_index::KvOverlaps::new();
+    let queries: Vec<Vec<u64>> = stream.queries.iter().take(STREAM_QUERIES).cloned().collect();
+    // One query first, so the columns are sized outside the measured call.
+    index
+        .overlaps_for_local_hashes(&queries[0], &mut out)
+        .expect("rows are synced");
+    Box::new(StreamQueries { index, queries, out })
+}
+
+#[library_benchmark]
+#[benches::streams(args = [0, 2], setup = stream, teardown = release)]
+fn index_stream_queries(mut f: Box<StreamQueries>) -> Box<StreamQueries> {
+    let StreamQueries { index, queries, out } = &mut *f;
+    for q in queries.iter() {
+        let columns = index.overlaps_for_local_hashes(q, out).expect("rows are synced");
+        black_box(columns.device_blocks.len());
+    }
+    f
+}
+
 library_benchmark_group!(
     name = host_group;
     benchmarks = host_random, host_round_robin, host_least_loaded, host_least_loaded_marked, host_power_of_two,
-        host_device_aware, host_prefix_hash, host_direct, host_kv_t0, host_kv_t07, host_kv_keyed_t0, host_kv_index_t0
+        host_device_aware, host_prefix_hash, host_direct, host_kv_t0, host_kv_t07, host_kv_keyed_t0, host_kv_index_t0,
+        index_stream_queries
 );
 
 main!(

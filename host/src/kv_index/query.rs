@@ -5,8 +5,8 @@
 //! device, continuing in host memory, continuing on disk, or done. The
 //! stages are three bitsets over rows; at block `i` the block's row set is
 //! read as three masks (rows holding it on device, host, disk: a dense set's
-//! own bitsets, a sparse set's rows loaded into scratch) and every 64 rows
-//! move at once:
+//! own bitsets, a sparse set's masks built word by word from its rows) and
+//! every 64 rows move at once:
 //!
 //! ```text
 //! device -> device   if held on device
@@ -41,6 +41,7 @@
 use super::block_rows::NONE;
 use super::event::KvQueryError;
 use super::hash::{next_sequence_hash, KvBlockHasher};
+use super::rows::DEVICE;
 use super::KvIndex;
 use crate::request::{RowLayout, RowOverlaps};
 
@@ -374,12 +375,7 @@ impl KvIndex {
                             (false, _) => (b_lo, b_hi),
                         }
                     }
-                    Some((set, None)) => {
-                        set.load(held, lo, hi);
-                        let span = step(at, out, held.each_ref().map(|h| &h[lo..hi]), lo, hi);
-                        set.unload(held, lo, hi);
-                        span
-                    }
+                    Some((set, None)) => step_sparse(at, out, set.sparse_entries(), lo, hi),
                     None => step(at, out, held.each_ref().map(|h| &h[lo..hi]), lo, hi),
                 };
                 if new_lo >= new_hi {
@@ -410,6 +406,53 @@ impl KvIndex {
 /// when none does).
 #[inline]
 fn step(i: f32, out: &mut KvOverlaps, held: [&[u64]; 3], lo: usize, hi: usize) -> (usize, usize) {
+    let n = hi.saturating_sub(lo);
+    let (hd, hh, hk) = (&held[0][..n], &held[1][..n], &held[2][..n]);
+    step_words(i, out, lo, hi, |o| [hd[o], hh[o], hk[o]])
+}
+
+/// [`step`] for a sparse set (`row << 3 | tiers`, by row), its masks built
+/// word by word from its entries as the step reaches each word: no scratch
+/// written and cleared.
+#[inline]
+fn step_sparse(i: f32, out: &mut KvOverlaps, entries: &[u32], lo: usize, hi: usize) -> (usize, usize) {
+    let mut e = entries.partition_point(|&x| ((x >> 3) as usize) < lo * 64);
+    step_words(i, out, lo, hi, |o| {
+        let w = lo + o;
+        let mut masks = [0u64; 3];
+        while let Some(&x) = entries.get(e) {
+            let row = (x >> 3) as usize;
+            if row / 64 > w {
+                break;
+            }
+            e += 1;
+            if row / 64 < w {
+                continue;
+            }
+            let bit = 1u64 << (row % 64);
+            if x & 7 == u32::from(DEVICE) {
+                // On device only: the common entry.
+                masks[0] |= bit;
+            } else {
+                for (t, mask) in masks.iter_mut().enumerate() {
+                    *mask |= bit & 0u64.wrapping_sub(u64::from((x >> t) & 1));
+                }
+            }
+        }
+        masks
+    })
+}
+
+/// The step over words `lo..hi`, with the block's device, host and disk
+/// masks of word `lo + o` from `held(o)` (called once per word, in order).
+#[inline]
+fn step_words(
+    i: f32,
+    out: &mut KvOverlaps,
+    lo: usize,
+    hi: usize,
+    mut held: impl FnMut(usize) -> [u64; 3],
+) -> (usize, usize) {
     let KvOverlaps {
         device,
         host,
@@ -420,12 +463,10 @@ fn step(i: f32, out: &mut KvOverlaps, held: [&[u64]; 3], lo: usize, hi: usize) -
         ..
     } = out;
     let [sd, sh, sk] = stage;
-    let [hd, hh, hk] = held;
     let (mut new_lo, mut new_hi) = (hi, lo);
-    // Six slices of one length, indexed alike: no bounds check inside.
+    // Three slices of one length, indexed alike: no bounds check inside.
     let n = hi.saturating_sub(lo);
     let (sd, sh, sk) = (&mut sd[lo..lo + n], &mut sh[lo..lo + n], &mut sk[lo..lo + n]);
-    let (hd, hh, hk) = (&hd[..n], &hh[..n], &hk[..n]);
     if !*lower_stage {
         // Every row still in a stage is on device (the common case: host
         // and disk tiers are rare). Most words lose no row at a block: a
@@ -433,7 +474,8 @@ fn step(i: f32, out: &mut KvOverlaps, held: [&[u64]; 3], lo: usize, hi: usize) -
         // the device stage read the block's lower tiers.
         let mut moved = false;
         for o in 0..n {
-            let (d, dv) = (sd[o], hd[o]);
+            let [dv, hv, kv] = held(o);
+            let d = sd[o];
             let left_device = d & !dv;
             if left_device == 0 {
                 continue;
@@ -442,7 +484,6 @@ fn step(i: f32, out: &mut KvOverlaps, held: [&[u64]; 3], lo: usize, hi: usize) -
             let w = lo + o;
             sd[o] = d & dv;
             leave_device(device, left_device, d & dv, w, i);
-            let (hv, kv) = (hh[o], hk[o]);
             let (next_host, next_disk) = (left_device & hv, left_device & !hv & kv);
             if next_host | next_disk != 0 {
                 sh[o] = next_host;
@@ -469,9 +510,12 @@ fn step(i: f32, out: &mut KvOverlaps, held: [&[u64]; 3], lo: usize, hi: usize) -
         };
     }
     for o in 0..n {
+        let [dv, hv, kv] = held(o);
         let (d, h, k) = (sd[o], sh[o], sk[o]);
+        if d | h | k == 0 {
+            continue;
+        }
         let w = lo + o;
-        let (dv, hv, kv) = (hd[o], hh[o], hk[o]);
         let left_device = d & !dv;
         let left_host = h & !hv;
         let done_disk = k & !kv;

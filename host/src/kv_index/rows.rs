@@ -3,9 +3,9 @@
 //! bitset per tier once the list would take more memory than the bitsets.
 //!
 //! The query walk ([`super::query`]) reads a dense set's bitsets in place
-//! and a sparse set by loading it into three dense scratch masks (device,
-//! host, disk) over the words it still needs, unloading it afterwards;
-//! nothing here allocates on that path.
+//! and a sparse set's entries as they are; its first block's set is loaded
+//! into three dense scratch masks (device, host, disk) and unloaded after.
+//! Nothing here allocates on that path.
 
 /// Tier bits of a row entry.
 pub(crate) const DEVICE: u8 = 1;
@@ -211,6 +211,16 @@ impl RowSet {
                 let (host, disk) = rest.split_at(words);
                 Some([device, host, &disk[..words]])
             }
+        }
+    }
+
+    /// A sparse set's entries, `row << 3 | tiers` by row (empty for a
+    /// dense set, which [`dense_tiers`](Self::dense_tiers) reads).
+    #[inline]
+    pub(crate) fn sparse_entries(&self) -> &[u32] {
+        match self {
+            RowSet::Sparse(list) => list,
+            RowSet::Dense(_) => &[],
         }
     }
 
