@@ -66,6 +66,14 @@ fn sync(fx: &mut Fx, epoch: u64, ranks: &[WorkerWithDpRank]) {
         .unwrap();
 }
 
+/// One request's chain: its local hashes `locals` and their sequence hashes.
+fn chain_of(locals: std::ops::Range<u64>) -> (Vec<u64>, Vec<u64>) {
+    let local: Vec<u64> = locals.collect();
+    let mut seq = Vec::new();
+    sequence_hashes_of(&local, &mut seq);
+    (local, seq)
+}
+
 /// Blocks `(engine hash, local hash)`.
 fn blocks(pairs: &[(u64, u64)]) -> Vec<StoredBlock> {
     pairs
@@ -269,11 +277,6 @@ fn the_walk_hashes_nothing_past_the_first_block_no_row_holds() {
     assert_eq!(index.hashes_walked(&other, &mut out), 6);
 }
 
-/// A fleet wider than a mask word, where whole words leave the device
-/// stage at once while some of their rows go on: 200 ranks hold blocks
-/// 0..10, ranks 0..70 blocks 10..20 (ranks 0..3 of those in host memory
-/// after), ranks 0..5 blocks 20..30; the query has 30 blocks. Asked twice,
-/// so the second answer also shows the columns were cleared.
 /// A block whose rows turned dense while the fleet had two words of rows
 /// is read after the fleet grew to four: a new rank holding the block
 /// before it, in the words past the set's bitsets, leaves the device stage
@@ -282,9 +285,7 @@ fn the_walk_hashes_nothing_past_the_first_block_no_row_holds() {
 fn rows_added_after_a_set_turned_dense_leave_at_it() {
     let first: Vec<WorkerWithDpRank> = (0..100).map(|w| WorkerWithDpRank::new(w, 0)).collect();
     let mut fx = index_on(&first);
-    let local: Vec<u64> = (500..503).collect();
-    let mut seq = Vec::new();
-    sequence_hashes_of(&local, &mut seq);
+    let (local, seq) = chain_of(500..503);
     let run = |range: std::ops::Range<usize>| -> Vec<(u64, u64)> { range.map(|i| (seq[i], local[i])).collect() };
     for &rank in &first {
         store(&mut fx, rank, 0, Device, None, &run(0..3)).unwrap();
@@ -306,13 +307,16 @@ fn rows_added_after_a_set_turned_dense_leave_at_it() {
     }
 }
 
+/// A fleet wider than a mask word, where whole words leave the device
+/// stage at once while some of their rows go on: 200 ranks hold blocks
+/// 0..10, ranks 0..70 blocks 10..20 (ranks 0..3 of those in host memory
+/// after), ranks 0..5 blocks 20..30; the query has 30 blocks. Asked twice,
+/// so the second answer also shows the columns were cleared.
 #[test]
 fn whole_words_leave_the_device_stage_together() {
     let ranks: Vec<WorkerWithDpRank> = (0..200).map(|w| WorkerWithDpRank::new(w, 0)).collect();
     let mut fx = index_on(&ranks);
-    let local: Vec<u64> = (1000..1030).collect();
-    let mut seq = Vec::new();
-    sequence_hashes_of(&local, &mut seq);
+    let (local, seq) = chain_of(1000..1030);
     let run = |range: std::ops::Range<usize>| -> Vec<(u64, u64)> { range.map(|i| (seq[i], local[i])).collect() };
     for (w, &rank) in ranks.iter().enumerate() {
         let mut id = 0;
