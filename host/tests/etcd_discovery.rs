@@ -135,7 +135,7 @@ fn refresh_until(
 #[test]
 fn an_unreachable_etcd_is_a_typed_error_naming_it() {
     // Needs no server: a loopback port nothing listens on.
-    let dead = [format!("http://127.0.0.1:{}", servers::free_port())];
+    let dead = [format!("http://127.0.0.1:{}", servers::ports::free_port())];
     let options = EtcdOptions::default().with_timeout(Duration::from_millis(300));
     let started = Instant::now();
     let e = EtcdDiscovery::connect_with(&dead, "/w/", options.clone())
@@ -487,7 +487,7 @@ impl OwnEtcd {
         Some(OwnEtcd {
             bin,
             dir,
-            peer_port: servers::free_port(),
+            peer_port: servers::ports::free_port(),
             child: None,
         })
     }
@@ -556,7 +556,7 @@ fn the_watch_resumes_after_a_restart_without_losing_or_doubling_changes() {
     // The source watches port `a`; the changes it must not miss are made
     // while the server listens on `b` only, so they are history when it
     // comes back.
-    let (a, b) = (servers::free_port(), servers::free_port());
+    let (a, b) = (servers::ports::free_port(), servers::ports::free_port());
     let endpoints = etcd.start(a);
     let prefix = "/workers/";
     let mut raw = Raw::connect(&endpoints);

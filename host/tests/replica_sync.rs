@@ -52,7 +52,7 @@ const LONG: Duration = Duration::from_secs(10);
 #[test]
 fn an_unreachable_server_is_a_typed_error_naming_it() {
     // A loopback port nobody listens on (bound, then released).
-    let port = servers::free_port();
+    let port = servers::ports::free_port();
     let url = format!("nats://127.0.0.1:{port}");
     let options = ReplicaSyncOptions::default().with_connect_timeout(Duration::from_secs(2));
     let err = ReplicaSync::connect(&url, options).unwrap_err();
@@ -94,7 +94,7 @@ fn an_unreachable_server_is_a_typed_error_naming_it() {
 fn out_of_range_options_are_refused_naming_the_option_and_its_bound() {
     // Nobody listens there: an option that passed validation would be
     // refused as `Unavailable` instead.
-    let url = format!("nats://127.0.0.1:{}", servers::free_port());
+    let url = format!("nats://127.0.0.1:{}", servers::ports::free_port());
     let base = || ReplicaSyncOptions::default().with_connect_timeout(Duration::from_millis(200));
     let cases: Vec<(&str, ReplicaSyncOptions, &str)> = vec![
         (

@@ -11,6 +11,7 @@ mod support;
 use bytes::Bytes;
 use selkie::router::kv_events::KvEventsSpec;
 use selkie::router::PolicySpec;
+use support::ports::free_port;
 use support::stub_engine::{StubConfig, StubEngine};
 use support::{eventually, post, router, scrape, url};
 use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
@@ -20,14 +21,6 @@ const SEQ1: &[u8] = include_bytes!("fixtures/vllm-0.32/seq-1.msgpack");
 const SEQ2: &[u8] = include_bytes!("fixtures/vllm-0.32/seq-2.msgpack");
 const SEQ14: &[u8] = include_bytes!("fixtures/vllm-0.32/seq-14.msgpack");
 const SEQ16: &[u8] = include_bytes!("fixtures/vllm-0.32/seq-16.msgpack");
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
 
 fn message(frames: Vec<Vec<u8>>) -> ZmqMessage {
     ZmqMessage::try_from(frames.into_iter().map(Bytes::from).collect::<Vec<_>>()).unwrap()

@@ -27,11 +27,9 @@ cleanup() {
   rm -rf "$dir"
 }
 trap cleanup EXIT
-read -r p1 p2 p3 p4 p5 < <(python3 -c '
-import socket
-s = [socket.socket() for _ in range(5)]
-for x in s: x.bind(("127.0.0.1", 0))
-print(*(x.getsockname()[1] for x in s))')
+# Ports from below the ephemeral range (see free_ports), so that no
+# outgoing connection takes one before the servers bind it.
+read -r p1 p2 p3 p4 p5 < <(PYTHONPATH=host/tests/engines python3 -c 'import engines; print(*engines.free_ports(5))')
 "$target/debug/examples/stub_engine" --write-tokenizer "$dir" >/dev/null
 "$target/debug/examples/stub_engine" --listen "127.0.0.1:$p1" --listen "127.0.0.1:$p2" >"$dir/engines.log" 2>&1 &
 pids+=($!)

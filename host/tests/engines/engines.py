@@ -11,6 +11,7 @@ response's `usage.prompt_tokens_details.cached_tokens`.
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -43,12 +44,29 @@ CONFIG = {
 
 
 def free_ports(n):
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
+    """`n` distinct loopback ports free now, for servers started next.
+
+    They come from below the kernel's ephemeral range: a port taken from
+    inside it (by binding port 0) can be handed to some process's outgoing
+    connection between this check and the server's own bind."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral_low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32768
+    low, high = 10000, max(ephemeral_low, 10000 + 4 * n)
+    rng = random.Random()
+    ports = []
+    while len(ports) < n:
+        port = rng.randrange(low, high)
+        if port in ports:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        ports.append(port)
     return ports
 
 

@@ -10,6 +10,9 @@
 
 pub mod secured;
 
+#[path = "../support/ports.rs"]
+pub mod ports;
+
 use std::io::Write;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -67,15 +70,6 @@ pub fn wait_until(what: &str, limit: Duration, mut done: impl FnMut() -> bool) {
     }
 }
 
-/// A loopback port nothing listens on now.
-pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 /// The server binary: the path in the environment variable `var`, else
 /// `name` on the `PATH`; `None` if neither is there.
 pub fn server_binary(var: &str, name: &str) -> Option<PathBuf> {
@@ -100,7 +94,7 @@ impl OwnNats {
         let bin = server_binary("SELKIE_NATS_BIN", "nats-server")?;
         Some(OwnNats {
             bin,
-            port: free_port(),
+            port: ports::free_port(),
             child: None,
         })
     }

@@ -219,7 +219,7 @@ pub fn nats_binary(test: &str) -> Option<PathBuf> {
 /// the `listen` line, which this adds) on a free loopback port, and waits
 /// until it accepts connections.
 pub fn start_nats(bin: &Path, dir: &TestDir, config: &str) -> OwnServer {
-    let port = super::free_port();
+    let port = super::ports::free_port();
     let conf = dir.write("nats.conf", format!("listen: \"127.0.0.1:{port}\"\n{config}\n"));
     let log = dir.join("nats.log");
     let mut child = Command::new(bin)
@@ -246,8 +246,8 @@ pub fn etcd_binary(test: &str) -> Option<PathBuf> {
 /// until it serves client requests. Returns the server and its
 /// client endpoint.
 pub fn start_etcd(bin: &Path, dir: &TestDir, scheme: &str, args: &[&str]) -> (OwnServer, String) {
-    let port = super::free_port();
-    let peer_port = super::free_port();
+    let port = super::ports::free_port();
+    let peer_port = super::ports::free_port();
     let client = format!("{scheme}://127.0.0.1:{port}");
     let peer = format!("http://127.0.0.1:{peer_port}");
     let log = dir.join("etcd.log");

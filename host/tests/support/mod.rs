@@ -3,6 +3,7 @@
 //! a chat template built in code.
 #![allow(dead_code)]
 
+pub mod ports;
 pub mod stub_engine;
 
 use std::collections::BTreeMap;
