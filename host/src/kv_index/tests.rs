@@ -66,12 +66,26 @@ fn sync(fx: &mut Fx, epoch: u64, ranks: &[WorkerWithDpRank]) {
         .unwrap();
 }
 
-/// One request's chain: its local hashes `locals` and their sequence hashes.
-fn chain_of(locals: std::ops::Range<u64>) -> (Vec<u64>, Vec<u64>) {
-    let local: Vec<u64> = locals.collect();
+/// One request's chain: its local hashes and their sequence hashes.
+struct Chain {
+    local: Vec<u64>,
+    seq: Vec<u64>,
+}
+
+impl Chain {
+    /// Blocks `range` of the chain as `(engine hash, local hash)` pairs,
+    /// the engine hash being the sequence hash.
+    fn blocks(&self, range: std::ops::Range<usize>) -> Vec<(u64, u64)> {
+        range.map(|i| (self.seq[i], self.local[i])).collect()
+    }
+}
+
+/// The chain of local hashes `locals`.
+fn chain_of(locals: impl IntoIterator<Item = u64>) -> Chain {
+    let local: Vec<u64> = locals.into_iter().collect();
     let mut seq = Vec::new();
     sequence_hashes_of(&local, &mut seq);
-    (local, seq)
+    Chain { local, seq }
 }
 
 /// Blocks `(engine hash, local hash)`.
@@ -285,18 +299,20 @@ fn the_walk_hashes_nothing_past_the_first_block_no_row_holds() {
 fn rows_added_after_a_set_turned_dense_leave_at_it() {
     let first: Vec<WorkerWithDpRank> = (0..100).map(|w| WorkerWithDpRank::new(w, 0)).collect();
     let mut fx = index_on(&first);
-    let (local, seq) = chain_of(500..503);
-    let run = |range: std::ops::Range<usize>| -> Vec<(u64, u64)> { range.map(|i| (seq[i], local[i])).collect() };
+    let chain = chain_of(500..503);
     for &rank in &first {
-        store(&mut fx, rank, 0, Device, None, &run(0..3)).unwrap();
+        store(&mut fx, rank, 0, Device, None, &chain.blocks(0..3)).unwrap();
     }
     // The ranks take their rows (two words' worth) before the fleet grows.
     sync(&mut fx, 1, &first);
     let grown: Vec<WorkerWithDpRank> = (0..250).map(|w| WorkerWithDpRank::new(w, 0)).collect();
     sync(&mut fx, 2, &grown);
-    store(&mut fx, grown[200], 0, Device, None, &run(0..1)).unwrap();
-    assert!(fx.blocks.get(&seq[1]).unwrap().is_dense(), "block 1's rows are dense");
-    let got = query(&mut fx, &local);
+    store(&mut fx, grown[200], 0, Device, None, &chain.blocks(0..1)).unwrap();
+    assert!(
+        fx.blocks.get(&chain.seq[1]).unwrap().is_dense(),
+        "block 1's rows are dense"
+    );
+    let got = query(&mut fx, &chain.local);
     for (w, &g) in got.iter().enumerate() {
         let want = match w {
             0..100 => (3, 0, 0),
@@ -316,23 +332,22 @@ fn rows_added_after_a_set_turned_dense_leave_at_it() {
 fn whole_words_leave_the_device_stage_together() {
     let ranks: Vec<WorkerWithDpRank> = (0..200).map(|w| WorkerWithDpRank::new(w, 0)).collect();
     let mut fx = index_on(&ranks);
-    let (local, seq) = chain_of(1000..1030);
-    let run = |range: std::ops::Range<usize>| -> Vec<(u64, u64)> { range.map(|i| (seq[i], local[i])).collect() };
+    let chain = chain_of(1000..1030);
     for (w, &rank) in ranks.iter().enumerate() {
         let mut id = 0;
         let mut put = |fx: &mut Fx, tier, parent: Option<u64>, r: std::ops::Range<usize>| {
-            store(fx, rank, id, tier, parent, &run(r)).unwrap();
+            store(fx, rank, id, tier, parent, &chain.blocks(r)).unwrap();
             id += 1;
         };
         put(&mut fx, Device, None, 0..10);
         if w < 70 {
-            put(&mut fx, Device, Some(seq[9]), 10..20);
+            put(&mut fx, Device, Some(chain.seq[9]), 10..20);
         }
         if w < 3 {
-            put(&mut fx, Host, Some(seq[19]), 20..24);
+            put(&mut fx, Host, Some(chain.seq[19]), 20..24);
         }
         if (3..5).contains(&w) {
-            put(&mut fx, Device, Some(seq[19]), 20..30);
+            put(&mut fx, Device, Some(chain.seq[19]), 20..30);
         }
     }
     let expected = |w: usize| match w {
@@ -342,7 +357,7 @@ fn whole_words_leave_the_device_stage_together() {
         _ => (10, 0, 0),
     };
     for _ in 0..2 {
-        let got = query(&mut fx, &local);
+        let got = query(&mut fx, &chain.local);
         for (w, &g) in got.iter().enumerate() {
             assert_eq!(g, expected(w), "rank {w}");
         }
@@ -352,7 +367,7 @@ fn whole_words_leave_the_device_stage_together() {
         }
     }
     // A query scoring only the first rows leaves nothing of the last.
-    let got = query(&mut fx, &local[..1]);
+    let got = query(&mut fx, &chain.local[..1]);
     assert!(got.iter().all(|&g| g == (1, 0, 0)));
 }
 
@@ -1309,9 +1324,7 @@ fn the_coldest_blocks_are_evicted_past_the_bound() {
 fn rows_leaving_in_bulk_keep_their_own_depths() {
     let ranks: Vec<WorkerWithDpRank> = (0..200).map(|id| WorkerWithDpRank::new(id, 0)).collect();
     let mut fx = index_on(&ranks);
-    let local: Vec<u64> = (0..10).map(|i| 0xB0_0000 + i).collect();
-    let mut seq = Vec::new();
-    sequence_hashes_of(&local, &mut seq);
+    let chain = chain_of((0..10).map(|i| 0xB0_0000 + i));
     let depth = |row: usize| -> usize {
         match row {
             0..=2 => 10,
@@ -1322,12 +1335,12 @@ fn rows_leaving_in_bulk_keep_their_own_depths() {
         }
     };
     for (row, &rank) in ranks.iter().enumerate() {
-        let pairs: Vec<(u64, u64)> = (0..depth(row)).map(|i| (seq[i], local[i])).collect();
+        let pairs = chain.blocks(0..depth(row));
         if !pairs.is_empty() {
             store(&mut fx, rank, 0, Device, None, &pairs).expect("a first run");
         }
     }
-    let got = query(&mut fx, &local);
+    let got = query(&mut fx, &chain.local);
     for (row, &(device, host, disk)) in got.iter().enumerate() {
         assert_eq!((device, host, disk), (depth(row) as u32, 0, 0), "row {row}");
         assert_eq!(
