@@ -43,8 +43,12 @@ CONFIG = {
 }
 
 
+_GIVEN = set()  # the ports free_ports handed out in this process
+
+
 def free_ports(n):
-    """`n` distinct loopback ports free now, for servers started next.
+    """`n` distinct loopback ports free now, for servers started next, none
+    handed out before by this process.
 
     They come from below the kernel's ephemeral range: a port taken from
     inside it (by binding port 0) can be handed to some process's outgoing
@@ -54,12 +58,14 @@ def free_ports(n):
             ephemeral_low = int(f.read().split()[0])
     except (OSError, ValueError, IndexError):
         ephemeral_low = 32768
-    low, high = 10000, max(ephemeral_low, 10000 + 4 * n)
+    low, high = 10000, max(ephemeral_low, 20000)
     rng = random.Random()
     ports = []
-    while len(ports) < n:
+    for _ in range(10000):
+        if len(ports) == n:
+            return ports
         port = rng.randrange(low, high)
-        if port in ports:
+        if port in _GIVEN:
             continue
         with socket.socket() as s:
             try:
@@ -67,7 +73,10 @@ def free_ports(n):
             except OSError:
                 continue
         ports.append(port)
-    return ports
+        _GIVEN.add(port)
+    if len(ports) == n:
+        return ports
+    raise RuntimeError(f"fewer than {n} free loopback ports in {low}..{high} after 10,000 tries")
 
 
 def write_model(directory):
