@@ -63,7 +63,7 @@ def free_ports(n):
     ports = []
     for _ in range(10000):
         if len(ports) == n:
-            return ports
+            break
         port = rng.randrange(low, high)
         if port in _GIVEN:
             continue
@@ -74,9 +74,9 @@ def free_ports(n):
                 continue
         ports.append(port)
         _GIVEN.add(port)
-    if len(ports) == n:
-        return ports
-    raise RuntimeError(f"fewer than {n} free loopback ports in {low}..{high} after 10,000 tries")
+    if len(ports) < n:
+        raise RuntimeError(f"fewer than {n} free loopback ports in {low}..{high} after 10,000 tries")
+    return ports
 
 
 def write_model(directory):

@@ -7,7 +7,7 @@
 //! port before the server binds it. These come from below that range, at
 //! random, each one handed out once per process.
 
-use std::collections::HashSet;
+use std::collections::BTreeSet;
 use std::hash::{BuildHasher, RandomState};
 use std::net::TcpListener;
 use std::sync::Mutex;
@@ -15,7 +15,7 @@ use std::sync::Mutex;
 /// A loopback port nothing listens on now, below the ephemeral range and
 /// not handed out before by this process.
 pub fn free_port() -> u16 {
-    static GIVEN: Mutex<Option<HashSet<u16>>> = Mutex::new(None);
+    static GIVEN: Mutex<BTreeSet<u16>> = Mutex::new(BTreeSet::new());
     let ephemeral_low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
         .ok()
         .and_then(|r| r.split_whitespace().next()?.parse::<u16>().ok())
@@ -23,7 +23,6 @@ pub fn free_port() -> u16 {
     let (low, high) = (10_000u16, ephemeral_low.max(20_000));
     let random = RandomState::new();
     let mut given = GIVEN.lock().unwrap_or_else(|e| e.into_inner());
-    let given = given.get_or_insert_with(HashSet::new);
     for attempt in 0u64..10_000 {
         let port = low + (random.hash_one(attempt) % u64::from(high - low)) as u16;
         if given.contains(&port) || TcpListener::bind(("127.0.0.1", port)).is_err() {
